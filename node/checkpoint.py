@@ -1,0 +1,152 @@
+"""Crash-safe checkpoints: tensors in safetensors, everything else in JSON, never a pickle.
+
+A checkpoint is a directory ``RUN_DIR/checkpoints/step-<S>/`` with
+
+- ``tensors.safetensors``: every tensor of the node's state, keyed by its path in the state tree
+  (``model/layers.0.attention.wq.weight``, ``inner_optimizer/state/3/exp_avg`` …);
+- ``state.json``: the rest of the tree with ``{"__tensor__": key}`` where a tensor stood, plus
+  ``meta`` (round, step, param_hash …).
+
+Atomicity: both files are written into ``step-<S>.tmp-<pid>``, fsynced, and the directory is renamed
+into place (``rename`` is atomic on POSIX); then ``LATEST`` is replaced atomically with the new
+name. A crash at any point leaves the previous ``LATEST`` and the checkpoint it names intact;
+half-written ``.tmp-*`` directories are removed at the next save. Loading reads ``LATEST`` and
+verifies that every referenced tensor is present.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+TENSOR_TAG = "__tensor__"
+TUPLE_TAG = "__tuple__"
+
+
+def split_state(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor in a nested dict/list tree by a reference; return (json_tree, tensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def visit(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node.detach().to("cpu").contiguous()
+            return {TENSOR_TAG: path}
+        if isinstance(node, dict):
+            return {"__dict__": [[key, visit(value, f"{path}/{key}")] for key, value in node.items()]}
+        if isinstance(node, tuple):
+            return {TUPLE_TAG: [visit(value, f"{path}/{i}") for i, value in enumerate(node)]}
+        if isinstance(node, list):
+            return [visit(value, f"{path}/{i}") for i, value in enumerate(node)]
+        if node is None or isinstance(node, bool | int | float | str):
+            return node
+        raise TypeError(f"cannot checkpoint a {type(node).__name__} at {path or '/'}")
+
+    return visit(tree, prefix), tensors
+
+
+def join_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_state`."""
+    if isinstance(tree, dict):
+        if TENSOR_TAG in tree:
+            key = tree[TENSOR_TAG]
+            if key not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {key}")
+            return tensors[key]
+        if TUPLE_TAG in tree:
+            return tuple(join_state(value, tensors) for value in tree[TUPLE_TAG])
+        # Dict keys may be ints (optimizer state is keyed by parameter index): JSON keeps them typed
+        # because items are stored as [key, value] pairs.
+        return {key: join_state(value, tensors) for key, value in tree["__dict__"]}
+    if isinstance(tree, list):
+        return [join_state(value, tensors) for value in tree]
+    return tree
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def save_checkpoint(root: Path, name: str, state: dict[str, Any], meta: dict[str, Any], *, keep: int) -> Path:
+    """Write ``state`` atomically as checkpoint ``name`` under ``root`` and point LATEST at it."""
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob("*.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    final = root / name
+    if (final / "state.json").is_file():
+        # Checkpoints are named by inner step: the same name means the same state, already on disk.
+        _point_latest(root, name)
+        return final
+    json_tree, tensors = split_state(state)
+    # safetensors refuses tensors that share storage; clone the (rare) aliases.
+    seen: set[int] = set()
+    for key, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen and tensor.numel():
+            tensors[key] = tensor.clone()
+        seen.add(pointer)
+    tmp = root / f"{name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "tensors.safetensors"))
+    with open(tmp / "tensors.safetensors", "rb+") as handle:
+        os.fsync(handle.fileno())
+    _write_durable(tmp / "state.json", json.dumps({"meta": meta, "state": json_tree}).encode())
+    _fsync_dir(tmp)
+    if final.exists():  # an incomplete directory of that name (no state.json): never LATEST
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _point_latest(root, name)
+    _prune(root, keep=keep, current=name)
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    latest_tmp = root / f"{LATEST}.tmp-{os.getpid()}"
+    _write_durable(latest_tmp, name.encode())
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, *, keep: int, current: str) -> None:
+    complete = sorted(
+        (p for p in root.iterdir() if p.is_dir() and ".tmp-" not in p.name and (p / "state.json").exists()),
+        key=lambda p: p.name,  # names embed the zero-padded step: name order is age order
+    )
+    for old in complete[:-keep]:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "state.json").is_file() else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return (state, meta) of the checkpoint directory ``path``."""
+    document = json.loads((path / "state.json").read_text())
+    tensors = load_file(str(path / "tensors.safetensors"))
+    return join_state(document["state"], tensors), document["meta"]

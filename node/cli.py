@@ -1,0 +1,119 @@
+"""The ``dtnode`` command line.
+
+``dtnode join`` starts a node. One flag per :class:`~node.config.NodeConfig` field is generated from
+the dataclass, so ``--help`` documents every setting; a flag given on the command line wins over
+``DTNODE_*`` environment variables, which win over ``--config node.toml``, which wins over defaults.
+
+User mistakes end with one line on stderr and exit code 2; SIGINT/SIGTERM stop the node after the
+current inner step, with a checkpoint, and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import MISSING, fields
+from typing import Any, NoReturn
+
+from node import __version__
+from node.config import ConfigError, NodeConfig, field_types, load_config
+
+log = logging.getLogger("dtnode")
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; a user mistake here is one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; absent flags stay absent (SUPPRESS) so lower layers show through."""
+    types = field_types()
+    for f in fields(NodeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env DTNODE_{f.name.upper()}]"
+        kind = types[f.name]
+        if kind is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=help_text,
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="dtnode", description="Decentralized low-bandwidth training node (DiLoCo).")
+    parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    join = commands.add_parser(
+        "join",
+        help="start a node and train",
+        description="Start a node. Settings: flag > DTNODE_* env > --config TOML > default.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    join.add_argument(
+        "--config", dest="config_file", default=None, help="TOML file of settings (env DTNODE_CONFIG)"
+    )
+    add_config_flags(join)
+    return parser
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
+    )
+
+
+def run_join(args: argparse.Namespace) -> int:
+    flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
+    config = load_config(config_file=args.config_file, flags=flags)
+    log.info("config: %s", " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)))
+    # Imported late: torch is slow to import and --help / config errors should be instant.
+    from node.trainer import Trainer
+
+    trainer = Trainer(config)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("received %s: finishing the current step", signal.Signals(signum).name)
+        trainer.request_stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    trainer.run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        if args.command == "join":
+            return run_join(args)
+    except ConfigError as error:
+        print(f"dtnode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    parser.error(f"unknown command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The node's configuration: one frozen dataclass, resolved from four layers.
+
+Precedence, highest first: command-line flag > ``DTNODE_*`` environment variable > TOML file
+(``--config node.toml`` or ``DTNODE_CONFIG``) > the defaults below. Every field carries its help
+string in ``metadata["help"]``; the CLI builds one flag per field from it, so ``dtnode join --help``
+documents every setting and nothing can be set in one layer but not in another.
+
+A user mistake (unknown key, impossible value, missing file) raises :class:`ConfigError`, which the
+CLI turns into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "DTNODE_"
+# Environment variables with the prefix that are not config fields.
+RESERVED_ENV = frozenset({"DTNODE_CONFIG"})
+
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: reported in one line, exit code 2."""
+
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything one node needs to train; see each field's ``help``."""
+
+    # --- run ---
+    name: str = field(default="dtnode", metadata=_help("Run name; the default run dir is runs/<name>."))
+    run_dir: str = field(
+        default="",
+        metadata=_help("Run directory (config, metrics.jsonl, checkpoints). Empty means runs/<name>."),
+    )
+    max_rounds: int = field(
+        default=0,
+        metadata=_help("Stop after outer round R, counted over the whole run (0 = train until stopped)."),
+    )
+    max_steps: int = field(
+        default=0,
+        metadata=_help("Stop after inner step S, counted over the whole run (0 = no limit)."),
+    )
+    seed: int = field(default=0, metadata=_help("Seed of the model initialisation and of torch's RNG."))
+    device: str = field(default="auto", metadata=_help("Device: auto (cuda if available), cpu or cuda."))
+    threads: int = field(default=0, metadata=_help("torch intra-op threads (0 = torch's default)."))
+    log_every: int = field(default=10, metadata=_help("Print a progress line every N inner steps."))
+
+    # --- model ---
+    model: str = field(
+        default="tiny",
+        metadata=_help("Model preset: nano (~1M), tiny (~10M), small (~50M), 350m, 1b, 7b."),
+    )
+    seq_len: int = field(default=0, metadata=_help("Context length in tokens (0 = the preset's)."))
+
+    # --- data ---
+    data: str = field(
+        default="",
+        metadata=_help(
+            "Training data: a text file, a folder of text files or a uint16 .bin of token ids. "
+            "Empty means the embedded corpus: this Python's standard library sources."
+        ),
+    )
+    val_fraction: float = field(default=0.01, metadata=_help("Fraction of the corpus held out for eval."))
+    data_seed: int = field(default=0, metadata=_help("Seed of the data order (shared by the whole swarm)."))
+    shard_index: int = field(default=0, metadata=_help("This node's data shard (0-based)."))
+    num_shards: int = field(default=1, metadata=_help("Number of data shards the corpus is split into."))
+    batch_size: int = field(default=16, metadata=_help("Sequences per inner step."))
+    eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after each round."))
+
+    # --- inner optimizer (AdamW) ---
+    inner_steps: int = field(default=50, metadata=_help("H: inner AdamW steps between outer rounds."))
+    inner_lr: float = field(default=1e-3, metadata=_help("Peak inner AdamW learning rate."))
+    weight_decay: float = field(default=0.1, metadata=_help("Inner AdamW weight decay."))
+    beta1: float = field(default=0.9, metadata=_help("Inner AdamW beta1."))
+    beta2: float = field(default=0.95, metadata=_help("Inner AdamW beta2."))
+    grad_clip: float = field(default=1.0, metadata=_help("Clip the gradient norm to this (0 = off)."))
+    lr_schedule: str = field(
+        default="cosine",
+        metadata=_help("Inner LR schedule after warmup: cosine, wsd (warmup-stable-decay) or constant."),
+    )
+    warmup_steps: int = field(default=50, metadata=_help("Linear LR warmup steps."))
+    total_steps: int = field(
+        default=0,
+        metadata=_help(
+            "Schedule horizon in inner steps (0 = max_steps, else max_rounds x inner_steps, "
+            "else constant after warmup)."
+        ),
+    )
+    min_lr_ratio: float = field(default=0.1, metadata=_help("Final LR as a fraction of the peak."))
+    wsd_decay_fraction: float = field(
+        default=0.2, metadata=_help("wsd: fraction of the horizon spent decaying.")
+    )
+
+    # --- outer optimizer (Nesterov SGD) ---
+    outer_lr: float = field(default=0.7, metadata=_help("Outer Nesterov SGD learning rate."))
+    outer_momentum: float = field(default=0.9, metadata=_help("Outer Nesterov SGD momentum."))
+    outer_nesterov: bool = field(default=True, metadata=_help("Use Nesterov momentum in the outer step."))
+    outer_offload: bool = field(
+        default=False,
+        metadata=_help("Keep the outer state (global params, momentum) on CPU instead of the device."),
+    )
+
+    # --- checkpoints ---
+    checkpoint_every: int = field(
+        default=1, metadata=_help("Checkpoint every N outer rounds (0 = only at exit).")
+    )
+    keep_checkpoints: int = field(default=2, metadata=_help("How many complete checkpoints to keep."))
+
+    def __post_init__(self) -> None:
+        positive = (
+            "batch_size",
+            "inner_steps",
+            "eval_batches",
+            "num_shards",
+            "log_every",
+            "keep_checkpoints",
+        )
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        non_negative = (
+            "max_rounds", "max_steps", "seed", "threads", "seq_len", "data_seed", "warmup_steps",
+            "total_steps", "checkpoint_every", "grad_clip", "weight_decay",
+        )  # fmt: skip
+        for key in non_negative:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(
+                f"shard_index must be in [0, num_shards={self.num_shards}), got {self.shard_index}"
+            )
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        for key in ("inner_lr", "outer_lr"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
+        for key in ("beta1", "beta2", "outer_momentum"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            raise ConfigError(f"wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.data and not Path(self.data).exists():
+            raise ConfigError(f"data path does not exist: {self.data}")
+        # Import here: the model module is heavy and config must stay importable on its own.
+        from node.model import MODEL_PRESETS
+
+        if self.model not in MODEL_PRESETS:
+            raise ConfigError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    @property
+    def schedule_horizon(self) -> int:
+        """Inner steps over which the LR schedule runs (0 = constant after warmup)."""
+        if self.total_steps:
+            return self.total_steps
+        if self.max_steps:
+            return self.max_steps
+        return self.max_rounds * self.inner_steps
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML that :func:`load_config` reads back to the same object."""
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{f.name} = {text}")
+        return "\n".join(lines) + "\n"
+
+
+def field_types() -> dict[str, type]:
+    hints = get_type_hints(NodeConfig)
+    return {f.name: hints[f.name] for f in fields(NodeConfig)}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Convert a raw value (TOML value or env string) to the field's type, or raise ConfigError."""
+    kind = field_types()[key]
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{source}: {key} expects true/false, got {value!r}")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{source}: {key} expects {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{source}: {key} expects {kind.__name__}, got {value!r}")
+    return value
+
+
+def _check_keys(keys: Mapping[str, Any], source: str) -> None:
+    known = set(field_types())
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+    raw = {key.replace("-", "_"): value for key, value in raw.items()}
+    _check_keys(raw, str(path))
+    return {key: _coerce(key, value, str(path)) for key, value in raw.items()}
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        _check_keys({key: value}, f"environment variable {name}")
+        values[key] = _coerce(key, value, f"environment variable {name}")
+    return values
+
+
+def load_config(
+    *,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Resolve the config: ``flags`` > ``environ`` (``DTNODE_*``) > TOML file > defaults."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get("DTNODE_CONFIG") or None
+    values: dict[str, Any] = {}
+    if config_file:
+        values.update(read_toml(config_file))
+    values.update(read_env(environ))
+    if flags:
+        _check_keys(flags, "command line")
+        values.update({key: _coerce(key, value, "command line") for key, value in flags.items()})
+    try:
+        return NodeConfig(**values)
+    except TypeError as error:  # a wrong type that slipped through coercion
+        raise ConfigError(str(error)) from None
+
+
+def replace(config: NodeConfig, **changes: Any) -> NodeConfig:
+    return dataclasses.replace(config, **changes)

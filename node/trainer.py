@@ -1,0 +1,324 @@
+"""The node's training loop: H inner AdamW steps, then one DiLoCo outer round, repeated.
+
+One outer round as the loop sees it (see ARCHITECTURE.md for the swarm side):
+
+    for step in round:                                   # inner phase, this node alone
+        x, y = batches.next_batch()                      # this node's data shard
+        loss = CE(model(x), y); loss.backward()
+        clip; set LR from the schedule; adamw.step(); adamw.zero_grad()
+    diloco.outer_step(weight=tokens)                      # Δ → averager → Nesterov → model
+    eval on the fixed held-out batches; metrics.jsonl; checkpoint every N rounds
+
+Counters are global over the run (a resumed run continues them): ``step`` = inner steps done,
+``round`` = outer rounds done; the current round is ``step // H + 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from node.config import ConfigError, NodeConfig
+from node.data import ShardedBatches, eval_batches, load_corpus
+from node.diloco import Averager, DiLoCo, SoloAverager
+from node.metrics import MetricsWriter
+from node.model import GPT, cross_entropy_loss, model_config
+from node.schedule import LRSchedule
+
+log = logging.getLogger("dtnode")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2))
+
+
+@dataclass
+class Progress:
+    step: int = 0  # inner steps done over the whole run
+    round: int = 0  # outer rounds done over the whole run
+    tokens: int = 0  # training tokens this node has processed over the whole run
+    round_tokens: int = 0  # tokens processed since the last outer step
+    round_compute_seconds: float = 0.0
+
+
+class Trainer:
+    """Trains one node; ``averager`` is the swarm (a :class:`SoloAverager` for a swarm of one)."""
+
+    def __init__(self, config: NodeConfig, *, averager: Averager | None = None) -> None:
+        self.config = config
+        self.run_dir = config.resolved_run_dir
+        self.device = pick_device(config.device)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self._stop = threading.Event()
+
+        self.corpus = load_corpus(config.data or None, val_fraction=config.val_fraction)
+        overrides: dict[str, Any] = {"vocab_size": self.corpus.vocab_size}
+        if config.seq_len:
+            overrides["seq_len"] = config.seq_len
+        self.model_config = model_config(config.model, **overrides)
+        torch.manual_seed(config.seed)
+        self.model = GPT(self.model_config).to(self.device)
+        self.optimizer = build_inner_optimizer(self.model, config)
+        self.schedule = LRSchedule(
+            kind=config.lr_schedule,
+            peak_lr=config.inner_lr,
+            warmup_steps=config.warmup_steps,
+            horizon_steps=config.schedule_horizon,
+            min_lr_ratio=config.min_lr_ratio,
+            decay_fraction=config.wsd_decay_fraction,
+        )
+        self.batches = ShardedBatches(
+            self.corpus.train,
+            seq_len=self.model_config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.data_seed,
+            shard_index=config.shard_index,
+            num_shards=config.num_shards,
+        )
+        self.eval_set = eval_batches(
+            self.corpus.val,
+            seq_len=self.model_config.seq_len,
+            batch_size=config.batch_size,
+            num_batches=config.eval_batches,
+        )
+        self.diloco = DiLoCo(
+            self.model,
+            averager=averager or SoloAverager(),
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            nesterov=config.outer_nesterov,
+            offload=config.outer_offload,
+        )
+        self.progress = Progress()
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        self.resumed_from: Path | None = None
+        self._saved_step = -1  # inner step of the newest checkpoint written by this process
+        self._prepare_run_dir()
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+
+    # --- run directory and checkpoints ---
+    def _prepare_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        corpus_record = self.run_dir / "corpus.txt"
+        latest = latest_checkpoint(self.checkpoint_root)
+        if latest is not None:
+            self._restore(latest)
+        corpus_record.write_text(f"sha256 = {self.corpus.sha256}\ndescription = {self.corpus.description}\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.optimizer.state_dict(),
+            "outer": self.diloco.state_dict(),
+            "data": self.batches.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def save(self) -> None:
+        progress = self.progress
+        if self._saved_step == progress.step:
+            return
+        meta = {
+            "step": progress.step,
+            "round": progress.round,
+            "tokens": progress.tokens,
+            "round_tokens": progress.round_tokens,
+            "param_hash": self.diloco.param_hash(),
+            "corpus_sha256": self.corpus.sha256,
+            "model": self.config.model,
+            "time": time.time(),
+        }
+        path = save_checkpoint(
+            self.checkpoint_root,
+            f"step-{progress.step:010d}",
+            self.state_dict(),
+            meta,
+            keep=self.config.keep_checkpoints,
+        )
+        self._saved_step = progress.step
+        log.info(
+            "checkpoint %s (round %d, step %d, param_hash %s)",
+            path,
+            progress.round,
+            progress.step,
+            meta["param_hash"][:12],
+        )
+
+    def _restore(self, path: Path) -> None:
+        state, meta = load_checkpoint(path)
+        if meta["corpus_sha256"] != self.corpus.sha256:
+            raise ConfigError(
+                f"{path} was trained on corpus {meta['corpus_sha256'][:12]}, this run reads {self.corpus.sha256[:12]}; "
+                "use the same --data or a new --run-dir"
+            )
+        try:
+            self.model.load_state_dict(state["model"])
+            self.diloco.load_state_dict(state["outer"])
+        except (RuntimeError, ValueError) as error:
+            raise ConfigError(
+                f"{path} does not fit model {self.config.model!r}: {str(error).splitlines()[0]}"
+            ) from None
+        self.optimizer.load_state_dict(state["inner_optimizer"])
+        self.batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.progress = Progress(
+            step=meta["step"], round=meta["round"], tokens=meta["tokens"], round_tokens=meta["round_tokens"]
+        )
+        if self.diloco.param_hash() != meta["param_hash"]:
+            raise RuntimeError(f"{path}: restored params do not match the saved param_hash")
+        self.resumed_from = path
+        self._saved_step = self.progress.step
+        log.info(
+            "resumed from %s: round %d, step %d, param_hash %s",
+            path,
+            meta["round"],
+            meta["step"],
+            meta["param_hash"][:12],
+        )
+
+    # --- the loop ---
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current inner step (signal-handler safe)."""
+        self._stop.set()
+
+    def _done(self) -> bool:
+        config, progress = self.config, self.progress
+        return (config.max_rounds > 0 and progress.round >= config.max_rounds) or (
+            config.max_steps > 0 and progress.step >= config.max_steps
+        )
+
+    def inner_step(self) -> dict[str, Any]:
+        """One AdamW step on the next batch of this node's shard; returns its step record."""
+        start = time.perf_counter()
+        x, y = self.batches.next_batch()  # (B, T), (B, T)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        lr = self.schedule.lr(self.progress.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss = cross_entropy_loss(self.model(x), y)
+        loss.backward()
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # syncs the device: the step is done when this returns
+        seconds = time.perf_counter() - start
+        progress = self.progress
+        num_tokens = x.numel()
+        progress.step += 1
+        progress.tokens += num_tokens
+        progress.round_tokens += num_tokens
+        progress.round_compute_seconds += seconds
+        return {
+            "kind": "step",
+            "round": progress.round + 1,
+            "step": progress.step,
+            "loss": loss_value,
+            "lr": lr,
+            "tokens": progress.tokens,
+            "tokens_per_s": num_tokens / seconds,
+            "time": time.time(),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        for x, y in self.eval_set:
+            total += cross_entropy_loss(self.model(x.to(self.device)), y.to(self.device)).item()
+        return total / len(self.eval_set)
+
+    def outer_round(self) -> dict[str, Any]:
+        progress = self.progress
+        round_index = progress.round + 1
+        report = self.diloco.outer_step(round_index=round_index, weight=float(progress.round_tokens))
+        eval_loss = self.evaluate()
+        record = {
+            "kind": "round",
+            "round": round_index,
+            "step": progress.step,
+            "eval_loss": eval_loss,
+            "peers": report.num_peers,
+            "bytes_sent": report.bytes_sent,
+            "bytes_recv": report.bytes_recv,
+            "seconds_compute": progress.round_compute_seconds,
+            "seconds_comm": report.seconds_comm,
+            "param_hash": report.param_hash,
+            "pseudo_gradient_norm": report.pseudo_gradient_norm,
+            "tokens": progress.tokens,
+            "fell_back": report.fell_back,
+            "time": time.time(),
+        }
+        progress.round = round_index
+        progress.round_tokens = 0
+        progress.round_compute_seconds = 0.0
+        return record
+
+    def run(self) -> None:
+        """Train until a limit is reached or :meth:`request_stop` is called; checkpoint on the way out."""
+        config = self.config
+        if self._done():
+            log.info(
+                "nothing to do: run already at round %d, step %d", self.progress.round, self.progress.step
+            )
+            return
+        log.info(
+            "training %s (%s params) on %s; H=%d, device %s, run dir %s",
+            config.model, f"{self.model.num_params():,}", self.corpus.description,
+            config.inner_steps, self.device, self.run_dir,
+        )  # fmt: skip
+        try:
+            while not self._done() and not self._stop.is_set():
+                record = self.inner_step()
+                self.metrics.write(record)
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
+                if record["step"] % config.log_every == 0:
+                    in_round = (record["step"] - 1) % config.inner_steps + 1
+                    log.info(
+                        "round %d | step %d (%d/%d) | loss %.4f | lr %.2e | %s tok/s",
+                        record["round"], record["step"], in_round, config.inner_steps,
+                        record["loss"], record["lr"], f"{record['tokens_per_s']:,.0f}",
+                    )  # fmt: skip
+                if self.progress.step % config.inner_steps == 0:
+                    round_record = self.outer_round()
+                    self.metrics.write(round_record)
+                    log.info(
+                        "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs | param_hash %s",
+                        round_record["round"], round_record["eval_loss"], round_record["peers"],
+                        round_record["seconds_compute"], round_record["seconds_comm"], round_record["param_hash"][:12],
+                    )  # fmt: skip
+                    if config.checkpoint_every and self.progress.round % config.checkpoint_every == 0:
+                        self.save()
+            if self._stop.is_set():
+                log.info("stop requested: checkpointing at step %d", self.progress.step)
+        finally:
+            self.metrics.close()
+        self.save()

@@ -1,0 +1,95 @@
+"""The outer step against a hand-computed Nesterov update."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from node.diloco import AveragingOutcome, DiLoCo, SoloAverager, tensor_hash
+
+
+class RecordingAverager:
+    """Records what the node sends and answers with a fixed 'swarm mean'."""
+
+    def __init__(self, answers: list[torch.Tensor]) -> None:
+        self.answers = answers
+        self.sent: list[torch.Tensor] = []
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        self.sent.append(vector.clone())
+        return AveragingOutcome(
+            averaged=self.answers[round_index - 1], num_peers=3, bytes_sent=10, bytes_recv=20
+        )
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_outer_steps_match_hand_computed_nesterov() -> None:
+    model = make_model()
+    theta0 = flat(model).clone()
+    n = theta0.numel()
+    g1, g2 = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.25, n)
+    averager = RecordingAverager([g1, g2])
+    lr, m = 0.7, 0.9
+    diloco = DiLoCo(model, averager=averager, outer_lr=lr, outer_momentum=m, nesterov=True)
+
+    # Round 1: the inner steps moved the local params by -0.1.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1)
+    report = diloco.outer_step(round_index=1, weight=100.0)
+    torch.testing.assert_close(averager.sent[0], torch.full((n,), 0.1), rtol=0, atol=1e-6)
+    # Hand-computed torch-style Nesterov: b1 = g1; θ1 = θ0 − lr (g1 + m b1)
+    b1 = g1
+    theta1 = theta0 - lr * (g1 + m * b1)
+    torch.testing.assert_close(flat(model), theta1, rtol=0, atol=1e-6)
+    # The hash covers exactly the global params, which the model now holds bit for bit.
+    assert report.param_hash == tensor_hash(flat(model)) and report.num_peers == 3
+
+    # Round 2: b2 = m b1 + g2; θ2 = θ1 − lr (g2 + m b2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    diloco.outer_step(round_index=2, weight=100.0)
+    torch.testing.assert_close(averager.sent[1], torch.full((n,), -0.05), rtol=0, atol=1e-6)
+    b2 = m * b1 + g2
+    theta2 = theta1 - lr * (g2 + m * b2)
+    torch.testing.assert_close(flat(model), theta2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(diloco.global_params, theta2, rtol=0, atol=1e-6)
+
+
+def test_swarm_of_one_with_lr_1_no_momentum_keeps_local_params() -> None:
+    """Outer SGD with lr 1 and no momentum: θ_global − Δ = θ_local, i.e. plain local training."""
+    model = make_model()
+    diloco = DiLoCo(model, averager=SoloAverager(), outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    local = flat(model).clone()
+    diloco.outer_step(round_index=1, weight=1.0)
+    torch.testing.assert_close(flat(model), local, rtol=0, atol=1e-6)
+
+
+def test_offload_keeps_outer_state_on_cpu_and_state_round_trips() -> None:
+    model = make_model()
+    diloco = DiLoCo(model, averager=SoloAverager(), offload=True)
+    assert diloco.global_params.device.type == "cpu"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.2)
+    diloco.outer_step(round_index=1, weight=1.0)
+    state = diloco.state_dict()
+    other = DiLoCo(make_model(), averager=SoloAverager(), offload=True)
+    other.load_state_dict(state)
+    assert other.param_hash() == diloco.param_hash()
+    torch.testing.assert_close(
+        other.outer_optimizer.state_dict()["state"][0]["momentum_buffer"],
+        diloco.outer_optimizer.state_dict()["state"][0]["momentum_buffer"],
+    )

@@ -1,0 +1,114 @@
+"""The training loop: loss falls, checkpoint -> resume equals an uninterrupted run, graceful stop."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.config import ConfigError, NodeConfig
+from node.metrics import read_metrics
+from node.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text(inspect.getsource(inspect) * 2)  # ~250 KB of Python source
+    return path
+
+
+def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeConfig:
+    settings: dict[str, object] = dict(
+        model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2,
+        total_steps=30, data=str(corpus_file), run_dir=str(run_dir), log_every=100, inner_lr=3e-3,
+    )  # fmt: skip
+    settings.update(overrides)
+    return NodeConfig(**settings)  # type: ignore[arg-type]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+@pytest.mark.timeout(120)
+def test_resume_mid_round_equals_uninterrupted_run(corpus_file: Path, tmp_path: Path) -> None:
+    # Reference: 4 rounds of H=3 without interruption.
+    Trainer(small_config(corpus_file, tmp_path / "ref", max_rounds=4)).run()
+    # Interrupted: stop after inner step 4 (mid-round 2), then resume up to round 4.
+    Trainer(small_config(corpus_file, tmp_path / "cut", max_steps=4)).run()
+    resumed = Trainer(small_config(corpus_file, tmp_path / "cut", max_rounds=4))
+    assert resumed.resumed_from is not None and resumed.progress.step == 4 and resumed.progress.round == 1
+    resumed.run()
+
+    ref_steps, cut_steps = records(tmp_path / "ref", "step"), records(tmp_path / "cut", "step")
+    assert [r["step"] for r in cut_steps] == list(range(1, 13))
+    assert [r["loss"] for r in cut_steps] == [r["loss"] for r in ref_steps]  # bit-identical losses
+    ref_rounds, cut_rounds = records(tmp_path / "ref", "round"), records(tmp_path / "cut", "round")
+    assert [r["round"] for r in cut_rounds] == [1, 2, 3, 4]
+    assert [r["param_hash"] for r in cut_rounds] == [r["param_hash"] for r in ref_rounds]
+    assert ref_rounds[-1]["eval_loss"] < ref_rounds[0]["eval_loss"]  # it learns
+
+
+@pytest.mark.timeout(120)
+def test_round_limit_is_over_the_whole_run(corpus_file: Path, tmp_path: Path) -> None:
+    Trainer(small_config(corpus_file, tmp_path, max_rounds=1)).run()
+    again = Trainer(small_config(corpus_file, tmp_path, max_rounds=1))
+    again.run()  # already done: no new records
+    assert [r["round"] for r in records(tmp_path, "round")] == [1]
+    Trainer(small_config(corpus_file, tmp_path, max_rounds=2)).run()
+    rounds = records(tmp_path, "round")
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert set(rounds[0]) >= {
+        "kind", "round", "eval_loss", "peers", "bytes_sent", "bytes_recv",
+        "seconds_compute", "seconds_comm", "param_hash",
+    }  # fmt: skip
+    step = records(tmp_path, "step")[0]
+    assert set(step) >= {"kind", "round", "step", "loss", "lr", "tokens", "tokens_per_s"}
+    assert (tmp_path / "config.toml").read_text().count("max_rounds = 2") == 1
+    assert "sha256 = " in (tmp_path / "corpus.txt").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_another_model_or_corpus(corpus_file: Path, tmp_path: Path) -> None:
+    Trainer(small_config(corpus_file, tmp_path, max_rounds=1)).run()
+    with pytest.raises(ConfigError, match="does not fit model"):
+        Trainer(small_config(corpus_file, tmp_path, model="tiny", max_rounds=2))
+    other = tmp_path / "other.txt"
+    other.write_text(inspect.getsource(os) * 2)
+    with pytest.raises(ConfigError, match="trained on corpus"):
+        Trainer(small_config(other, tmp_path, max_rounds=2))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_gracefully_with_checkpoint(corpus_file: Path, tmp_path: Path, signum: int) -> None:
+    argv = [
+        sys.executable, "-m", "node.cli", "join", "--model", "nano", "--seq-len", "32", "--batch-size", "4",
+        "--inner-steps", "1000", "--data", str(corpus_file), "--run-dir", str(tmp_path), "--eval-batches", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(read_metrics(metrics)) >= 3):
+            assert time.monotonic() < deadline, "node did not start training"
+            assert process.poll() is None, process.communicate()[0]
+            time.sleep(0.2)
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, output
+    steps = records(tmp_path, "step")
+    checkpoint = (tmp_path / "checkpoints" / "LATEST").read_text()
+    assert checkpoint == f"step-{steps[-1]['step']:010d}"
+    assert "stop requested" in output
