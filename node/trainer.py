@@ -144,12 +144,13 @@ class Trainer:
         progress = self.progress
         if self._saved_step == progress.step:
             return
-        meta = {
+        param_hash = self.diloco.param_hash()
+        meta: dict[str, Any] = {
             "step": progress.step,
             "round": progress.round,
             "tokens": progress.tokens,
             "round_tokens": progress.round_tokens,
-            "param_hash": self.diloco.param_hash(),
+            "param_hash": param_hash,
             "corpus_sha256": self.corpus.sha256,
             "model": self.config.model,
             "time": time.time(),
@@ -167,7 +168,7 @@ class Trainer:
             path,
             progress.round,
             progress.step,
-            meta["param_hash"][:12],
+            param_hash[:12],
         )
 
     def _restore(self, path: Path) -> None:
