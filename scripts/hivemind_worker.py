@@ -8,7 +8,8 @@ hivemind implements), timed and checked against the exact answer:
 Phase 1 (rendezvous): peer 0 starts a DHT bound to ``--host`` and atomically writes its visible
     multiaddrs to ``--rendezvous/hivemind_initial_peers.txt``; the others poll for that file (bounded
     wait) and bootstrap their own DHT from it. Once its averager is up, each peer drops a ``ready_<i>``
-    flag there and waits for all ``n`` flags, so the timed step starts together on every peer.
+    flag there and waits for all ``n`` flags, so the timed step starts together on every peer (and a
+    ``done_<i>`` barrier at the end keeps every peer serving until all have their result).
 Phase 2 (matchmaking): every peer asks for a group of exactly ``--num-peers`` (``target_group_size`` and
     ``min_group_size`` both ``n``), so hivemind retries matchmaking until the whole group is present or
     ``--step-timeout`` passes.
@@ -137,6 +138,8 @@ class WorkerConfig:
     """Deadline for matchmaking and, separately, for the all-reduce itself."""
     timeout: datetime.timedelta
     """Hard deadline for the whole process (watchdog)."""
+    save_result: Path | None = None
+    """If set, ``torch.save`` the averaged vector there (lets a test check it independently)."""
 
     def __post_init__(self) -> None:
         if self.num_peers < 2:
@@ -199,16 +202,16 @@ def wait_for_initial_peers(directory: Path, timeout: datetime.timedelta) -> list
     raise TimeoutError(f"no rendezvous file {path} after {timeout}")
 
 
-def wait_for_all_ready(directory: Path, index: int, num_peers: int, timeout: datetime.timedelta) -> None:
-    """Barrier through the rendezvous directory, so every peer calls ``step`` at about the same time and
-    the timed step measures matchmaking + all-reduce rather than a slower peer's start-up."""
-    (directory / f"ready_{index}").touch()
+def barrier(directory: Path, name: str, index: int, num_peers: int, timeout: datetime.timedelta) -> bool:
+    """Drop flag ``<name>_<index>`` in the rendezvous directory and wait until all ``num_peers`` flags
+    exist; False if they did not within ``timeout``."""
+    (directory / f"{name}_{index}").touch()
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
-        if all((directory / f"ready_{peer}").exists() for peer in range(num_peers)):
-            return
+        if all((directory / f"{name}_{peer}").exists() for peer in range(num_peers)):
+            return True
         time.sleep(0.05)
-    raise TimeoutError(f"not all {num_peers} peers became ready within {timeout}")
+    return False
 
 
 def _time_step(averager, config: WorkerConfig) -> tuple[dict | None, float, float | None]:
@@ -240,7 +243,9 @@ def run_worker(config: WorkerConfig, report: StepReport) -> None:
     averaged = own_vector.clone()  # hivemind averages this one in place (shared memory)
     initial_peers = None
     if config.index == 0 and (config.rendezvous_dir / RENDEZVOUS_FILE_NAME).exists():
-        raise ValueError(f"stale {RENDEZVOUS_FILE_NAME} in {config.rendezvous_dir}: use a fresh --rendezvous dir")
+        raise ValueError(
+            f"stale {RENDEZVOUS_FILE_NAME} in {config.rendezvous_dir}: use a fresh --rendezvous dir"
+        )
     if config.index > 0:
         initial_peers = wait_for_initial_peers(config.rendezvous_dir, config.rendezvous_timeout)
     previous_sigint = signal.getsignal(signal.SIGINT)
@@ -248,11 +253,15 @@ def run_worker(config: WorkerConfig, report: StepReport) -> None:
         initial_peers=initial_peers,
         start=True,
         host_maddrs=[f"/ip4/{config.host}/tcp/0"],
+        # No UPnP / NAT-PMP probing of the real network: peers talk only to the given addresses.
+        nat_port_map=False,
     )
     averager = None
     try:
         if config.index == 0:
-            publish_initial_peers(config.rendezvous_dir, [str(m) for m in dht.get_visible_maddrs(latest=True)])
+            publish_initial_peers(
+                config.rendezvous_dir, [str(m) for m in dht.get_visible_maddrs(latest=True)]
+            )
         averager = hivemind.DecentralizedAverager(
             [averaged],
             dht,
@@ -268,18 +277,33 @@ def run_worker(config: WorkerConfig, report: StepReport) -> None:
         )
         # hivemind ignores SIGINT in the parent once it starts its process; restore Ctrl-C.
         signal.signal(signal.SIGINT, previous_sigint)
-        wait_for_all_ready(config.rendezvous_dir, config.index, config.num_peers, config.rendezvous_timeout)
+        # Start together, so the timed step measures matchmaking + all-reduce, not a slow peer's start-up.
+        if not barrier(
+            config.rendezvous_dir, "ready", config.index, config.num_peers, config.rendezvous_timeout
+        ):
+            raise TimeoutError(
+                f"not all {config.num_peers} peers became ready within {config.rendezvous_timeout}"
+            )
         gathered, report.seconds, report.allreduce_seconds = _time_step(averager, config)
         report.group_size = 0 if gathered is None else len(gathered)
         report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with averager.get_tensors() as tensors:
             result = tensors[0].clone()
     finally:
+        # step() returns once this peer holds *its* averaged vector, possibly while it is still streaming
+        # averaged parts to the others: shutting down at once truncates theirs (seen under a 100 Mbit cap
+        # as "received 86.9% results" and an un-averaged tail). So leave only when everyone is done.
+        if not barrier(
+            config.rendezvous_dir, "done", config.index, config.num_peers, config.rendezvous_timeout
+        ):
+            print(f"hivemind_worker: peers not all done after {config.rendezvous_timeout}", file=sys.stderr)
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
     report.peak_rss_children_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
+    if config.save_result is not None:
+        torch.save(result, config.save_result)
     reference = exact_mean(config.seed, config.num_peers, config.num_elements)  # (E,)
     report.max_abs_error = float((result - reference).abs().max())
     report.relative_l2_error = float((result - reference).norm() / (own_vector - reference).norm())
@@ -315,10 +339,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     parser.add_argument("--seed", type=int, default=0, help="vector of peer i is seeded with seed*1000+i")
     parser.add_argument("--rendezvous", type=Path, required=True, help="shared dir for peer 0's multiaddrs")
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address the DHT / p2p daemon binds to")
-    parser.add_argument("--matchmaking-seconds", type=float, default=2.0, help="hivemind min_matchmaking_time")
+    parser.add_argument(
+        "--matchmaking-seconds", type=float, default=2.0, help="hivemind min_matchmaking_time"
+    )
     parser.add_argument("--rendezvous-seconds", type=float, default=60.0, help="wait for peer 0's file")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="matchmaking and all-reduce deadline")
+    parser.add_argument(
+        "--step-timeout", type=float, default=300.0, help="matchmaking and all-reduce deadline"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="hard deadline for the whole process")
+    parser.add_argument("--save-result", type=Path, default=None, help="torch.save the averaged vector here")
     args = parser.parse_args(argv)
     return WorkerConfig(
         index=args.index,
@@ -332,6 +361,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         rendezvous_timeout=datetime.timedelta(seconds=args.rendezvous_seconds),
         step_timeout=datetime.timedelta(seconds=args.step_timeout),
         timeout=datetime.timedelta(seconds=args.timeout),
+        save_result=args.save_result,
     )
 
 

@@ -84,6 +84,14 @@ def _run(argv: Sequence[str], timeout: datetime.timedelta = COMMAND_TIMEOUT) -> 
     return completed.stdout
 
 
+def _ip(namespace: str, *args: str) -> None:
+    _run(["ip", "-n", namespace, *args])
+
+
+def _tc(namespace: str, *args: str) -> None:
+    _run(["tc", "-n", namespace, *args])
+
+
 def _tbf_args(mbit: float) -> list[str]:
     rate_bytes_per_second = mbit * 1e6 / 8
     burst_bytes = max(MIN_BURST_BYTES, int(rate_bytes_per_second * 0.004))  # >= 4 ms of traffic
@@ -176,39 +184,35 @@ class WanEmulator:
     def _build(self) -> None:
         switch = self.switch_namespace
         _run(["ip", "netns", "add", switch])
-        _run(["ip", "-n", switch, "link", "add", "name", "br0", "type", "bridge"])
-        _run(["ip", "-n", switch, "link", "set", "br0", "up"])
+        _ip(switch, "link", "add", "name", "br0", "type", "bridge")
+        _ip(switch, "link", "set", "br0", "up")
         for index, host in enumerate(self.host_namespaces):
             port = f"p{index}"
             _run(["ip", "netns", "add", host])
-            _run(["ip", "-n", switch, "link", "add", "name", port, "type", "veth", "peer", "name", "eth0"])
-            _run(["ip", "-n", switch, "link", "set", "eth0", "netns", host])
-            _run(["ip", "-n", switch, "link", "set", port, "master", "br0", "up"])
-            _run(["ip", "-n", host, "link", "set", "lo", "up"])
-            _run(["ip", "-n", host, "addr", "add", f"{self.address(index)}/24", "dev", "eth0"])
-            _run(["ip", "-n", host, "link", "set", "eth0", "up"])
-            tc = ["ip", "netns", "exec", host, "tc"]
-            _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"])
+            _ip(switch, "link", "add", "name", port, "type", "veth", "peer", "name", "eth0", "netns", host)
+            _ip(switch, "link", "set", port, "master", "br0", "up")
+            _ip(host, "link", "set", "lo", "up")
+            _ip(host, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
+            _ip(host, "link", "set", "eth0", "up")
+            _tc(host, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
             for class_id in ("1:1", "1:2"):
-                _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", class_id]
-                     + ["htb", "rate", "100gbit", "quantum", "60000"])  # fmt: skip
-            _run([*tc, "qdisc", "add", "dev", "eth0", "parent", "1:2", "handle", "20:", "pfifo", "limit", "0"])
+                htb_class = ["classid", class_id, "htb", "rate", "100gbit", "quantum", "60000"]
+                _tc(host, "class", "add", "dev", "eth0", "parent", "1:", *htb_class)
+            _tc(host, "qdisc", "add", "dev", "eth0", "parent", "1:2", "handle", "20:", "pfifo", "limit", "0")
             self._apply_cap(index, self._link_mbit[index], replace=False)
 
     def _apply_cap(self, index: int, mbit: float | None, *, replace: bool) -> None:
-        host_tc = ["ip", "netns", "exec", self.host_namespaces[index], "tc", "qdisc"]
-        leaf = ["dev", "eth0", "parent", "1:1", "handle", "10:"]
+        host, leaf = self.host_namespaces[index], ["dev", "eth0", "parent", "1:1", "handle", "10:"]
         if replace:
-            _run([*host_tc, "del", *leaf])  # tc cannot `replace` a leaf by one of another kind
+            _tc(host, "qdisc", "del", *leaf)  # tc cannot `replace` a leaf by one of another kind
         shaper = _tbf_args(mbit) if mbit is not None else ["pfifo", "limit", str(UNCAPPED_FIFO_PACKETS)]
-        _run([*host_tc, "add", *leaf, *shaper])
+        _tc(host, "qdisc", "add", *leaf, *shaper)
         if self.cap_downlink:
-            switch_tc = ["ip", "netns", "exec", self.switch_namespace, "tc", "qdisc"]
             port = ["dev", f"p{index}", "root"]
             if replace and self._link_mbit[index] is not None:
-                _run([*switch_tc, "del", *port])
+                _tc(self.switch_namespace, "qdisc", "del", *port)
             if mbit is not None:
-                _run([*switch_tc, "add", *port, *_tbf_args(mbit)])
+                _tc(self.switch_namespace, "qdisc", "add", *port, *_tbf_args(mbit))
 
     # ---- public API ---------------------------------------------------------------------------
     def address(self, index: int) -> str:
@@ -245,11 +249,10 @@ class WanEmulator:
             raise ValueError(f"mbit must be positive or None, got {mbit}")
         self._check_index(index)
         if self._link_mbit[index] is not None and mbit is not None:
-            tc = ["ip", "netns", "exec", self.host_namespaces[index], "tc", "qdisc", "change"]
-            _run([*tc, "dev", "eth0", "parent", "1:1", "handle", "10:", *_tbf_args(mbit)])
+            leaf = ["dev", "eth0", "parent", "1:1", "handle", "10:"]
+            _tc(self.host_namespaces[index], "qdisc", "change", *leaf, *_tbf_args(mbit))
             if self.cap_downlink:
-                switch_tc = ["ip", "netns", "exec", self.switch_namespace, "tc", "qdisc", "change"]
-                _run([*switch_tc, "dev", f"p{index}", "root", *_tbf_args(mbit)])
+                _tc(self.switch_namespace, "qdisc", "change", "dev", f"p{index}", "root", *_tbf_args(mbit))
         else:
             self._apply_cap(index, mbit, replace=True)
         self._link_mbit[index] = mbit
@@ -263,22 +266,21 @@ class WanEmulator:
             self._check_index(index)
         if hosts_a & hosts_b:
             raise ValueError(f"a host cannot be on both sides of a partition: {sorted(hosts_a & hosts_b)}")
-        for source, destination in [(a, b) for a in hosts_a for b in hosts_b] + [
-            (b, a) for a in hosts_a for b in hosts_b
-        ]:
+        pairs = [(a, b) for a in hosts_a for b in hosts_b]
+        for source, destination in pairs + [(b, a) for a, b in pairs]:
             if (source, destination) in self._blocked_pairs:
                 continue
-            tc = ["ip", "netns", "exec", self.host_namespaces[source], "tc", "filter", "add", "dev", "eth0"]
-            _run([*tc, "parent", "1:", "protocol", "ip", "prio", "10", "u32"]
-                 + ["match", "ip", "dst", f"{self.address(destination)}/32", "flowid", "1:2"])  # fmt: skip
+            # Packets to the other side go to class 1:2, whose `pfifo limit 0` drops them.
+            match = ["u32", "match", "ip", "dst", f"{self.address(destination)}/32", "flowid", "1:2"]
+            filter_args = ["dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "10", *match]
+            _tc(self.host_namespaces[source], "filter", "add", *filter_args)
             self._blocked_pairs.add((source, destination))
 
     def heal(self) -> None:
         """Undo every isolate(): all hosts can reach each other again."""
         self._check_open()
         for source in sorted({source for source, _ in self._blocked_pairs}):
-            _run(["ip", "netns", "exec", self.host_namespaces[source], "tc", "filter", "del"]
-                 + ["dev", "eth0", "parent", "1:"])  # fmt: skip
+            _tc(self.host_namespaces[source], "filter", "del", "dev", "eth0", "parent", "1:")
         self._blocked_pairs.clear()
 
     def close(self, grace: datetime.timedelta = STOP_GRACE) -> None:
@@ -324,9 +326,7 @@ def _stop_process_groups(processes: Sequence[subprocess.Popen], grace: datetime.
         except subprocess.TimeoutExpired:
             _signal_group(process.pid, signal.SIGKILL)
             process.wait(timeout=COMMAND_TIMEOUT.total_seconds())
-    for process in processes:
-        # The leader may be gone while grandchildren in its group still run.
-        _signal_group(process.pid, signal.SIGKILL)
+    # Descendants that outlived their group leader are still in the namespace; close() kills those.
 
 
 def _signal_group(process_group: int, signum: int) -> None:
@@ -412,7 +412,9 @@ def measure_tcp_mbit(
     send.wait(timeout=timeout.total_seconds())
     result_line, _ = receive.communicate(timeout=timeout.total_seconds())
     if send.returncode != 0 or receive.returncode != 0:
-        raise RuntimeError(f"throughput probe failed: sender {send.returncode}, receiver {receive.returncode}")
+        raise RuntimeError(
+            f"throughput probe failed: sender {send.returncode}, receiver {receive.returncode}"
+        )
     result = json.loads(result_line)
     if result["bytes"] != num_bytes:
         raise RuntimeError(f"receiver got {result['bytes']} of {num_bytes} bytes")
@@ -420,7 +422,9 @@ def measure_tcp_mbit(
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
-def run_command_on_all_hosts(emulator: WanEmulator, command: Sequence[str], timeout: datetime.timedelta) -> int:
+def run_command_on_all_hosts(
+    emulator: WanEmulator, command: Sequence[str], timeout: datetime.timedelta
+) -> int:
     """Run ``command`` on every host; fail fast; return the first failing exit status (0 if none)."""
     addresses = ",".join(emulator.addresses())
     processes = []
@@ -461,14 +465,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not command and args.measure_mbytes is None:
         parser.error("give -- CMD ARGS..., --measure-mbytes or --cleanup")
-    with WanEmulator(args.hosts, args.link_mbit, name_prefix=args.prefix, cap_downlink=args.cap_downlink) as wan:
+    if args.measure_mbytes is not None and args.hosts < 2:
+        parser.error("--measure-mbytes needs --hosts >= 2")
+    emulator = WanEmulator(
+        args.hosts, args.link_mbit, name_prefix=args.prefix, cap_downlink=args.cap_downlink
+    )
+    try:
         if args.measure_mbytes is not None:
-            if args.hosts < 2:
-                parser.error("--measure-mbytes needs --hosts >= 2")
-            mbit = measure_tcp_mbit(wan, 0, 1, int(args.measure_mbytes * 1e6))
+            mbit = measure_tcp_mbit(emulator, 0, 1, int(args.measure_mbytes * 1e6))
             print(json.dumps({"link_mbit": args.link_mbit, "measured_mbit": round(mbit, 2)}))
             return 0
-        return run_command_on_all_hosts(wan, command, datetime.timedelta(seconds=args.timeout))
+        return run_command_on_all_hosts(emulator, command, datetime.timedelta(seconds=args.timeout))
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    finally:
+        emulator.close()  # stops every host's command, removes the namespaces
 
 
 if __name__ == "__main__":
