@@ -1,0 +1,77 @@
+"""How a round's all-reduce vector is cut into one contiguous part per member.
+
+In the reduce-scatter/all-gather all-reduce (hivemind's butterfly all-reduce, Ryabinin et al.,
+2021, "Moshpit SGD"), member ``i`` owns part ``i``: it receives everybody's slice of that part,
+averages it and sends the mean back. A member's traffic grows with its part, so parts are
+proportional to the members' bandwidths: a fast uplink owns more of the vector.
+
+Algorithm (exact rational arithmetic, so every peer computes the same parts):
+
+1. Ideal share of member ``i``: ``L * b_i / sum(b)`` (equal shares if every bandwidth is 0).
+2. Every member must own at least one element when ``L >= n``: members whose ideal share is below
+   one are fixed at one element and the rest of the vector is shared among the others by the same
+   rule; repeat until no share is below one (water filling; the fastest member is never fixed).
+3. Round the remaining shares by the largest-remainder method (Hamilton): floor every share, then
+   hand the leftover elements one each to the largest fractional parts, ties to the lower index.
+
+So the sizes sum to ``L`` exactly, every size is within one element of its (water-filled) ideal
+share, a member never owns less than a member with lower bandwidth, and with ``L < n`` the ``L``
+fastest members own one element each and the others none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from itertools import accumulate
+
+from protocol.membership.records import check_int, check_rate
+
+
+def part_sizes(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ...]:
+    """Number of vector elements member ``i`` owns, for members with these bandwidths."""
+    if len(bandwidths) == 0:
+        raise ValueError("need at least one member")
+    check_int("vector_length", vector_length)
+    # Fraction(float) is exact: no rounding differences between peers or platforms.
+    weights = [Fraction(check_rate(f"bandwidths[{i}]", b)) for i, b in enumerate(bandwidths)]
+    num_members = len(weights)
+
+    if vector_length < num_members:
+        # Not enough elements for everyone: one each to the fastest (ties to the lower index).
+        fastest_first = sorted(range(num_members), key=lambda i: (-weights[i], i))
+        sizes = [0] * num_members
+        for i in fastest_first[:vector_length]:
+            sizes[i] = 1
+        return tuple(sizes)
+
+    fixed = [False] * num_members
+    while True:
+        free = [i for i in range(num_members) if not fixed[i]]
+        remaining = vector_length - (num_members - len(free))
+        total = sum((weights[i] for i in free), Fraction(0))
+        if total > 0:
+            ideal = {i: remaining * weights[i] / total for i in free}
+        else:
+            ideal = {i: Fraction(remaining, len(free)) for i in free}
+        below_one = [i for i in free if ideal[i] < 1]
+        if not below_one:
+            break
+        # remaining >= len(free), so the fastest free member's share is >= 1: `free` never empties.
+        for i in below_one:
+            fixed[i] = True
+
+    sizes = [1 if fixed[i] else math.floor(ideal[i]) for i in range(num_members)]
+    leftover = remaining - sum(sizes[i] for i in free)
+    assert 0 <= leftover < len(free)
+    by_remainder = sorted(free, key=lambda i: (-(ideal[i] - sizes[i]), i))
+    for i in by_remainder[:leftover]:
+        sizes[i] += 1
+    assert sum(sizes) == vector_length
+    return tuple(sizes)
+
+
+def part_boundaries(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ...]:
+    """``(0, end_0, end_1, ..., vector_length)``: member ``i`` owns ``[bounds[i], bounds[i + 1])``."""
+    return (0, *accumulate(part_sizes(bandwidths, vector_length)))

@@ -1,0 +1,253 @@
+"""Peer records: what each peer stores in the DHT about itself, and the live swarm they describe.
+
+Every peer periodically stores one :class:`PeerRecord` under the run's DHT key (subkey = its
+peer id) with a TTL. A record is the peer's public state: where to reach it, which global params
+it holds (``round``, ``param_hash``), whether it is ready for the next outer round, and how fast
+it computes and communicates. A dead peer's record lingers until ``expires_at``; a peer that
+leaves gracefully overwrites its record with a ``status="left"`` tombstone so the others drop it
+at once.
+
+Records come from untrusted peers: :meth:`PeerRecord.from_dict` validates every field (types,
+lengths, ranges, finiteness) and raises ``ValueError`` naming the field, never anything else.
+Validation lives in ``__post_init__`` so a record built in code is held to the same rules.
+
+Conventions (shared with ``node/trainer.py``): ``round`` counts the outer rounds a peer's global
+params have been through; the next outer round is ``round + 1``, so ``ready_for_round`` is either
+``None`` (training its inner steps) or exactly ``round + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Final, Literal, cast
+
+PeerStatus = Literal["active", "left"]
+
+MAX_PEER_ID_CHARS: Final = 128
+MAX_ADDRESS_CHARS: Final = 256
+MAX_ID_CHARS: Final = 256  # proposal and group ids
+PARAM_HASH_HEX_CHARS: Final = 64  # SHA-256, as ``node.diloco.tensor_hash`` prints it
+MAX_COUNTER: Final = 2**63 - 1  # rounds, token counts: what a protobuf int64 holds
+MAX_PROTOCOL_VERSION: Final = 2**31 - 1
+STATUSES: Final = ("active", "left")
+
+_PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+
+# --- field validators: each takes an untrusted object and returns it typed, or raises ValueError ---
+
+
+def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = MAX_COUNTER) -> int:
+    """An ``int`` (not a ``bool``) in ``[minimum, maximum]``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+    return int(value)
+
+
+def check_rate(name: str, value: object) -> float:
+    """A finite, non-negative number (int or float, not bool), returned as ``float``."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a double
+        raise ValueError(f"{name} is too large: {value}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {number}")
+    return number
+
+
+def check_token(name: str, value: object, *, max_chars: int) -> str:
+    """A non-empty string of printable ASCII without whitespace, at most ``max_chars`` long.
+
+    ASCII only so that every peer, in any language, sorts ids the same way (code point order).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if not 1 <= len(value) <= max_chars:
+        raise ValueError(f"{name} must have 1..{max_chars} characters, got {len(value)}")
+    if not all("!" <= char <= "~" for char in value):
+        raise ValueError(f"{name} must be printable ASCII without spaces, got {value!r}")
+    return value
+
+
+def check_peer_id(value: object, name: str = "peer_id") -> str:
+    return check_token(name, value, max_chars=MAX_PEER_ID_CHARS)
+
+
+def check_param_hash(value: object, name: str = "param_hash") -> str:
+    """A SHA-256 in lowercase hex (64 characters)."""
+    if not isinstance(value, str) or _PARAM_HASH_RE.fullmatch(value) is None:
+        shown = value[:80] if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"{name} must be {PARAM_HASH_HEX_CHARS} lowercase hex characters, got {shown!r}")
+    return value
+
+
+def check_address(value: object, name: str = "grpc_address") -> str:
+    """``host:port`` with a port in 1..65535 (``[::1]:port`` for IPv6)."""
+    address = check_token(name, value, max_chars=MAX_ADDRESS_CHARS)
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name} must be host:port with a port in 1..65535, got {address!r}")
+    return address
+
+
+# --- the record ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRecord:
+    """One peer's public state, as stored in the DHT."""
+
+    peer_id: str
+    """The peer's DHT/p2p identity; the DHT subkey the record is stored under."""
+    grpc_address: str
+    """Where the peer's dtnode gRPC server listens (``host:port``)."""
+    protocol_version: int
+    """The membership/all-reduce protocol this peer speaks; peers of other versions are ignored."""
+    round: int
+    """Outer rounds the peer's global params have been through."""
+    param_hash: str
+    """SHA-256 (hex) of the peer's flat fp32 global params: equal hash ⇔ equal params."""
+    ready_for_round: int | None
+    """``round + 1`` once the peer finished its inner steps and waits to form that round, else None."""
+    tokens_per_s: float
+    """Recent training throughput; an estimate for planning (the round's weights come from Accept)."""
+    bandwidth_bytes_per_s: float
+    """Measured or configured uplink bandwidth; the all-reduce gives fast peers larger parts."""
+    status: PeerStatus
+    """``"active"``, or ``"left"`` for the tombstone a peer writes when it leaves gracefully."""
+    expires_at: float
+    """Clock time (seconds, the DHT's clock) after which the record is stale."""
+
+    def __post_init__(self) -> None:
+        check_peer_id(self.peer_id)
+        check_address(self.grpc_address)
+        check_int("protocol_version", self.protocol_version, maximum=MAX_PROTOCOL_VERSION)
+        check_int("round", self.round, maximum=MAX_COUNTER - 1)
+        check_param_hash(self.param_hash)
+        if self.ready_for_round is not None:
+            check_int("ready_for_round", self.ready_for_round, minimum=1)
+            if self.ready_for_round != self.round + 1:
+                raise ValueError(
+                    f"ready_for_round must be round + 1 = {self.round + 1} or None, got {self.ready_for_round}"
+                )
+        # Normalise ints to floats so equal records compare and serialise equally.
+        object.__setattr__(self, "tokens_per_s", check_rate("tokens_per_s", self.tokens_per_s))
+        object.__setattr__(
+            self, "bandwidth_bytes_per_s", check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        )
+        if not isinstance(self.status, str) or self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        object.__setattr__(self, "expires_at", check_rate("expires_at", self.expires_at))
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON/msgpack-able dict for DHT storage."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object, *, expected_peer_id: str | None = None) -> PeerRecord:
+        """Parse an untrusted DHT value; ``ValueError`` on anything malformed.
+
+        Unknown keys are ignored so a later minor version can add fields; a missing one is an
+        error. ``expected_peer_id`` is the DHT subkey the value was stored under: a record that
+        claims another peer's id is rejected, so a peer cannot speak for someone else.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a peer record must be a mapping, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [name for name in names if name not in data]
+        if missing:
+            raise ValueError(f"peer record lacks field(s) {missing}")
+        record = cls(**{name: data[name] for name in names})
+        if expected_peer_id is not None and record.peer_id != expected_peer_id:
+            raise ValueError(f"record of {record.peer_id!r} stored under subkey {expected_peer_id!r}")
+        return record
+
+    def is_live(self, now: float, protocol_version: int) -> bool:
+        """Active, not expired, and speaking ``protocol_version``."""
+        return self.status == "active" and self.expires_at > now and self.protocol_version == protocol_version
+
+
+def newest_per_peer(records: Iterable[PeerRecord]) -> dict[str, PeerRecord]:
+    """One record per peer: the one that expires last (= written last); a tombstone wins a tie."""
+    newest: dict[str, PeerRecord] = {}
+    for record in records:
+        current = newest.get(record.peer_id)
+        if current is None or (record.expires_at, record.status == "left") > (
+            current.expires_at,
+            current.status == "left",
+        ):
+            newest[record.peer_id] = record
+    return newest
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The live peers at clock time ``now``, sorted by peer id (the same order on every peer).
+
+    Build it with :meth:`build` from whatever the DHT returned. A peer whose newest record is a
+    tombstone, has expired, or speaks another protocol version is not in the view.
+    """
+
+    now: float
+    peers: tuple[PeerRecord, ...]
+    left_peer_ids: frozenset[str] = frozenset()
+    """Peers whose newest record is an unexpired tombstone: they said goodbye."""
+    _by_id: Mapping[str, PeerRecord] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ids = [peer.peer_id for peer in self.peers]
+        if ids != sorted(set(ids)):
+            raise ValueError("SwarmView.peers must be sorted by peer_id without duplicates; use build()")
+        object.__setattr__(self, "_by_id", {peer.peer_id: peer for peer in self.peers})
+
+    @classmethod
+    def build(cls, records: Iterable[PeerRecord], *, now: float, protocol_version: int) -> SwarmView:
+        newest = newest_per_peer(records).values()
+        live = [record for record in newest if record.is_live(now, protocol_version)]
+        left = frozenset(
+            record.peer_id for record in newest if record.status == "left" and record.expires_at > now
+        )
+        return cls(now=now, peers=tuple(sorted(live, key=lambda record: record.peer_id)), left_peer_ids=left)
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(peer.peer_id for peer in self.peers)
+
+    def get(self, peer_id: str) -> PeerRecord | None:
+        return self._by_id.get(peer_id)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._by_id
+
+    def __iter__(self) -> Iterator[PeerRecord]:
+        return iter(self.peers)
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def with_local(self, local: PeerRecord) -> tuple[PeerRecord, ...]:
+        """The view's peers with ``local`` in place of (or added as) the local peer's record.
+
+        A peer knows its own state better than the DHT's copy of it, which may lag.
+        """
+        others = [peer for peer in self.peers if peer.peer_id != local.peer_id]
+        return tuple(sorted([*others, local], key=lambda record: record.peer_id))
+
+
+def parse_records(values: Mapping[str, object]) -> tuple[list[PeerRecord], dict[str, str]]:
+    """Parse DHT values keyed by subkey; return the good records and ``{subkey: error}`` for the rest."""
+    records: list[PeerRecord] = []
+    errors: dict[str, str] = {}
+    for subkey, value in values.items():
+        try:
+            records.append(PeerRecord.from_dict(value, expected_peer_id=cast(str, subkey)))
+        except ValueError as error:  # one hostile or corrupt record must not hide the others
+            errors[str(subkey)] = str(error)
+    return records, errors

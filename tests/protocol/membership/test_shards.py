@@ -1,0 +1,92 @@
+"""Shard assignment, and the data-layer contract with ``node.data.ShardedBatches`` it relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from node.data import ShardedBatches
+from protocol.membership.shards import ShardAssignment, assign_shard, shard_assignments
+
+SEQ_LEN = 4
+BATCH_SIZE = 2
+
+
+def test_position_in_the_sorted_member_list() -> None:
+    assignments = shard_assignments(["peer-c", "peer-a", "peer-b"])
+    assert assignments == {
+        "peer-a": ShardAssignment(0, 3),
+        "peer-b": ShardAssignment(1, 3),
+        "peer-c": ShardAssignment(2, 3),
+    }
+    assert assign_shard(("peer-b", "peer-c", "peer-a"), "peer-c") == ShardAssignment(2, 3)
+    assert assign_shard(["solo"], "solo") == ShardAssignment(0, 1)
+
+
+def test_bad_member_lists() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        shard_assignments([])
+    with pytest.raises(ValueError, match="distinct"):
+        shard_assignments(["a", "b", "a"])
+    with pytest.raises(ValueError, match="not among"):
+        assign_shard(["a", "b"], "c")
+    with pytest.raises(ValueError, match="member id"):
+        shard_assignments(["a", "has space"])
+
+
+def _loaders(tokens: np.ndarray, member_ids: list[str]) -> dict[str, ShardedBatches]:
+    loaders = {}
+    for peer_id, assignment in shard_assignments(member_ids).items():
+        loaders[peer_id] = ShardedBatches(
+            tokens,
+            seq_len=SEQ_LEN,
+            batch_size=BATCH_SIZE,
+            seed=3,
+            shard_index=assignment.shard_index,
+            num_shards=assignment.num_shards,
+        )
+    return loaders
+
+
+def _windows(loader: ShardedBatches, num_steps: int) -> list[int]:
+    """Window ids this loader reads in the next steps (the stream is 0, 1, 2, ... so x[:, 0] // T is the window)."""
+    return [int(w) for _ in range(num_steps) for w in (loader.next_batch()[0][:, 0] // SEQ_LEN)]
+
+
+def test_membership_change_at_a_round_boundary_keeps_shards_disjoint() -> None:
+    """Phase 1 with {a, b, c}; c leaves; phase 2 with {a, b}; d re-syncs from b mid-phase 2; phase 3 with all three."""
+    num_windows = 600
+    tokens = np.arange(num_windows * SEQ_LEN + 1, dtype=np.uint16)
+    inner_steps = 5
+    loaders = _loaders(tokens, ["a", "b", "c"])
+
+    phase1 = {peer_id: _windows(loader, inner_steps) for peer_id, loader in loaders.items()}
+    all1 = [w for ws in phase1.values() for w in ws]
+    assert len(all1) == len(set(all1)) == 3 * inner_steps * BATCH_SIZE
+
+    # Boundary: the round's group is {a, b}; each reshards from the group's member list.
+    del loaders["c"]
+    for peer_id, loader in loaders.items():
+        assignment = assign_shard(["b", "a"], peer_id)
+        loader.reshard(assignment.shard_index, assignment.num_shards)
+    assert loaders["a"].position == loaders["b"].position  # one global position
+    phase2_first = {peer_id: _windows(loader, 2) for peer_id, loader in loaders.items()}
+
+    # d joins mid-phase: it copies b's loader state (position and b's shard) with the params.
+    d = ShardedBatches(tokens, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, seed=3)
+    d.load_state_dict(loaders["b"].state_dict())
+    loaders["d"] = d
+    phase2_rest = {peer_id: _windows(loader, inner_steps - 2) for peer_id, loader in loaders.items()}
+    assert phase2_rest["d"] == phase2_rest["b"]  # a bounded duplicate of its source, never a gap
+    all2 = phase2_first["a"] + phase2_first["b"] + phase2_rest["a"] + phase2_rest["b"]
+    assert len(all2) == len(set(all2)) and not set(all2) & set(all1)
+    assert len({loader.position for loader in loaders.values()}) == 1  # still in lockstep
+
+    # Next boundary: the group is {a, b, d}; everyone reshards and reads disjoint windows again.
+    for peer_id, loader in loaders.items():
+        assignment = assign_shard(["a", "b", "d"], peer_id)
+        loader.reshard(assignment.shard_index, assignment.num_shards)
+    phase3 = {peer_id: _windows(loader, inner_steps) for peer_id, loader in loaders.items()}
+    all3 = [w for ws in phase3.values() for w in ws]
+    assert len(all3) == len(set(all3)) == 3 * inner_steps * BATCH_SIZE
+    assert not set(all3) & (set(all1) | set(all2))
