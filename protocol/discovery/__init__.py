@@ -1,0 +1,28 @@
+"""Peer discovery: a hivemind DHT peer and the run's registry of peer records on it.
+
+- ``addresses``: ``--listen`` / ``--announce`` ``HOST:PORT`` and ``--peers`` multiaddrs, validated.
+- ``dht_node``: :class:`DhtNode`, a DHT peer confined to the given addresses, every call with a deadline.
+- ``registry``: :class:`SwarmRegistry`, this peer's :class:`~protocol.membership.records.PeerRecord`
+  kept alive by a heartbeat, a tombstone on leave, and the :class:`SwarmView` of everyone's records.
+"""
+
+from protocol.discovery.dht_node import (
+    DhtCallTimeout,
+    DhtConfig,
+    DhtEntry,
+    DhtNode,
+    DhtNodeClosed,
+    DhtStartupError,
+)
+from protocol.discovery.registry import SwarmRegistry, run_key
+
+__all__ = [
+    "DhtCallTimeout",
+    "DhtConfig",
+    "DhtEntry",
+    "DhtNode",
+    "DhtNodeClosed",
+    "DhtStartupError",
+    "SwarmRegistry",
+    "run_key",
+]

@@ -1,0 +1,316 @@
+"""One hivemind DHT peer, confined to the addresses it is given, with a deadline on every call.
+
+hivemind's ``DHT`` runs a Kademlia node in a forked process, which in turn drives a libp2p
+daemon (``p2pd``) that owns the sockets. :class:`DhtNode` starts that pair and wraps the few
+calls discovery needs:
+
+- **Start.** The p2p daemon listens on ``--listen HOST:PORT`` (default ``127.0.0.1:0``: loopback,
+  any free port), tells others to dial ``--announce HOST:PORT`` when set, and joins the swarm
+  through ``--peers`` (multiaddrs printed by running peers). Everything that would probe the real
+  network is off: UPnP / NAT-PMP port mapping, AutoNAT (reachability is forced to "public" so
+  libp2p does not go looking), circuit relays and auto-relay, and the IPFS bootstrap list. A peer
+  therefore only ever contacts the addresses it was given and the peers they introduce. Startup
+  has a deadline; unreachable initial peers give a :class:`DhtStartupError` that names them.
+- **Calls.** ``store`` and ``get`` send the request to the DHT process and wait for the answer at
+  most ``timeout`` (:class:`DhtCallTimeout` after). Requests may come from several threads (the
+  training loop and a heartbeat); the pipe to the DHT process is not thread-safe, so sending is
+  serialised by a lock while the waiting is not.
+- **Stop.** ``shutdown`` stops the DHT node, which stops its p2p daemon; any daemon still alive
+  afterwards (its parent was killed mid-way) is killed, so no ``p2pd`` outlives the node.
+
+Clock: expiration times are absolute seconds on ``hivemind.utils.get_dht_time()`` (wall-clock
+time, assumed roughly synchronised between peers; a skew of a few seconds shortens or lengthens
+every TTL by that much).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from protocol.discovery.addresses import announce_multiaddr, check_peer_multiaddr, listen_multiaddr
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from hivemind.dht.node import DHTNode
+
+logger = logging.getLogger(__name__)
+
+# How long a stopping DHT process may take to stop its p2p daemon before it is killed.
+_SHUTDOWN_GRACE = timedelta(seconds=3)
+
+
+class DhtStartupError(RuntimeError):
+    """The DHT peer did not start: the initial peers did not answer, or startup overran its deadline."""
+
+
+class DhtNodeClosed(RuntimeError):
+    """The node was shut down; no more DHT calls can be made through it."""
+
+
+class DhtCallTimeout(TimeoutError):
+    """A DHT store/get did not finish within its deadline."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DhtConfig:
+    """Where a DHT peer listens, whom it joins, and how long it waits."""
+
+    initial_peers: tuple[str, ...] = ()
+    """``--peers``: multiaddrs (``/ip4/…/tcp/…/p2p/<peer id>``) of running peers; empty starts a new swarm."""
+    listen: str = "127.0.0.1:0"
+    """``--listen HOST:PORT``: the p2p daemon's TCP address; port 0 picks a free one."""
+    announce: str | None = None
+    """``--announce HOST:PORT``: the address others should dial, if not the listen address."""
+    startup_timeout: timedelta = timedelta(seconds=20)
+    """Deadline for starting the daemon and joining through ``initial_peers`` (p2pd gives up by 15 s itself)."""
+    rpc_timeout: timedelta = timedelta(seconds=3)
+    """hivemind's ``wait_timeout``: a DHT request to one peer counts as lost after this long."""
+    host_multiaddr: str = field(init=False)
+    """``listen`` as a multiaddr (derived)."""
+    announce_multiaddr: str | None = field(init=False)
+    """``announce`` as a multiaddr (derived)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.initial_peers, str):  # a lone string would be split into characters
+            raise ValueError("initial_peers must be a sequence of multiaddrs, not one string")
+        object.__setattr__(self, "initial_peers", tuple(check_peer_multiaddr(p) for p in self.initial_peers))
+        object.__setattr__(self, "host_multiaddr", listen_multiaddr(self.listen))
+        announced = None if self.announce is None else announce_multiaddr(self.announce)
+        object.__setattr__(self, "announce_multiaddr", announced)
+        for name in ("startup_timeout", "rpc_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def hivemind_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for ``hivemind.DHT`` (forwarded to ``DHTNode.create`` and ``P2P.create``)."""
+        kwargs: dict[str, object] = dict(
+            initial_peers=list(self.initial_peers),
+            host_maddrs=[self.host_multiaddr],
+            wait_timeout=self.rpc_timeout.total_seconds(),
+            # Contact only the given addresses: no UPnP/NAT-PMP, no AutoNAT probing, no relays.
+            nat_port_map=False,
+            auto_nat=False,
+            force_reachability="public",
+            use_relay=False,
+            use_auto_relay=False,
+            use_ipfs=False,
+        )
+        if self.announce_multiaddr is not None:
+            kwargs["announce_maddrs"] = [self.announce_multiaddr]
+        return kwargs
+
+
+@dataclass(frozen=True)
+class DhtEntry:
+    """A value found in the DHT and the (DHT-clock) time it expires.
+
+    For a key stored with subkeys, ``value`` is ``{subkey: DhtEntry}``.
+    """
+
+    value: object
+    expiration_time: float
+
+
+class DhtNode:
+    """A running hivemind DHT peer; see the module docstring. Use as a context manager or call ``shutdown``."""
+
+    def __init__(self, config: DhtConfig) -> None:
+        self.config = config
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._dht = DHT(
+            start=True,
+            await_ready=False,
+            shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),
+            **config.hivemind_kwargs(),
+        )
+        try:
+            self._dht.wait_until_ready(timeout=config.startup_timeout.total_seconds())
+        except TimeoutError:
+            _kill_dht_process(self._dht, grace=timedelta(0))
+            raise DhtStartupError(
+                f"the DHT peer did not start within {config.startup_timeout}; {_joining(config)}"
+            ) from None
+        except Exception as error:  # hivemind raises P2PDaemonError, RuntimeError, ...: all mean "no start"
+            _kill_dht_process(self._dht, grace=_SHUTDOWN_GRACE)
+            raise DhtStartupError(f"the DHT peer failed to start ({error}); {_joining(config)}") from error
+        try:
+            self._peer_id = str(self._call(_peer_id, config.rpc_timeout, "peer id"))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's libp2p identity (base58), the subkey its records are stored under."""
+        return self._peer_id
+
+    @property
+    def pid(self) -> int | None:
+        """The DHT process id (its p2p daemon is a child of it)."""
+        return self._dht.pid
+
+    def is_alive(self) -> bool:
+        return not self._closed and self._dht.is_alive()
+
+    def visible_multiaddrs(self, timeout: timedelta | None = None) -> list[str]:
+        """Addresses others can pass to ``--peers``, each ending in ``/p2p/<peer id>``."""
+        addresses = self._call(_visible_multiaddrs, timeout or self.config.rpc_timeout, "visible multiaddrs")
+        assert isinstance(addresses, list)  # what _visible_multiaddrs returns
+        return [str(address) for address in addresses]
+
+    def store(
+        self,
+        key: str,
+        value: object,
+        *,
+        expiration_time: float,
+        subkey: str | None = None,
+        timeout: timedelta,
+    ) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` on the DHT clock.
+
+        Returns False if no peer accepted it, for instance because a value with a later expiration
+        is already there (the DHT keeps, per key/subkey, the value that expires last).
+        """
+        with self._send_lock:
+            self._check_open()
+            future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
+        return bool(_wait(future, timeout, f"store of {key!r}"))
+
+    def get(self, key: str, *, latest: bool, timeout: timedelta) -> DhtEntry | None:
+        """The unexpired value under ``key``, or None.
+
+        ``latest=False`` stops at the first peer that has *a* value (possibly a cached copy with only
+        some subkeys); ``latest=True`` asks every peer near the key and merges their subkeys, keeping
+        the latest expiration of each: use it to list all live subkeys.
+        """
+        with self._send_lock:
+            self._check_open()
+            future = self._dht.get(key, latest=latest, return_future=True)
+        found = _wait(future, timeout, f"get of {key!r}")
+        return None if found is None else _to_entry(found)
+
+    def shutdown(self) -> None:
+        """Stop the DHT node and its p2p daemon (killing them if they overrun the grace period)."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+        daemons = _child_pids(self._dht.pid)
+        self._dht.shutdown()  # asks the node to stop p2pd, waits the grace period, then terminates
+        _kill_leftover_daemons(daemons)
+
+    def __enter__(self) -> DhtNode:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DhtNodeClosed("the DHT node is shut down")
+
+    def _call(self, coroutine: object, timeout: timedelta, what: str) -> object:
+        with self._send_lock:
+            self._check_open()
+            future = self._dht.run_coroutine(coroutine, return_future=True)  # type: ignore[arg-type]
+        return _wait(future, timeout, what)
+
+
+# --- helpers run inside the DHT process (module-level so that they pickle by reference) ---
+
+
+async def _peer_id(_dht: DHT, node: DHTNode) -> str:
+    return node.peer_id.to_base58()
+
+
+async def _visible_multiaddrs(_dht: DHT, node: DHTNode) -> list[str]:
+    return [str(address) for address in await node.get_visible_maddrs(latest=True)]
+
+
+# --- helpers run in the caller ---
+
+
+def _joining(config: DhtConfig) -> str:
+    if not config.initial_peers:
+        return f"it was starting a new swarm listening on {config.host_multiaddr}"
+    return (
+        f"none of the initial peers {list(config.initial_peers)} could be reached; check that each "
+        "address is one a running peer printed and that its host and port are reachable from here"
+    )
+
+
+def _wait(future: Future[object], timeout: timedelta, what: str) -> object:
+    try:
+        return future.result(timeout=timeout.total_seconds())
+    except TimeoutError:
+        future.cancel()  # the DHT process finishes the request on its own; nobody waits for it
+        raise DhtCallTimeout(f"DHT {what} did not finish within {timeout}") from None
+
+
+def _to_entry(found: ValueWithExpiration) -> DhtEntry:
+    value = found.value
+    # hivemind returns a key stored with subkeys as {subkey: ValueWithExpiration}; a plain dict value
+    # (stored without subkey) has plain values and is passed through as it is.
+    if isinstance(value, dict) and all(isinstance(item, ValueWithExpiration) for item in value.values()):
+        value = {subkey: DhtEntry(item.value, float(item.expiration_time)) for subkey, item in value.items()}
+    return DhtEntry(value, float(found.expiration_time))
+
+
+def _child_pids(pid: int | None) -> list[int]:
+    """Children of ``pid`` (Linux ``/proc``); empty if it is gone or ``/proc`` is unavailable."""
+    if pid is None:
+        return []
+    children: list[int] = []
+    try:
+        for thread_id in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{thread_id}/children") as listing:
+                children.extend(int(child) for child in listing.read().split())
+    except (FileNotFoundError, ProcessLookupError):
+        logger.debug("process %s exited before its children were listed", pid)
+    return children
+
+
+def _is_live_daemon(pid: int) -> bool:
+    """Whether ``pid`` is still a running (not zombie) p2p daemon."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline, open(f"/proc/{pid}/stat") as stat:
+            is_daemon = b"p2pd" in cmdline.read().split(b"\0", 1)[0]
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return is_daemon and state != "Z"
+
+
+def _kill_leftover_daemons(pids: list[int], *, expected: bool = False) -> None:
+    """SIGKILL those of ``pids`` that are still running p2p daemons (``expected``: after a failed start)."""
+    for pid in pids:
+        if _is_live_daemon(pid):
+            level = logging.DEBUG if expected else logging.WARNING
+            logger.log(level, "p2p daemon %s outlived its DHT process; killing it", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                logger.debug("p2p daemon %s exited on its own", pid)
+
+
+def _kill_dht_process(dht: DHT, *, grace: timedelta) -> None:
+    """Stop a DHT process that failed to start: let it exit within ``grace``, then kill it and its daemon."""
+    daemons = _child_pids(dht.pid)
+    dht.join(grace.total_seconds())
+    if dht.is_alive():
+        daemons = sorted(set(daemons) | set(_child_pids(dht.pid)))
+        dht.kill()
+        dht.join(_SHUTDOWN_GRACE.total_seconds())
+    _kill_leftover_daemons(daemons, expected=True)

@@ -1,0 +1,104 @@
+"""DhtNode: address flags, announced addresses, bounded startup against unreachable peers, cleanup."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+from protocol.discovery import DhtConfig, DhtNode, DhtStartupError
+from protocol.discovery.addresses import announce_multiaddr, listen_multiaddr, parse_host_port
+from tests.protocol.discovery.support import live_processes_in_group, poll
+
+# A well-formed peer id nobody in these tests owns.
+NOBODY = "12D3KooWMuv7gDCCfsaTuAsYXbh7jikSCtJDwxVgxnrhuHCkbgV2"
+
+
+def our_daemons() -> set[int]:
+    """p2pd processes started from this test process (they share its process group)."""
+    return live_processes_in_group(os.getpgrp(), name="p2pd")
+
+
+def no_new_daemons(before: set[int]) -> set[int]:
+    """Daemons started since ``before`` that are still alive (after a short grace)."""
+    return poll(lambda: our_daemons() - before, lambda extra: not extra, within=timedelta(seconds=3))
+
+
+@pytest.mark.timeout(10)
+def test_address_flags() -> None:
+    assert parse_host_port("[::1]:80", flag="--listen") == ("::1", 80)
+    assert listen_multiaddr("127.0.0.1:0") == "/ip4/127.0.0.1/tcp/0"
+    assert listen_multiaddr("0.0.0.0:4100") == "/ip4/0.0.0.0/tcp/4100"
+    assert listen_multiaddr("[::1]:4100") == "/ip6/::1/tcp/4100"
+    assert announce_multiaddr("10.1.2.3:4100") == "/ip4/10.1.2.3/tcp/4100"
+    assert announce_multiaddr("peer_a.swarm:4100") == "/dns/peer_a.swarm/tcp/4100"
+    for bad in ("127.0.0.1", "127.0.0.1:70000", ":80", "host:port"):
+        with pytest.raises(ValueError, match="--listen"):
+            listen_multiaddr(bad)
+    with pytest.raises(ValueError, match="IP address"):
+        listen_multiaddr("localhost:80")
+    with pytest.raises(ValueError, match="not 0"):
+        announce_multiaddr("10.1.2.3:0")
+    with pytest.raises(ValueError, match="DNS name"):
+        announce_multiaddr("bad host!:80")
+
+
+@pytest.mark.timeout(10)
+def test_config_rejects_bad_peers_and_timeouts() -> None:
+    with pytest.raises(ValueError, match="lacks /p2p/"):
+        DhtConfig(initial_peers=("/ip4/127.0.0.1/tcp/4100",))
+    with pytest.raises(ValueError, match="not a multiaddr"):
+        DhtConfig(initial_peers=("127.0.0.1:4100",))
+    with pytest.raises(ValueError, match="not one string"):
+        DhtConfig(initial_peers=f"/ip4/127.0.0.1/tcp/1/p2p/{NOBODY}")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="startup_timeout"):
+        DhtConfig(startup_timeout=timedelta(0))
+    config = DhtConfig(initial_peers=(f"/ip4/127.0.0.1/tcp/1/p2p/{NOBODY}",))
+    assert (
+        config.hivemind_kwargs()["nat_port_map"] is False and config.hivemind_kwargs()["use_relay"] is False
+    )
+
+
+@pytest.mark.timeout(30)
+def test_announced_address_is_what_others_are_told_and_shutdown_stops_p2pd() -> None:
+    before = our_daemons()
+    with DhtNode(DhtConfig(listen="127.0.0.1:0", announce="127.0.0.1:4444")) as node:
+        assert node.visible_multiaddrs() == [f"/ip4/127.0.0.1/tcp/4444/p2p/{node.peer_id}"]
+        assert len(our_daemons() - before) == 1
+    assert not node.is_alive()
+    assert not no_new_daemons(before)
+
+
+@pytest.mark.timeout(30)
+def test_joining_a_peer_nobody_listens_for_fails_fast_and_clearly() -> None:
+    with socket.socket() as probe:  # a loopback port that was free a moment ago and has no listener
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{NOBODY}"
+    before = our_daemons()
+    started = time.monotonic()
+    with pytest.raises(DhtStartupError, match="could be reached") as failure:
+        DhtNode(DhtConfig(initial_peers=(address,), startup_timeout=timedelta(seconds=10)))
+    elapsed = time.monotonic() - started
+    assert address in str(failure.value)
+    assert elapsed < 10.0
+    assert not no_new_daemons(before)
+
+
+@pytest.mark.timeout(30)
+def test_startup_deadline_holds_against_a_peer_that_never_answers() -> None:
+    before = our_daemons()
+    with socket.socket() as silent:  # accepts TCP connections (the kernel does) but never speaks
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{NOBODY}"
+        started = time.monotonic()
+        with pytest.raises(DhtStartupError, match="did not start within 0:00:02") as failure:
+            DhtNode(DhtConfig(initial_peers=(address,), startup_timeout=timedelta(seconds=2)))
+        elapsed = time.monotonic() - started
+    assert address in str(failure.value)
+    assert elapsed < 2.0 + 4.0  # the deadline, plus killing the DHT process and its daemon
+    assert not no_new_daemons(before)
