@@ -16,8 +16,14 @@ Phase 2 (matchmaking): every peer asks for a group of exactly ``--num-peers`` (`
 Phase 3 (all-reduce): hivemind's butterfly all-reduce averages a flat fp32 vector of ``--elements``
     values with the chosen codec (``none`` / ``fp16`` / ``int8`` = ``NoCompression`` /
     ``Float16Compression`` / ``Uniform8BitQuantization``).
-Phase 4 (check): the peer regenerates every peer's vector from ``(seed, index)`` — the same rule the
-    dtnode worker uses — and compares its result with ``torch.stack(vectors).mean(0)``.
+Phase 4 (check): the peer regenerates every peer's vector and compares its result with torch's exact
+    mean ``torch.stack(vectors).mean(0)``, taken one generation block at a time so no peer ever holds
+    all ``n`` vectors.
+
+Vectors come from ``scripts/allreduce_worker.py``'s generator (imported, not copied): peer ``i``'s
+vector is ``make_vector(seed, i, vector_round, E)``, a function of ``(seed, index, round)`` only. With
+the same ``--seed`` and ``--vector-round`` both baselines therefore average bit-identical inputs, e.g.
+this script's single step and round 0 of the dtnode worker.
 
 hivemind may fail *silently*: when a codec raises inside the all-reduce (its 8-bit codecs do under
 numpy >= 2.4) the averager logs the error and leaves (part of) the tensor un-averaged. ``averaged_ok``
@@ -46,6 +52,12 @@ from types import FrameType
 
 import torch
 
+# This file runs as a script, so its directory is not a package: make the sibling worker importable
+# also when the file is loaded by path (tests) rather than run (``python scripts/hivemind_worker.py``).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from allreduce_worker import GENERATION_BLOCK, make_vector, vector_block  # noqa: E402
+
 CODECS = ("none", "fp16", "int8")
 RENDEZVOUS_FILE_NAME = "hivemind_initial_peers.txt"
 # An un-averaged chunk keeps relative error 1.0 (it still equals the peer's own values); int8 leaves
@@ -55,16 +67,24 @@ NUM_CHECK_CHUNKS = 1000
 TIMEOUT_EXIT_CODE = 124
 
 
-def make_peer_vector(seed: int, index: int, num_elements: int) -> torch.Tensor:
-    """The vector peer ``index`` contributes; the dtnode worker uses exactly this rule. # (E,)"""
-    generator = torch.Generator().manual_seed(seed * 1000 + index)
-    return torch.randn(num_elements, generator=generator)
+def make_peer_vector(seed: int, index: int, vector_round: int, num_elements: int) -> torch.Tensor:
+    """The vector peer ``index`` contributes: the dtnode worker's own generator. # (E,)"""
+    return make_vector(seed, index, vector_round, num_elements)
 
 
-def exact_mean(seed: int, num_peers: int, num_elements: int) -> torch.Tensor:
-    """The reference answer: torch's mean over every peer's regenerated vector. # (E,)"""
-    vectors = torch.stack([make_peer_vector(seed, index, num_elements) for index in range(num_peers)])
-    return vectors.mean(dim=0)  # (n, E) -> (E,)
+def exact_mean(seed: int, num_peers: int, vector_round: int, num_elements: int) -> torch.Tensor:
+    """The reference answer: torch's mean over every peer's regenerated vector. # (E,)
+
+    Computed per generation block (``torch.stack(blocks).mean(0)``): the mean over dim 0 is taken
+    element by element, so this equals the mean of the stacked full vectors while holding only ``n``
+    blocks instead of ``n`` vectors (8 peers x 25M numbers would be 800 MB per peer).
+    """
+    reference = torch.empty(num_elements)
+    for block in range((num_elements + GENERATION_BLOCK - 1) // GENERATION_BLOCK):
+        pieces = [vector_block(seed, i, vector_round, block, num_elements) for i in range(num_peers)]
+        start = block * GENERATION_BLOCK
+        reference[start : start + pieces[0].numel()] = torch.stack(pieces).mean(dim=0)  # (n, b) -> (b,)
+    return reference
 
 
 def is_really_averaged(averaged: torch.Tensor, original: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -125,7 +145,9 @@ class WorkerConfig:
     codec: str
     """Wire codec: one of ``CODECS``."""
     seed: int
-    """Run seed; peer i's vector is ``randn(E)`` seeded with ``seed * 1000 + i``."""
+    """Run seed; peer i's vector is ``allreduce_worker.make_vector(seed, i, vector_round, E)``."""
+    vector_round: int
+    """Round number fed to the vector generator: the dtnode worker's round whose inputs we average."""
     rendezvous_dir: Path
     """Fresh directory shared by all peers: peer 0 publishes its multiaddrs there, all peers a ready flag."""
     host: str
@@ -146,6 +168,8 @@ class WorkerConfig:
             raise ValueError(f"--num-peers must be >= 2, got {self.num_peers}")
         if not 0 <= self.index < self.num_peers:
             raise ValueError(f"--index must be in [0, {self.num_peers}), got {self.index}")
+        if self.vector_round < 0:
+            raise ValueError(f"--vector-round must be >= 0, got {self.vector_round}")
         if self.num_elements < 1:
             raise ValueError(f"--elements must be >= 1, got {self.num_elements}")
         if self.codec not in CODECS:
@@ -168,6 +192,8 @@ class StepReport:
     relative_l2_error: float | None = None
     """||result - mean|| / ||own vector - mean||: 0 when exact, 1 when hivemind left the vector untouched."""
     group_size: int = 0
+    baseline_rss_bytes: int = 0
+    """Peak RSS of this (main) process with hivemind imported, before the vector exists."""
     peak_rss_bytes: int = 0
     """Peak RSS of this (main) process, measured right after the step, before the reference check."""
     peak_rss_children_bytes: int = 0
@@ -239,7 +265,8 @@ def run_worker(config: WorkerConfig, report: StepReport) -> None:
     """Phases 1-4 of the module docstring; fills ``report`` as it goes so a failure keeps partial data."""
     import hivemind
 
-    own_vector = make_peer_vector(config.seed, config.index, config.num_elements)  # (E,)
+    report.baseline_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    own_vector = make_peer_vector(config.seed, config.index, config.vector_round, config.num_elements)  # (E,)
     averaged = own_vector.clone()  # hivemind averages this one in place (shared memory)
     initial_peers = None
     if config.index == 0 and (config.rendezvous_dir / RENDEZVOUS_FILE_NAME).exists():
@@ -304,7 +331,7 @@ def run_worker(config: WorkerConfig, report: StepReport) -> None:
 
     if config.save_result is not None:
         torch.save(result, config.save_result)
-    reference = exact_mean(config.seed, config.num_peers, config.num_elements)  # (E,)
+    reference = exact_mean(config.seed, config.num_peers, config.vector_round, config.num_elements)  # (E,)
     report.max_abs_error = float((result - reference).abs().max())
     report.relative_l2_error = float((result - reference).norm() / (own_vector - reference).norm())
     report.averaged_ok = report.group_size == config.num_peers and is_really_averaged(
@@ -336,7 +363,10 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     parser.add_argument("--num-peers", type=int, required=True, help="group size every peer waits for")
     parser.add_argument("--elements", type=int, required=True, help="length of the averaged fp32 vector")
     parser.add_argument("--codec", choices=CODECS, default="none", help="hivemind wire codec")
-    parser.add_argument("--seed", type=int, default=0, help="vector of peer i is seeded with seed*1000+i")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the vectors (allreduce_worker's rule)")
+    parser.add_argument(
+        "--vector-round", type=int, default=0, help="average the dtnode worker's inputs of this round"
+    )
     parser.add_argument("--rendezvous", type=Path, required=True, help="shared dir for peer 0's multiaddrs")
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address the DHT / p2p daemon binds to")
     parser.add_argument(
@@ -355,6 +385,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         num_elements=args.elements,
         codec=args.codec,
         seed=args.seed,
+        vector_round=args.vector_round,
         rendezvous_dir=args.rendezvous,
         host=args.host,
         matchmaking_time=datetime.timedelta(seconds=args.matchmaking_seconds),

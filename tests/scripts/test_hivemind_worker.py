@@ -6,6 +6,7 @@ under library versions we do not install.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -17,20 +18,40 @@ import torch
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script
 
 hivemind_worker = load_script("hivemind_worker")
+allreduce_worker = load_script("allreduce_worker")
 
 
-def test_peer_vector_follows_the_shared_seeding_rule() -> None:
-    # The dtnode worker regenerates peers' vectors with this exact rule; a change breaks comparisons.
-    expected = torch.randn(100, generator=torch.Generator().manual_seed(7 * 1000 + 3))
-    torch.testing.assert_close(hivemind_worker.make_peer_vector(7, 3, 100), expected, rtol=0, atol=0)
-    assert not torch.equal(
-        hivemind_worker.make_peer_vector(7, 3, 100), hivemind_worker.make_peer_vector(7, 4, 100)
-    )
+def hand_seeded_vector(seed: int, index: int, vector_round: int, num_elements: int) -> torch.Tensor:
+    """The shared rule written out by hand: 2^20-number blocks, each seeded from sha256("s:i:r:block")."""
+    blocks = []
+    for block, start in enumerate(range(0, num_elements, 1 << 20)):
+        digest = hashlib.sha256(f"{seed}:{index}:{vector_round}:{block}".encode()).digest()
+        block_seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        size = min(1 << 20, num_elements - start)
+        blocks.append(torch.randn(size, generator=torch.Generator().manual_seed(block_seed)))
+    return torch.cat(blocks)
+
+
+def test_peer_vector_is_the_dtnode_workers_vector() -> None:
+    # Both baselines must average bit-identical inputs; 1.5M numbers span two generation blocks.
+    num_elements = 1_500_000
+    vector = hivemind_worker.make_peer_vector(7, 3, 2, num_elements)
+    torch.testing.assert_close(vector, hand_seeded_vector(7, 3, 2, num_elements), rtol=0, atol=0)
+    torch.testing.assert_close(vector, allreduce_worker.make_vector(7, 3, 2, num_elements), rtol=0, atol=0)
+    assert not torch.equal(vector, hivemind_worker.make_peer_vector(7, 4, 2, num_elements))
+    assert not torch.equal(vector, hivemind_worker.make_peer_vector(7, 3, 1, num_elements))
+
+
+def test_blockwise_exact_mean_equals_torch_mean_of_the_stacked_vectors() -> None:
+    num_elements = 1_300_000  # a full block and a partial one
+    vectors = torch.stack([hand_seeded_vector(4, i, 1, num_elements) for i in range(3)])
+    expected = vectors.mean(dim=0)
+    torch.testing.assert_close(hivemind_worker.exact_mean(4, 3, 1, num_elements), expected, rtol=0, atol=0)
 
 
 def test_averaging_check_accepts_the_mean_and_codec_noise_but_not_leftovers() -> None:
-    own = hivemind_worker.make_peer_vector(0, 0, 10_000)
-    reference = hivemind_worker.exact_mean(0, 2, 10_000)
+    own = hivemind_worker.make_peer_vector(0, 0, 0, 10_000)
+    reference = hivemind_worker.exact_mean(0, 2, 0, 10_000)
     spread = (own - reference).abs().mean()
     assert hivemind_worker.is_really_averaged(reference.clone(), own, reference)
     noisy = reference + 0.05 * spread * torch.randn(10_000, generator=torch.Generator().manual_seed(1))
@@ -46,7 +67,12 @@ def test_averaging_check_accepts_the_mean_and_codec_noise_but_not_leftovers() ->
 
 def test_config_rejects_user_mistakes(tmp_path: Path) -> None:
     base = ["--num-peers", "2", "--elements", "10", "--rendezvous", str(tmp_path)]
-    for bad in (["--index", "2"], ["--index", "0", "--num-peers", "1"], ["--index", "0", "--elements", "0"]):
+    for bad in (
+        ["--index", "2"],
+        ["--index", "0", "--num-peers", "1"],
+        ["--index", "0", "--elements", "0"],
+        ["--index", "0", "--vector-round", "-1"],
+    ):
         with pytest.raises(ValueError):
             hivemind_worker.parse_args([*base, *bad])
 
@@ -61,7 +87,8 @@ def test_two_peers_on_loopback_average_exactly(tmp_path: Path) -> None:
                 sys.executable,
                 str(SCRIPTS_DIR / "hivemind_worker.py"),
                 *["--index", str(index), "--num-peers", "2", "--elements", str(num_elements)],
-                *["--codec", "none", "--seed", str(seed), "--rendezvous", str(rendezvous)],
+                *["--codec", "none", "--seed", str(seed), "--vector-round", "1"],
+                *["--rendezvous", str(rendezvous)],
                 *[
                     "--host",
                     "127.0.0.1",
@@ -85,15 +112,13 @@ def test_two_peers_on_loopback_average_exactly(tmp_path: Path) -> None:
     assert [worker.returncode for worker in workers] == [0, 0]
 
     # Independent reference, built here from the seeding rule.
-    vectors = [
-        torch.randn(num_elements, generator=torch.Generator().manual_seed(seed * 1000 + i)) for i in range(2)
-    ]
+    vectors = [hand_seeded_vector(seed, i, 1, num_elements) for i in range(2)]
     expected = torch.stack(vectors).mean(dim=0)
     for index, output in enumerate(outputs):
         report = json.loads(output.strip().splitlines()[-1])
         assert report["index"] == index and report["error"] is None
         assert report["averaged_ok"] and report["group_size"] == 2
         assert report["max_abs_error"] < 1e-5
-        assert report["seconds"] > 0 and report["peak_rss_bytes"] > 0
+        assert report["seconds"] > 0 and report["peak_rss_bytes"] >= report["baseline_rss_bytes"] > 0
         result = torch.load(tmp_path / f"result_{index}.pt")
         torch.testing.assert_close(result, expected, rtol=0, atol=1e-5)

@@ -1,0 +1,208 @@
+"""One member's all-reduce round: reduce-scatter then all-gather, with failover along backup chains.
+
+    Phase 1, reduce-scatter: for every part k, push our weighted contribution (encoded chunk by chunk)
+             to k's owner; meanwhile our own part is reduced from everyone's pushes (RoundState).
+    Phase 2, all-gather:     pull every part's encoded average from whoever decided it and decode it
+             straight into our result; our own part we decode from the bytes we decided.
+
+All parts run concurrently, so encoding, sending, reducing and decoding overlap. For each part the
+member walks the part's chain (owner, then the next members): a member that is gone or stalled is
+skipped, and the next one gets our contribution again and is asked for the average; when the chain
+reaches us we take the part over ourselves. If some part cannot be had before the deadline, we fall
+back to our own vector and say so; the call always returns by its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from protocol.allreduce.client import PeerFailed, PushOutcome, pull_average, push_contribution
+from protocol.allreduce.faults import check_fault
+from protocol.allreduce.parts import PartRole, remaining
+from protocol.allreduce.reducer import ReducedPart
+from protocol.allreduce.registry import RoundRegistry
+from protocol.allreduce.round import RoundState
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceResult:
+    """What one member got out of a round."""
+
+    averaged: torch.Tensor
+    """(E,) fp32: per part, sum(w_i x_i) / sum(w_i) over that part's contributors; our own vector if fell_back."""
+    contributors: list[list[str]]
+    """Per part, the peer ids whose contributions were averaged (identical on every member that did not fall back)."""
+    producers: list[str | None]
+    """Per part, the peer id that reduced it (its owner, or the backup that took it over)."""
+    fell_back: bool
+    """True if some part could not be had in time, so `averaged` is a copy of our own vector."""
+    failures: list[str]
+    """Human-readable account of every peer we lost, contribution left out, part moved or refused."""
+    bytes_sent: int
+    """Wire bytes (serialized messages) this member sent for the round, as of returning."""
+    bytes_recv: int
+    """Wire bytes this member received for the round, as of returning."""
+    seconds: float
+    """Wall-clock duration of the call."""
+
+
+@dataclass(frozen=True)
+class _PartOutcome:
+    producer_index: int
+    contributor_indices: tuple[int, ...]
+
+
+async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch.Tensor) -> None:
+    """Decode the bytes we decided (or hold as a replica) into our result, like any puller would."""
+    start = state.group.part_bounds[reduced.part_index]
+
+    def decode() -> None:
+        offset = start
+        for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+            state.codec.decode_into(payload, output[offset : offset + size])
+            offset += size
+
+    await asyncio.get_running_loop().run_in_executor(state.executor, decode)
+
+
+async def _pull_or_use_replica(
+    state: RoundState,
+    target: int,
+    part_index: int,
+    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+    output: torch.Tensor,
+) -> _PartOutcome:
+    """Pull the part from `target`, unless its producer hands us the replica first (then use that copy).
+
+    The first live member after the owner receives the decided bytes as a replica before anyone may
+    pull them, so pulling them again would only duplicate traffic.
+    """
+    part = state.parts[part_index]
+    pull = asyncio.ensure_future(
+        pull_average(state, target, part_index, state.all_gather_deadline, decode_chunk)
+    )
+    replica = asyncio.ensure_future(
+        state.pulse.wait_for(lambda: part.role is PartRole.DECIDED, remaining(state.all_gather_deadline))
+    )
+    try:
+        await asyncio.wait({pull, replica}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        replica.cancel()
+    if not pull.done() and part.decided is not None:
+        pull.cancel()
+        with contextlib.suppress(asyncio.CancelledError, PeerFailed):
+            await pull
+    try:
+        header = await pull
+    except (asyncio.CancelledError, PeerFailed):
+        # The producer answers "you hold the replica" (or we cancelled the pull): use our copy.
+        if part.decided is None:
+            raise
+        await _decode_reduced(state, part.decided, output)
+        return _PartOutcome(part.decided.producer_index, part.decided.contributor_indices)
+    return _PartOutcome(header.producer_index, tuple(header.contributor_indices))
+
+
+async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor) -> _PartOutcome | None:
+    """Get the decided average of one part into `output`, walking the part's chain; None if impossible."""
+    loop = asyncio.get_running_loop()
+    start = state.group.part_bounds[part_index]
+    me = state.my_index
+
+    async def decode_chunk(offset: int, size: int, payload: bytes) -> None:
+        target = output[start + offset : start + offset + size]
+        await loop.run_in_executor(state.executor, state.codec.decode_into, payload, target)
+
+    for position, target in enumerate(state.group.chain(part_index)):
+        if target == me:
+            reduced = await state.wait_decided(part_index, state.all_gather_deadline)
+            if reduced is not None:
+                await _decode_reduced(state, reduced, output)
+                state.note_holder(part_index, me)
+                return _PartOutcome(reduced.producer_index, reduced.contributor_indices)
+            if state.parts[part_index].role is PartRole.MOVED:
+                continue
+            state.record_failure(f"part {part_index} was not decided before the deadline")
+            return None
+        if target in state.failed:
+            continue
+        # Our first push goes to the owner within the reduce-scatter phase; a resend to a backup may
+        # take until the all-gather deadline (the backup applies its own, shorter, deadline).
+        push_deadline = state.reduce_scatter_deadline if position == 0 else state.all_gather_deadline
+        outcome, detail = await push_contribution(state, target, part_index, push_deadline)
+        if outcome is PushOutcome.FAILED:
+            state.mark_failed(target, f"push of part {part_index}: {detail}")
+            continue
+        if outcome is PushOutcome.MOVED:
+            continue
+        if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
+            state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
+        try:
+            outcome_of_pull = await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
+        except PeerFailed as error:
+            if not error.moved:
+                state.mark_failed(target, f"pull of part {part_index}: {error}")
+            continue
+        return outcome_of_pull
+    state.record_failure(f"no member of part {part_index}'s chain could serve it")
+    return None
+
+
+async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduceResult:
+    """Run the round described by `state` to completion (or to its deadline)."""
+    group, me = state.group, state.my_index
+    registry.open(state)
+    try:
+        output = torch.empty_like(state.vector)  # (E,)
+        if group.part_num_elements(me) > 0:
+            state.start_owner(output)
+        check_fault(state.fault_plan, "round_open", state.round_id)
+        tasks = {
+            part_index: asyncio.ensure_future(_gather_part(state, part_index, output))
+            for part_index in range(group.num_members)
+            if group.part_num_elements(part_index) > 0
+        }
+        if tasks:
+            _, pending = await asyncio.wait(tasks.values(), timeout=remaining(state.deadline))
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+                state.record_failure(f"{len(pending)} part(s) not gathered before the deadline")
+        outcomes = {k: t.result() if not t.cancelled() else None for k, t in tasks.items()}
+        fell_back = any(outcome is None for outcome in outcomes.values())
+        peer_ids = [m.peer_id for m in group.members]
+        if fell_back:
+            averaged = state.vector.clone()
+            contributors = [[peer_ids[me]] for _ in range(group.num_members)]
+            producers: list[str | None] = [peer_ids[me]] * group.num_members
+            state.record_failure("fell back to our own vector")
+        else:
+            averaged = output
+            contributors = [
+                [peer_ids[i] for i in outcomes[k].contributor_indices] if k in outcomes else []  # type: ignore[union-attr]
+                for k in range(group.num_members)
+            ]
+            producers = [
+                peer_ids[outcomes[k].producer_index] if k in outcomes else None  # type: ignore[union-attr]
+                for k in range(group.num_members)
+            ]
+        check_fault(state.fault_plan, "round_done", state.round_id)
+        return AllReduceResult(
+            averaged=averaged,
+            contributors=contributors,
+            producers=producers,
+            fell_back=fell_back,
+            failures=list(state.failures),
+            bytes_sent=state.bytes_sent,
+            bytes_recv=state.bytes_recv,
+            seconds=time.monotonic() - state.started,
+        )
+    finally:
+        registry.finished(state)

@@ -1,0 +1,293 @@
+"""The calling side of the wire contract: push a contribution, push a replica, pull an average.
+
+Each function streams one part to or from one peer and turns every way that can go wrong into an
+outcome the caller can act on: a peer that is gone or stalled (walk on along the part's backup
+chain), a part that moved to a backup (walk on), or a refusal that the next peer would repeat
+(stay). Writes are bounded by the phase deadline; frozen peers are caught by gRPC keepalive, and
+pulls by the owner's heartbeats (a pull with no message for `stall_timeout` is a stalled owner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import grpc.aio
+
+from protocol.allreduce.faults import check_fault
+from protocol.allreduce.reducer import ReducedPart
+from protocol.codecs import CodecError
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from protocol.allreduce.round import RoundState
+
+# Statuses after which asking the next member of the chain cannot help: the refusal is about us.
+_REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class PushOutcome(enum.Enum):
+    DELIVERED = "delivered"  # the target holds our contribution (or already decided without needing it)
+    REFUSED = "refused"  # the target rejected it; another member would too; we are left out
+    LATE = "late"  # the phase deadline passed mid-push; the target is alive, we are left out
+    MOVED = "moved"  # the target handed the part to a backup: walk on
+    FAILED = "failed"  # the target is gone or stalled: walk on
+
+
+class PeerFailed(Exception):
+    """A peer did not serve what we asked for; `moved` means it is alive but the part went to a backup."""
+
+    def __init__(self, message: str, *, moved: bool = False) -> None:
+        super().__init__(message)
+        self.moved = moved
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _code_of(error: BaseException) -> grpc.StatusCode | None:
+    return error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+
+
+async def _final_status(call: grpc.aio.Call, error: BaseException) -> tuple[grpc.StatusCode | None, str]:
+    """The status of a call that raised: a write on a call the server already ended raises a non-RPC error."""
+    code = _code_of(error)
+    if code is not None:
+        return code, error.details() or ""  # type: ignore[attr-defined]
+    if call.done():
+        return await call.code(), await call.details()
+    return None, repr(error)
+
+
+class PeerClient:
+    """One gRPC channel per peer address, with the explicit limits of AllReduceConfig."""
+
+    def __init__(self, options: list[tuple[str, int]]) -> None:
+        self._options = options
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> pb_grpc.AllReduceStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+        return pb_grpc.AllReduceStub(self._channels[address])
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        await asyncio.gather(*(channel.close(grace=None) for channel in channels.values()))
+
+
+class _Stalled(Exception):
+    """The peer made no progress for the stall timeout."""
+
+
+async def _write(call: grpc.aio.StreamStreamCall, message: object, deadline: float, stall: float) -> None:
+    """One write; _Stalled if flow control blocks it for `stall` seconds, TimeoutError at the deadline."""
+    if _remaining(deadline) <= 0:
+        raise TimeoutError
+    try:
+        async with asyncio.timeout(min(stall, _remaining(deadline))):
+            await call.write(message)
+    except TimeoutError as error:
+        if _remaining(deadline) <= 0:
+            raise
+        raise _Stalled(f"a write blocked for {stall:.1f}s") from error
+
+
+async def _read_reply(call: grpc.aio.StreamStreamCall, deadline: float, stall: float) -> str:
+    """The kind of the receiver's next reply, skipping heartbeats; its status is raised if it ended the call."""
+    while True:
+        if _remaining(deadline) <= 0:
+            raise TimeoutError
+        try:
+            async with asyncio.timeout(min(stall, _remaining(deadline))):
+                reply = await call.read()
+        except TimeoutError as error:
+            if _remaining(deadline) <= 0:
+                raise
+            raise _Stalled(f"no answer for {stall:.1f}s") from error
+        if reply is grpc.aio.EOF:
+            code, details = await call.code(), await call.details()
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        kind = reply.WhichOneof("body")
+        if kind != "still_working":
+            return kind
+
+
+def _classify_push_error(code: grpc.StatusCode | None, details: str) -> tuple[PushOutcome, str]:
+    if code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OK):
+        return PushOutcome.DELIVERED, details
+    if code in _REFUSALS:
+        return PushOutcome.REFUSED, f"{code.name}: {details}"  # type: ignore[union-attr]
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return PushOutcome.LATE, details
+    if code is grpc.StatusCode.ABORTED:
+        return PushOutcome.MOVED, details
+    return PushOutcome.FAILED, f"{code.name if code else 'error'}: {details}"
+
+
+async def push_contribution(
+    round_state: RoundState, target: int, part_index: int, deadline: float
+) -> tuple[PushOutcome, str]:
+    """Stream our contribution to `part_index` to member `target`; return what happened and why.
+
+    The call is a handshake: header; wait for the receiver's go-ahead (it heartbeats while it must
+    wait); the chunks; wait for its receipt. A receiver silent or blocking a write for the stall
+    timeout counts as stalled (FAILED); reaching the deadline means our contribution is LATE.
+    """
+    state = round_state
+    stall = state.config.stall_timeout.total_seconds()
+    stub = state.client.stub(state.group.members[target].address)
+    header = pb.ContributionHeader(
+        round=state.round_ref(),
+        part_index=part_index,
+        codec=state.codec.spec(),
+        num_elements=state.group.part_num_elements(part_index),
+        weight=state.weight,
+    )
+    call = stub.PushContribution(timeout=_remaining(deadline) + 1.0)
+    try:
+        message = pb.ContributionMessage(header=header)
+        await _write(call, message, deadline, stall)
+        state.bytes_sent += message.ByteSize()
+        answer = await _read_reply(call, deadline, stall)
+        if answer == "already_decided":
+            await call.done_writing()
+            return PushOutcome.DELIVERED, "already decided"
+        if answer != "send_chunks":
+            call.cancel()
+            return PushOutcome.FAILED, f"receiver answered our header with {answer}"
+        offset = 0
+        for chunk_index, size in enumerate(state.source.chunk_sizes(part_index)):
+            payload = await state.source.payload(part_index, chunk_index)
+            message = pb.ContributionMessage(
+                chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
+            )
+            await _write(call, message, deadline, stall)
+            state.bytes_sent += message.ByteSize()
+            offset += size
+            check_fault(state.fault_plan, "push_chunk", state.group.round_id, chunk_index)
+        await call.done_writing()
+        answer = await _read_reply(call, deadline, stall)
+    except TimeoutError:
+        call.cancel()
+        return PushOutcome.LATE, "the deadline passed while pushing"
+    except _Stalled as error:
+        call.cancel()
+        return PushOutcome.FAILED, f"stalled: {error}"
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+        return _classify_push_error(*(await _final_status(call, error)))
+    if answer != "receipt":
+        return PushOutcome.FAILED, f"receiver answered our chunks with {answer}"
+    return PushOutcome.DELIVERED, ""
+
+
+async def push_replica(round_state: RoundState, target: int, reduced: ReducedPart, deadline: float) -> None:
+    """Hand member `target` a copy of our decided average; PeerFailed(moved=True) if it took the part over."""
+    state = round_state
+    stall = state.config.stall_timeout.total_seconds()
+    stub = state.client.stub(state.group.members[target].address)
+    header = pb.ReplicaHeader(round=state.round_ref(), average=state.average_header(reduced))
+    call = stub.PushReplica(timeout=_remaining(deadline) + 1.0)
+    try:
+        message = pb.ReplicaMessage(header=header)
+        await _write(call, message, deadline, stall)
+        state.bytes_sent += message.ByteSize()
+        if (answer := await _read_reply(call, deadline, stall)) != "send_chunks":
+            raise PeerFailed(f"replica receiver answered our header with {answer}")
+        offset = 0
+        for chunk_index, (size, payload) in enumerate(
+            zip(reduced.chunk_sizes, reduced.payloads, strict=True)
+        ):
+            message = pb.ReplicaMessage(
+                chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
+            )
+            await _write(call, message, deadline, stall)
+            state.bytes_sent += message.ByteSize()
+            offset += size
+            check_fault(state.fault_plan, "replica_chunk", state.group.round_id, chunk_index)
+        await call.done_writing()
+        if (answer := await _read_reply(call, deadline, stall)) != "receipt":
+            raise PeerFailed(f"replica receiver answered our chunks with {answer}")
+    except (TimeoutError, _Stalled) as error:
+        call.cancel()
+        raise PeerFailed(f"replica hand-off stalled or ran out of time: {error!r}") from error
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+        code, details = await _final_status(call, error)
+        if code in (grpc.StatusCode.OK, grpc.StatusCode.ALREADY_EXISTS):
+            return
+        raise PeerFailed(
+            f"{code.name if code else 'error'}: {details}", moved=code is grpc.StatusCode.ABORTED
+        ) from error
+    except PeerFailed:
+        call.cancel()
+        raise
+
+
+async def pull_average(
+    round_state: RoundState,
+    target: int,
+    part_index: int,
+    deadline: float,
+    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+) -> pb.AverageHeader:
+    """Pull the average of `part_index` from member `target`, calling decode_chunk(offset, size, payload).
+
+    Raises PeerFailed if the target is gone, stalls, sends malformed data, or says the part moved.
+    """
+    state = round_state
+    stub = state.client.stub(state.group.members[target].address)
+    request = pb.PullAverageRequest(round=state.round_ref(), part_index=part_index)
+    stall_seconds = state.config.stall_timeout.total_seconds()
+    call = stub.PullAverage(request, timeout=_remaining(deadline) + 1.0)
+    state.bytes_sent += request.ByteSize()
+    header: pb.AverageHeader | None = None
+    received = 0
+    chunk_index = 0
+    try:
+        while True:
+            if _remaining(deadline) <= 0:
+                raise PeerFailed("the all-gather deadline passed")
+            try:
+                async with asyncio.timeout(min(stall_seconds, _remaining(deadline))):
+                    message = await call.read()
+            except TimeoutError as error:
+                raise PeerFailed(f"no message for {stall_seconds:.1f}s: stalled") from error
+            if message is grpc.aio.EOF:
+                break
+            state.bytes_recv += message.ByteSize()
+            kind = message.WhichOneof("body")
+            if kind == "header":
+                header = message.header
+                state.check_average_header(header, part_index)
+            elif kind == "chunk":
+                chunk = message.chunk
+                if header is None or chunk.offset != received or chunk.num_elements <= 0:
+                    raise PeerFailed("malformed average stream: chunk out of order or before the header")
+                if received + chunk.num_elements > header.num_elements:
+                    raise PeerFailed("malformed average stream: more numbers than the part holds")
+                await decode_chunk(chunk.offset, chunk.num_elements, chunk.payload)
+                received += chunk.num_elements
+                check_fault(state.fault_plan, "pull_chunk", state.group.round_id, chunk_index)
+                chunk_index += 1
+    except grpc.aio.AioRpcError as error:
+        moved = error.code() is grpc.StatusCode.ABORTED
+        raise PeerFailed(f"{error.code().name}: {error.details()}", moved=moved) from error
+    except (CodecError, ValueError) as error:
+        raise PeerFailed(f"bad average data: {error}") from error
+    finally:
+        if not call.done():
+            call.cancel()
+    if header is None or received != header.num_elements:
+        raise PeerFailed(f"average stream ended early: {received} numbers")
+    return header

@@ -1,0 +1,88 @@
+"""Knobs of the all-reduce: chunking, message limits, timeouts and memory bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+"""Room for a chunk's protobuf framing on top of its payload."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceConfig:
+    """How a peer runs all-reduce rounds. Every field has a default that suits WAN links."""
+
+    chunk_num_elements: int = 1 << 20
+    """Numbers per streamed chunk (1M fp32 = 4 MB before encoding); smaller chunks pipeline finer."""
+    max_message_bytes: int = 8 * 1024 * 1024
+    """gRPC send/receive limit on both server and channels; larger messages get RESOURCE_EXHAUSTED."""
+    stall_timeout: timedelta = timedelta(seconds=30)
+    """A stream that makes no progress for this long counts as a stalled peer and is dropped."""
+    heartbeat_interval: timedelta = timedelta(seconds=2)
+    """An owner still reducing tells each waiting puller so this often (must be < stall_timeout)."""
+    reduce_scatter_fraction: float = 0.5
+    """Contributions must reach their owner within this fraction of the round's deadline."""
+    takeover_fraction: float = 0.5
+    """A backup that takes a part over waits this fraction of the time left for resent contributions."""
+    max_early_wait: timedelta = timedelta(seconds=60)
+    """How long a message for a round this peer has not opened yet waits for it to open."""
+    linger: timedelta = timedelta(seconds=30)
+    """A finished round keeps serving its parts this long after its deadline, for slower members."""
+    max_rounds_kept: int = 2
+    """Rounds kept at once (the current one and the previous, which slower members may still pull
+    from); opening one more forgets the oldest finished round and its buffers."""
+    max_waiting_requests: int = 256
+    """Requests that may wait at once for a round to open; more get RESOURCE_EXHAUSTED."""
+    reconnect_backoff: timedelta = timedelta(seconds=1)
+    """Longest gRPC reconnect backoff, so a peer that comes back is reachable in the next round."""
+    server_grace: timedelta = timedelta(seconds=2)
+    """On stop, in-flight RPCs get this long to finish."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_num_elements <= 0:
+            raise ValueError(f"chunk_num_elements must be positive, got {self.chunk_num_elements}")
+        if self.max_message_bytes < 4 * self.chunk_num_elements + MESSAGE_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_message_bytes={self.max_message_bytes} cannot hold an fp32 chunk of "
+                f"{self.chunk_num_elements} numbers; raise it or lower chunk_num_elements"
+            )
+        for name in ("stall_timeout", "heartbeat_interval", "max_early_wait", "reconnect_backoff"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        if self.heartbeat_interval >= self.stall_timeout:
+            raise ValueError("heartbeat_interval must be shorter than stall_timeout")
+        for name in ("reduce_scatter_fraction", "takeover_fraction"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in (0, 1)")
+        if self.max_rounds_kept < 1 or self.max_waiting_requests < 1:
+            raise ValueError("max_rounds_kept and max_waiting_requests must be >= 1")
+
+    def grpc_options(self, *, server: bool) -> list[tuple[str, int]]:
+        """Explicit message limits on both sides, keepalive that catches frozen peers, no hidden retries.
+
+        A frozen peer (e.g. SIGSTOP) keeps its TCP connection open, so a write to it would just block;
+        keepalive pings that go unanswered for half the stall timeout close the connection instead.
+        """
+        keepalive_ms = max(500, int(self.stall_timeout.total_seconds() * 500))
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+        if server:
+            return options + [
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
+        backoff_ms = int(self.reconnect_backoff.total_seconds() * 1000)
+        return options + [
+            ("grpc.enable_retries", 0),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 200)),
+            ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 200)),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms),
+        ]

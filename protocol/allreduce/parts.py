@@ -1,0 +1,123 @@
+"""Per-part bookkeeping of a round: the role a member plays for a part, replicas being received,
+and the `Pulse` that wakes everyone waiting for a part to change."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.allreduce.errors import invalid
+from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.reducer import PartReducer, ReducedPart
+from protocol.codecs import Codec, CodecError
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+
+
+class PartRole(enum.Enum):
+    """What this member does for one part (see round.py for the life cycle)."""
+
+    IDLE = "idle"
+    REDUCING = "reducing"
+    RECEIVING_REPLICA = "receiving_replica"
+    DECIDED = "decided"
+    MOVED = "moved"
+
+
+def check_average_header(header: pb.AverageHeader, part_index: int, group: GroupSpec, codec: Codec) -> None:
+    """Raise ValueError unless an average header fits this group, codec and part."""
+    contributors = list(header.contributor_indices)
+    if header.part_index != part_index:
+        raise ValueError(f"average is for part {header.part_index}, expected {part_index}")
+    if header.codec != codec.spec():
+        raise ValueError("average uses a different codec than the round")
+    if header.num_elements != group.part_num_elements(part_index):
+        raise ValueError(f"average has {header.num_elements} numbers, the part has a different size")
+    if header.producer_index >= group.num_members:
+        raise ValueError(f"producer {header.producer_index} is not a member")
+    if not contributors or contributors != sorted(set(contributors)) or contributors[-1] >= group.num_members:
+        raise ValueError(f"bad contributor list {contributors}")
+    if not (math.isfinite(header.weight_sum) and header.weight_sum > 0):
+        raise ValueError(f"bad weight sum {header.weight_sum}")
+
+
+@dataclass
+class ReplicaBuffer:
+    """A decided average arriving from its producer, chunk by chunk."""
+
+    header: pb.AverageHeader
+    chunk_sizes: list[int] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    num_received: int = 0
+
+    def add_chunk(self, offset: int, num_elements: int, payload: bytes, codec: Codec) -> None:
+        """Validate and keep the next chunk (raises ProtocolError)."""
+        if offset != self.num_received or num_elements <= 0:
+            raise invalid(f"replica chunk at {offset} after {self.num_received} numbers")
+        if offset + num_elements > self.header.num_elements:
+            raise invalid("replica has more numbers than the part")
+        try:
+            codec.validate(payload, num_elements)
+        except CodecError as error:
+            raise invalid(str(error)) from error
+        self.chunk_sizes.append(num_elements)
+        self.payloads.append(payload)
+        self.num_received += num_elements
+
+    def complete(self) -> ReducedPart:
+        """The whole average, once every number arrived (raises ProtocolError if truncated)."""
+        if self.num_received != self.header.num_elements:
+            raise invalid(f"truncated replica: {self.num_received} of {self.header.num_elements} numbers")
+        return ReducedPart(
+            part_index=self.header.part_index,
+            producer_index=self.header.producer_index,
+            contributor_indices=tuple(self.header.contributor_indices),
+            weight_sum=self.header.weight_sum,
+            chunk_sizes=tuple(self.chunk_sizes),
+            payloads=tuple(self.payloads),
+        )
+
+
+@dataclass
+class PartState:
+    """This member's view of one part in one round."""
+
+    role: PartRole = PartRole.IDLE
+    reducer: PartReducer | None = None
+    decided: ReducedPart | None = None
+    replica: ReplicaBuffer | None = None
+    replica_holder: int | None = None  # the member we handed our decided average to
+    holders: set[int] = field(default_factory=set)  # members known to hold our decided bytes
+    released: bool = False  # we dropped our decided bytes: every live member has them
+
+
+class Pulse:
+    """Wakes every waiter whenever anything in the round changes; waiters re-check their condition."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until predicate() holds (True) or timeout seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            time_left = deadline - time.monotonic()
+            if time_left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):  # either way, re-check the predicate
+                async with asyncio.timeout(time_left):
+                    await self._event.wait()
+        return True
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until a time.monotonic() deadline (0 once it passed)."""
+    return max(0.0, deadline - time.monotonic())

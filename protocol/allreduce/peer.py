@@ -1,0 +1,146 @@
+"""AllReducePeer: the gRPC server a member hosts, plus the `allreduce()` call that runs one round.
+
+Async API (for code already running in an event loop):
+
+    peer = await AllReducePeer.start(host="0.0.0.0", port=0)        # port 0: any free port
+    result = await peer.allreduce(vector, group=group, my_peer_id="a", weight=1.0,
+                                  codec=get_codec("int8"), error_feedback=None,
+                                  deadline=timedelta(seconds=60))
+    await peer.stop()
+
+The server keeps serving a round after `allreduce()` returned (slower members may still pull our part),
+so one peer object should live as long as the node takes part in rounds. For synchronous callers
+(the training loop) see `protocol.allreduce.loop.SyncAllReducePeer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import grpc.aio
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protocol.allreduce.allreduce import AllReduceResult, run_allreduce
+from protocol.allreduce.client import PeerClient
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.faults import FaultPlan
+from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.registry import RoundRegistry
+from protocol.allreduce.round import RoundState
+from protocol.allreduce.servicer import AllReduceServicer, add_servicer_to_server
+from protocol.codecs import Codec
+from protocol.error_feedback import ErrorFeedback
+
+logger = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+SERVICE_NAME = "dtnode.v1.AllReduce"
+
+
+class AllReducePeer:
+    """One member's all-reduce endpoint: a grpc.aio server, its rounds, and channels to other members."""
+
+    def __init__(self, *, config: AllReduceConfig, fault_plan: FaultPlan | None) -> None:
+        self.config = config
+        self.fault_plan = fault_plan
+        self.registry = RoundRegistry(config)
+        self.client = PeerClient(config.grpc_options(server=False))
+        # Encoding, folding and decoding run here so the event loop keeps moving bytes meanwhile.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce-compute")
+        self._server: grpc.aio.Server | None = None
+        self._health = health.HealthServicer()
+        self.host = ""
+        self.port = 0
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        config: AllReduceConfig | None = None,
+        fault_plan: FaultPlan | None = None,
+    ) -> AllReducePeer:
+        """Bind host:port (port 0 picks a free port, see `.port`) and start serving."""
+        peer = cls(config=config or AllReduceConfig(), fault_plan=fault_plan)
+        server = grpc.aio.server(options=peer.config.grpc_options(server=True))
+        add_servicer_to_server(AllReduceServicer(peer.registry, peer.config), server)
+        health_pb2_grpc.add_HealthServicer_to_server(peer._health, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        await server.start()
+        peer._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        peer._server, peer.host, peer.port = server, host, bound
+        logger.info("all-reduce peer serving on %s:%d", host, bound)
+        return peer
+
+    @property
+    def address(self) -> str:
+        """host:port other members should dial (loopback if we bound a wildcard host)."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        return f"{host}:{self.port}"
+
+    async def allreduce(
+        self,
+        vector: torch.Tensor,
+        *,
+        group: GroupSpec,
+        my_peer_id: str,
+        weight: float,
+        codec: Codec,
+        error_feedback: ErrorFeedback | None,
+        deadline: timedelta,
+    ) -> AllReduceResult:
+        """Average `vector` with the group: per part, sum(w_i x_i) / sum(w_i) over the members that delivered.
+
+        `vector` (E,) fp32 is read, never written. Returns within `deadline`; if some part cannot be had,
+        the result falls back to a copy of `vector` and says so. Every member that does not fall back
+        gets a bit-identical `averaged`.
+        """
+        if self._server is None:
+            raise RuntimeError("start() the peer before calling allreduce()")
+        if vector.dtype != torch.float32 or vector.dim() != 1 or vector.device.type != "cpu":
+            raise ValueError(
+                f"vector must be a 1-D fp32 CPU tensor, got {vector.dtype} {tuple(vector.shape)}"
+            )
+        if vector.numel() != group.num_elements:
+            raise ValueError(f"vector has {vector.numel()} numbers, the group spec {group.num_elements}")
+        if error_feedback is not None and error_feedback.num_elements != vector.numel():
+            raise ValueError("error_feedback was built for a vector of another size")
+        if deadline <= timedelta(0):
+            raise ValueError(f"deadline must be positive, got {deadline}")
+        # The weight travels as float32 and is summed as float32: round it once, here.
+        weight32 = float(torch.tensor(weight, dtype=torch.float32))
+        if not (math.isfinite(weight32) and weight32 > 0):
+            raise ValueError(f"weight must be finite and positive in float32, got {weight}")
+        state = RoundState(
+            group=group,
+            my_index=group.index_of(my_peer_id),
+            codec=codec,
+            weight=weight32,
+            vector=vector.contiguous(),
+            error_feedback=error_feedback,
+            config=self.config,
+            deadline=deadline,
+            executor=self.executor,
+            client=self.client,
+            fault_plan=self.fault_plan,
+        )
+        return await run_allreduce(state, self.registry)
+
+    async def stop(self, grace: timedelta | None = None) -> None:
+        """Graceful stop: refuse new RPCs, let in-flight ones finish for `grace`, then close everything."""
+        if self._server is None:
+            return
+        self._health.enter_graceful_shutdown()
+        grace_seconds = (grace or self.config.server_grace).total_seconds()
+        await self._server.stop(grace_seconds)
+        self._server = None
+        self.registry.close()
+        await self.client.close()
+        self.executor.shutdown(wait=True, cancel_futures=True)

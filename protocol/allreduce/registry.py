@@ -1,0 +1,94 @@
+"""The rounds a peer currently knows, with bounded memory.
+
+Messages may arrive before this peer has entered their round (a faster member already started), so a
+request for a round newer than any we opened waits, bounded in time and in number of waiters, for the
+round to open. Rounds only move forward: a request for an older round we no longer hold is refused
+as expired. A round stays servable until `linger` after its deadline (slower members may still pull
+our part) and at most `max_rounds_kept` rounds are held at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.errors import ProtocolError
+from protocol.allreduce.memory import release_free_memory
+from protocol.allreduce.parts import Pulse
+from protocol.allreduce.round import RoundState
+
+
+class RoundRegistry:
+    """Maps round ids to RoundState; the servicer looks rounds up here, allreduce() opens them."""
+
+    def __init__(self, config: AllReduceConfig) -> None:
+        self._config = config
+        self._rounds: dict[int, RoundState] = {}
+        self._highest_opened = -1
+        self._opened = Pulse()
+        self._num_waiting = 0
+
+    def open(self, state: RoundState) -> None:
+        """Register a new round; round ids must increase."""
+        if state.round_id <= self._highest_opened:
+            raise ValueError(
+                f"round {state.round_id} is not newer than round {self._highest_opened}; round ids must increase"
+            )
+        self.evict()
+        finished = sorted(r for r, s in self._rounds.items() if s.local_done)
+        while len(self._rounds) >= self._config.max_rounds_kept and finished:
+            self._forget(finished.pop(0))
+        if len(self._rounds) >= self._config.max_rounds_kept:
+            raise ValueError(f"already running {len(self._rounds)} rounds (max_rounds_kept)")
+        self._rounds[state.round_id] = state
+        self._highest_opened = state.round_id
+        self._opened.notify()
+
+    def finished(self, state: RoundState) -> None:
+        """allreduce() returned for this round; forget it once its linger time is over."""
+        state.finish_locally()
+        release_free_memory()
+        delay = max(0.0, state.retain_until - time.monotonic())
+        asyncio.get_running_loop().call_later(delay, self.evict)
+
+    def evict(self) -> None:
+        """Forget rounds whose retention time is over."""
+        now = time.monotonic()
+        for round_id in [r for r, s in self._rounds.items() if s.retain_until <= now]:
+            self._forget(round_id)
+
+    def _forget(self, round_id: int) -> None:
+        self._rounds.pop(round_id).close()
+
+    def get(self, round_id: int) -> RoundState | None:
+        return self._rounds.get(round_id)
+
+    async def wait_for_round(self, round_id: int, timeout: float) -> RoundState:
+        """The round's state, waiting up to `timeout` seconds for it to open (raises ProtocolError)."""
+        state = self._rounds.get(round_id)
+        if state is not None:
+            return state
+        if round_id <= self._highest_opened:
+            raise ProtocolError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"round {round_id} expired or was skipped"
+            )
+        if self._num_waiting >= self._config.max_waiting_requests:
+            raise ProtocolError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests wait for rounds to open"
+            )
+        self._num_waiting += 1
+        try:
+            await self._opened.wait_for(lambda: self._highest_opened >= round_id, timeout)
+        finally:
+            self._num_waiting -= 1
+        state = self._rounds.get(round_id)
+        if state is None:
+            raise ProtocolError(grpc.StatusCode.NOT_FOUND, f"round {round_id} is unknown here")
+        return state
+
+    def close(self) -> None:
+        for round_id in list(self._rounds):
+            self._forget(round_id)

@@ -1,0 +1,390 @@
+"""One all-reduce round as seen by one member: the role it plays for each part, and how parts get decided.
+
+For every part this member is in one role:
+
+    IDLE               it neither reduces nor holds the part (it only pulls it)
+    REDUCING           it owns the part, or took it over as a backup, and collects contributions
+    RECEIVING_REPLICA  the part's producer is handing it a copy of the decided average
+    DECIDED            it holds the part's final encoded average and serves exactly those bytes
+    MOVED              it reduced the part but a backup took it over first; it refers pullers on
+
+Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
+encode the average once, hand a replica to the first live member after us in the part's backup chain,
+and only then serve it. The replica is what keeps survivors bit-identical when an owner dies in the
+middle of the all-gather: anyone who received the owner's bytes did so after the backup held them, so
+a puller that fails over gets the same bytes from the backup. A backup that did not get the replica
+takes the part over instead (`take_over`), and the owner's late replica is refused (ABORTED), so at
+most one version of a part is ever served. This holds as long as a part's owner and its first live
+backup do not both die during the same all-gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Executor
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import torch
+
+from protocol.allreduce.client import PeerClient, PeerFailed, push_replica
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.contributions import ContributionSource
+from protocol.allreduce.errors import ProtocolError, invalid
+from protocol.allreduce.faults import FaultPlan, check_fault
+from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.parts import (
+    PartRole,
+    PartState,
+    Pulse,
+    ReplicaBuffer,
+    check_average_header,
+    remaining,
+)
+from protocol.allreduce.reducer import PartReducer, ReducedPart
+from protocol.codecs import Codec
+from protocol.error_feedback import ErrorFeedback
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+ALL_GATHER_FRACTION = 0.95
+"""The all-gather must end by this fraction of the deadline; the rest is for assembling the result."""
+
+
+class RoundState:
+    """Everything one member knows about one round; the servicer and the member's tasks share it."""
+
+    def __init__(
+        self,
+        *,
+        group: GroupSpec,
+        my_index: int,
+        codec: Codec,
+        weight: float,
+        vector: torch.Tensor,
+        error_feedback: ErrorFeedback | None,
+        config: AllReduceConfig,
+        deadline: timedelta,
+        executor: Executor,
+        client: PeerClient,
+        fault_plan: FaultPlan | None,
+    ) -> None:
+        self.group = group
+        self.my_index = my_index
+        self.codec = codec
+        self.weight = weight
+        self.vector = vector
+        self.error_feedback = error_feedback
+        self.config = config
+        self.executor = executor
+        self.client = client
+        self.fault_plan = fault_plan
+        self.started = time.monotonic()
+        seconds = deadline.total_seconds()
+        self.reduce_scatter_deadline = self.started + seconds * config.reduce_scatter_fraction
+        self.all_gather_deadline = self.started + seconds * ALL_GATHER_FRACTION
+        self.deadline = self.started + seconds
+        self.retain_until = self.deadline + config.linger.total_seconds()
+        self.parts = [PartState() for _ in group.members]
+        self.failed: set[int] = set()
+        self.failures: list[str] = []
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.local_done = False
+        self.pulse = Pulse()
+        self.source = ContributionSource(
+            vector=vector,
+            group=group,
+            my_index=my_index,
+            codec=codec,
+            error_feedback=error_feedback,
+            chunk_num_elements=config.chunk_num_elements,
+            executor=executor,
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def round_id(self) -> int:
+        return self.group.round_id
+
+    def round_ref(self) -> pb.RoundRef:
+        me = self.group.members[self.my_index]
+        return pb.RoundRef(
+            round_id=self.round_id,
+            group_digest=self.group.digest,
+            sender_index=self.my_index,
+            sender_peer_id=me.peer_id,
+        )
+
+    def record_failure(self, message: str) -> None:
+        self.failures.append(message)
+        logger.info("round %d member %d: %s", self.round_id, self.my_index, message)
+
+    def mark_failed(self, member: int, reason: str) -> None:
+        """We could not talk to `member`: stop waiting for its contributions in this round."""
+        if member == self.my_index or member in self.failed:
+            return
+        self.failed.add(member)
+        self.record_failure(f"peer {self.group.members[member].peer_id} failed: {reason}")
+        for part in self.parts:
+            if part.role is PartRole.REDUCING and part.reducer is not None:
+                part.reducer.give_up_on(member, reason)
+        self.pulse.notify()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("round %d: background task failed", self.round_id, exc_info=task.exception())
+
+    # --- deciding parts ------------------------------------------------------------------------------
+
+    def _new_reducer(self, part_index: int, accumulator: torch.Tensor | None = None) -> PartReducer:
+        reducer = PartReducer(
+            part_index=part_index,
+            producer_index=self.my_index,
+            num_elements=self.group.part_num_elements(part_index),
+            num_members=self.group.num_members,
+            codec=self.codec,
+            accumulator=accumulator,
+        )
+        for member in self.failed:
+            reducer.give_up_on(member, "unreachable earlier in this round")
+        return reducer
+
+    def start_owner(self, output: torch.Tensor) -> None:
+        """Start reducing our own part, with our fp32 vector as our own contribution.
+
+        The sum accumulates in our part of `output` (the result buffer): that slice is only written
+        again when we decode the decided average into it, after the sum was encoded.
+        """
+        part = self.parts[self.my_index]
+        assert part.role is PartRole.IDLE
+        reducer = self._new_reducer(self.my_index, accumulator=output[self.group.part_slice(self.my_index)])
+        reducer.add_local(self.my_index, self.weight, self.vector[self.group.part_slice(self.my_index)])
+        part.role, part.reducer = PartRole.REDUCING, reducer
+        self._spawn(self._decide(self.my_index, self.reduce_scatter_deadline, taken_over=False))
+
+    def take_over(self, part_index: int, reason: str) -> None:
+        """Reduce another member's part as its backup: everyone resends their contributions to us."""
+        part = self.parts[part_index]
+        assert part.role is PartRole.IDLE, part.role
+        part.role, part.reducer = PartRole.REDUCING, self._new_reducer(part_index)
+        self.record_failure(f"taking part {part_index} over ({reason})")
+        deadline = time.monotonic() + self.config.takeover_fraction * remaining(self.all_gather_deadline)
+        self._spawn(self._feed_own_contribution(part_index, part.reducer))
+        self._spawn(self._decide(part_index, deadline, taken_over=True))
+        self.pulse.notify()
+
+    async def _feed_own_contribution(self, part_index: int, reducer: PartReducer) -> None:
+        """Our contribution to a part we took over: the same encoded chunks we pushed to its owner."""
+        if self.local_done:
+            reducer.exclude(self.my_index, "this member had already finished the round")
+            self.pulse.notify()
+            return
+        offset = 0
+        try:
+            reducer.begin(self.my_index, self.weight)
+            for chunk_index, size in enumerate(self.source.chunk_sizes(part_index)):
+                payload = await self.source.payload(part_index, chunk_index)
+                reducer.add_chunk(self.my_index, offset, size, payload)
+                offset += size
+            reducer.complete(self.my_index)
+        except ProtocolError as error:
+            reducer.exclude(self.my_index, str(error))
+        self.pulse.notify()
+
+    async def _fold_until(self, reducer: PartReducer, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            member = reducer.next_foldable()
+            if member is not None:
+                await loop.run_in_executor(self.executor, reducer.fold, member)
+                continue
+            if reducer.finalized:
+                return
+            if reducer.all_resolved() or remaining(deadline) <= 0:
+                reducer.finalize()
+                self.pulse.notify()
+                continue
+            await self.pulse.wait_for(
+                lambda: reducer.next_foldable() is not None or reducer.all_resolved(), remaining(deadline)
+            )
+
+    async def _decide(self, part_index: int, deadline: float, *, taken_over: bool) -> None:
+        part = self.parts[part_index]
+        reducer = part.reducer
+        assert reducer is not None
+        await self._fold_until(reducer, deadline)
+        for member, reason in reducer.exclusion_reasons().items():
+            if member != self.my_index:
+                self.record_failure(
+                    f"part {part_index}: left out {self.group.members[member].peer_id} ({reason})"
+                )
+        if not reducer.contributors:
+            self._move(part_index, "no contribution arrived")
+            return
+        reduced = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            lambda: reducer.encode_average(
+                chunk_num_elements=self.config.chunk_num_elements,
+                # Only an owner keeps feedback for its part's average; a backup's residual there is
+                # its sender residual, already spent on the contribution it pushed.
+                error_feedback=None if taken_over else self.error_feedback,
+                part_offset=self.group.part_bounds[part_index],
+            ),
+        )
+        check_fault(self.fault_plan, "reduce_done", self.round_id)
+        chain = self.group.chain(part_index)
+        for target in chain[chain.index(self.my_index) + 1 :]:
+            if target in self.failed:
+                continue  # pullers skip it too: they only walk past members that failed them
+            try:
+                await push_replica(self, target, reduced, self.all_gather_deadline)
+                part.replica_holder = target
+                part.holders.add(target)
+                break
+            except PeerFailed as error:
+                if error.moved:
+                    self._move(part_index, f"member {target} took it over: {error}")
+                    return
+                self.mark_failed(target, f"replica of part {part_index} not accepted: {error}")
+        part.role, part.reducer, part.decided = PartRole.DECIDED, None, reduced
+        self.pulse.notify()
+
+    def note_holder(self, part_index: int, member: int) -> None:
+        """`member` now holds the bytes we decided for the part; drop ours once every live member does.
+
+        A member that asks later (we wrongly thought it dead) is sent on to the replica holder.
+        """
+        part = self.parts[part_index]
+        if part.decided is None or part.decided.producer_index != self.my_index:
+            return
+        part.holders.add(member)
+        if part.holders | self.failed >= set(range(self.group.num_members)):
+            part.decided, part.released = None, True
+
+    def _move(self, part_index: int, reason: str) -> None:
+        part = self.parts[part_index]
+        part.role, part.reducer = PartRole.MOVED, None
+        self.record_failure(f"part {part_index} moved: {reason}")
+        self.pulse.notify()
+
+    async def wait_decided(self, part_index: int, deadline: float) -> ReducedPart | None:
+        """Our turn in the chain of a part: take it over if we do not hold it, then wait for the decision.
+
+        Returns the decided average, or None if the part moved on or the deadline passed.
+        """
+        part = self.parts[part_index]
+        if part.role is PartRole.IDLE:
+            self.take_over(part_index, "its earlier chain members did not serve it")
+        await self.pulse.wait_for(
+            lambda: part.role in (PartRole.DECIDED, PartRole.MOVED), remaining(deadline)
+        )
+        return part.decided if part.role is PartRole.DECIDED else None
+
+    # --- what the servicer asks ----------------------------------------------------------------------
+
+    async def open_contribution(self, part_index: int, member: int, weight: float) -> PartReducer | None:
+        """A member starts pushing its contribution; returns the reducer, or None if already decided."""
+        part = self.parts[part_index]
+        while True:
+            if part.role is PartRole.DECIDED:
+                return None
+            if part.role is PartRole.MOVED:
+                raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} moved to a backup")
+            if part.role is PartRole.REDUCING:
+                assert part.reducer is not None
+                part.reducer.begin(member, weight)
+                self.pulse.notify()
+                return part.reducer
+            if part.role is PartRole.IDLE:
+                self.take_over(part_index, f"member {member} pushed it to us")
+                continue
+            # A replica hand-off is under way: it decides whether we serve the owner's bytes or reduce.
+            if not await self.pulse.wait_for(
+                lambda: part.role is not PartRole.RECEIVING_REPLICA, remaining(self.all_gather_deadline)
+            ):
+                raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "replica hand-off did not finish in time")
+
+    def contribution_failed(self, part_index: int, member: int, reason: str, *, vanished: bool) -> None:
+        """A push ended badly: leave the member out of the part; if its stream broke, it is gone."""
+        reducer = self.parts[part_index].reducer
+        if reducer is not None:
+            reducer.exclude(member, reason)
+        if vanished:
+            self.mark_failed(member, reason)
+        self.pulse.notify()
+
+    def average_header(self, reduced: ReducedPart) -> pb.AverageHeader:
+        return pb.AverageHeader(
+            part_index=reduced.part_index,
+            producer_index=reduced.producer_index,
+            contributor_indices=list(reduced.contributor_indices),
+            codec=self.codec.spec(),
+            num_elements=reduced.num_elements,
+            weight_sum=reduced.weight_sum,
+        )
+
+    def check_average_header(self, header: pb.AverageHeader, part_index: int) -> None:
+        """Raise ValueError unless an average header fits this round and part."""
+        check_average_header(header, part_index, self.group, self.codec)
+
+    def open_replica(self, header: pb.AverageHeader, sender: int) -> None:
+        """The producer of a part starts handing us its decided average."""
+        part_index = header.part_index
+        try:
+            self.check_average_header(header, part_index)
+        except ValueError as error:
+            raise invalid(str(error)) from error
+        if header.producer_index != sender:
+            raise invalid(f"member {sender} sent a replica produced by member {header.producer_index}")
+        part = self.parts[part_index]
+        if part.role is PartRole.DECIDED and part.decided and part.decided.producer_index == sender:
+            raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, f"already hold your part {part_index}")
+        if part.role is not PartRole.IDLE:
+            raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} is {part.role.value} here")
+        part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header)
+        self.pulse.notify()
+
+    def add_replica_chunk(self, part_index: int, offset: int, num_elements: int, payload: bytes) -> None:
+        replica = self.parts[part_index].replica
+        assert replica is not None
+        replica.add_chunk(offset, num_elements, payload, self.codec)
+
+    def complete_replica(self, part_index: int) -> None:
+        part = self.parts[part_index]
+        assert part.replica is not None
+        part.decided = part.replica.complete()
+        part.role, part.replica = PartRole.DECIDED, None
+        self.pulse.notify()
+
+    def fail_replica(self, part_index: int) -> None:
+        """The hand-off broke: forget the partial copy; we may have to take the part over later."""
+        part = self.parts[part_index]
+        if part.role is PartRole.RECEIVING_REPLICA:
+            part.role, part.replica = PartRole.IDLE, None
+            self.pulse.notify()
+
+    # --- lifetime --------------------------------------------------------------------------------------
+
+    def finish_locally(self) -> None:
+        """Our allreduce() returned: keep serving decided parts, drop what only our own result needed."""
+        self.local_done = True
+        self.source.release()
+        self.vector = torch.empty(0)
+
+    def close(self) -> None:
+        """The round is forgotten: stop its background work."""
+        for task in list(self._tasks):
+            task.cancel()
+        self.source.release()

@@ -1,0 +1,361 @@
+"""The answering side of the wire contract: a thin grpc.aio servicer over RoundRegistry and RoundState.
+
+It only translates: it reads messages, checks that they are well-formed and come from a member of the
+round, hands them to the round's state, and turns every ProtocolError into a gRPC status plus exactly
+one log line. A rejected contribution is excluded from its part; the round goes on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf import message as protobuf_message
+from google.protobuf.message import Message as ProtoMessage
+
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.errors import ProtocolError, invalid
+from protocol.allreduce.faults import check_fault
+from protocol.allreduce.parts import PartRole, remaining
+from protocol.allreduce.reducer import ReducedPart
+from protocol.allreduce.registry import RoundRegistry
+from protocol.allreduce.round import RoundState
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+Message = TypeVar("Message")
+Result = TypeVar("Result")
+
+_ROUTINE_CODES = (grpc.StatusCode.ABORTED, grpc.StatusCode.ALREADY_EXISTS)
+
+
+@dataclass(frozen=True)
+class MalformedMessage:
+    """Bytes that did not parse as the expected message (we answer INVALID_ARGUMENT ourselves)."""
+
+    error: str
+
+
+def _lenient(message_type: type[protobuf_message.Message]) -> Callable[[bytes], object]:
+    """A deserializer that returns MalformedMessage instead of raising, so the servicer can refuse the
+    request with INVALID_ARGUMENT and one log line (gRPC would answer UNKNOWN and log a traceback)."""
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return message_type.FromString(data)
+        except protobuf_message.DecodeError as error:
+            return MalformedMessage(str(error))
+
+    return deserialize
+
+
+def add_servicer_to_server(servicer: AllReduceServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated helper, but with lenient request deserializers."""
+    service = pb.DESCRIPTOR.services_by_name["AllReduce"]
+    handlers = {
+        "PushContribution": grpc.stream_stream_rpc_method_handler(
+            servicer.PushContribution,
+            request_deserializer=_lenient(pb.ContributionMessage),
+            response_serializer=pb.ContributionReply.SerializeToString,
+        ),
+        "PushReplica": grpc.stream_stream_rpc_method_handler(
+            servicer.PushReplica,
+            request_deserializer=_lenient(pb.ReplicaMessage),
+            response_serializer=pb.ReplicaReply.SerializeToString,
+        ),
+        "PullAverage": grpc.unary_stream_rpc_method_handler(
+            servicer.PullAverage,
+            request_deserializer=_lenient(pb.PullAverageRequest),
+            response_serializer=pb.AverageMessage.SerializeToString,
+        ),
+    }
+    assert set(handlers) == {method.name for method in service.methods}, "servicer out of date with the proto"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+class AllReduceServicer(pb_grpc.AllReduceServicer):
+    """Serves PushContribution, PushReplica and PullAverage for every round in the registry."""
+
+    def __init__(self, registry: RoundRegistry, config: AllReduceConfig) -> None:
+        self._registry = registry
+        self._config = config
+
+    # --- shared helpers ------------------------------------------------------------------------------
+
+    def _early_wait(self, context: grpc.aio.ServicerContext) -> float:
+        """How long a request may wait for its round to open: answer NOT_FOUND before the caller gives up."""
+        limit = self._config.max_early_wait.total_seconds()
+        time_left = context.time_remaining()
+        return limit if time_left is None else min(limit, 0.9 * time_left)
+
+    async def _resolve(
+        self, ref: pb.RoundRef, part_index: int, context: grpc.aio.ServicerContext
+    ) -> tuple[RoundState, int]:
+        """The round and the sender's member index, once the round is open here and the sender is in it."""
+        state = await self._registry.wait_for_round(ref.round_id, self._early_wait(context))
+        if ref.group_digest != state.group.digest:
+            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, "your group spec differs from mine")
+        sender = ref.sender_index
+        if sender >= state.group.num_members or state.group.members[sender].peer_id != ref.sender_peer_id:
+            raise ProtocolError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{ref.sender_peer_id!r} is not member {sender} of round {ref.round_id}",
+            )
+        if part_index >= state.group.num_members:
+            raise invalid(f"part {part_index} does not exist (the group has {state.group.num_members})")
+        return state, sender
+
+    async def _read(self, context: grpc.aio.ServicerContext, message_type: type[Message]) -> Message | None:
+        """The next request message, or None at the end of the stream; a silent sender is stalled."""
+        stall = self._config.stall_timeout.total_seconds()
+        try:
+            async with asyncio.timeout(stall):
+                message = await context.read()
+        except TimeoutError as error:
+            raise ProtocolError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no message for {stall:.1f}s") from error
+        if message is grpc.aio.EOF:
+            return None
+        if isinstance(message, MalformedMessage):
+            raise invalid(f"malformed message: {message.error}")
+        assert isinstance(message, message_type)
+        return message
+
+    async def _heartbeating(
+        self, context: grpc.aio.ServicerContext, awaitable: Awaitable[Result], heartbeat: ProtoMessage
+    ) -> Result:
+        """Await something that may take long (a round opening, a hand-off), writing `heartbeat` meanwhile."""
+        task = asyncio.ensure_future(awaitable)
+        interval = self._config.heartbeat_interval.total_seconds()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=interval)
+                if done:
+                    return task.result()
+                await self._write(context, heartbeat)
+        finally:
+            task.cancel()
+
+    async def _refuse_stream(
+        self,
+        context: grpc.aio.ServicerContext,
+        peer: str,
+        rpc: str,
+        error: ProtocolError,
+        drain_bytes: int | None,
+    ) -> None:
+        """Refuse a client stream: drain it first (if chunks may still come), then answer with the status.
+
+        `peer` is context.peer() from the start of the call (it reads empty once gRPC ended the call).
+        """
+        if drain_bytes is not None:
+            try:
+                await self._drain(context, drain_bytes)
+            except asyncio.CancelledError:
+                # gRPC itself ended the call: it refuses a message over max_message_bytes with
+                # RESOURCE_EXHAUSTED, and we then see the stream end early.
+                logger.warning(
+                    "rejected %s from %s: RESOURCE_EXHAUSTED: gRPC ended the call (a message over %d bytes?); "
+                    "we saw %s",
+                    rpc,
+                    peer,
+                    self._config.max_message_bytes,
+                    error,
+                )
+                raise
+        await self._reject(context, rpc, error, peer)
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, rpc: str, error: ProtocolError, peer: str | None = None
+    ) -> None:
+        # ABORTED / ALREADY_EXISTS are normal failover traffic; the rest means a peer misbehaved.
+        level = logging.INFO if error.code in _ROUTINE_CODES else logging.WARNING
+        logger.log(level, "rejected %s from %s: %s", rpc, peer or context.peer(), error)
+        await context.abort(error.code, error.message)
+
+    async def _drain(self, context: grpc.aio.ServicerContext, max_bytes: int) -> None:
+        """Read and drop the rest of a refused stream before ending the call.
+
+        A grpc.aio client whose write fails because the server already ended the call reports
+        INTERNAL instead of our status (grpc/grpc#36066), so we let the sender finish first; a sender
+        that stalls or sends more than max_bytes gets the status anyway.
+        """
+        drained = 0
+        try:
+            while drained <= max_bytes and (message := await self._read(context, ProtoMessage)) is not None:
+                drained += message.ByteSize()
+        except ProtocolError:
+            return  # the sender stalled: end the call anyway
+
+    # --- phase 1: reduce-scatter ---------------------------------------------------------------------
+
+    async def PushContribution(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        peer = context.peer()
+        state: RoundState | None = None
+        sender = part_index = -1
+        opened = False
+        try:
+            first = await self._read(context, pb.ContributionMessage)
+            if first is None or first.WhichOneof("body") != "header":
+                raise invalid("a contribution must start with a header")
+            header = first.header
+            heartbeat = pb.ContributionReply(still_working=pb.StillWorking())
+            round_state, sender = await self._heartbeating(
+                context, self._resolve(header.round, header.part_index, context), heartbeat
+            )
+            state = round_state
+            part_index = header.part_index
+            round_state.bytes_recv += first.ByteSize()
+            if header.codec != round_state.codec.spec():
+                raise invalid(f"codec {header.codec} is not the round's codec {round_state.codec.spec()}")
+            if header.num_elements != round_state.group.part_num_elements(part_index):
+                raise invalid(
+                    f"part {part_index} has {round_state.group.part_num_elements(part_index)} numbers, "
+                    f"you announced {header.num_elements}"
+                )
+            reducer = await self._heartbeating(
+                context, round_state.open_contribution(part_index, sender, header.weight), heartbeat
+            )
+            if reducer is None:
+                await self._write(context, pb.ContributionReply(already_decided=pb.AlreadyDecided()))
+                return
+            opened = True
+            await self._write(context, pb.ContributionReply(send_chunks=pb.SendChunks()))
+            while (message := await self._read(context, pb.ContributionMessage)) is not None:
+                if message.WhichOneof("body") != "chunk":
+                    raise invalid("after the header a contribution holds only chunks")
+                round_state.bytes_recv += message.ByteSize()
+                chunk = message.chunk
+                reducer.add_chunk(sender, chunk.offset, chunk.num_elements, chunk.payload)
+            reducer.complete(sender)
+            round_state.pulse.notify()
+            reply = pb.ContributionReply(
+                receipt=pb.ContributionReceipt(num_elements_received=header.num_elements)
+            )
+            round_state.bytes_sent += await self._write(context, reply)
+        except ProtocolError as error:
+            drain_bytes = None
+            if state is not None and opened:
+                state.contribution_failed(part_index, sender, str(error), vanished=False)
+                drain_bytes = 2 * state.source.num_payload_bytes(part_index)
+            await self._refuse_stream(context, peer, "PushContribution", error, drain_bytes)
+        except asyncio.CancelledError:
+            # The sender went away mid-stream (killed, or its connection dropped).
+            if state is not None and opened:
+                state.contribution_failed(part_index, sender, "its stream broke", vanished=True)
+                logger.warning("contribution to part %d from member %d broke off", part_index, sender)
+            raise
+
+    # --- between the phases: the replica hand-off ----------------------------------------------------
+
+    async def PushReplica(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        peer = context.peer()
+        state: RoundState | None = None
+        part_index = -1
+        opened = False
+        try:
+            first = await self._read(context, pb.ReplicaMessage)
+            if first is None or first.WhichOneof("body") != "header":
+                raise invalid("a replica must start with a header")
+            header = first.header
+            round_state, sender = await self._heartbeating(
+                context,
+                self._resolve(header.round, header.average.part_index, context),
+                pb.ReplicaReply(still_working=pb.StillWorking()),
+            )
+            state = round_state
+            part_index = header.average.part_index
+            round_state.bytes_recv += first.ByteSize()
+            round_state.open_replica(header.average, sender)
+            opened = True
+            await self._write(context, pb.ReplicaReply(send_chunks=pb.SendChunks()))
+            while (message := await self._read(context, pb.ReplicaMessage)) is not None:
+                if message.WhichOneof("body") != "chunk":
+                    raise invalid("after the header a replica holds only chunks")
+                round_state.bytes_recv += message.ByteSize()
+                chunk = message.chunk
+                round_state.add_replica_chunk(part_index, chunk.offset, chunk.num_elements, chunk.payload)
+            round_state.complete_replica(part_index)
+            await self._write(context, pb.ReplicaReply(receipt=pb.ReplicaReceipt()))
+        except ProtocolError as error:
+            drain_bytes = None
+            if state is not None and opened:
+                state.fail_replica(part_index)
+                drain_bytes = 2 * state.source.num_payload_bytes(part_index)
+            await self._refuse_stream(context, peer, "PushReplica", error, drain_bytes)
+        except asyncio.CancelledError:
+            if state is not None and opened:
+                state.fail_replica(part_index)
+                logger.warning("replica of part %d broke off", part_index)
+            raise
+
+    # --- phase 2: all-gather -------------------------------------------------------------------------
+
+    async def PullAverage(self, request: pb.PullAverageRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            if isinstance(request, MalformedMessage):
+                raise invalid(f"malformed message: {request.error}")
+            state, requester = await self._heartbeating(
+                context,
+                self._resolve(request.round, request.part_index, context),
+                pb.AverageMessage(still_working=pb.StillWorking()),
+            )
+            state.bytes_recv += request.ByteSize()
+            reduced = await self._wait_decided(state, request.part_index, context)
+            if requester == state.parts[request.part_index].replica_holder:
+                raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, "you hold the replica of this part")
+            state.bytes_sent += await self._write(
+                context, pb.AverageMessage(header=state.average_header(reduced))
+            )
+            offset = 0
+            for chunk_index, (size, payload) in enumerate(
+                zip(reduced.chunk_sizes, reduced.payloads, strict=True)
+            ):
+                chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
+                state.bytes_sent += await self._write(context, pb.AverageMessage(chunk=chunk))
+                offset += size
+                check_fault(state.fault_plan, "serve_chunk", state.round_id, chunk_index)
+        except ProtocolError as error:
+            await self._reject(context, "PullAverage", error)
+            return
+        state.note_holder(request.part_index, requester)
+
+    async def _wait_decided(
+        self, state: RoundState, part_index: int, context: grpc.aio.ServicerContext
+    ) -> ReducedPart:
+        """The part's decided average once it exists, heartbeating meanwhile; we take the part over if
+        we neither own nor hold it (the puller found every earlier member of its chain gone)."""
+        part = state.parts[part_index]
+        if part.role is PartRole.IDLE:
+            state.take_over(part_index, "a member could not get it from earlier chain members")
+
+        def settled() -> bool:
+            return part.role in (PartRole.DECIDED, PartRole.MOVED)
+
+        heartbeat = self._config.heartbeat_interval.total_seconds()
+        while not await state.pulse.wait_for(settled, min(heartbeat, remaining(state.all_gather_deadline))):
+            if remaining(state.all_gather_deadline) <= 0:
+                raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "part not decided before the deadline")
+            state.bytes_sent += await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
+        if part.role is PartRole.MOVED or part.decided is None:
+            reason = "was released here" if part.released else "moved to a backup"
+            raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
+        return part.decided
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: ProtoMessage) -> int:
+        """Write one response; a caller that stops reading for the stall timeout is dropped."""
+        stall = self._config.stall_timeout.total_seconds()
+        try:
+            async with asyncio.timeout(stall):
+                await context.write(message)
+        except TimeoutError as error:
+            raise ProtocolError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"you stopped reading for {stall:.1f}s"
+            ) from error
+        return message.ByteSize()

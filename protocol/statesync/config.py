@@ -1,0 +1,85 @@
+"""Knobs of a state-sync provider, the fetcher's defaults, and the gRPC channel options of both sides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+MiB = 1 << 20
+
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+"""Room for a chunk's protobuf framing on top of its data."""
+MAX_MANIFEST_BYTES = 8 * MiB
+"""The largest manifest a fetcher accepts (32 bytes of hash per block: ~2M blocks, 8 TB at 4 MiB)."""
+DEFAULT_BLOCK_BYTES = 4 * MiB
+"""Snapshots hash their tensors in blocks of this many bytes unless told otherwise."""
+DEFAULT_CHUNK_BYTES = 4 * MiB
+"""A fetcher asks for chunks of this many bytes unless told otherwise."""
+DEFAULT_RANGE_BYTES = 32 * MiB
+"""A fetcher asks one source for this many bytes per FetchRange unless told otherwise."""
+DEFAULT_FETCH_STALL_TIMEOUT = timedelta(seconds=15)
+"""A fetcher drops a source that sends nothing for this long unless told otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSyncConfig:
+    """How a provider serves snapshots. Every field has a default that suits WAN links."""
+
+    max_chunk_bytes: int = 4 * MiB
+    """The longest chunk this provider sends, whatever a fetcher asks for."""
+    max_range_bytes: int = 256 * MiB
+    """The most bytes one FetchRange may ask for; more gets RESOURCE_EXHAUSTED (advertised in the manifest)."""
+    max_message_bytes: int = 16 * MiB
+    """gRPC send/receive limit of the server; must hold a chunk and the largest manifest served."""
+    max_concurrent_transfers: int = 8
+    """FetchRange streams served at once; one more gets RESOURCE_EXHAUSTED and the fetcher retries later."""
+    num_snapshots_kept: int = 2
+    """Snapshots kept at once: the current one and the previous, so transfers that began before a
+    publish can still ask for their remaining ranges."""
+    stall_timeout: timedelta = timedelta(seconds=30)
+    """A fetcher that does not read a chunk for this long is dropped and its transfer slot freed."""
+    server_grace: timedelta = timedelta(seconds=2)
+    """On stop, in-flight RPCs get this long to finish."""
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_bytes <= 0 or self.max_range_bytes <= 0:
+            raise ValueError("max_chunk_bytes and max_range_bytes must be positive")
+        if self.max_message_bytes < self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_message_bytes={self.max_message_bytes} cannot hold a chunk of {self.max_chunk_bytes} "
+                "bytes plus framing; raise it or lower max_chunk_bytes"
+            )
+        if self.max_concurrent_transfers < 1 or self.num_snapshots_kept < 1:
+            raise ValueError("max_concurrent_transfers and num_snapshots_kept must be >= 1")
+        if self.stall_timeout <= timedelta(0) or self.server_grace < timedelta(0):
+            raise ValueError("stall_timeout must be positive and server_grace non-negative")
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """Explicit message limits, and keepalive pings from fetchers allowed (they detect frozen peers)."""
+        keepalive_ms = max(500, int(self.stall_timeout.total_seconds() * 500))
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+
+
+def fetcher_options(*, chunk_bytes: int, stall_timeout: timedelta) -> list[tuple[str, int]]:
+    """Channel options of a fetcher: room for a chunk or a manifest, keepalive, no hidden retries.
+
+    A frozen source keeps its TCP connection open; keepalive pings unanswered for half the stall
+    timeout close the connection, so its streams fail instead of hanging until the deadline.
+    """
+    max_message_bytes = max(chunk_bytes, MAX_MANIFEST_BYTES) + MESSAGE_OVERHEAD_BYTES
+    keepalive_ms = max(500, int(stall_timeout.total_seconds() * 500))
+    return [
+        ("grpc.max_send_message_length", MESSAGE_OVERHEAD_BYTES),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

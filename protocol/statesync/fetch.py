@@ -1,0 +1,197 @@
+"""fetch_state: assemble a verified snapshot from several sources in parallel, surviving their failures.
+
+    snapshot = await fetch_state(["10.0.0.2:7000", "10.0.0.3:7000"], expected_state_id=param_hash,
+                                 deadline=timedelta(minutes=10), max_parallel=4,
+                                 chunk_bytes=4 << 20)
+
+Step 1, manifests (sources.py): ask every source which snapshot it serves; keep those that agree on
+        the one we want (`expected_state_id`, or the newest offered when None).
+Step 2, ranges (transfer.py): cut every tensor into block-aligned ranges; `max_parallel` streams
+        fetch them from the least-loaded sources into preallocated buffers, checking every block
+        against the manifest's SHA-256 as it completes. The rest of a range whose source died,
+        stalled, lied or moved on to a newer snapshot goes to another source.
+Step 3, check: every tensor's whole SHA-256 (fed block by block during step 2) must match the
+        manifest. The caller (the daemon) can compare `snapshot.sha256("global_params")` with the
+        swarm's param_hash.
+
+The fetch raises StateSyncError when no usable source is left or the deadline passes, with a line per
+source saying why it was dropped. A node that fell behind re-syncs with the same call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+import grpc
+import grpc.aio
+
+from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
+from protocol.statesync.assembly import Assembly
+from protocol.statesync.config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_FETCH_STALL_TIMEOUT,
+    DEFAULT_RANGE_BYTES,
+    fetcher_options,
+)
+from protocol.statesync.errors import StateSyncError
+from protocol.statesync.snapshot import Snapshot
+from protocol.statesync.sources import Source, choose_snapshot, describe_exclusions, get_manifests
+from protocol.statesync.transfer import RangeTransfer
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 64 << 20
+"""The largest chunk a fetcher may ask for (it sizes the channel's receive limit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FetchReport:
+    """A finished fetch: the snapshot, and who delivered what."""
+
+    snapshot: Snapshot
+    bytes_by_source: dict[str, int]
+    """Verified bytes each source delivered (0 for sources never used or dropped at once)."""
+    excluded: dict[str, str]
+    """Sources dropped before or during the fetch, and why."""
+    elapsed: timedelta
+
+
+def _verify_tensors(assembly: Assembly) -> None:
+    """Step 3: every tensor's whole SHA-256 (fed during the transfer) must match the manifest."""
+    for name, entry in assembly.manifest.entries.items():
+        if assembly.tensor_sha256(name) != entry.sha256:
+            raise StateSyncError(
+                f"tensor {name!r} matches every block hash of the manifest but not its whole SHA-256: "
+                "the sources advertised an inconsistent manifest"
+            )
+
+
+def _check_arguments(
+    sources: list[str],
+    deadline: timedelta,
+    max_parallel: int,
+    chunk_bytes: int,
+    range_bytes: int,
+    stall: timedelta,
+) -> None:
+    if not sources:
+        raise ValueError("fetch_state needs at least one source")
+    if len(set(sources)) != len(sources):
+        raise ValueError(f"sources are repeated: {sources}")
+    if deadline <= timedelta(0) or stall <= timedelta(0):
+        raise ValueError("deadline and stall_timeout must be positive")
+    if max_parallel < 1:
+        raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    if range_bytes <= 0:
+        raise ValueError(f"range_bytes must be positive, got {range_bytes}")
+
+
+async def fetch_state_with_report(
+    sources: list[str],
+    *,
+    expected_state_id: str | None,
+    deadline: timedelta,
+    max_parallel: int = 4,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    range_bytes: int = DEFAULT_RANGE_BYTES,
+    stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+) -> FetchReport:
+    """`fetch_state`, also saying which source delivered how many bytes and which were dropped."""
+    _check_arguments(sources, deadline, max_parallel, chunk_bytes, range_bytes, stall_timeout)
+    started = time.monotonic()
+    options = fetcher_options(chunk_bytes=chunk_bytes, stall_timeout=stall_timeout)
+    channels = [grpc.aio.insecure_channel(address, options=options) for address in sources]
+    states = [
+        Source(address, pb_grpc.StateSyncStub(channel))
+        for address, channel in zip(sources, channels, strict=True)
+    ]
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="statesync-hash")
+    transfer: RangeTransfer | None = None
+    try:
+        async with asyncio.timeout(deadline.total_seconds()):
+            await get_manifests(
+                states, expected_state_id or "", stall_timeout, started + deadline.total_seconds()
+            )
+            manifest = choose_snapshot(states, expected_state_id)
+            serving = [source for source in states if not source.excluded]
+            transfer = RangeTransfer(
+                manifest,
+                serving,
+                max_parallel=max_parallel,
+                chunk_bytes=chunk_bytes,
+                range_bytes=range_bytes,
+                stall_timeout=stall_timeout,
+                executor=executor,
+                deadline=started + deadline.total_seconds(),
+            )
+            await transfer.run()
+            _verify_tensors(transfer.assembly)
+    except TimeoutError as error:
+        progress = transfer.progress() if transfer is not None else "no manifest chosen"
+        raise StateSyncError(
+            f"state sync did not finish within {deadline} ({progress}); {describe_exclusions(states)}"
+        ) from error
+    finally:
+        await asyncio.gather(*(channel.close(grace=None) for channel in channels))
+        executor.shutdown(wait=False, cancel_futures=True)
+    snapshot = Snapshot.from_verified(
+        round_id=manifest.round_id,
+        state_id=manifest.state_id,
+        tensors=transfer.assembly.tensors(),
+        metadata=manifest.metadata,
+        block_bytes=manifest.block_bytes,
+        entries=dict(manifest.entries),
+    )
+    elapsed = timedelta(seconds=time.monotonic() - started)
+    report = FetchReport(
+        snapshot=snapshot,
+        bytes_by_source={source.address: source.num_bytes_verified for source in states},
+        excluded={source.address: source.excluded for source in states if source.excluded},
+        elapsed=elapsed,
+    )
+    megabytes = snapshot.num_bytes / 1e6
+    logger.info(
+        "fetched %r: %.1f MB in %.2fs (%.1f MB/s) from %s; dropped %s",
+        snapshot, megabytes, elapsed.total_seconds(), megabytes / max(elapsed.total_seconds(), 1e-9),
+        report.bytes_by_source, report.excluded or "none",
+    )  # fmt: skip
+    return report
+
+
+async def fetch_state(
+    sources: list[str],
+    *,
+    expected_state_id: str | None,
+    deadline: timedelta,
+    max_parallel: int = 4,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    range_bytes: int = DEFAULT_RANGE_BYTES,
+    stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+) -> Snapshot:
+    """Fetch the snapshot `expected_state_id` (None: the newest the sources agree on) from `sources`
+    (host:port), verified block by block and tensor by tensor; StateSyncError if that cannot be done
+    within `deadline`.
+
+    max_parallel:  FetchRange streams open at once, over all sources.
+    chunk_bytes:   largest streamed message asked for (sources may cap it lower).
+    range_bytes:   bytes asked of one source per FetchRange (rounded down to whole blocks, capped by
+                   every source's max_range_bytes); smaller ranges spread the work finer.
+    stall_timeout: a source that sends nothing for this long is dropped and its range re-queued.
+    """
+    report = await fetch_state_with_report(
+        sources,
+        expected_state_id=expected_state_id,
+        deadline=deadline,
+        max_parallel=max_parallel,
+        chunk_bytes=chunk_bytes,
+        range_bytes=range_bytes,
+        stall_timeout=stall_timeout,
+    )
+    return report.snapshot

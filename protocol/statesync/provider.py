@@ -1,0 +1,255 @@
+"""StateProvider: the answering side of state sync, a grpc.aio servicer over the snapshots a node keeps.
+
+The daemon calls `publish(snapshot)` after every outer round. The provider keeps the newest
+`num_snapshots_kept` snapshots (by default the current and the previous one): a fetcher that started
+on the previous snapshot can still ask for its remaining ranges, and a stream already under way keeps
+its own reference to its snapshot, so it always finishes. Older snapshots get NOT_FOUND and the
+fetcher moves on to another source.
+
+Serving is bounded: at most `max_concurrent_transfers` FetchRange streams at once (one more gets
+RESOURCE_EXHAUSTED at once rather than queueing behind the others), ranges of at most
+`max_range_bytes`, chunks of at most `max_chunk_bytes`, and a fetcher that stops reading for
+`stall_timeout` is dropped. Every refusal is one gRPC status and one log line; the provider goes on
+serving everyone else.
+
+Host it on any grpc.aio server with `add_state_sync_to_server(server, provider)` (the daemon puts it
+next to the all-reduce) or on its own with `protocol.statesync.server.StateSyncServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import grpc
+import grpc.aio
+
+from protocol.gen.dtnode.v1 import statesync_pb2 as pb
+from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
+from protocol.statesync.config import MESSAGE_OVERHEAD_BYTES, StateSyncConfig
+from protocol.statesync.errors import Refusal
+from protocol.statesync.faults import ServeFaultPlan, flip_first_byte
+from protocol.statesync.manifest import to_manifest
+from protocol.statesync.snapshot import Snapshot, byte_view
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "dtnode.v1.StateSync"
+# Refusals that are normal traffic (a fetcher will just ask someone else or retry); the rest mean a
+# fetcher misbehaved.
+_ROUTINE_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+class StateProvider(pb_grpc.StateSyncServicer):
+    """Serves GetManifest and FetchRange for the snapshots published to it.
+
+    `publish` may be called from any thread (it swaps one immutable tuple); everything else runs on
+    the event loop of the server hosting the provider.
+    """
+
+    def __init__(
+        self, config: StateSyncConfig | None = None, *, fault_plan: ServeFaultPlan | None = None
+    ) -> None:
+        self.config = config or StateSyncConfig()
+        self.fault_plan = fault_plan
+        # Newest first: (snapshot, its manifest). Replaced as a whole, never mutated.
+        self._kept: tuple[tuple[Snapshot, pb.StateManifest], ...] = ()
+        self._num_active_transfers = 0
+        self._closed = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self.fault_fired = asyncio.Event()
+        """Set when the fault plan fires (tests await it to act at exactly that point)."""
+        self._fault_state = ""  # the persistent fault action once fired, "" before
+        self._num_reached = {"manifest": 0, "chunk": 0}
+        self.num_chunks_served = 0
+        self.num_bytes_served = 0
+        self.num_ranges_served = 0
+        """Completed FetchRange streams."""
+        self.num_refusals: Counter[str] = Counter()
+        """Calls ended with a status other than OK, by status name."""
+
+    # --- the daemon's side ---------------------------------------------------------------------------
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Serve `snapshot` from now on; keep the previous ones up to `num_snapshots_kept` in all."""
+        manifest = to_manifest(
+            snapshot, max_range_bytes=self.config.max_range_bytes, max_chunk_bytes=self.config.max_chunk_bytes
+        )
+        if manifest.ByteSize() + MESSAGE_OVERHEAD_BYTES > self.config.max_message_bytes:
+            raise ValueError(
+                f"the manifest of {snapshot!r} takes {manifest.ByteSize()} bytes, more than max_message_bytes="
+                f"{self.config.max_message_bytes} allows; raise it or the snapshot's block_bytes"
+            )
+        older = tuple(kept for kept in self._kept if kept[0].state_id != snapshot.state_id)
+        self._kept = ((snapshot, manifest), *older)[: self.config.num_snapshots_kept]
+        logger.info("serving %r (keeping %s)", snapshot, [kept[0].state_id for kept in self._kept])
+
+    @property
+    def current(self) -> Snapshot | None:
+        """The newest published snapshot, None before the first publish."""
+        kept = self._kept
+        return kept[0][0] if kept else None
+
+    @property
+    def kept_state_ids(self) -> list[str]:
+        """Ids of the snapshots served, newest first."""
+        return [kept[0].state_id for kept in self._kept]
+
+    def close(self) -> None:
+        """Release calls hung by a "stall" or "pause" fault (call on the server's loop before stopping it)."""
+        self._closed.set()
+        self._resumed.set()
+
+    def resume(self) -> None:
+        """Let the call held by a "pause" fault go on (call on the server's loop)."""
+        self._resumed.set()
+
+    # --- fault injection ------------------------------------------------------------------------------
+
+    def _fault_at(self, point: str) -> str:
+        """The fault action to apply at this point now ("" for none); counts the point."""
+        plan = self.fault_plan
+        number = self._num_reached[point]
+        self._num_reached[point] = number + 1
+        if self._fault_state in ("die", "stall"):
+            return self._fault_state
+        if plan is None or plan.point != point:
+            return ""
+        if self._fault_state == "corrupt" or number == plan.after:
+            if not self.fault_fired.is_set():
+                logger.warning("injected fault %s at %s %d", plan.action, point, number)
+                self.fault_fired.set()
+            if plan.persistent:
+                self._fault_state = plan.action
+            return plan.action
+        return ""
+
+    async def _act(self, action: str) -> None:
+        """Carry out "abort", "die", "stall" or "pause" (the caller handles "corrupt")."""
+        if action == "pause":
+            await self._resumed.wait()
+        elif action == "stall":
+            await self._closed.wait()  # until close(), or the fetcher cancels the call
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "shutting down")
+        elif action in ("abort", "die"):
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"injected fault: {action}")
+
+    async def _check_alive(self) -> None:
+        """A provider that "died" or "stalled" does so for every call, not only at its fault point."""
+        if self._fault_state in ("die", "stall"):
+            await self._act(self._fault_state)
+
+    # --- RPCs ----------------------------------------------------------------------------------------
+
+    def _find(self, state_id: str) -> tuple[Snapshot, pb.StateManifest]:
+        kept = self._kept
+        if not kept:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
+        if not state_id:
+            return kept[0]
+        for snapshot, manifest in kept:
+            if snapshot.state_id == state_id:
+                return snapshot, manifest
+        raise Refusal(
+            grpc.StatusCode.NOT_FOUND,
+            f"I no longer keep snapshot {state_id!r}; I serve {self.kept_state_ids}",
+        )
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, refusal: Refusal) -> None:
+        self.num_refusals[refusal.code.name] += 1
+        level = logging.INFO if refusal.code in _ROUTINE_CODES else logging.WARNING
+        logger.log(level, "refused %s from %s: %s", rpc, context.peer(), refusal)
+        await context.abort(refusal.code, refusal.message)
+
+    async def GetManifest(
+        self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StateManifest:
+        try:
+            await self._check_alive()
+            _, manifest = self._find(request.state_id)
+            action = self._fault_at("manifest")
+            await self._act(action)
+            if action == "corrupt" and manifest.tensors:
+                lying = pb.StateManifest()
+                lying.CopyFrom(manifest)
+                lying.tensors[0].sha256 = flip_first_byte(lying.tensors[0].sha256)
+                return lying
+            return manifest
+        except Refusal as refusal:
+            await self._refuse(context, "GetManifest", refusal)
+            raise AssertionError("context.abort returned") from refusal
+
+    def _check_range(self, request: pb.FetchRangeRequest) -> Snapshot:
+        snapshot, _ = self._find(request.state_id)
+        entry = snapshot.entries.get(request.tensor_name)
+        if entry is None:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"snapshot {request.state_id!r} has no tensor {request.tensor_name!r}",
+            )
+        if request.length == 0:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "you asked for an empty range")
+        if request.length > self.config.max_range_bytes:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"you asked for {request.length} bytes; I serve at most {self.config.max_range_bytes} per request",
+            )
+        if request.offset + request.length > entry.num_bytes:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bytes [{request.offset}, {request.offset + request.length}) pass the end of "
+                f"{request.tensor_name!r} ({entry.num_bytes} bytes)",
+            )
+        return snapshot
+
+    async def FetchRange(self, request: pb.FetchRangeRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await self._check_alive()
+            snapshot = self._check_range(request)
+            if self._num_active_transfers >= self.config.max_concurrent_transfers:
+                raise Refusal(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"I am serving {self._num_active_transfers} transfers already; try again shortly",
+                )
+            self._num_active_transfers += 1
+            try:
+                await self._stream(snapshot, request, context)
+            finally:
+                self._num_active_transfers -= 1
+        except Refusal as refusal:
+            await self._refuse(context, "FetchRange", refusal)
+
+    async def _stream(
+        self, snapshot: Snapshot, request: pb.FetchRangeRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Write the range in chunks; a fetcher that blocks a write for the stall timeout is dropped."""
+        data = byte_view(snapshot.tensors[request.tensor_name])  # (num_bytes,) uint8, shares memory
+        chunk_bytes = min(request.max_chunk_bytes or self.config.max_chunk_bytes, self.config.max_chunk_bytes)
+        stall = self.config.stall_timeout.total_seconds()
+        end = request.offset + request.length
+        for start in range(request.offset, end, chunk_bytes):
+            payload = data[start : min(start + chunk_bytes, end)].tobytes()
+            action = self._fault_at("chunk")
+            await self._act(action)
+            if action == "corrupt":
+                payload = flip_first_byte(payload)
+            try:
+                async with asyncio.timeout(stall):
+                    await context.write(pb.StateChunk(offset=start, data=payload))
+            except TimeoutError as error:
+                raise Refusal(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"you read nothing for {stall:.1f}s"
+                ) from error
+            self.num_chunks_served += 1
+            self.num_bytes_served += len(payload)
+        self.num_ranges_served += 1
+
+
+def add_state_sync_to_server(server: grpc.aio.Server, provider: StateProvider) -> None:
+    """Serve `provider` on `server` (call before `server.start()`), e.g. next to the all-reduce.
+
+    The server's message limits must hold the provider's chunks and manifests (see
+    `StateSyncConfig.max_message_bytes`); mark "dtnode.v1.StateSync" SERVING in its health service.
+    """
+    pb_grpc.add_StateSyncServicer_to_server(provider, server)

@@ -1,0 +1,157 @@
+"""Shared helpers: real peers on loopback (in this process or as worker processes) and reference means."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, GroupSpec, Member
+from protocol.codecs import Codec
+from protocol.error_feedback import ErrorFeedback
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+WORKER = REPO_ROOT / "scripts" / "allreduce_worker.py"
+
+FAST_CONFIG = AllReduceConfig(
+    chunk_num_elements=4096,
+    max_message_bytes=1 << 20,
+    stall_timeout=timedelta(seconds=2),
+    heartbeat_interval=timedelta(milliseconds=400),
+    max_early_wait=timedelta(seconds=2),
+)
+
+
+@asynccontextmanager
+async def local_peers(
+    num_peers: int, config: AllReduceConfig = FAST_CONFIG
+) -> AsyncIterator[list[AllReducePeer]]:
+    """`num_peers` servers on 127.0.0.1 with port 0, stopped gracefully on exit."""
+    peers = [await AllReducePeer.start(host="127.0.0.1", port=0, config=config) for _ in range(num_peers)]
+    try:
+        yield peers
+    finally:
+        for peer in peers:
+            await peer.stop(timedelta(milliseconds=100))
+
+
+def members_of(peers: Sequence[AllReducePeer]) -> list[Member]:
+    return [Member(peer_id=f"p{i}", address=peer.address) for i, peer in enumerate(peers)]
+
+
+async def allreduce_all(
+    peers: Sequence[AllReducePeer],
+    vectors: Sequence[torch.Tensor],
+    group: GroupSpec,
+    codec: Codec,
+    *,
+    weights: Sequence[float] | None = None,
+    feedbacks: Sequence[ErrorFeedback | None] | None = None,
+    deadline: timedelta = timedelta(seconds=20),
+) -> list[AllReduceResult]:
+    """Run one round on every peer at once."""
+    import asyncio
+
+    return list(
+        await asyncio.gather(
+            *(
+                peer.allreduce(
+                    vectors[i],
+                    group=group,
+                    my_peer_id=group.members[i].peer_id,
+                    weight=1.0 if weights is None else weights[i],
+                    codec=codec,
+                    error_feedback=None if feedbacks is None else feedbacks[i],
+                    deadline=deadline,
+                )
+                for i, peer in enumerate(peers)
+            )
+        )
+    )
+
+
+def exact_mean(
+    vectors: Sequence[torch.Tensor], weights: Sequence[float], group: GroupSpec, contributors: list[list[str]]
+) -> torch.Tensor:
+    """Per part, sum(w_i x_i) / sum(w_i) over that part's contributors, summed in member order in fp32."""
+    result = torch.empty_like(vectors[0])
+    index = {m.peer_id: i for i, m in enumerate(group.members)}
+    for part, peer_ids in enumerate(contributors):
+        piece = group.part_slice(part)
+        total = torch.zeros(group.part_num_elements(part))
+        weight_sum = torch.zeros(())
+        for i in sorted(index[p] for p in peer_ids):
+            total = total + vectors[i][piece] * weights[i]
+            weight_sum = weight_sum + weights[i]
+        result[piece] = total / weight_sum
+    return result
+
+
+class Workers:
+    """Launches scripts/allreduce_worker.py processes on loopback and collects their JSON lines."""
+
+    def __init__(self, tmp_path: Path, num_peers: int, common_args: Sequence[str]) -> None:
+        self.rendezvous = tmp_path / "rendezvous"
+        self.num_peers = num_peers
+        self.common_args = list(common_args)
+        self.processes: list[subprocess.Popen[str]] = []
+        self.stderr_paths = [tmp_path / f"worker-{i}.err" for i in range(num_peers)]
+
+    def start(self, extra_args: dict[int, Sequence[str]] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        for index in range(self.num_peers):
+            command = [
+                sys.executable,
+                str(WORKER),
+                "--index",
+                str(index),
+                "--num-peers",
+                str(self.num_peers),
+                "--rendezvous",
+                str(self.rendezvous),
+                *self.common_args,
+                *((extra_args or {}).get(index, [])),
+            ]
+            stderr = self.stderr_paths[index].open("w")
+            self.processes.append(
+                subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO_ROOT, env=env
+                )
+            )
+
+    def read_records(self, index: int, num_rounds: int, timeout: float) -> list[dict[str, object]]:
+        """The first `num_rounds` JSON lines of worker `index` (fewer if it exits first)."""
+        process = self.processes[index]
+        assert process.stdout is not None
+        records: list[dict[str, object]] = []
+        give_up = time.monotonic() + timeout
+        while len(records) < num_rounds and time.monotonic() < give_up:
+            line = process.stdout.readline()
+            if not line:
+                break
+            records.append(json.loads(line))
+        return records
+
+    def wait(self, index: int, timeout: float) -> int:
+        return self.processes[index].wait(timeout)
+
+    def stop(self) -> None:
+        """Kill whatever is still running (a frozen worker needs SIGKILL) and reap everything."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait(10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+    def stderr(self, index: int) -> str:
+        return self.stderr_paths[index].read_text()

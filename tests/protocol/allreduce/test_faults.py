@@ -1,0 +1,124 @@
+"""Peers that vanish at named points of a round (SIGKILL or SIGSTOP injected deterministically by the
+worker itself, never by sleeping): the survivors must finish on time, bit-identical, with exactly the
+weighted mean of the contributors they report; the next round runs without the dead peer.
+
+Each test runs scripts/allreduce_worker.py processes on loopback with the `none` codec, so the
+worker's own check (the exact float32 weighted mean over each part's reported contributors, summed in
+member order) must come out at an error of exactly 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.protocol.allreduce.support import Workers
+
+NUM_PEERS = 4
+NUM_ROUNDS = 2
+DEADLINE_SECONDS = 20.0
+VICTIM = 1
+COMMON_ARGS = [
+    "--elements", "200000",
+    "--chunk-elements", "32768",  # two chunks per part
+    "--codec", "none",
+    "--weighted",
+    "--rounds", str(NUM_ROUNDS),
+    "--deadline-seconds", str(DEADLINE_SECONDS),
+    "--stall-seconds", "2",
+    "--log-level", "INFO",
+]  # fmt: skip
+EVERYONE = [f"peer-{i}" for i in range(NUM_PEERS)]
+
+
+def run_workers(tmp_path: Path, faults: dict[int, str]) -> tuple[Workers, dict[int, list[dict[str, object]]]]:
+    """Start the workers with the given fault plans; return the survivors' per-round records."""
+    workers = Workers(tmp_path, NUM_PEERS, COMMON_ARGS)
+    workers.start({index: ["--fault", plan] for index, plan in faults.items()})
+    survivors = [i for i in range(NUM_PEERS) if i not in faults]
+    records = {i: workers.read_records(i, NUM_ROUNDS, timeout=90) for i in survivors}
+    return workers, records
+
+
+def check_survivors(workers: Workers, records: dict[int, list[dict[str, object]]]) -> None:
+    """Every survivor finished every round on time, exactly, and bit-identical to the others."""
+    for index, rounds in records.items():
+        assert len(rounds) == NUM_ROUNDS, f"worker {index} stopped early:\n{workers.stderr(index)[-3000:]}"
+    for round_id in range(NUM_ROUNDS):
+        by_survivor = [rounds[round_id] for rounds in records.values()]
+        for record in by_survivor:
+            assert record["fell_back"] is False, record["failures"]
+            assert record["max_abs_error"] == 0.0, record
+            assert float(record["seconds"]) < DEADLINE_SECONDS  # type: ignore[arg-type]
+        assert len({r["sha256"] for r in by_survivor}) == 1, [r["failures"] for r in by_survivor]
+        assert len({str(r["contributors"]) for r in by_survivor}) == 1
+
+
+def contributors(records: dict[int, list[dict[str, object]]], round_id: int) -> list[list[str]]:
+    return next(iter(records.values()))[round_id]["contributors"]  # type: ignore[return-value]
+
+
+def producers(records: dict[int, list[dict[str, object]]], round_id: int) -> list[str]:
+    return next(iter(records.values()))[round_id]["producers"]  # type: ignore[return-value]
+
+
+# The victim (peer 1) owns part 1; peer 2 is part 1's first backup.
+FAULT_POINTS = [
+    "round_open:0",  # before the reduce-scatter
+    "push_chunk:0:0",  # during the reduce-scatter, after its first contribution chunk
+    "reduce_done:0",  # after reducing its part, before handing over the replica
+    "replica_chunk:0:0",  # during the replica hand-off
+    "serve_chunk:0:0",  # during the all-gather, after serving one chunk of its part
+    "pull_chunk:0:0",  # during the all-gather, after receiving one chunk
+    "round_done:0",  # after the all-gather, before allreduce() returns
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("plan", FAULT_POINTS)
+def test_survivors_agree_when_a_peer_is_killed(tmp_path: Path, plan: str) -> None:
+    workers, records = run_workers(tmp_path, {VICTIM: plan})
+    try:
+        check_survivors(workers, records)
+        assert workers.wait(VICTIM, timeout=10) == -9  # it really was SIGKILLed at the point
+        round_zero = contributors(records, 0)
+        point = plan.split(":")[0]
+        if point in ("round_open", "push_chunk"):  # it never delivered a whole contribution
+            assert all("peer-1" not in part for part in round_zero)
+        if point in ("round_open", "push_chunk", "reduce_done", "replica_chunk"):
+            assert producers(records, 0)[1] == "peer-2"  # its backup took part 1 over
+            assert "peer-1" not in round_zero[1]
+        if point in ("serve_chunk", "round_done"):  # its average was already replicated
+            assert producers(records, 0)[1] == "peer-1" and "peer-1" in round_zero[1]
+        if point == "round_done":
+            assert round_zero == [EVERYONE] * NUM_PEERS
+        assert all("peer-1" not in part for part in contributors(records, 1))  # dead in round 1
+    finally:
+        workers.stop()
+
+
+@pytest.mark.timeout(120)
+def test_survivors_agree_when_an_owner_freezes(tmp_path: Path) -> None:
+    """SIGSTOP keeps the victim's sockets open: only heartbeats and the stall timeout reveal it."""
+    workers, records = run_workers(tmp_path, {VICTIM: "reduce_done:0:0:stall"})
+    try:
+        check_survivors(workers, records)
+        assert producers(records, 0)[1] == "peer-2"
+        for round_id in range(NUM_ROUNDS):
+            for rounds in records.values():
+                assert float(rounds[round_id]["seconds"]) < 8.0  # type: ignore[arg-type]  # a few stall timeouts
+    finally:
+        workers.stop()
+
+
+@pytest.mark.timeout(120)
+def test_last_survivor_returns_on_time_with_its_own_vector(tmp_path: Path) -> None:
+    """N - 1 peers vanish at once: the survivor takes every part over and averages itself alone."""
+    workers, records = run_workers(tmp_path, {i: "round_open:0" for i in range(1, NUM_PEERS)})
+    try:
+        check_survivors(workers, records)
+        for round_id in range(NUM_ROUNDS):
+            assert contributors(records, round_id) == [["peer-0"]] * NUM_PEERS
+    finally:
+        workers.stop()

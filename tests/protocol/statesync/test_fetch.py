@@ -1,0 +1,267 @@
+"""fetch_state against real providers on loopback: parallel sources, deaths, stalls, corruption, lies,
+snapshots replaced mid-transfer. Faults fire at counted chunks or manifests (ServeFaultPlan), never
+after a sleep; every fetched snapshot is compared byte for byte with the one published."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import uvloop
+
+from protocol.statesync import (
+    FetchReport,
+    ServeFaultPlan,
+    StateSyncError,
+    fetch_state,
+    fetch_state_with_report,
+)
+from tests.protocol.statesync.support import (
+    FETCH_KNOBS,
+    TEST_CONFIG,
+    MiB,
+    assert_identical,
+    make_snapshot,
+    providers,
+)
+
+SNAPSHOT = make_snapshot()  # ~21 MB; built once (hashing takes a moment)
+
+
+async def _fetch(
+    addresses: list[str], *, expected: str | None = SNAPSHOT.state_id, **knobs: Any
+) -> FetchReport:
+    arguments: dict[str, Any] = {**FETCH_KNOBS, "deadline": timedelta(seconds=20), **knobs}
+    return await fetch_state_with_report(addresses, expected_state_id=expected, **arguments)
+
+
+@pytest.mark.timeout(30)
+def test_three_providers_in_parallel_give_the_exact_snapshot_and_all_serve() -> None:
+    async def scenario() -> tuple[FetchReport, list[int]]:
+        async with providers(3, SNAPSHOT) as servers:
+            report = await _fetch([s.address for s in servers], expected=None)
+            return report, [s.provider.num_ranges_served for s in servers]
+
+    report, ranges_served = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert report.snapshot.sha256("global_params").hex() == SNAPSHOT.state_id  # the param_hash
+    assert all(n > 0 for n in ranges_served), ranges_served
+    assert all(n > 0 for n in report.bytes_by_source.values()), report.bytes_by_source
+    assert sum(report.bytes_by_source.values()) == SNAPSHOT.num_bytes
+    assert report.excluded == {}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("action", ["die", "abort"])
+def test_a_provider_failing_mid_transfer_is_replaced_by_the_others(action: str) -> None:
+    plans = [None, ServeFaultPlan(point="chunk", action=action, after=5), None]
+
+    async def scenario() -> FetchReport:
+        async with providers(3, SNAPSHOT, fault_plans=plans) as servers:
+            return await _fetch([s.address for s in servers])
+
+    report = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    [(failed, reason)] = report.excluded.items()
+    assert "UNAVAILABLE" in reason
+    assert sum(report.bytes_by_source.values()) == SNAPSHOT.num_bytes
+
+
+@pytest.mark.timeout(30)
+def test_a_provider_whose_server_stops_mid_transfer_is_replaced_without_waiting_for_the_stall_timeout() -> (
+    None
+):
+    # Provider 1 freezes at its 4th chunk; at that exact point the test stops its gRPC server for real.
+    plans = [None, ServeFaultPlan(point="chunk", action="stall", after=3), None]
+
+    async def scenario() -> tuple[FetchReport, float, str]:
+        async with providers(3, SNAPSHOT, fault_plans=plans) as servers:
+
+            async def kill_at_fault() -> None:
+                await servers[1].provider.fault_fired.wait()
+                await servers[1].stop(timedelta(0))
+
+            killer = asyncio.create_task(kill_at_fault())
+            started = time.monotonic()
+            report = await _fetch([s.address for s in servers], stall_timeout=timedelta(seconds=60))
+            elapsed = time.monotonic() - started
+            await killer
+            return report, elapsed, servers[1].address
+
+    report, elapsed, killed = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert list(report.excluded) == [killed]
+    assert elapsed < 15  # the connection loss was noticed, not a 60 s stall timeout
+
+
+@pytest.mark.timeout(30)
+def test_corrupt_bytes_are_caught_by_the_block_hash_and_fetched_from_honest_providers() -> None:
+    plans = [None, None, ServeFaultPlan(point="chunk", action="corrupt", after=2)]
+
+    async def scenario() -> tuple[FetchReport, str]:
+        async with providers(3, SNAPSHOT, fault_plans=plans) as servers:
+            return await _fetch([s.address for s in servers]), servers[2].address
+
+    report, liar = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert list(report.excluded) == [liar]
+    assert report.excluded[liar].startswith("corrupt")
+
+
+@pytest.mark.timeout(30)
+def test_a_source_advertising_a_wrong_manifest_is_outvoted() -> None:
+    plans = [ServeFaultPlan(point="manifest", action="corrupt"), None, None]
+
+    async def scenario() -> tuple[FetchReport, str]:
+        async with providers(3, SNAPSHOT, fault_plans=plans) as servers:
+            return await _fetch([s.address for s in servers], expected=None), servers[0].address
+
+    report, liar = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert list(report.excluded) == [liar] and "disagrees" in report.excluded[liar]
+    assert report.bytes_by_source[liar] == 0
+
+
+@pytest.mark.timeout(30)
+def test_all_providers_stalled_fail_fast_with_a_clear_error() -> None:
+    plans = [ServeFaultPlan(point="chunk", action="stall", after=n) for n in (0, 3, 6)]
+
+    async def scenario() -> float:
+        async with providers(3, SNAPSHOT, fault_plans=plans) as servers:
+            started = time.monotonic()
+            with pytest.raises(StateSyncError, match="every source failed.*stalled.*stalled.*stalled"):
+                await _fetch([s.address for s in servers], stall_timeout=timedelta(milliseconds=500))
+            return time.monotonic() - started
+
+    assert uvloop.run(scenario()) < 5  # three stall timeouts in parallel, not the 20 s deadline
+
+
+@pytest.mark.timeout(30)
+def test_stalled_providers_and_a_long_stall_timeout_end_at_the_deadline() -> None:
+    plans = [ServeFaultPlan(point="chunk", action="stall", after=2)] * 2
+
+    async def scenario() -> float:
+        async with providers(2, SNAPSHOT, fault_plans=plans) as servers:
+            started = time.monotonic()
+            with pytest.raises(StateSyncError, match="did not finish within"):
+                await _fetch(
+                    [s.address for s in servers],
+                    deadline=timedelta(seconds=2),
+                    stall_timeout=timedelta(seconds=60),
+                )
+            return time.monotonic() - started
+
+    elapsed = uvloop.run(scenario())
+    assert 2.0 <= elapsed < 3.5
+
+
+@pytest.mark.timeout(30)
+def test_all_providers_dead_fail_within_the_deadline() -> None:
+    async def scenario() -> float:
+        async with providers(3, SNAPSHOT) as servers:
+            addresses = [s.address for s in servers]
+            for server in servers:
+                await server.stop(timedelta(0))
+            started = time.monotonic()
+            with pytest.raises(StateSyncError, match="no source serves.*UNAVAILABLE"):
+                await _fetch(addresses, deadline=timedelta(seconds=5))
+            return time.monotonic() - started
+
+    assert uvloop.run(scenario()) < 5
+
+
+@pytest.mark.timeout(30)
+def test_a_publish_mid_transfer_lets_the_transfer_finish_from_the_previous_snapshot() -> None:
+    newer = make_snapshot(seed=1, round_id=8, num_params=MiB)
+    plans = [ServeFaultPlan(point="chunk", action="pause", after=3)]
+
+    async def scenario() -> tuple[FetchReport, list[str]]:
+        async with providers(1, SNAPSHOT, fault_plans=plans) as [server]:
+
+            async def publish_at_pause() -> None:
+                await server.provider.fault_fired.wait()
+                server.provider.publish(newer)  # SNAPSHOT becomes the previous one, still kept
+                server.provider.resume()
+
+            publisher = asyncio.create_task(publish_at_pause())
+            report = await _fetch([server.address], max_parallel=2)
+            await publisher
+            return report, server.provider.kept_state_ids
+
+    report, kept = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert kept == [newer.state_id, SNAPSHOT.state_id]
+    assert report.excluded == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_no_longer_kept_gets_not_found_and_the_fetcher_falls_back() -> None:
+    # Source 0 pauses in the middle of its first range; meanwhile it publishes two newer snapshots,
+    # so SNAPSHOT is no longer kept. The paused stream still finishes (it holds its snapshot); the
+    # next range asked of source 0 gets NOT_FOUND and goes to source 1.
+    newer = [make_snapshot(seed=s, round_id=7 + s, num_params=MiB) for s in (1, 2)]
+    plans = [ServeFaultPlan(point="chunk", action="pause", after=3), None]
+
+    async def scenario() -> tuple[FetchReport, list[str], str]:
+        async with providers(2, SNAPSHOT, fault_plans=plans) as servers:
+            first = servers[0]
+
+            async def publish_at_pause() -> None:
+                await first.provider.fault_fired.wait()
+                for snapshot in newer:
+                    first.provider.publish(snapshot)
+                first.provider.resume()
+
+            publisher = asyncio.create_task(publish_at_pause())
+            report = await _fetch([s.address for s in servers], max_parallel=1)
+            await publisher
+            # A fresh fetch of the evicted snapshot: source 0 answers NOT_FOUND at once.
+            again = await _fetch([s.address for s in servers])
+            assert_identical(again.snapshot, SNAPSHOT)
+            assert "GetManifest: NOT_FOUND" in again.excluded[first.address]
+            return report, first.provider.kept_state_ids, first.address
+
+    report, kept, first = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert SNAPSHOT.state_id not in kept
+    assert "NOT_FOUND" in report.excluded[first]
+    assert report.bytes_by_source[first] == 2 * MiB  # exactly the range it was streaming when paused
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_provider_is_retried_not_dropped() -> None:
+    async def scenario() -> tuple[FetchReport, int, int]:
+        config = replace(TEST_CONFIG, max_concurrent_transfers=1)
+        async with providers(1, SNAPSHOT, config=config) as [server]:
+            report = await _fetch([server.address], max_parallel=4)
+            provider = server.provider
+            return report, provider.num_ranges_served, provider.num_refusals["RESOURCE_EXHAUSTED"]
+
+    report, ranges_served, num_busy = uvloop.run(scenario())
+    assert_identical(report.snapshot, SNAPSHOT)
+    assert report.excluded == {}
+    assert num_busy > 0  # four streams asked of a provider that serves one at a time
+    assert ranges_served == len(range(0, 16 * MiB, 2 * MiB)) + len(range(0, 4 * MiB, 2 * MiB)) + 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("sources", "knobs"),
+    [
+        ([], {}),
+        (["a:1", "a:1"], {}),
+        (["a:1"], {"max_parallel": 0}),
+        (["a:1"], {"chunk_bytes": 0}),
+        (["a:1"], {"range_bytes": -1}),
+        (["a:1"], {"deadline": timedelta(0)}),
+        (["a:1"], {"stall_timeout": timedelta(0)}),
+    ],
+)
+def test_bad_arguments_are_value_errors(sources: list[str], knobs: dict[str, Any]) -> None:
+    arguments: dict[str, Any] = {"expected_state_id": None, "deadline": timedelta(seconds=1), **knobs}
+    with pytest.raises(ValueError):
+        uvloop.run(fetch_state(sources, **arguments))
