@@ -3,7 +3,7 @@
 A checkpoint is a directory ``RUN_DIR/checkpoints/step-<S>/`` with
 
 - ``tensors.safetensors``: every tensor of the node's state, keyed by its path in the state tree
-  (``model/layers.0.attention.wq.weight``, ``inner_optimizer/state/3/exp_avg`` …);
+  (``/model/layers.0.attention.wq.weight``, ``/inner_optimizer/state/3/exp_avg`` …);
 - ``state.json``: the rest of the tree with ``{"__tensor__": key}`` where a tensor stood, plus
   ``meta`` (round, step, param_hash …).
 
@@ -39,9 +39,16 @@ def split_state(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tenso
 
     def visit(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
+            if path in tensors:  # e.g. {"a/b": x, "a": {"b": y}}, or keys 1 and "1" side by side
+                raise ValueError(f"two tensors would be stored under the same key {path!r}")
             tensors[path] = node.detach().to("cpu").contiguous()
             return {TENSOR_TAG: path}
         if isinstance(node, dict):
+            for key in node:
+                # JSON keeps str and int keys apart only because items are stored as pairs; any other
+                # key type would save but never load again.
+                if not isinstance(key, str | int) or isinstance(key, bool):
+                    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__} at {path or '/'}")
             return {"__dict__": [[key, visit(value, f"{path}/{key}")] for key, value in node.items()]}
         if isinstance(node, tuple):
             return {TUPLE_TAG: [visit(value, f"{path}/{i}") for i, value in enumerate(node)]}
@@ -89,9 +96,10 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 def save_checkpoint(root: Path, name: str, state: dict[str, Any], meta: dict[str, Any], *, keep: int) -> Path:
     """Write ``state`` atomically as checkpoint ``name`` under ``root`` and point LATEST at it."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
     root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob("*.tmp-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    _remove_leftovers(root)
     final = root / name
     if (final / "state.json").is_file():
         # Checkpoints are named by inner step: the same name means the same state, already on disk.
@@ -127,6 +135,21 @@ def _point_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete what crashed saves and prunes left: ``*.tmp-*`` files and dirs, dirs without state.json."""
+    for path in root.iterdir():
+        incomplete_dir = path.is_dir() and not (path / "state.json").exists()
+        if ".tmp-" in path.name or incomplete_dir:
+            _remove(path)
+
+
 def _prune(root: Path, *, keep: int, current: str) -> None:
     complete = sorted(
         (p for p in root.iterdir() if p.is_dir() and ".tmp-" not in p.name and (p / "state.json").exists()),
@@ -134,7 +157,11 @@ def _prune(root: Path, *, keep: int, current: str) -> None:
     )
     for old in complete[:-keep]:
         if old.name != current:
-            shutil.rmtree(old, ignore_errors=True)
+            # Rename first: a crash mid-delete then leaves a .tmp- dir that the next save sweeps away,
+            # never a half-deleted checkpoint that looks real.
+            doomed = old.with_name(f"{old.name}.tmp-{os.getpid()}")
+            os.rename(old, doomed)
+            shutil.rmtree(doomed)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -83,6 +83,7 @@ class Trainer:
         self.model_config = model_config(config.model, **overrides)
         torch.manual_seed(config.seed)
         self.model = GPT(self.model_config).to(self.device)
+        self.model.train()
         self.optimizer = build_inner_optimizer(self.model, config)
         self.schedule = LRSchedule(
             kind=config.lr_schedule,
@@ -222,7 +223,6 @@ class Trainer:
         lr = self.schedule.lr(self.progress.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
         loss = cross_entropy_loss(self.model(x), y)
         loss.backward()
         if self.config.grad_clip > 0:
@@ -254,6 +254,7 @@ class Trainer:
         total = 0.0
         for x, y in self.eval_set:
             total += cross_entropy_loss(self.model(x.to(self.device)), y.to(self.device)).item()
+        self.model.train()  # set once here, not every inner step (it walks every module)
         return total / len(self.eval_set)
 
     def outer_round(self) -> dict[str, Any]:

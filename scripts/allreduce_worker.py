@@ -6,13 +6,17 @@ Its vector is regenerated from (seed, index, round) in 1M-number blocks, so any 
 every peer's vector and the exact mean without holding them all. After each round it prints one JSON
 line:
 
-    {"round", "index", "peer_id", "seconds", "bytes_sent", "bytes_recv", "max_abs_error", "sha256",
-     "peak_rss_bytes", "baseline_rss_bytes", "vector_bytes", "fell_back", "failures", "contributors",
-     "producers"}
+    {"round", "index", "peer_id", "elements", "codec", "seconds", "bytes_sent", "bytes_recv",
+     "max_abs_error", "sha256", "peak_rss_bytes", "baseline_rss_bytes", "round_start_rss_bytes",
+     "round_peak_rss_bytes", "vector_bytes", "fell_back", "failures", "contributors", "producers"}
 
 max_abs_error compares with the exact float32 weighted mean over each part's contributors (computed
 after the round, block by block); sha256 of the result lets a harness check that survivors agree bit
-for bit; peak_rss_bytes is ru_maxrss sampled right after the round, before that reference check.
+for bit; peak_rss_bytes is ru_maxrss (the process's high-water mark) sampled right after the round,
+before that reference check; baseline_rss_bytes is ru_maxrss once the server is up, before any vector;
+round_start_rss_bytes is the resident size before this round's vector was built; round_peak_rss_bytes
+is the high-water mark from just after this round's vector was built to the end of the round (VmHWM, reset
+through /proc/self/clear_refs; equal to peak_rss_bytes where the kernel does not allow the reset).
 Before exiting, a worker waits (bounded) for the others to finish so it can still serve its part.
 
 Example (4 peers, 25M numbers, int8):
@@ -44,6 +48,7 @@ from protocol.allreduce import (
     Member,
     SyncAllReducePeer,
 )
+from protocol.allreduce.memory import release_free_memory
 from protocol.codecs import CODEC_NAMES, get_codec
 from protocol.error_feedback import ErrorFeedback
 
@@ -79,7 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", type=float, default=1.0, help="relative bandwidth: sizes our part")
     parser.add_argument("--error-feedback", action="store_true", help="keep quantization residuals")
     parser.add_argument("--fixed-vectors", action="store_true", help="same vector every round (for feedback)")
-    parser.add_argument("--chunk-elements", type=int, default=1 << 20, help="numbers per streamed chunk")
+    parser.add_argument(
+        "--chunk-elements",
+        type=int,
+        default=AllReduceConfig.chunk_num_elements,
+        help="numbers per streamed chunk",
+    )
     parser.add_argument("--stall-seconds", type=float, default=30.0, help="no progress this long = stalled")
     parser.add_argument("--heartbeat-seconds", type=float, default=None, help="default: stall / 5")
     parser.add_argument("--rendezvous-timeout-seconds", type=float, default=120.0, help="wait for peers")
@@ -151,6 +161,37 @@ def exact_mean_error(
     return worst
 
 
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (0 where /proc is unavailable)."""
+    try:
+        return _proc_status_bytes("VmRSS")
+    except (OSError, KeyError):
+        return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's resident high-water mark (VmHWM) so a round's own peak can be read; False if
+    the kernel does not allow it (then only the process-wide ru_maxrss is reported)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset() -> int:
+    return _proc_status_bytes("VmHWM")
+
+
 def rendezvous(args: argparse.Namespace, address: str) -> list[dict[str, object]]:
     """Publish our address and wait (bounded) for every peer's."""
     args.rendezvous.mkdir(parents=True, exist_ok=True)
@@ -215,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         bandwidths = [float(p["bandwidth"]) for p in peers]  # type: ignore[arg-type]
         for round_id in range(args.rounds):
             vector_round = 0 if args.fixed_vectors else round_id
+            round_start_rss_bytes = current_rss_bytes()
             vector = make_vector(args.seed, args.index, vector_round, args.elements)
+            round_hwm_reset = reset_peak_rss()
             group = GroupSpec.build(
                 round_id=round_id, members=members, num_elements=args.elements, bandwidths=bandwidths
             )
@@ -229,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 deadline=timedelta(seconds=args.deadline_seconds),
             )
             peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            round_peak_rss_bytes = peak_rss_since_reset() if round_hwm_reset else peak_rss_bytes
             if args.save_dir is not None:
                 args.save_dir.mkdir(parents=True, exist_ok=True)
                 torch.save(result.averaged, args.save_dir / f"result-r{round_id}-i{args.index}.pt")
@@ -246,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                 "sha256": hashlib.sha256(result.averaged.numpy().data).hexdigest(),
                 "peak_rss_bytes": peak_rss_bytes,
                 "baseline_rss_bytes": baseline_rss_bytes,
+                "round_start_rss_bytes": round_start_rss_bytes,
+                "round_peak_rss_bytes": round_peak_rss_bytes,
                 "vector_bytes": 4 * args.elements,
                 "fell_back": result.fell_back,
                 "failures": result.failures,
@@ -254,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(record), flush=True)
             del result  # the next round's vectors must not stack on this one's result
+            release_free_memory()
         wait_for_others(args, peers)
     finally:
         peer.close()

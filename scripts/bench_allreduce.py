@@ -24,8 +24,9 @@ seconds: a worker reports the wall time of its ``allreduce()`` call. Peers do no
     matchmaking has gathered the group, to the end of the step).
 wire_bytes = codec.encoded_num_bytes(E), the full vector as the codec encodes it (int8: E bytes and
     one fp32 scale per 256 numbers). ``wire_bytes_per_peer``: gRPC bytes each peer sent in a round,
-    mean over peers and timed rounds; ``interface_tx_bytes_per_peer`` (emulator only): bytes that left
-    each eth0 per round, TCP/IP headers included.
+    mean over peers and timed rounds, as counted when its ``allreduce()`` returned (a peer that is done
+    early still serves its part afterwards, so this can undercount); ``interface_tx_bytes_per_peer``
+    (emulator only): all bytes that left each eth0 per round, TCP/IP headers included.
 link_bound_seconds = 2 * (N - 1) / N * wire_bytes / (M * 1e6 / 8): the time of a bandwidth-optimal
     all-reduce with this codec on this link, each peer uploading (N - 1) / N of the encoded vector in
     reduce-scatter and again in all-gather (Patarasuk & Yuan, "Bandwidth optimal all-reduce

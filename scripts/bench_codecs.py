@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from protocol.allreduce import AllReduceConfig
 from protocol.codecs import CODEC_NAMES, Codec, get_codec
 
 
@@ -25,7 +26,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--elements", type=int, default=25_000_000, help="numbers in the vector")
-    parser.add_argument("--chunk-elements", type=int, default=1 << 20, help="numbers per chunk")
+    parser.add_argument(
+        "--chunk-elements", type=int, default=AllReduceConfig.chunk_num_elements, help="numbers per chunk"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per codec (best is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = per core)")
     parser.add_argument("--codecs", nargs="+", default=list(CODEC_NAMES), choices=CODEC_NAMES)

@@ -105,6 +105,13 @@ class Pulse:
         self._event.set()
         self._event = asyncio.Event()
 
+    async def wait_next(self, timeout: float) -> None:
+        """Wait for the next change (or timeout seconds)."""
+        event = self._event
+        with contextlib.suppress(TimeoutError):  # the caller re-checks its state either way
+            async with asyncio.timeout(timeout):
+                await event.wait()
+
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until predicate() holds (True) or timeout seconds pass (False)."""
         deadline = time.monotonic() + timeout

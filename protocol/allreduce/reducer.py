@@ -1,28 +1,34 @@
-"""Reduce one part: collect weighted contributions, sum them in member order, encode the average once.
+"""Reduce one part: fold weighted contributions chunk by chunk, in member order, and encode the average once.
 
-A `PartReducer` is a plain state machine with no sockets and no event loop; the round feeds it
-contributions as they arrive and asks it to fold the ones it may.
+A `PartReducer` is a plain state machine with no sockets and no event loop: the round feeds it chunks
+as they arrive, asks it which chunks may be folded now (`plan_folds`), runs those folds on a worker
+thread (`run_folds`) and reports them done (`folds_done`).
 
-Determinism. Float addition is not associative, so the owner must add contributions in an order that
-does not depend on arrival: member order. A member's contribution is only folded into the running
-sum once it is complete and every lower-indexed member is resolved (folded or excluded); a member
-excluded after lower ones were folded would otherwise force us to subtract it, which is not exact.
-So the sum is
+Determinism. Float addition is not associative, so every element must be summed in an order that does
+not depend on arrival: member order. Member j may fold its chunk [a, b) only once every lower member
+that can still contribute has folded (or queued before it) the same range; so for each element
 
     average = (((0 + w_a x_a) + w_b x_b) + ...) / ((0 + w_a) + w_b + ...)     a < b < ... contributors
 
-in float32, and with equal weights it equals torch's `torch.stack(xs).mean(0)` bit for bit (torch
-sums the rows of a small stack in the same order). The average is encoded once, chunk by chunk;
-every member later decodes these same bytes, which makes all results bit-identical.
+in float32 (a multiply, then an add: no fused multiply-add), which with equal weights is torch's
+`torch.stack(xs).mean(0)` bit for bit for small stacks (torch sums their rows in the same order).
+Folds run in submission order on one worker thread, so a queued fold counts as done for ordering.
 
-Memory: a contribution waits as its encoded chunks (e.g. 1 byte per number for int8) until it is
-folded; folding decodes one chunk at a time into a reused scratch buffer.
+Failures. A member that never delivered anything is simply left out. A member that fails after some of
+its chunks were summed cannot be taken out again exactly, so the reducer is *poisoned*: the round
+then hands the part to its backup, which reduces it again from resent contributions. At the
+phase deadline, members that have not started are left out, while members already partly summed are
+waited for (they are alive and stream; a stalled one is cut off by the stall timeout).
+
+Memory. Chunks wait, encoded, only while a lower member lags behind; each fold decodes one chunk into a
+reused scratch buffer and adds it into the accumulator in place.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -36,23 +42,29 @@ from protocol.error_feedback import ErrorFeedback
 class SenderStatus(enum.Enum):
     WAITING = "waiting"  # nothing heard yet
     STREAMING = "streaming"  # chunks are arriving
-    COMPLETE = "complete"  # every number arrived and validated; not folded yet
-    FOLDED = "folded"  # part of the running sum
+    COMPLETE = "complete"  # every number arrived and validated (folding may still be under way)
     EXCLUDED = "excluded"  # left out of this part (failed, stalled, rejected or too late)
 
 
-FOLD_CHUNK = 1 << 18
-"""Numbers of a local fp32 contribution multiplied by its weight at a time (bounded scratch)."""
+@dataclass(frozen=True)
+class FoldJob:
+    """Add w * chunk into accumulator[offset : offset + size]; payload None means the local fp32 vector."""
+
+    member: int
+    offset: int
+    size: int
+    payload: bytes | None
 
 
 @dataclass
 class _Contribution:
     status: SenderStatus = SenderStatus.WAITING
     weight: float = 0.0
-    payloads: list[bytes] = field(default_factory=list)  # encoded chunks, in order
-    chunk_sizes: list[int] = field(default_factory=list)
+    pending: deque[FoldJob] = field(default_factory=deque)  # received, not yet handed to a fold
     num_received: int = 0
-    raw: torch.Tensor | None = None  # a local contribution, kept as fp32 instead of encoded
+    num_planned: int = 0  # prefix of the part handed to folds (queued or done)
+    num_folded: int = 0  # prefix of the part already in the sum
+    raw: torch.Tensor | None = None  # this peer's own contribution, kept as fp32
     reason: str = ""
 
 
@@ -70,10 +82,6 @@ class ReducedPart:
     @property
     def num_elements(self) -> int:
         return sum(self.chunk_sizes)
-
-    @property
-    def num_payload_bytes(self) -> int:
-        return sum(len(p) for p in self.payloads)
 
 
 def chunk_sizes(num_elements: int, chunk_num_elements: int) -> list[int]:
@@ -95,35 +103,41 @@ class PartReducer:
         num_elements: int,
         num_members: int,
         codec: Codec,
+        chunk_num_elements: int,
         accumulator: torch.Tensor | None = None,
     ) -> None:
-        """`accumulator`, if given, is (num_elements,) fp32 scratch to sum into (it is zeroed first)."""
+        """`accumulator`, if given, is (num_elements,) fp32 memory to sum into (it is zeroed first)."""
         self.part_index = part_index
         self.producer_index = producer_index
         self.num_elements = num_elements
         self.codec = codec
+        self.chunk_num_elements = chunk_num_elements
         self._contributions = [_Contribution() for _ in range(num_members)]
         if accumulator is None:
             accumulator = torch.empty(num_elements, dtype=torch.float32)
         assert accumulator.shape == (num_elements,) and accumulator.dtype == torch.float32
         self._accumulator = accumulator.zero_()  # (part,)
-        self._weight_sum = torch.zeros((), dtype=torch.float32)
-        self._next_to_fold = 0
-        self._contributors: list[int] = []
+        self._scratch = torch.empty(0, dtype=torch.float32)
         self.finalized = False
+        self.poisoned = ""  # why this part can no longer be decided here ("" while it can)
 
     # --- feeding contributions (called on the event loop) -------------------------------------------
 
     def status(self, member: int) -> SenderStatus:
         return self._contributions[member].status
 
+    def _refuse_if_poisoned(self) -> None:
+        if self.poisoned:
+            raise ProtocolError(grpc.StatusCode.ABORTED, f"part {self.part_index} moves to a backup")
+
     def begin(self, member: int, weight: float) -> None:
         """A member starts streaming its contribution; refuse duplicates and latecomers."""
+        self._refuse_if_poisoned()
         contribution = self._contributions[member]
-        if contribution.status in (SenderStatus.COMPLETE, SenderStatus.FOLDED):
-            raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, f"already hold your part {self.part_index}")
-        if contribution.status is SenderStatus.STREAMING:
-            raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, "you are already streaming this part")
+        if contribution.status in (SenderStatus.STREAMING, SenderStatus.COMPLETE):
+            raise ProtocolError(
+                grpc.StatusCode.ALREADY_EXISTS, f"already receiving your part {self.part_index}"
+            )
         if self.finalized or contribution.status is SenderStatus.EXCLUDED:
             raise ProtocolError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -131,11 +145,11 @@ class PartReducer:
             )
         if not (math.isfinite(weight) and weight > 0):
             raise invalid(f"weight must be finite and positive, got {weight}")
-        contribution.status = SenderStatus.STREAMING
-        contribution.weight = weight
+        contribution.status, contribution.weight = SenderStatus.STREAMING, weight
 
     def add_chunk(self, member: int, offset: int, num_elements: int, payload: bytes) -> None:
-        """Validate and keep one encoded chunk of a streaming member (raises ProtocolError)."""
+        """Validate and queue one encoded chunk of a streaming member (raises ProtocolError)."""
+        self._refuse_if_poisoned()
         contribution = self._contributions[member]
         if contribution.status is not SenderStatus.STREAMING:
             raise ProtocolError(
@@ -152,12 +166,12 @@ class PartReducer:
             self.codec.validate(payload, num_elements)
         except CodecError as error:
             raise invalid(str(error)) from error
-        contribution.payloads.append(payload)
-        contribution.chunk_sizes.append(num_elements)
+        contribution.pending.append(FoldJob(member, offset, num_elements, payload))
         contribution.num_received += num_elements
 
     def complete(self, member: int) -> None:
         """The member's stream ended; it must have delivered the whole part."""
+        self._refuse_if_poisoned()
         contribution = self._contributions[member]
         if contribution.status is not SenderStatus.STREAMING:
             raise ProtocolError(
@@ -174,96 +188,119 @@ class PartReducer:
         self.begin(member, weight)
         contribution = self._contributions[member]
         contribution.raw = values
+        for offset in range(0, self.num_elements, self.chunk_num_elements):
+            size = min(self.chunk_num_elements, self.num_elements - offset)
+            contribution.pending.append(FoldJob(member, offset, size, None))
         contribution.num_received = self.num_elements
         contribution.status = SenderStatus.COMPLETE
 
-    def exclude(self, member: int, reason: str) -> bool:
-        """Leave a member out (its stream failed or was rejected); False if it already delivered."""
+    def exclude(self, member: int, reason: str) -> None:
+        """Leave a member out (it failed or was rejected); poisons the part if it was partly summed."""
         contribution = self._contributions[member]
-        if contribution.status in (SenderStatus.COMPLETE, SenderStatus.FOLDED):
-            return False  # a validated contribution is kept: it may already be folding
-        if contribution.status is not SenderStatus.EXCLUDED:
-            contribution.status = SenderStatus.EXCLUDED
-            contribution.reason = reason
-            contribution.payloads.clear()
-            contribution.raw = None
-        return True
+        if contribution.status in (SenderStatus.COMPLETE, SenderStatus.EXCLUDED):
+            return  # a validated contribution is kept whole
+        if contribution.num_planned > 0:
+            self.poisoned = f"member {member} failed after part of its contribution was summed ({reason})"
+        contribution.status, contribution.reason = SenderStatus.EXCLUDED, reason
+        contribution.pending.clear()
 
     def give_up_on(self, member: int, reason: str) -> None:
         """Stop waiting for a member we believe dead, unless its contribution is already arriving."""
         if self._contributions[member].status is SenderStatus.WAITING:
             self.exclude(member, reason)
 
-    @property
-    def contributors(self) -> tuple[int, ...]:
-        """Members folded into the sum so far, in order."""
-        return tuple(self._contributors)
-
-    def all_resolved(self) -> bool:
-        """True once no member is still waiting or streaming."""
-        unresolved = (SenderStatus.WAITING, SenderStatus.STREAMING)
-        return all(c.status not in unresolved for c in self._contributions)
-
     def finalize(self) -> None:
-        """The deadline passed (or all are resolved): everyone not complete is excluded for good."""
-        for contribution in self._contributions:
-            if contribution.status in (SenderStatus.WAITING, SenderStatus.STREAMING):
-                contribution.status = SenderStatus.EXCLUDED
-                contribution.reason = contribution.reason or "did not deliver before the deadline"
-                contribution.payloads.clear()
+        """The phase deadline: leave out every member not yet summed at all; no newcomers after this.
+
+        Members already partly summed must still finish (or fail, which poisons the part).
+        """
+        for member, contribution in enumerate(self._contributions):
+            if (
+                contribution.status in (SenderStatus.WAITING, SenderStatus.STREAMING)
+                and not contribution.num_planned
+            ):
+                self.exclude(member, contribution.reason or "did not deliver before the deadline")
         self.finalized = True
 
-    # --- folding (CPU work; may run on a worker thread) -----------------------------------------------
+    def is_done(self) -> bool:
+        """True once every member is left out or completely summed."""
+        return all(
+            c.status is SenderStatus.EXCLUDED
+            or (c.status is SenderStatus.COMPLETE and c.num_folded == self.num_elements)
+            for c in self._contributions
+        )
 
-    def next_foldable(self) -> int | None:
-        """Skip excluded members in order; return the next complete member to fold, or None."""
-        while self._next_to_fold < len(self._contributions):
-            status = self._contributions[self._next_to_fold].status
-            if status is SenderStatus.EXCLUDED:
-                self._next_to_fold += 1
-            elif status is SenderStatus.COMPLETE:
-                return self._next_to_fold
+    def all_arrived(self) -> bool:
+        """True once no member is still expected to send anything."""
+        return all(c.status in (SenderStatus.COMPLETE, SenderStatus.EXCLUDED) for c in self._contributions)
+
+    # --- folding -------------------------------------------------------------------------------------
+
+    def plan_folds(self) -> list[FoldJob]:
+        """Queued chunks that may be summed now, in an order that keeps every element in member order.
+
+        Member j may fold up to the smallest prefix any lower, not excluded member has planned.
+        """
+        jobs: list[FoldJob] = []
+        frontier = self.num_elements
+        for contribution in self._contributions:
+            if contribution.status is SenderStatus.EXCLUDED:
+                continue
+            while (
+                contribution.pending
+                and contribution.pending[0].offset + contribution.pending[0].size <= frontier
+            ):
+                job = contribution.pending.popleft()
+                contribution.num_planned += job.size
+                jobs.append(job)
+            frontier = min(frontier, contribution.num_planned)
+        return jobs
+
+    def run_folds(self, jobs: list[FoldJob]) -> None:
+        """Sum the planned chunks (CPU work: run it on the worker thread, in the order planned)."""
+        for job in jobs:
+            if self._scratch.numel() < job.size:
+                self._scratch = torch.empty(job.size, dtype=torch.float32)
+            scratch = self._scratch[: job.size]
+            contribution = self._contributions[job.member]
+            if job.payload is None:
+                assert contribution.raw is not None
+                torch.mul(
+                    contribution.raw[job.offset : job.offset + job.size], contribution.weight, out=scratch
+                )
             else:
-                return None
-        return None
+                self.codec.decode_into(job.payload, scratch).mul_(contribution.weight)
+            self._accumulator[job.offset : job.offset + job.size] += scratch
 
-    def fold(self, member: int) -> None:
-        """Add w * x of a complete member into the running sum, one chunk at a time."""
-        assert member == self._next_to_fold, (member, self._next_to_fold)
-        contribution = self._contributions[member]
-        assert contribution.status is SenderStatus.COMPLETE
-        weight = contribution.weight
-        # Multiply, then add (no fused multiply-add), chunk by chunk into a small scratch buffer.
-        if contribution.raw is not None:
-            raw = contribution.raw
-            scratch = torch.empty(min(FOLD_CHUNK, self.num_elements), dtype=torch.float32)
-            for offset in range(0, self.num_elements, FOLD_CHUNK):
-                size = min(FOLD_CHUNK, self.num_elements - offset)
-                product = torch.mul(raw[offset : offset + size], weight, out=scratch[:size])
-                self._accumulator[offset : offset + size] += product
-        else:
-            offset = 0
-            scratch = torch.empty(max(contribution.chunk_sizes, default=0), dtype=torch.float32)
-            for size, payload in zip(contribution.chunk_sizes, contribution.payloads, strict=True):
-                decoded = self.codec.decode_into(payload, scratch[:size])
-                decoded.mul_(weight)
-                self._accumulator[offset : offset + size] += decoded
-                offset += size
-        self._weight_sum += weight
-        contribution.payloads.clear()
-        contribution.raw = None
-        contribution.status = SenderStatus.FOLDED
-        self._contributors.append(member)
-        self._next_to_fold += 1
+    def folds_done(self, jobs: list[FoldJob]) -> None:
+        """Record finished folds (back on the event loop)."""
+        for job in jobs:
+            self._contributions[job.member].num_folded += job.size
+        for contribution in self._contributions:
+            if contribution.raw is not None and contribution.num_folded == self.num_elements:
+                contribution.raw = None
 
-    def encode_average(
-        self, *, chunk_num_elements: int, error_feedback: ErrorFeedback | None, part_offset: int
-    ) -> ReducedPart:
+    # --- the result ----------------------------------------------------------------------------------
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        """Members whose whole contribution is in the sum, in order."""
+        return tuple(
+            member
+            for member, c in enumerate(self._contributions)
+            if c.status is SenderStatus.COMPLETE and c.num_folded == self.num_elements
+        )
+
+    def encode_average(self, *, error_feedback: ErrorFeedback | None, part_offset: int) -> ReducedPart:
         """Divide by the weight sum and encode the average chunk by chunk (with the owner's feedback)."""
-        assert self.finalized and self.next_foldable() is None, "fold every complete member first"
-        assert self._contributors, "an owner always contributes to its own part"
-        average = self._accumulator.div_(self._weight_sum)  # (part,)
-        sizes = chunk_sizes(self.num_elements, chunk_num_elements)
+        assert self.finalized and self.is_done() and not self.poisoned, "fold every contribution first"
+        contributors = self.contributors
+        assert contributors, "nothing to average"
+        weight_sum = torch.zeros((), dtype=torch.float32)
+        for member in contributors:  # float32, in member order, like the sum itself
+            weight_sum += self._contributions[member].weight
+        average = self._accumulator.div_(weight_sum)  # (part,)
+        sizes = chunk_sizes(self.num_elements, self.chunk_num_elements)
         payloads: list[bytes] = []
         offset = 0
         for size in sizes:
@@ -274,12 +311,12 @@ class PartReducer:
                 encoded = error_feedback.encode(self.codec, values, part_offset + offset)
             payloads.append(encoded.numpy().tobytes())
             offset += size
-        self._accumulator = torch.empty(0)  # the encoded chunks are all we keep
+        self._accumulator = self._scratch = torch.empty(0)  # the encoded chunks are all we keep
         return ReducedPart(
             part_index=self.part_index,
             producer_index=self.producer_index,
-            contributor_indices=tuple(self._contributors),
-            weight_sum=float(self._weight_sum),
+            contributor_indices=contributors,
+            weight_sum=float(weight_sum),
             chunk_sizes=tuple(sizes),
             payloads=tuple(payloads),
         )

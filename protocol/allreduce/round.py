@@ -155,6 +155,7 @@ class RoundState:
             num_elements=self.group.part_num_elements(part_index),
             num_members=self.group.num_members,
             codec=self.codec,
+            chunk_num_elements=self.config.chunk_num_elements,
             accumulator=accumulator,
         )
         for member in self.failed:
@@ -197,6 +198,7 @@ class RoundState:
             for chunk_index, size in enumerate(self.source.chunk_sizes(part_index)):
                 payload = await self.source.payload(part_index, chunk_index)
                 reducer.add_chunk(self.my_index, offset, size, payload)
+                self.pulse.notify()
                 offset += size
             reducer.complete(self.my_index)
         except ProtocolError as error:
@@ -204,27 +206,38 @@ class RoundState:
         self.pulse.notify()
 
     async def _fold_until(self, reducer: PartReducer, deadline: float) -> None:
+        """Fold chunks as they arrive; at `deadline` leave out members that have not started.
+
+        Returns once every contribution is summed or left out, or the reducer is poisoned (a partly
+        summed member failed, or did not finish before the all-gather deadline).
+        """
         loop = asyncio.get_running_loop()
-        while True:
-            member = reducer.next_foldable()
-            if member is not None:
-                await loop.run_in_executor(self.executor, reducer.fold, member)
+        while not reducer.poisoned:
+            jobs = reducer.plan_folds()
+            if jobs:
+                await loop.run_in_executor(self.executor, reducer.run_folds, jobs)
+                reducer.folds_done(jobs)
                 continue
-            if reducer.finalized:
+            if reducer.is_done():
+                reducer.finalize()
                 return
-            if reducer.all_resolved() or remaining(deadline) <= 0:
+            if not reducer.finalized and (reducer.all_arrived() or remaining(deadline) <= 0):
                 reducer.finalize()
                 self.pulse.notify()
                 continue
-            await self.pulse.wait_for(
-                lambda: reducer.next_foldable() is not None or reducer.all_resolved(), remaining(deadline)
-            )
+            if reducer.finalized and remaining(self.all_gather_deadline) <= 0:
+                reducer.poisoned = "partly summed contributions did not finish before the all-gather deadline"
+                return
+            await self.pulse.wait_next(remaining(self.all_gather_deadline if reducer.finalized else deadline))
 
     async def _decide(self, part_index: int, deadline: float, *, taken_over: bool) -> None:
         part = self.parts[part_index]
         reducer = part.reducer
         assert reducer is not None
         await self._fold_until(reducer, deadline)
+        if reducer.poisoned:
+            self._move(part_index, reducer.poisoned)
+            return
         for member, reason in reducer.exclusion_reasons().items():
             if member != self.my_index:
                 self.record_failure(
@@ -236,7 +249,6 @@ class RoundState:
         reduced = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             lambda: reducer.encode_average(
-                chunk_num_elements=self.config.chunk_num_elements,
                 # Only an owner keeps feedback for its part's average; a backup's residual there is
                 # its sender residual, already spent on the contribution it pushed.
                 error_feedback=None if taken_over else self.error_feedback,

@@ -233,6 +233,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 round_state.bytes_recv += message.ByteSize()
                 chunk = message.chunk
                 reducer.add_chunk(sender, chunk.offset, chunk.num_elements, chunk.payload)
+                round_state.pulse.notify()  # the reducer may fold it now
             reducer.complete(sender)
             round_state.pulse.notify()
             reply = pb.ContributionReply(

@@ -1,8 +1,12 @@
 """Bad input: every malformed, mismatched or hostile request gets a clear status and one log line,
 its contribution is left out, and the round it arrived in still completes with consistent results.
 
-Each case opens round 1 on members p0 and p1 (p2 joins later, so p0's part stays open), sends one bad
-request to p0 from a raw gRPC client, then lets p2 join and checks the round's outcome.
+Each case opens round 1 on members p0 and p1 (p2 joins later, so p0's part stays open), waits until
+p1's contribution to p0's part is in, sends one bad request to p0 from a raw gRPC client posing as p2,
+then lets p2 join and checks the round's outcome. A refusal before anything of the impostor was
+summed leaves p2 out of part 0 ("excluded"); a refusal after one of its chunks was summed cannot be
+undone exactly, so p0 hands the part to its backup p1, which reduces it again from resent
+contributions, the real p2's included ("moved").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import uvloop
 
 from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, GroupSpec
+from protocol.allreduce.reducer import SenderStatus
 from protocol.codecs import get_codec
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from tests.protocol.allreduce.support import allreduce_all, exact_mean, local_peers, members_of
@@ -37,6 +42,7 @@ CONFIG = AllReduceConfig(
     max_early_wait=timedelta(seconds=10),
 )
 SERVICE = "/dtnode.v1.AllReduce/"
+INVALID, DENIED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,17 @@ class Target:
     group: GroupSpec
     address: str
 
-    def ref(self, *, sender: int = 2, peer_id: str | None = None, round_id: int | None = None) -> pb.RoundRef:
+    def ref(
+        self,
+        *,
+        sender: int = 2,
+        peer_id: str | None = None,
+        round_id: int | None = None,
+        digest: bytes | None = None,
+    ) -> pb.RoundRef:
         return pb.RoundRef(
             round_id=self.group.round_id if round_id is None else round_id,
-            group_digest=self.group.digest,
+            group_digest=self.group.digest if digest is None else digest,
             sender_index=sender,
             sender_peer_id=peer_id if peer_id is not None else self.group.members[sender].peer_id,
         )
@@ -117,111 +130,39 @@ async def pull(target: Target, request: object) -> grpc.StatusCode:
         return await call.code()
 
 
-def nan_chunk(target: Target) -> pb.ContributionMessage:
+def nan_chunk(offset: int = 0) -> pb.ContributionMessage:
     payload = bytearray(CODEC.encode(torch.randn(4096)).numpy().tobytes())
     payload[:4] = struct.pack("<f", math.nan)
-    return chunk(0, 4096, bytes(payload))
+    return chunk(offset, 4096, bytes(payload))
 
 
-# (case name, expected status, whether the impersonated member p2 ends up excluded from part 0, request)
-CASES: list[tuple[str, grpc.StatusCode, bool, Callable[[Target], Awaitable[grpc.StatusCode]]]] = [
-    ("garbage bytes", grpc.StatusCode.INVALID_ARGUMENT, False, lambda t: push(t, [b"\x0a\xff\xff\xff\xff"])),
-    ("chunk before header", grpc.StatusCode.INVALID_ARGUMENT, False, lambda t: push(t, [chunk(0, 10)])),
-    (
-        "wrong codec",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        False,
-        lambda t: push(t, [t.header(codec=pb.CodecSpec(kind=pb.CODEC_KIND_FP16))]),
-    ),
-    (
-        "unknown codec",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        False,
-        lambda t: push(t, [t.header(codec=pb.CodecSpec(kind=pb.CODEC_KIND_UNSPECIFIED))]),
-    ),
-    ("wrong length", grpc.StatusCode.INVALID_ARGUMENT, False, lambda t: push(t, [t.header(num_elements=17)])),
-    (
-        "non-finite weight",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        False,
-        lambda t: push(t, [t.header(weight=math.inf)]),
-    ),
-    ("no such part", grpc.StatusCode.INVALID_ARGUMENT, False, lambda t: push(t, [t.header(part_index=9)])),
-    (
-        "unknown round",
-        grpc.StatusCode.NOT_FOUND,
-        False,
-        lambda t: push(t, [t.header(round=t.ref(round_id=99))], timeout=2.0),
-    ),
-    (
-        "expired round",
-        grpc.StatusCode.FAILED_PRECONDITION,
-        False,
-        lambda t: push(t, [t.header(round=t.ref(round_id=0))]),
-    ),
-    (
-        "other group",
-        grpc.StatusCode.FAILED_PRECONDITION,
-        False,
-        lambda t: push(
-            t,
-            [
-                t.header(
-                    round=pb.RoundRef(round_id=1, group_digest=b"x" * 32, sender_index=2, sender_peer_id="p2")
-                )
-            ],
-        ),
-    ),
-    (
-        "sender outside group",
-        grpc.StatusCode.PERMISSION_DENIED,
-        False,
-        lambda t: push(t, [t.header(round=t.ref(peer_id="mallory"))]),
-    ),
-    (
-        "sender index out of range",
-        grpc.StatusCode.PERMISSION_DENIED,
-        False,
-        lambda t: push(t, [t.header(round=t.ref(sender=7, peer_id="p7"))]),
-    ),
-    (
-        "payload of wrong size",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        True,
-        lambda t: push(t, [t.header(), chunk(0, 4096, b"\0" * 100)]),
-    ),
-    (
-        "non-finite numbers",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        True,
-        lambda t: push(t, [t.header(), nan_chunk(t)]),
-    ),
-    (
-        "chunk at wrong offset",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        True,
-        lambda t: push(t, [t.header(), chunk(8, 4096)]),
-    ),
-    (
-        "truncated contribution",
-        grpc.StatusCode.INVALID_ARGUMENT,
-        True,
-        lambda t: push(t, [t.header(), chunk(0, 4096)]),
-    ),
-    (
-        "oversized message",
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        True,
-        lambda t: push(t, [t.header(), chunk(0, 4096, b"\0" * (2 << 20))]),
-    ),
-    (
-        "pull from outside group",
-        grpc.StatusCode.PERMISSION_DENIED,
-        False,
-        lambda t: pull(t, pb.PullAverageRequest(round=t.ref(peer_id="mallory"), part_index=0)),
-    ),
-    ("garbage pull", grpc.StatusCode.INVALID_ARGUMENT, False, lambda t: pull(t, b"\x0a\xff\xff\xff\xff")),
-]
+KEPT, EXCLUDED, MOVED = "kept", "excluded", "moved"
+OVERSIZED = b"\0" * (2 << 20)
+
+# (case name, expected status, what becomes of part 0 and p2's place in it, the bad request)
+CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Target], Awaitable[grpc.StatusCode]]]] = [
+    ("garbage bytes", INVALID, KEPT, lambda t: push(t, [b"\x0a\xff\xff\xff\xff"])),
+    ("chunk before header", INVALID, KEPT, lambda t: push(t, [chunk(0, 10)])),
+    ("wrong codec", INVALID, KEPT, lambda t: push(t, [t.header(codec=pb.CodecSpec(kind=pb.CODEC_KIND_FP16))])),
+    ("unknown codec", INVALID, KEPT, lambda t: push(t, [t.header(codec=pb.CodecSpec(kind=pb.CODEC_KIND_UNSPECIFIED))])),
+    ("wrong length", INVALID, KEPT, lambda t: push(t, [t.header(num_elements=17)])),
+    ("non-finite weight", INVALID, KEPT, lambda t: push(t, [t.header(weight=math.inf)])),
+    ("no such part", INVALID, KEPT, lambda t: push(t, [t.header(part_index=9)])),
+    ("unknown round", grpc.StatusCode.NOT_FOUND, KEPT, lambda t: push(t, [t.header(round=t.ref(round_id=99))], timeout=2.0)),
+    ("expired round", grpc.StatusCode.FAILED_PRECONDITION, KEPT, lambda t: push(t, [t.header(round=t.ref(round_id=0))])),
+    ("other group", grpc.StatusCode.FAILED_PRECONDITION, KEPT, lambda t: push(t, [t.header(round=t.ref(digest=b"x" * 32))])),
+    ("sender outside group", DENIED, KEPT, lambda t: push(t, [t.header(round=t.ref(peer_id="mallory"))])),
+    ("sender index out of range", DENIED, KEPT, lambda t: push(t, [t.header(round=t.ref(sender=7, peer_id="p7"))])),
+    ("payload of wrong size", INVALID, EXCLUDED, lambda t: push(t, [t.header(), chunk(0, 4096, b"\0" * 100)])),
+    ("non-finite numbers", INVALID, EXCLUDED, lambda t: push(t, [t.header(), nan_chunk()])),
+    ("chunk at wrong offset", INVALID, EXCLUDED, lambda t: push(t, [t.header(), chunk(8, 4096)])),
+    ("truncated contribution", INVALID, EXCLUDED, lambda t: push(t, [t.header()])),
+    ("oversized message", grpc.StatusCode.RESOURCE_EXHAUSTED, EXCLUDED, lambda t: push(t, [t.header(), chunk(0, 4096, OVERSIZED)])),
+    ("truncated after a summed chunk", INVALID, MOVED, lambda t: push(t, [t.header(), chunk(0, 4096)])),
+    ("non-finite after a summed chunk", INVALID, MOVED, lambda t: push(t, [t.header(), chunk(0, 4096), nan_chunk(4096)])),
+    ("pull from outside group", DENIED, KEPT, lambda t: pull(t, pb.PullAverageRequest(round=t.ref(peer_id="mallory")))),
+    ("garbage pull", INVALID, KEPT, lambda t: pull(t, b"\x0a\xff\xff\xff\xff")),
+]  # fmt: skip
 
 
 async def round_with_bad_request(
@@ -245,7 +186,7 @@ async def round_with_bad_request(
             )
             for i in (0, 1)
         ]
-        while peers[0].registry.get(1) is None:
+        while not p1_delivered(peers[0]):
             await asyncio.sleep(0.01)
         code = await request(Target(group=group, address=peers[0].address))
         late = peers[2].allreduce(
@@ -261,6 +202,13 @@ async def round_with_bad_request(
     return code, group, vectors, list(results)
 
 
+def p1_delivered(owner: AllReducePeer) -> bool:
+    """Whether p1's whole contribution to part 0 reached its owner p0 (so an impostor's chunk can be summed)."""
+    state = owner.registry.get(1)
+    reducer = state.parts[0].reducer if state is not None else None
+    return reducer is not None and reducer.status(1) is SenderStatus.COMPLETE
+
+
 async def _warm_up(peers: list[AllReducePeer]) -> None:
     """Round 0, so that round 0 counts as expired while round 1 runs."""
     group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=10)
@@ -268,30 +216,29 @@ async def _warm_up(peers: list[AllReducePeer]) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("name", "expected", "excludes_sender", "request_"), CASES, ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize(("name", "expected", "outcome", "request_"), CASES, ids=[c[0] for c in CASES])
 def test_bad_request_is_refused_and_the_round_completes(
     name: str,
     expected: grpc.StatusCode,
-    excludes_sender: bool,
+    outcome: str,
     request_: Callable[[Target], Awaitable[grpc.StatusCode]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="protocol.allreduce.servicer")
     code, group, vectors, results = uvloop.run(round_with_bad_request(request_))
     assert code is expected, name
-    rejections = [
-        r for r in caplog.records if re.match(rf"rejected \w+ from \S+: {expected.name}:", r.getMessage())
-    ]
+    pattern = rf"rejected \w+ from \S+: {expected.name}:"
+    rejections = [r for r in caplog.records if re.match(pattern, r.getMessage())]
     assert len(rejections) == 1, [r.getMessage() for r in caplog.records]
 
     for result in results:  # the honest members finish, agree, and average what was delivered
         assert not result.fell_back, result.failures
         assert torch.equal(result.averaged, results[0].averaged)
         assert result.contributors == results[0].contributors
-    contributors = results[0].contributors
-    assert contributors[0] == (["p0", "p1"] if excludes_sender else ["p0", "p1", "p2"])
-    assert contributors[1] == contributors[2] == ["p0", "p1", "p2"]
+    contributors, producers = results[0].contributors, results[0].producers
+    everyone = ["p0", "p1", "p2"]
+    assert contributors[0] == (["p0", "p1"] if outcome == EXCLUDED else everyone)
+    assert producers[0] == ("p1" if outcome == MOVED else "p0")
+    assert contributors[1] == contributors[2] == everyone
     exact = exact_mean(vectors, [1.0] * 3, group, contributors)
     assert (results[0].averaged - exact).abs().max() < 0.05  # int8 of N(0, 1) numbers

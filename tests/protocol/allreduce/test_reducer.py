@@ -1,10 +1,13 @@
-"""PartReducer as a plain state machine: member-order sums regardless of arrival, exclusions, refusals."""
+"""PartReducer as a plain state machine: member-order sums whatever the arrival order, exclusions,
+poisoning, refusals."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import struct
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -28,27 +31,33 @@ def naive_weighted_mean(vectors: dict[int, torch.Tensor], weights: dict[int, flo
     return total / weight_sum
 
 
-def stream(reducer: PartReducer, member: int, vector: torch.Tensor, weight: float) -> None:
-    reducer.begin(member, weight)
+def chunks_of(reducer: PartReducer, member: int, vector: torch.Tensor) -> list[Callable[[], None]]:
+    """One callable per chunk of a member's stream, then one that ends the stream."""
+
+    def sender(offset: int, size: int, payload: bytes) -> Callable[[], None]:
+        return lambda: reducer.add_chunk(member, offset, size, payload)
+
+    steps: list[Callable[[], None]] = []
     offset = 0
     for size in chunk_sizes(NUM_ELEMENTS, CHUNK):
-        payload = reducer.codec.encode(vector[offset : offset + size]).numpy().tobytes()
-        reducer.add_chunk(member, offset, size, payload)
+        steps.append(
+            sender(offset, size, reducer.codec.encode(vector[offset : offset + size]).numpy().tobytes())
+        )
         offset += size
-    reducer.complete(member)
+    steps.append(lambda: reducer.complete(member))
+    return steps
 
 
-def fold_all(reducer: PartReducer) -> None:
-    while (member := reducer.next_foldable()) is not None:
-        reducer.fold(member)
+def fold_available(reducer: PartReducer) -> None:
+    jobs = reducer.plan_folds()
+    reducer.run_folds(jobs)
+    reducer.folds_done(jobs)
 
 
 def decode_average(reducer: PartReducer) -> tuple[torch.Tensor, tuple[int, ...]]:
-    reduced = reducer.encode_average(chunk_num_elements=CHUNK, error_feedback=None, part_offset=0)
-    decoded = torch.cat(
-        [reducer.codec.decode(p, n) for p, n in zip(reduced.payloads, reduced.chunk_sizes, strict=True)]
-    )
-    return decoded, reduced.contributor_indices
+    reduced = reducer.encode_average(error_feedback=None, part_offset=0)
+    pieces = [reducer.codec.decode(p, n) for p, n in zip(reduced.payloads, reduced.chunk_sizes, strict=True)]
+    return torch.cat(pieces), reduced.contributor_indices
 
 
 def make_reducer(codec: str = "none", num_members: int = 4) -> PartReducer:
@@ -58,47 +67,67 @@ def make_reducer(codec: str = "none", num_members: int = 4) -> PartReducer:
         num_elements=NUM_ELEMENTS,
         num_members=num_members,
         codec=get_codec(codec),
+        chunk_num_elements=CHUNK,
     )
 
 
-def test_sum_is_member_ordered_whatever_the_arrival_order() -> None:
-    generator = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("seed", range(6))
+def test_sum_is_member_ordered_whatever_the_interleaving(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
     vectors = {i: torch.randn(NUM_ELEMENTS, generator=generator) * 10.0**i for i in range(4)}
     weights = {0: 1.5, 1: 0.25, 2: 3.0, 3: 7.0}
-    reference = naive_weighted_mean(vectors, weights)
-    for order in itertools.permutations([0, 2, 3]):
-        reducer = make_reducer()
-        reducer.add_local(1, weights[1], vectors[1])
-        for member in order:
-            stream(reducer, member, vectors[member], weights[member])
-            fold_all(reducer)  # folds whatever prefix is ready, as the round does
-        assert reducer.all_resolved()
-        reducer.finalize()
-        fold_all(reducer)
-        average, contributors = decode_average(reducer)
-        assert contributors == (0, 1, 2, 3)
-        assert torch.equal(average, reference), order
+    reducer = make_reducer()
+    reducer.add_local(1, weights[1], vectors[1])
+    streams = {m: chunks_of(reducer, m, vectors[m]) for m in (0, 2, 3)}
+    for m in streams:
+        reducer.begin(m, weights[m])
+    rng = random.Random(seed)
+    while streams:  # chunks of the three senders arrive interleaved at random, folding as we go
+        member = rng.choice(sorted(streams))
+        streams[member].pop(0)()
+        if not streams[member]:
+            del streams[member]
+        fold_available(reducer)
+    assert reducer.is_done()
+    reducer.finalize()
+    average, contributors = decode_average(reducer)
+    assert contributors == (0, 1, 2, 3)
+    assert torch.equal(average, naive_weighted_mean(vectors, weights))
 
 
-def test_folding_waits_for_lower_members_and_exclusions_unblock_it() -> None:
-    vectors = {i: torch.full((NUM_ELEMENTS,), float(i)) for i in range(4)}
+def test_higher_members_wait_for_lower_ones_and_exclusion_unblocks_them() -> None:
+    vectors = {i: torch.full((NUM_ELEMENTS,), float(i + 1)) for i in range(4)}
     reducer = make_reducer()
     reducer.add_local(1, 1.0, vectors[1])
-    stream(reducer, 2, vectors[2], 1.0)
-    assert reducer.next_foldable() is None  # member 0 has not delivered yet
+    reducer.begin(2, 1.0)
+    for step in chunks_of(reducer, 2, vectors[2]):
+        step()
+    assert reducer.plan_folds() == []  # member 0 has sent nothing: nobody may fold past it
     reducer.give_up_on(0, "unreachable")
-    assert reducer.next_foldable() == 1
-    reducer.begin(3, 1.0)
-    reducer.add_chunk(3, 0, CHUNK, get_codec("none").encode(vectors[3][:CHUNK]).numpy().tobytes())
-    reducer.give_up_on(3, "unreachable")  # already streaming: giving up does not exclude it
-    fold_all(reducer)
-    assert not reducer.all_resolved()
-    reducer.finalize()  # the deadline: member 3 never finished
-    fold_all(reducer)
+    fold_available(reducer)
+    reducer.begin(3, 1.0)  # member 3 starts but never gets anywhere
+    reducer.finalize()  # the deadline: 3 has nothing summed, so it is simply left out
+    fold_available(reducer)
+    assert reducer.is_done() and not reducer.poisoned
     average, contributors = decode_average(reducer)
     assert contributors == (1, 2)
     assert torch.equal(average, naive_weighted_mean({1: vectors[1], 2: vectors[2]}, {1: 1.0, 2: 1.0}))
     assert set(reducer.exclusion_reasons()) == {0, 3}
+
+
+def test_a_member_failing_after_being_partly_summed_poisons_the_part() -> None:
+    reducer = make_reducer(num_members=3)
+    reducer.add_local(1, 1.0, torch.ones(NUM_ELEMENTS))
+    reducer.begin(0, 1.0)
+    chunks_of(reducer, 0, torch.ones(NUM_ELEMENTS))[0]()
+    fold_available(reducer)  # member 0's first chunk is now in the sum
+    reducer.finalize()  # member 0 is partly summed: the deadline does not drop it
+    assert not reducer.poisoned and reducer.status(0).value == "streaming"
+    reducer.exclude(0, "its stream broke")
+    assert "member 0" in reducer.poisoned
+    with pytest.raises(ProtocolError) as caught:
+        reducer.add_chunk(0, CHUNK, CHUNK, b"")
+    assert caught.value.code is grpc.StatusCode.ABORTED
 
 
 def test_refusals_carry_the_right_status() -> None:
@@ -106,9 +135,9 @@ def test_refusals_carry_the_right_status() -> None:
     reducer = make_reducer("int8")
     good = codec.encode(torch.randn(CHUNK)).numpy().tobytes()
 
-    def status_of(action: object) -> grpc.StatusCode:
+    def status_of(action: Callable[[], None]) -> grpc.StatusCode:
         with pytest.raises(ProtocolError) as caught:
-            action()  # type: ignore[operator]
+            action()
         return caught.value.code
 
     assert status_of(lambda: reducer.begin(0, math.nan)) is grpc.StatusCode.INVALID_ARGUMENT
@@ -124,3 +153,19 @@ def test_refusals_carry_the_right_status() -> None:
     assert status_of(lambda: reducer.complete(0)) is grpc.StatusCode.INVALID_ARGUMENT  # truncated
     reducer.finalize()
     assert status_of(lambda: reducer.begin(2, 1.0)) is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_every_order_of_completion_gives_the_same_bits() -> None:
+    vectors = {i: torch.randn(NUM_ELEMENTS, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    results = []
+    for order in itertools.permutations(range(3)):
+        reducer = make_reducer(num_members=3)
+        for member in order:
+            reducer.begin(member, 1.0)
+            for step in chunks_of(reducer, member, vectors[member]):
+                step()
+            fold_available(reducer)
+        reducer.finalize()
+        results.append(decode_average(reducer)[0])
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.equal(results[0], torch.stack([vectors[i] for i in range(3)]).mean(dim=0))
