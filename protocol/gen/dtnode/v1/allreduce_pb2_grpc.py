@@ -74,7 +74,9 @@ class AllReduceServicer:
 
     def PullAverage(self, request, context):
         """Phase 2: "Send me the average of a part you own or hold a replica of." Statuses as for
-        ContributionReply; ABORTED means "a backup took this part over, ask the next member".
+        ContributionReply; ABORTED means "this part moved on (or I dropped my copy once everyone had it),
+        ask the next member", ALREADY_EXISTS means "you hold the replica of this part yourself", and
+        DEADLINE_EXCEEDED "you stopped reading".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
