@@ -48,7 +48,9 @@ def split_state(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tenso
                 # JSON keeps str and int keys apart only because items are stored as pairs; any other
                 # key type would save but never load again.
                 if not isinstance(key, str | int) or isinstance(key, bool):
-                    raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__} at {path or '/'}")
+                    raise TypeError(
+                        f"cannot checkpoint a dict key of type {type(key).__name__} at {path or '/'}"
+                    )
             return {"__dict__": [[key, visit(value, f"{path}/{key}")] for key, value in node.items()]}
         if isinstance(node, tuple):
             return {TUPLE_TAG: [visit(value, f"{path}/{i}") for i, value in enumerate(node)]}
