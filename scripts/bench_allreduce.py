@@ -39,7 +39,7 @@ peak_rss_bytes_per_peer: max over peers of ru_maxrss right after the round. Abou
     is a main process (``hivemind_peak_rss_bytes_per_peer`` and baseline) plus averager and p2pd
     children (``hivemind_peak_rss_children_bytes``: the largest); forked children share pages with
     the main process, so a sum would overcount.
-bit_identical: in every round, every peer's result has the same sha256.
+bit_identical: in every round, every peer's result has the same sha256 (``bit_identical_per_round``).
 
 Targets (``targets``; PASS / FAIL in the summary; only those that apply to the configuration):
     link_efficiency >= 0.85 for int8 at N = 4 and 8 under a 100 Mbit/s cap, 25M-100M numbers;
@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the vectors (both implementations)")
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
     parser.add_argument("--json-out", type=Path, default=None, help="also write all records here")
+    parser.add_argument("--keep-logs", type=Path, default=None, help="keep every peer's stdout/stderr here")
     args = parser.parse_args(argv)
     try:
         args.peers = [int(item) for item in args.peers.split(",") if item]
@@ -153,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--elements: every length must be >= 1")
     if unknown := [codec for codec in args.codec if codec not in CODEC_NAMES]:
         parser.error(f"--codec: unknown {unknown}; choose from {', '.join(CODEC_NAMES)}")
+    if args.keep_logs is not None and args.keep_logs.exists() and any(args.keep_logs.iterdir()):
+        parser.error("--keep-logs must be a new or empty directory (stale rendezvous files confuse peers)")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     if args.link_mbit is not None and args.link_mbit <= 0:
@@ -341,6 +344,7 @@ def summarize_dtnode(setup: Setup, run: PeerRun) -> dict[str, object]:
         counts = [len(peer) for peer in records]
         return {"error": run.error or f"expected {setup.num_rounds} records per peer, got {counts}"}
     by_round = list(zip(*records, strict=True))  # [round][peer]
+    identical = [len({r["sha256"] for r in peers}) == 1 for peers in by_round]
     per_round = [min(r["seconds"] for r in peers) for peers in by_round]
     timed = list(range(1, setup.num_rounds)) or [0]
     seconds = round(statistics.median(per_round[k] for k in timed), 4)
@@ -366,7 +370,8 @@ def summarize_dtnode(setup: Setup, run: PeerRun) -> dict[str, object]:
         "baseline_rss_bytes_per_peer": max(r["baseline_rss_bytes"] for r in last),
         "peak_rss_x_vector": rounded(peak_rss / setup.vector_bytes, 3),
         "peak_rss_above_baseline_x_vector": rounded(above_baseline / setup.vector_bytes, 3),
-        "bit_identical": all(len({r["sha256"] for r in peers}) == 1 for peers in by_round),
+        "bit_identical": all(identical),
+        "bit_identical_per_round": identical,
         "fell_back": any(r["fell_back"] for peers in by_round for r in peers),
         "failures": sorted({f for peers in by_round for r in peers for f in r["failures"]}),
     }
@@ -535,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     try:
         for setup in setups:
-            with tempfile.TemporaryDirectory(prefix="bench_allreduce-") as workdir:
-                record = run_setup(setup, not args.no_hivemind, Path(workdir))
+            with tempfile.TemporaryDirectory(prefix="bench_allreduce-") as scratch:
+                name = f"n{setup.num_peers}-e{setup.num_elements}-{setup.codec}"
+                workdir = Path(scratch) if args.keep_logs is None else args.keep_logs / name
+                record = run_setup(setup, not args.no_hivemind, workdir)
             records.append(record)
             print(json.dumps(record), flush=True)
             print(summary_line(record), flush=True)
