@@ -80,21 +80,22 @@ async def _pull_or_use_replica(
 ) -> _PartOutcome:
     """Pull the part from `target`, unless its producer hands us the replica first (then use that copy).
 
-    The first live member after the owner receives the decided bytes as a replica before anyone may
-    pull them, so pulling them again would only duplicate traffic.
+    The members after the producer that make up its majority receive the decided bytes as replicas
+    before anyone may pull them, so pulling them again would only duplicate traffic. A replica is used
+    only once its producer told us it is committed (held by a majority), like the pulled bytes.
     """
     part = state.parts[part_index]
     pull = asyncio.ensure_future(
         pull_average(state, target, part_index, state.all_gather_deadline, decode_chunk)
     )
     replica = asyncio.ensure_future(
-        state.pulse.wait_for(lambda: part.role is PartRole.DECIDED, remaining(state.all_gather_deadline))
+        state.pulse.wait_for(lambda: part.servable, remaining(state.all_gather_deadline))
     )
     try:
         await asyncio.wait({pull, replica}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         replica.cancel()
-    if not pull.done() and part.decided is not None:
+    if not pull.done() and part.servable:
         pull.cancel()
         with contextlib.suppress(asyncio.CancelledError, PeerFailed):
             await pull
@@ -102,7 +103,7 @@ async def _pull_or_use_replica(
         header = await pull
     except (asyncio.CancelledError, PeerFailed):
         # The producer answers "you hold the replica" (or we cancelled the pull): use our copy.
-        if part.decided is None:
+        if not part.servable or part.decided is None:
             raise
         await _decode_reduced(state, part.decided, output)
         return _PartOutcome(part.decided.producer_index, part.decided.contributor_indices)

@@ -192,17 +192,27 @@ async def push_contribution(
     return PushOutcome.DELIVERED, ""
 
 
-async def push_replica(round_state: RoundState, target: int, reduced: ReducedPart, deadline: float) -> None:
-    """Hand member `target` a copy of our decided average; PeerFailed(moved=True) if it took the part over."""
+async def push_replica(
+    round_state: RoundState, target: int, reduced: ReducedPart, deadline: float, *, committed: bool = False
+) -> None:
+    """Hand member `target` a copy of our decided average; PeerFailed(moved=True) if it holds another version.
+
+    With `committed`, send only the header telling `target`, which already holds the copy, that a
+    majority holds it (the receiver answers ALREADY_EXISTS).
+    """
     state = round_state
     stall = state.config.stall_timeout.total_seconds()
     stub = state.client.stub(state.group.members[target].address)
-    header = pb.ReplicaHeader(round=state.round_ref(), average=state.average_header(reduced))
+    header = pb.ReplicaHeader(
+        round=state.round_ref(), average=state.average_header(reduced), committed=committed
+    )
     call = stub.PushReplica(timeout=_remaining(deadline) + 1.0)
     try:
         message = pb.ReplicaMessage(header=header)
         await _write(call, message, deadline, stall)
         state.bytes_sent += message.ByteSize()
+        if committed:
+            await call.done_writing()
         if (answer := await _read_reply(call, deadline, stall)) != "send_chunks":
             raise PeerFailed(f"replica receiver answered our header with {answer}")
         offset = 0

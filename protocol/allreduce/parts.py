@@ -90,9 +90,16 @@ class PartState:
     reducer: PartReducer | None = None
     decided: ReducedPart | None = None
     replica: ReplicaBuffer | None = None
-    replica_holder: int | None = None  # the member we handed our decided average to
+    committed: bool = False  # a strict majority holds `decided`: it may be served and used
+    gave_up: bool = False  # we reduced the part but moved it before our version was committed
+    told_committed: set[int] = field(default_factory=set)  # replica holders we told of the commit
     holders: set[int] = field(default_factory=set)  # members known to hold our decided bytes
     released: bool = False  # we dropped our decided bytes: every live member has them
+
+    @property
+    def servable(self) -> bool:
+        """We hold the part's committed average (the only version of it anyone may serve or use)."""
+        return self.role is PartRole.DECIDED and self.committed
 
 
 class Pulse:

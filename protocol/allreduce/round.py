@@ -9,13 +9,21 @@ For every part this member is in one role:
     MOVED              it reduced the part but a backup took it over first; it refers pullers on
 
 Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
-encode the average once, hand a replica to the first live member after us in the part's backup chain,
-and only then serve it. The replica is what keeps survivors bit-identical when an owner dies in the
-middle of the all-gather: anyone who received the owner's bytes did so after the backup held them, so
-a puller that fails over gets the same bytes from the backup. A backup that did not get the replica
-takes the part over instead (`take_over`), and the owner's late replica is refused (ABORTED), so at
-most one version of a part is ever served. This holds as long as a part's owner and its first live
-backup do not both die during the same all-gather.
+encode the average once, hand replicas to the live members after us in the part's backup chain until
+we and the replica holders are a strict majority of the group, tell those holders the average is
+committed, and only then serve and use it. A member that cannot reach the owner takes the part over
+(`take_over`), so a part may be reduced twice; the majority is what keeps survivors bit-identical:
+
+    every member accepts (votes for) at most one version of a part: its own, from the moment it starts
+    reducing the part, or the first replica it completes; it refuses any other replica (ABORTED);
+    a version is served or used only once it is committed, i.e. held by a strict majority;
+    two strict majorities share a member, and that member voted once, so at most one version of a
+    part is ever committed, hence served or decoded, whatever the failures or one-way partitions.
+
+A version that misses its majority is never used: its producer stops serving the part (MOVED) and its
+replica holders never serve it; if no version of a part commits, every member falls back. The
+replicas also keep survivors bit-identical when a producer dies in the middle of the all-gather: its
+holders serve the same committed bytes. Liveness needs a live, mutually reachable strict majority.
 """
 
 from __future__ import annotations
@@ -256,22 +264,54 @@ class RoundState:
             ),
         )
         check_fault(self.fault_plan, "reduce_done", self.round_id)
+        if not await self._commit(part_index, reduced):
+            return
+        part.role, part.reducer, part.decided, part.committed = PartRole.DECIDED, None, reduced, True
+        self.pulse.notify()
+
+    async def _commit(self, part_index: int, reduced: ReducedPart) -> bool:
+        """Get our decided average held by a strict majority (us included), then tell its holders.
+
+        Returns False (the part moved) if some member holds another version or too few accepted ours:
+        then our version must never be served or used. Until this returns True our role stays
+        REDUCING, so we refuse every other producer's replica: we vote for our own version.
+        """
+        part = self.parts[part_index]
+        num_votes_needed = self.group.num_members // 2  # besides ours: 1 + N // 2 > N / 2
+        voters: list[int] = []
         chain = self.group.chain(part_index)
-        for target in chain[chain.index(self.my_index) + 1 :]:
+        position = chain.index(self.my_index)
+        # The members after us in the chain first (pullers that fail over reach them first), then the
+        # ones before us: an owner that moved the part may still vote for our version.
+        for target in chain[position + 1 :] + chain[:position]:
+            if len(voters) >= num_votes_needed:
+                break
             if target in self.failed:
                 continue  # pullers skip it too: they only walk past members that failed them
             try:
                 await push_replica(self, target, reduced, self.all_gather_deadline)
-                part.replica_holder = target
-                part.holders.add(target)
-                break
             except PeerFailed as error:
                 if error.moved:
-                    self._move(part_index, f"member {target} took it over: {error}")
-                    return
+                    self._move(part_index, f"member {target} holds another version of it: {error}")
+                    return False
                 self.mark_failed(target, f"replica of part {part_index} not accepted: {error}")
-        part.role, part.reducer, part.decided = PartRole.DECIDED, None, reduced
-        self.pulse.notify()
+                continue
+            voters.append(target)
+            part.holders.add(target)
+        if len(voters) < num_votes_needed:
+            self._move(
+                part_index,
+                f"only {len(voters) + 1} of {self.group.num_members} members hold our average, not a majority",
+            )
+            return False
+        for target in voters:
+            try:
+                await push_replica(self, target, reduced, self.all_gather_deadline, committed=True)
+                part.told_committed.add(target)
+            except PeerFailed as error:
+                # It can still pull the committed bytes from us; it just may not serve its copy.
+                self.record_failure(f"member {target} was not told part {part_index} is committed: {error}")
+        return True
 
     def note_holder(self, part_index: int, member: int) -> None:
         """`member` now holds the bytes we decided for the part; drop ours once every live member does.
@@ -287,7 +327,7 @@ class RoundState:
 
     def _move(self, part_index: int, reason: str) -> None:
         part = self.parts[part_index]
-        part.role, part.reducer = PartRole.MOVED, None
+        part.role, part.reducer, part.gave_up = PartRole.MOVED, None, True
         self.record_failure(f"part {part_index} moved: {reason}")
         self.pulse.notify()
 
@@ -299,10 +339,9 @@ class RoundState:
         part = self.parts[part_index]
         if part.role is PartRole.IDLE:
             self.take_over(part_index, "its earlier chain members did not serve it")
-        await self.pulse.wait_for(
-            lambda: part.role in (PartRole.DECIDED, PartRole.MOVED), remaining(deadline)
-        )
-        return part.decided if part.role is PartRole.DECIDED else None
+        # A replica we hold is only usable once its producer tells us a majority holds it.
+        await self.pulse.wait_for(lambda: part.servable or part.role is PartRole.MOVED, remaining(deadline))
+        return part.decided if part.servable else None
 
     # --- what the servicer asks ----------------------------------------------------------------------
 
@@ -351,8 +390,13 @@ class RoundState:
         """Raise ValueError unless an average header fits this round and part."""
         check_average_header(header, part_index, self.group, self.codec)
 
-    def open_replica(self, header: pb.AverageHeader, sender: int) -> None:
-        """The producer of a part starts handing us its decided average."""
+    def open_replica(self, header: pb.AverageHeader, sender: int, *, committed: bool) -> None:
+        """The producer of a part starts handing us its decided average, or says it is committed.
+
+        Accepting a replica is our vote for the sender's version of the part, so we accept one only
+        while we have voted for none (IDLE), or our own version is dead (MOVED: we gave it up before it
+        was committed, and only we could commit it); a member reducing the part votes for its own.
+        """
         part_index = header.part_index
         try:
             self.check_average_header(header, part_index)
@@ -361,9 +405,21 @@ class RoundState:
         if header.producer_index != sender:
             raise invalid(f"member {sender} sent a replica produced by member {header.producer_index}")
         part = self.parts[part_index]
-        if part.role is PartRole.DECIDED and part.decided and part.decided.producer_index == sender:
+        holds_senders = (
+            part.role is PartRole.DECIDED
+            and part.decided is not None
+            and part.decided.producer_index == sender
+        )
+        if committed:
+            if not holds_senders:
+                raise ProtocolError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"no replica of yours for part {part_index} here"
+                )
+            part.committed = True
+            self.pulse.notify()
+        if holds_senders:
             raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, f"already hold your part {part_index}")
-        if part.role is not PartRole.IDLE:
+        if part.role not in (PartRole.IDLE, PartRole.MOVED):
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} is {part.role.value} here")
         part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header)
         self.pulse.notify()
@@ -381,10 +437,15 @@ class RoundState:
         self.pulse.notify()
 
     def fail_replica(self, part_index: int) -> None:
-        """The hand-off broke: forget the partial copy; we may have to take the part over later."""
+        """The hand-off broke: forget the partial copy; we may have to take the part over later.
+
+        Unless we already produced a version of the part and gave it up: a producer reduces a part at
+        most once (a second version under our index could pass for the first at its replica holders).
+        """
         part = self.parts[part_index]
         if part.role is PartRole.RECEIVING_REPLICA:
-            part.role, part.replica = PartRole.IDLE, None
+            part.role = PartRole.MOVED if part.gave_up else PartRole.IDLE
+            part.replica = None
             self.pulse.notify()
 
     # --- lifetime --------------------------------------------------------------------------------------

@@ -273,7 +273,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state = round_state
             part_index = header.average.part_index
             round_state.bytes_recv += first.ByteSize()
-            round_state.open_replica(header.average, sender)
+            round_state.open_replica(header.average, sender, committed=header.committed)
             opened = True
             await self._write(context, pb.ReplicaReply(send_chunks=pb.SendChunks()))
             while (message := await self._read(context, pb.ReplicaMessage)) is not None:
@@ -309,7 +309,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             )
             state.bytes_recv += request.ByteSize()
             reduced = await self._wait_decided(state, request.part_index, context)
-            if requester == state.parts[request.part_index].replica_holder:
+            if requester in state.parts[request.part_index].told_committed:
                 raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, "you hold the replica of this part")
             state.bytes_sent += await self._write(
                 context, pb.AverageMessage(header=state.average_header(reduced))
@@ -337,14 +337,15 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state.take_over(part_index, "a member could not get it from earlier chain members")
 
         def settled() -> bool:
-            return part.role in (PartRole.DECIDED, PartRole.MOVED)
+            # A replica we hold but were never told is committed must not be served.
+            return part.servable or part.role is PartRole.MOVED
 
         heartbeat = self._config.heartbeat_interval.total_seconds()
         while not await state.pulse.wait_for(settled, min(heartbeat, remaining(state.all_gather_deadline))):
             if remaining(state.all_gather_deadline) <= 0:
                 raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "part not decided before the deadline")
             state.bytes_sent += await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
-        if part.role is PartRole.MOVED or part.decided is None:
+        if not part.servable or part.decided is None:
             reason = "was released here" if part.released else "moved to a backup"
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
         return part.decided

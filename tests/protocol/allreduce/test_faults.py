@@ -114,11 +114,15 @@ def test_survivors_agree_when_an_owner_freezes(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_last_survivor_returns_on_time_with_its_own_vector(tmp_path: Path) -> None:
-    """N - 1 peers vanish at once: the survivor takes every part over and averages itself alone."""
+    """N - 1 peers vanish at once: the survivor cannot tell them from live peers it cannot reach, which
+    could still form a majority and agree without it, so it falls back to its own vector, on time."""
     workers, records = run_workers(tmp_path, {i: "round_open:0" for i in range(1, NUM_PEERS)})
     try:
-        check_survivors(workers, records)
-        for round_id in range(NUM_ROUNDS):
-            assert contributors(records, round_id) == [["peer-0"]] * NUM_PEERS
+        (rounds,) = records.values()
+        assert len(rounds) == NUM_ROUNDS, workers.stderr(0)[-3000:]
+        for record in rounds:
+            assert record["fell_back"] is True, record["failures"]
+            assert record["contributors"] == [["peer-0"]] * NUM_PEERS
+            assert float(record["seconds"]) < DEADLINE_SECONDS  # type: ignore[arg-type]
     finally:
         workers.stop()

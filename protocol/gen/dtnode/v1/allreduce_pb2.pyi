@@ -139,12 +139,14 @@ class AverageMessage(_message.Message):
     def __init__(self, still_working: _Optional[_Union[StillWorking, _Mapping]] = ..., header: _Optional[_Union[AverageHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("round", "average")
+    __slots__ = ("round", "average", "committed")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     round: RoundRef
     average: AverageHeader
-    def __init__(self, round: _Optional[_Union[RoundRef, _Mapping]] = ..., average: _Optional[_Union[AverageHeader, _Mapping]] = ...) -> None: ...
+    committed: bool
+    def __init__(self, round: _Optional[_Union[RoundRef, _Mapping]] = ..., average: _Optional[_Union[AverageHeader, _Mapping]] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class ReplicaMessage(_message.Message):
     __slots__ = ("header", "chunk")
