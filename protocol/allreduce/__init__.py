@@ -9,8 +9,9 @@ from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.faults import FaultPlan
 from protocol.allreduce.group import GroupSpec, Member, split_by_weight
-from protocol.allreduce.loop import BackgroundLoop, SyncAllReducePeer
+from protocol.allreduce.loop import SyncAllReducePeer
 from protocol.allreduce.peer import AllReducePeer
+from protocol.loop import BackgroundLoop
 
 __all__ = [
     "AllReduceConfig",

@@ -16,16 +16,11 @@ keep one SyncAllReducePeer for the node's lifetime and `close()` it on shutdown.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Coroutine
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
-import uvloop
 
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.config import AllReduceConfig
@@ -34,42 +29,12 @@ from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.peer import AllReducePeer
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
+from protocol.loop import BackgroundLoop
 
 T = TypeVar("T")
 
 RESULT_MARGIN = timedelta(seconds=5)
 """How much longer than a round's deadline the caller waits before declaring the loop wedged."""
-
-
-class BackgroundLoop:
-    """A uvloop event loop on a daemon thread; `run()` executes a coroutine there and waits for it."""
-
-    def __init__(self, name: str = "allreduce-loop") -> None:
-        self.loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def _run_forever(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: timedelta) -> T:
-        """Run the coroutine on the loop; TimeoutError (and the coroutine is cancelled) after `timeout`."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        try:
-            return future.result(timeout.total_seconds())
-        except FutureTimeoutError as error:
-            future.cancel()
-            raise TimeoutError(f"background loop did not finish within {timeout}") from error
-
-    def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Stop the loop and join its thread."""
-        if not self._thread.is_alive():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout.total_seconds())
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 class SyncAllReducePeer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from datetime import timedelta
 from types import TracebackType
 
-from protocol.allreduce.loop import BackgroundLoop
+from protocol.loop import BackgroundLoop
 from protocol.statesync.config import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_FETCH_STALL_TIMEOUT,

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from protocol.allreduce.loop import BackgroundLoop
+from protocol.loop import BackgroundLoop
 from protocol.statesync import StateSyncError, SyncStateSync
 from tests.protocol.statesync.support import FETCH_KNOBS, TEST_CONFIG, MiB, assert_identical, make_snapshot
 
