@@ -230,7 +230,13 @@ class Accept:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reject:
+class _ProposalNotice:
+    """A notice about proposal ``proposal_id`` of round ``round``, with the reason for it.
+
+    The subclasses differ only in who sends them and what they mean; equality and repr keep the
+    subclass (dataclass ``__eq__`` compares classes), so a Reject never equals a Cancel.
+    """
+
     round: int
     proposal_id: str
     reason: Reason
@@ -241,28 +247,16 @@ class Reject:
         _check_reason(self.reason)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Withdraw:
-    round: int
-    proposal_id: str
-    reason: Reason
-
-    def __post_init__(self) -> None:
-        _check_round(self.round)
-        _check_id("proposal_id", self.proposal_id)
-        _check_reason(self.reason)
+class Reject(_ProposalNotice):
+    """Member to leader: I do not accept your proposal."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cancel:
-    round: int
-    proposal_id: str
-    reason: Reason
+class Withdraw(_ProposalNotice):
+    """Member to leader: I take back my acceptance."""
 
-    def __post_init__(self) -> None:
-        _check_round(self.round)
-        _check_id("proposal_id", self.proposal_id)
-        _check_reason(self.reason)
+
+class Cancel(_ProposalNotice):
+    """Leader to member: my proposal is off (e.g. the round already started without you)."""
 
 
 @dataclass(frozen=True, kw_only=True)
