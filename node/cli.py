@@ -90,7 +90,27 @@ def run_join(args: argparse.Namespace) -> int:
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.trainer import Trainer
 
-    trainer = Trainer(config)
+    if not config.swarm:
+        trainer = Trainer(config)
+        _stop_on_signals(trainer)
+        trainer.run()
+        return 0
+    from node.swarm import SwarmSession, start_swarm
+
+    swarm = start_swarm(config)
+    try:
+        session = SwarmSession(swarm, joining=bool(config.peers))
+        trainer = Trainer(config, swarm=session)
+        _stop_on_signals(trainer)
+        trainer.run()
+    finally:
+        swarm.leave()
+        swarm.close()
+    return 0
+
+
+def _stop_on_signals(trainer: Any) -> None:
+    """SIGINT/SIGTERM: finish the current step (or round), checkpoint, leave the swarm, exit 0."""
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("received %s: finishing the current step", signal.Signals(signum).name)
@@ -98,8 +118,6 @@ def run_join(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    trainer.run()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

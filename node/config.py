@@ -119,6 +119,49 @@ class NodeConfig:
     )
     keep_checkpoints: int = field(default=2, metadata=_help("How many complete checkpoints to keep."))
 
+    # --- swarm ---
+    swarm: bool = field(
+        default=True,
+        metadata=_help("Take part in a swarm (DHT peer + gRPC server); --no-swarm trains alone, offline."),
+    )
+    peers: str = field(
+        default="",
+        metadata=_help("Comma-separated multiaddrs of running nodes to join; empty starts a new swarm."),
+    )
+    listen: str = field(
+        default="0.0.0.0:0",
+        metadata=_help("gRPC HOST:PORT (all-reduce, state sync, membership, health); port 0 = any free."),
+    )
+    dht_listen: str = field(
+        default="", metadata=_help("DHT (libp2p) HOST:PORT; empty = the --listen host, any free port.")
+    )
+    announce: str = field(
+        default="", metadata=_help("Host other nodes dial, if not the listen host (needs a fixed DHT port).")
+    )
+    codec: str = field(
+        default="int8", metadata=_help("Pseudo-gradient wire codec: none, fp16, bf16, int8 or int4.")
+    )
+    min_peers: int = field(default=1, metadata=_help("Fewest nodes an outer round may have."))
+    join_window: float = field(
+        default=15.0, metadata=_help("Seconds a round's leader waits for the other nodes to be ready.")
+    )
+    max_wait: float = field(
+        default=120.0, metadata=_help("Seconds a node tries to get into a round before it gives up on it.")
+    )
+    round_deadline: float = field(
+        default=300.0, metadata=_help("Seconds an outer round's all-reduce may take, whatever peers do.")
+    )
+    sync_deadline: float = field(
+        default=600.0, metadata=_help("Seconds a joiner may take to fetch the swarm's state.")
+    )
+    bandwidth_mbit: float = field(
+        default=100.0, metadata=_help("Uplink estimate in Mbit/s (faster nodes reduce larger parts).")
+    )
+    heartbeat: float = field(default=2.0, metadata=_help("Seconds between DHT record refreshes."))
+    record_ttl: float = field(
+        default=20.0, metadata=_help("Seconds a crashed node's record outlives its last heartbeat.")
+    )
+
     def __post_init__(self) -> None:
         positive = (
             "batch_size",
@@ -162,6 +205,39 @@ class NodeConfig:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.data and not Path(self.data).exists():
             raise ConfigError(f"data path does not exist: {self.data}")
+        for key in (
+            "join_window",
+            "max_wait",
+            "round_deadline",
+            "sync_deadline",
+            "bandwidth_mbit",
+            "heartbeat",
+        ):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.max_wait < self.join_window:
+            raise ConfigError(f"max_wait ({self.max_wait}) must be at least join_window ({self.join_window})")
+        if self.record_ttl < 3 * self.heartbeat + 10:
+            raise ConfigError(
+                f"record_ttl must be at least 3 x heartbeat + 10 s = {3 * self.heartbeat + 10:g}, got {self.record_ttl:g}"
+            )
+        if self.min_peers < 1:
+            raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
+        for key in ("listen", "dht_listen"):
+            value = getattr(self, key)
+            _, colon, port = value.rpartition(":")
+            if value and (not colon or not port.isdigit() or int(port) > 65535):
+                raise ConfigError(f"{key} must be HOST:PORT (port 0 = any free port), got {value!r}")
+        if self.announce.count(":") == 1:
+            raise ConfigError(
+                f"announce is a host (the ports are --listen's and --dht-listen's), got {self.announce!r}"
+            )
+        if self.announce and self.swarm and (not self.dht_listen or self.dht_listen.endswith(":0")):
+            raise ConfigError("--announce needs a fixed DHT port: set --dht-listen HOST:PORT")
+        from protocol.codecs import CODEC_NAMES
+
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
         # Import here: the model module is heavy and config must stay importable on its own.
         from node.model import MODEL_PRESETS
 

@@ -41,6 +41,7 @@ class AveragingOutcome:
     bytes_recv: int = 0
     fell_back: bool = False  # the swarm round failed and this node used its own vector
     failures: tuple[str, ...] = ()  # human-readable reasons, one per failed peer or phase
+    adopted: bool = False  # the averager replaced the global state with the swarm's: no outer step
 
 
 class Averager(Protocol):
@@ -69,6 +70,7 @@ class OuterStepReport:
     param_hash: str
     fell_back: bool = False
     failures: tuple[str, ...] = field(default_factory=tuple)
+    adopted: bool = False  # the global state was replaced by the swarm's instead of stepped
 
 
 def flatten_params(params: list[nn.Parameter], *, device: torch.device | str) -> torch.Tensor:
@@ -130,6 +132,18 @@ class DiLoCo:
         start = time.perf_counter()
         outcome = self.averager.average(delta, round_index=round_index, weight=weight)
         seconds_comm = time.perf_counter() - start
+        if outcome.adopted:  # the averager loaded the swarm's global state (and the model) already
+            return OuterStepReport(
+                round_index=round_index,
+                num_peers=outcome.num_peers,
+                bytes_sent=outcome.bytes_sent,
+                bytes_recv=outcome.bytes_recv,
+                seconds_comm=seconds_comm,
+                pseudo_gradient_norm=0.0,
+                param_hash=self.param_hash(),
+                failures=outcome.failures,
+                adopted=True,
+            )
         averaged = outcome.averaged.to(self.outer_device, torch.float32)
         if averaged.shape != self.global_params.shape:
             raise RuntimeError(
@@ -161,6 +175,27 @@ class DiLoCo:
             p.copy_(self.global_params[offset : offset + n].view_as(p))
             offset += n
         assert offset == self.global_params.numel()
+
+    def momentum_buffer(self) -> torch.Tensor | None:
+        """The outer Nesterov momentum (flat fp32), None before the first outer step."""
+        state = self.outer_optimizer.state.get(self.global_params, {})
+        buffer = state.get("momentum_buffer")
+        return buffer if isinstance(buffer, torch.Tensor) else None
+
+    @torch.no_grad()
+    def load_global_state(self, global_params: torch.Tensor, momentum: torch.Tensor | None) -> None:
+        """Replace the global params and the outer momentum (e.g. with the swarm's), and the model's params."""
+        if global_params.shape != self.global_params.shape:
+            raise ValueError(f"got {global_params.numel()} global params, the model has {self.num_elements}")
+        self.global_params.copy_(global_params)
+        state = self.outer_optimizer.state[self.global_params]
+        if momentum is None:
+            state.pop("momentum_buffer", None)
+        else:
+            if momentum.shape != self.global_params.shape:
+                raise ValueError("the outer momentum does not match the global params")
+            state["momentum_buffer"] = momentum.to(self.outer_device, torch.float32).clone()
+        self.load_global_into_model()
 
     # --- checkpoint state ---
     def state_dict(self) -> dict[str, object]:

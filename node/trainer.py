@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from node.diloco import Averager, DiLoCo, SoloAverager
 from node.metrics import MetricsWriter
 from node.model import GPT, cross_entropy_loss, model_config
 from node.schedule import LRSchedule
+
+if TYPE_CHECKING:
+    from node.swarm import AdoptedState, SwarmSession
 
 log = logging.getLogger("dtnode")
 
@@ -68,8 +71,11 @@ class Progress:
 class Trainer:
     """Trains one node; ``averager`` is the swarm (a :class:`SoloAverager` for a swarm of one)."""
 
-    def __init__(self, config: NodeConfig, *, averager: Averager | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, *, averager: Averager | None = None, swarm: SwarmSession | None = None
+    ) -> None:
         self.config = config
+        self.swarm = swarm
         self.run_dir = config.resolved_run_dir
         self.device = pick_device(config.device)
         if config.threads:
@@ -109,7 +115,7 @@ class Trainer:
         )
         self.diloco = DiLoCo(
             self.model,
-            averager=averager or SoloAverager(),
+            averager=averager or swarm or SoloAverager(),
             outer_lr=config.outer_lr,
             outer_momentum=config.outer_momentum,
             nesterov=config.outer_nesterov,
@@ -204,6 +210,30 @@ class Trainer:
             meta["param_hash"][:12],
         )
 
+    def adopt(self, state: AdoptedState) -> None:
+        """Continue from the swarm's global state: params, outer momentum, counters, data position.
+
+        The inner steps since the last round are dropped (their Δ belongs to other params); the
+        inner optimizer's state is this node's own and is kept, as in DiLoCo.
+        """
+        self.diloco.load_global_state(state.global_params, state.outer_momentum)
+        if self.diloco.param_hash() != state.param_hash:
+            raise RuntimeError("the adopted params do not match their param_hash")
+        self.batches.load_state_dict(state.metadata["data"])
+        self.progress = Progress(
+            step=int(state.metadata["step"]), round=state.round, tokens=self.progress.tokens
+        )
+        log.info(
+            "now at round %d, step %d, param_hash %s", state.round, self.progress.step, state.param_hash[:12]
+        )
+
+    def tokens_per_s(self) -> float:
+        """This node's inner-phase throughput so far in the round (0 before its first step)."""
+        progress = self.progress
+        return (
+            progress.round_tokens / progress.round_compute_seconds if progress.round_compute_seconds else 0.0
+        )
+
     # --- the loop ---
     def request_stop(self) -> None:
         """Ask the loop to stop after the current inner step (signal-handler safe)."""
@@ -261,6 +291,8 @@ class Trainer:
         progress = self.progress
         round_index = progress.round + 1
         report = self.diloco.outer_step(round_index=round_index, weight=float(progress.round_tokens))
+        if report.adopted:  # adopt() set the counters to the swarm's
+            round_index, progress = self.progress.round, self.progress
         eval_loss = self.evaluate()
         record = {
             "kind": "round",
@@ -276,6 +308,7 @@ class Trainer:
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "tokens": progress.tokens,
             "fell_back": report.fell_back,
+            "adopted": report.adopted,
             "time": time.time(),
         }
         progress.round = round_index
@@ -297,6 +330,8 @@ class Trainer:
             config.inner_steps, self.device, self.run_dir,
         )  # fmt: skip
         try:
+            if self.swarm is not None:
+                self.swarm.start(self)
             while not self._done() and not self._stop.is_set():
                 record = self.inner_step()
                 self.metrics.write(record)
@@ -311,6 +346,8 @@ class Trainer:
                     )  # fmt: skip
                 if self.progress.step % config.inner_steps == 0:
                     round_record = self.outer_round()
+                    if self.swarm is not None:
+                        self.swarm.after_round()
                     self.metrics.write(round_record)
                     log.info(
                         "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs | param_hash %s",

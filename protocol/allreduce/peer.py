@@ -11,6 +11,13 @@ Async API (for code already running in an event loop):
 The server keeps serving a round after `allreduce()` returned (slower members may still pull our part),
 so one peer object should live as long as the node takes part in rounds. For synchronous callers
 (the training loop) see `protocol.allreduce.loop.SyncAllReducePeer`.
+
+A daemon that hosts several services on one server builds the peer without a server and adds it:
+
+    peer = AllReducePeer(config=AllReduceConfig(), fault_plan=None)
+    peer.add_to_server(server)              # before server.start()
+    ...                                     # peer.allreduce(...) once the server is serving
+    await server.stop(grace); await peer.close()
 """
 
 from __future__ import annotations
@@ -51,10 +58,20 @@ class AllReducePeer:
         self.client = PeerClient(config.grpc_options(server=False))
         # Encoding, folding and decoding run here so the event loop keeps moving bytes meanwhile.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce-compute")
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.aio.Server | None = None  # only when start() built our own server
         self._health = health.HealthServicer()
+        self._attached = False
+        self._closed = False
         self.host = ""
         self.port = 0
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Serve this peer's rounds on `server` (someone else's, not started yet; its options must
+        allow `config.max_message_bytes`, see `AllReduceConfig.grpc_options(server=True)`)."""
+        if self._attached:
+            raise RuntimeError("the all-reduce servicer is already on a server")
+        add_servicer_to_server(AllReduceServicer(self.registry, self.config), server)
+        self._attached = True
 
     @classmethod
     async def start(
@@ -68,7 +85,7 @@ class AllReducePeer:
         """Bind host:port (port 0 picks a free port, see `.port`) and start serving."""
         peer = cls(config=config or AllReduceConfig(), fault_plan=fault_plan)
         server = grpc.aio.server(options=peer.config.grpc_options(server=True))
-        add_servicer_to_server(AllReduceServicer(peer.registry, peer.config), server)
+        peer.add_to_server(server)
         health_pb2_grpc.add_HealthServicer_to_server(peer._health, server)
         bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -102,8 +119,8 @@ class AllReducePeer:
         the result falls back to a copy of `vector` and says so. Every member that does not fall back
         gets a bit-identical `averaged`.
         """
-        if self._server is None:
-            raise RuntimeError("start() the peer before calling allreduce()")
+        if not self._attached or self._closed:
+            raise RuntimeError("start() the peer (or add it to a started server) before calling allreduce()")
         if vector.dtype != torch.float32 or vector.dim() != 1 or vector.device.type != "cpu":
             raise ValueError(
                 f"vector must be a 1-D fp32 CPU tensor, got {vector.dtype} {tuple(vector.shape)}"
@@ -134,13 +151,20 @@ class AllReducePeer:
         return await run_allreduce(state, self.registry)
 
     async def stop(self, grace: timedelta | None = None) -> None:
-        """Graceful stop: refuse new RPCs, let in-flight ones finish for `grace`, then close everything."""
-        if self._server is None:
+        """Graceful stop of the server start() built: refuse new RPCs, let in-flight ones finish for
+        `grace`, then close everything."""
+        if self._server is not None:
+            self._health.enter_graceful_shutdown()
+            grace_seconds = (grace or self.config.server_grace).total_seconds()
+            await self._server.stop(grace_seconds)
+            self._server = None
+        await self.close()
+
+    async def close(self) -> None:
+        """Forget every round, close the channels and the compute thread (stop the server first)."""
+        if self._closed:
             return
-        self._health.enter_graceful_shutdown()
-        grace_seconds = (grace or self.config.server_grace).total_seconds()
-        await self._server.stop(grace_seconds)
-        self._server = None
+        self._closed = True
         self.registry.close()
         await self.client.close()
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,7 +1,8 @@
 """Swarm membership: peer records, lineage, round formation, all-reduce parts and data shards.
 
-Pure state machines and functions with an injected clock: no sockets, no DHT, no gRPC. The daemon
-feeds them DHT snapshots and decoded messages and executes the actions they return.
+The state machines and functions are pure, with an injected clock: no sockets, no DHT. The daemon
+(``protocol/swarm``) feeds them DHT snapshots and decoded messages and executes the actions they
+return. Only ``wire`` and ``transport`` touch gRPC: they carry the messages between peers.
 
 - ``records``: :class:`PeerRecord` (the DHT value, validated) and :class:`SwarmView` (live peers).
 - ``lineage``: the canonical ``(round, param_hash)`` and who must re-sync to it.
@@ -10,4 +11,6 @@ feeds them DHT snapshots and decoded messages and executes the actions they retu
   ``proposals``: a leader's open proposal.
 - ``parts``: the all-reduce part of each member, proportional to bandwidth.
 - ``shards``: the data shard of each member.
+- ``wire``: messages to and from protobuf (``protos/dtnode/v1/membership.proto``), validated;
+  ``transport``: the ``Membership`` gRPC servicer and a client that sends one message per call.
 """

@@ -1,0 +1,326 @@
+"""The trainer's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
+
+:class:`SwarmSession` is the :class:`~node.diloco.Averager` of a node in a swarm. It talks to the
+swarm only through :class:`protocol.swarm.node.SwarmNode` (which owns every socket) and turns the
+swarm's answers into what the trainer does:
+
+========================  =================================================================
+round outcome             what the node does
+========================  =================================================================
+averaged                  outer step with the group's mean; reshard the data among the group
+averaged, fell back       outer step with its own Δ (a lineage of its own); the next round's
+                          lineage check sends it to re-sync
+missed (group without us) wait for the group to publish its new params, then adopt them
+resync (wrong lineage)    adopt the canonical state (global params, outer momentum, round,
+                          schedule step, data position) fetched from its peers, verified
+failed (too few peers)    outer step with its own Δ, try again next round
+========================  =================================================================
+
+Adopting a state replaces the node's global params, outer momentum, round and step counters and
+data position with the source's (``shards.py`` explains the data contract); the local inner steps
+since the last round are discarded, since their Δ was computed against other params.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from node.config import ConfigError, NodeConfig
+from node.diloco import AveragingOutcome
+from protocol.discovery.dht_node import DhtConfig, DhtStartupError
+from protocol.error_feedback import ErrorFeedback
+from protocol.membership.config import RoundConfig
+from protocol.membership.lineage import LineageDecision
+from protocol.membership.shards import assign_shard
+from protocol.statesync.errors import StateSyncError
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.node import RoundResult, SwarmNode
+
+if TYPE_CHECKING:
+    from node.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+GLOBAL_PARAMS = "global_params"
+OUTER_MOMENTUM = "outer_momentum"
+
+
+@dataclass(frozen=True)
+class AdoptedState:
+    """A verified global state fetched from the swarm, ready to load into the trainer."""
+
+    round: int
+    param_hash: str
+    global_params: torch.Tensor  # (N,) fp32
+    outer_momentum: torch.Tensor | None  # (N,) fp32, None before the first outer step
+    metadata: dict[str, Any]
+
+
+def snapshot_of(trainer: Trainer) -> Snapshot:
+    """The trainer's global state as served to joiners: params, momentum, counters, data position."""
+    diloco, progress = trainer.diloco, trainer.progress
+    tensors = {GLOBAL_PARAMS: diloco.global_params.detach().to("cpu")}
+    momentum = diloco.momentum_buffer()
+    if momentum is not None:
+        tensors[OUTER_MOMENTUM] = momentum.detach().to("cpu")
+    param_hash = diloco.param_hash()
+    metadata = {
+        "round": progress.round,
+        "step": progress.step,
+        "param_hash": param_hash,
+        "model": trainer.config.model,
+        "num_elements": diloco.num_elements,
+        "corpus_sha256": trainer.corpus.sha256,
+        "data": trainer.batches.state_dict(),
+    }
+    return Snapshot(
+        round_id=progress.round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()
+    )
+
+
+def adopted_state(snapshot: Snapshot, *, num_elements: int, corpus_sha256: str) -> AdoptedState:
+    """Check a fetched snapshot against this node's model and corpus; ValueError if it does not fit."""
+    metadata = json.loads(snapshot.metadata)
+    if not isinstance(metadata, dict):
+        raise ValueError("snapshot metadata is not a JSON object")
+    if metadata.get("num_elements") != num_elements:
+        raise ValueError(
+            f"the swarm trains a model of {metadata.get('num_elements')} parameters ({metadata.get('model')!r}), "
+            f"this node {num_elements}: use the swarm's --model and --seq-len"
+        )
+    if metadata.get("corpus_sha256") != corpus_sha256:
+        raise ValueError("the swarm trains on another corpus: use the swarm's --data")
+    params = snapshot.tensors[GLOBAL_PARAMS]
+    momentum = snapshot.tensors.get(OUTER_MOMENTUM)
+    if params.dtype != torch.float32 or params.numel() != num_elements:
+        raise ValueError("snapshot global_params are not fp32 of the model's size")
+    if momentum is not None and (momentum.dtype != torch.float32 or momentum.numel() != num_elements):
+        raise ValueError("snapshot outer_momentum is not fp32 of the model's size")
+    return AdoptedState(
+        round=snapshot.round_id,
+        param_hash=snapshot.state_id,
+        global_params=params,
+        outer_momentum=momentum,
+        metadata=metadata,
+    )
+
+
+class SwarmSession:
+    """Averager for a node in a swarm; see the module docstring.
+
+    ``joining``: the node was given peers, so before its first inner step it waits (up to
+    ``join_timeout``) to see them and adopts the swarm's state if its own is not canonical.
+    """
+
+    def __init__(
+        self,
+        swarm: SwarmNode,
+        *,
+        joining: bool,
+        join_timeout: timedelta = timedelta(seconds=30),
+        on_round: Callable[[RoundResult], None] | None = None,
+    ) -> None:
+        self.swarm = swarm
+        self.joining = joining
+        self.join_timeout = join_timeout
+        self.on_round = on_round
+        self.error_feedback: ErrorFeedback | None = None
+        self.last_result: RoundResult | None = None
+        self.num_adoptions = 0
+        self._trainer: Trainer | None = None
+
+    # --- lifecycle ---
+
+    def start(self, trainer: Trainer) -> None:
+        """Announce the node; a joiner adopts the swarm's state first if its own is not canonical."""
+        self._trainer = trainer
+        if self.swarm.codec.name != "none":
+            self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)
+        self.publish()
+        if not self.joining:
+            return
+        view = self.swarm.wait_for_peers(1, self.join_timeout)
+        if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
+            log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
+                        self.swarm.config.run_name, self.join_timeout)  # fmt: skip
+            return
+        decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
+        if not decision.in_canonical:
+            self._adopt(decision, why="joining")
+
+    def publish(self) -> None:
+        """Advertise and serve the trainer's current global state."""
+        trainer = self._trainer
+        assert trainer is not None
+        self.swarm.publish(
+            round=trainer.progress.round,
+            param_hash=trainer.diloco.param_hash(),
+            tokens_per_s=trainer.tokens_per_s(),
+            snapshot=snapshot_of(trainer),
+        )
+
+    def stop(self) -> None:
+        """Leave the swarm (a tombstone, so rounds stop waiting for us) and close every connection."""
+        try:
+            self.swarm.leave()
+        finally:
+            self.swarm.close()
+
+    # --- the Averager ---
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        trainer = self._trainer
+        assert trainer is not None, "start() the session first"
+        result = self.swarm.run_round(
+            vector.to("cpu", torch.float32).contiguous(),
+            round=round_index - 1,
+            param_hash=trainer.diloco.param_hash(),
+            num_tokens=int(weight),
+            tokens_per_s=trainer.tokens_per_s(),
+            error_feedback=self.error_feedback,
+        )
+        self.last_result = result
+        if self.on_round is not None:
+            self.on_round(result)
+        if result.kind == "averaged":
+            assert result.allreduce is not None and result.group is not None
+            outcome = result.allreduce
+            if outcome.fell_back:
+                log.warning(
+                    "round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3])
+                )
+            contributors = {peer for part in outcome.contributors for peer in part}
+            return AveragingOutcome(
+                averaged=outcome.averaged,
+                num_peers=1 if outcome.fell_back else max(len(contributors), 1),
+                bytes_sent=outcome.bytes_sent,
+                bytes_recv=outcome.bytes_recv,
+                fell_back=outcome.fell_back,
+                failures=tuple(outcome.failures),
+            )
+        if result.kind == "failed":
+            log.warning("round %d: %s; stepping on our own Δ", round_index, result.reason)
+            return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.reason,))
+        decision = result.resync
+        if result.kind == "missed":
+            decision = self._wait_for_canonical_past(round_index - 1)
+        if decision is not None and not decision.in_canonical:
+            self._adopt(decision, why=f"round {round_index} {result.kind}")
+            return AveragingOutcome(averaged=vector, num_peers=0, adopted=True, failures=(result.kind,))
+        log.warning(
+            "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
+        )
+        return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
+
+    def after_round(self) -> None:
+        """After the outer step: take this round's data shard and serve the new state."""
+        trainer = self._trainer
+        assert trainer is not None
+        result = self.last_result
+        if result is not None and result.kind == "averaged" and result.group is not None:
+            shard = assign_shard(result.group.member_ids, self.swarm.peer_id)
+            trainer.batches.reshard(shard.shard_index, shard.num_shards)
+        self.publish()
+
+    # --- adopting the canonical state ---
+
+    def _wait_for_canonical_past(self, round: int) -> LineageDecision | None:
+        """After a missed round: the lineage decision once the group published params newer than ``round``."""
+        trainer = self._trainer
+        assert trainer is not None
+        budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
+        deadline = time.monotonic() + budget.total_seconds()
+        while time.monotonic() < deadline:
+            decision = self.swarm.lineage(round=round, param_hash=trainer.diloco.param_hash())
+            if not decision.in_canonical and decision.canonical.round > round:
+                return decision
+            time.sleep(self.swarm.config.view_refresh.total_seconds())
+        return None
+
+    def _adopt(self, decision: LineageDecision, *, why: str) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        canonical = decision.canonical
+        log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
+                 why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
+        try:
+            report = self.swarm.fetch_state(decision)
+        except (StateSyncError, ValueError, TimeoutError) as error:
+            raise RuntimeError(f"could not fetch the swarm's state ({why}): {error}") from error
+        state = adopted_state(
+            report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
+        )
+        trainer.adopt(state)
+        if self.error_feedback is not None:
+            self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)  # residuals of other params
+        self.num_adoptions += 1
+        self.publish()
+
+
+def swarm_config(config: NodeConfig) -> SwarmConfig:
+    """The swarm side's settings from the node's (durations in seconds become timedeltas)."""
+    listen_host = config.listen.rpartition(":")[0] or "0.0.0.0"
+    peers = tuple(address.strip() for address in config.peers.split(",") if address.strip())
+    announce = config.announce or None
+    dht_listen = config.dht_listen or f"{listen_host}:0"
+    try:
+        dht = DhtConfig(
+            initial_peers=peers,
+            listen=dht_listen,
+            announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
+        )
+        max_wait = timedelta(seconds=config.max_wait)
+        join_window = timedelta(seconds=config.join_window)
+        rounds = RoundConfig(
+            min_peers=config.min_peers,
+            join_window=join_window,
+            max_wait=max_wait,
+            proposal_timeout=min(timedelta(seconds=5), join_window),
+            begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
+        )
+        return SwarmConfig(
+            run_name=config.name,
+            listen=config.listen,
+            announce_host=announce,
+            dht=dht,
+            rounds=rounds,
+            codec=config.codec,
+            round_deadline=timedelta(seconds=config.round_deadline),
+            sync_deadline=timedelta(seconds=config.sync_deadline),
+            bandwidth_bytes_per_s=config.bandwidth_mbit * 1e6 / 8,
+            heartbeat=timedelta(seconds=config.heartbeat),
+            record_ttl=timedelta(seconds=config.record_ttl),
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def start_swarm(config: NodeConfig) -> SwarmNode:
+    """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``."""
+    try:
+        swarm = SwarmNode(swarm_config(config))
+    except DhtStartupError as error:
+        raise ConfigError(str(error)) from None
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {config.listen}: {error}") from None
+    multiaddrs = swarm.multiaddrs()
+    run_dir = config.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
+    (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
+    action = "joined the swarm" if config.peers else "started a new swarm"
+    print(
+        f"dtnode: {action} {config.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
+        f"To join it from another machine:\n  dtnode join --name {config.name} --peers {','.join(multiaddrs)}",
+        flush=True,
+    )
+    return swarm

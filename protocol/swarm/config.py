@@ -1,0 +1,80 @@
+"""Settings of a node's swarm side: where it listens, whom it joins, how rounds form and run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Final
+
+from protocol.allreduce.config import AllReduceConfig
+from protocol.codecs import get_codec
+from protocol.discovery.dht_node import DhtConfig
+from protocol.membership.config import RoundConfig
+from protocol.membership.records import check_address, check_rate, check_token
+from protocol.statesync.config import StateSyncConfig
+
+PROTOCOL_VERSION: Final = 1
+"""The membership / all-reduce / state-sync protocol this code speaks; peers of other versions are ignored."""
+
+WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmConfig:
+    """Everything the swarm side of a node needs (the node builds it from its ``NodeConfig``)."""
+
+    run_name: str
+    """Peers of one run share the DHT key ``dtnode/<run_name>/peers``."""
+    listen: str = "0.0.0.0:0"
+    """gRPC bind address ``host:port`` (all-reduce, state sync, membership, health); port 0 = any."""
+    announce_host: str | None = None
+    """The host other peers dial for our gRPC server; None: the listen host, or 127.0.0.1 for a wildcard."""
+    dht: DhtConfig = field(default_factory=DhtConfig)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
+    codec: str = "int8"
+    """Wire codec of the pseudo-gradient (``protocol.codecs``)."""
+    round_deadline: timedelta = timedelta(minutes=5)
+    """The all-reduce of a round returns within this, whatever the peers do."""
+    sync_deadline: timedelta = timedelta(minutes=10)
+    """A state fetch (joining, or re-syncing to the canonical lineage) gives up after this."""
+    bandwidth_bytes_per_s: float = 12.5e6
+    """Our uplink estimate, advertised so faster peers own larger parts of the all-reduce."""
+    heartbeat: timedelta = timedelta(seconds=2)
+    """Our DHT record is re-stored this often."""
+    record_ttl: timedelta = timedelta(seconds=20)
+    """A crashed peer's record disappears this long after its last heartbeat."""
+    dht_call_timeout: timedelta = timedelta(seconds=5)
+    view_refresh: timedelta = timedelta(seconds=1)
+    """While a round forms, the DHT view is read again this often."""
+    message_timeout: timedelta = timedelta(seconds=3)
+    """Deadline of one membership message."""
+
+    def __post_init__(self) -> None:
+        check_token("run_name", self.run_name, max_chars=128)
+        _, colon, port = self.listen.rpartition(":")
+        if not colon or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"listen must be HOST:PORT (port 0 = any free port), got {self.listen!r}")
+        if self.announce_host is not None:
+            check_address(f"{self.announce_host}:1", "announce_host")
+        get_codec(self.codec)  # ValueError for an unknown codec
+        check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError("bandwidth_bytes_per_s must be positive")
+        for name in ("round_deadline", "sync_deadline", "heartbeat", "record_ttl", "view_refresh"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        if self.record_ttl < 3 * self.heartbeat + 2 * self.dht_call_timeout:
+            raise ValueError(
+                f"record_ttl={self.record_ttl} must be at least 3 x heartbeat + 2 x dht_call_timeout "
+                f"= {3 * self.heartbeat + 2 * self.dht_call_timeout}"
+            )
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen.rpartition(":")[0] or "0.0.0.0"
+
+    @property
+    def listen_port(self) -> int:
+        return int(self.listen.rpartition(":")[2])

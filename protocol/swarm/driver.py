@@ -1,0 +1,192 @@
+"""Drives round formation on the event loop: views, messages and ticks in; sends and publishes out.
+
+:class:`~protocol.membership.rounds.RoundFormation` is a pure state machine; this is the loop
+around it. While the local peer forms round ``r`` the driver feeds the formation
+
+- every membership message the gRPC servicer receives (``on_message``, called on the loop),
+- a fresh DHT view every ``view_refresh`` (read in a worker thread: hivemind's calls block),
+- a ``tick`` at the formation's ``next_deadline``,
+
+and executes what it asks for: ``Send`` as a fire-and-forget gRPC call with its own deadline,
+``Publish`` as a new DHT record through the registry's non-blocking heartbeat. The terminal
+outcome ends :meth:`RoundDriver.form`. Between formations the last formation keeps answering
+messages about its round (a late peer learns at once that the round started without it);
+messages about any other round get the stateless answer of ``reply_without_formation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from protocol.discovery.dht_node import DhtCallTimeout, DhtNodeClosed
+from protocol.discovery.registry import SwarmRegistry
+from protocol.membership.actions import (
+    Action,
+    GroupMemberLost,
+    Outcome,
+    Publish,
+    Send,
+    reply_without_formation,
+)
+from protocol.membership.messages import Accept, Begin, Message
+from protocol.membership.records import PeerRecord, SwarmView
+from protocol.membership.rounds import RoundFormation
+from protocol.membership.transport import MembershipClient
+from protocol.swarm.config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_SENDS = 1024
+"""Membership messages in flight at once; more are dropped with a log line (their senders retry)."""
+
+
+class RoundDriver:
+    """Feeds one :class:`RoundFormation` at a time; lives on the node's event loop."""
+
+    def __init__(
+        self,
+        *,
+        config: SwarmConfig,
+        peer_id: str,
+        registry: SwarmRegistry,
+        client: MembershipClient,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.registry = registry
+        self.client = client
+        self.clock = clock
+        self.record: PeerRecord | None = None  # what we publish between rounds (ready_for_round None)
+        self.view = SwarmView(now=clock(), peers=())
+        self._formation: RoundFormation | None = None
+        self._wake = asyncio.Event()
+        self._addresses: dict[str, str] = {}  # peer id -> gRPC address, from views and Accepts
+        self._sends: set[asyncio.Task[bool]] = set()
+        self.num_messages_in = 0
+        self.num_messages_dropped = 0
+
+    # --- records and views ---
+
+    def publish(self, record: PeerRecord) -> None:
+        """Make ``record`` ours (the heartbeat keeps storing it)."""
+        self.record = record
+        self.registry.publish(record)
+
+    async def refresh_view(self) -> SwarmView:
+        """Read the DHT (in a worker thread; bounded by the registry's call timeout)."""
+        view = await asyncio.to_thread(self.registry.fetch)
+        self.view = view
+        for record in view:
+            self._addresses[record.peer_id] = record.grpc_address
+        return view
+
+    # --- messages ---
+
+    def on_message(self, sender: str, message: Message) -> None:
+        """A membership message arrived (called by the gRPC servicer on the event loop)."""
+        self.num_messages_in += 1
+        if sender == self.peer_id:
+            raise ValueError("a peer does not send round messages to itself")
+        if isinstance(message, Accept):
+            self._addresses[sender] = message.grpc_address
+        elif isinstance(message, Begin):
+            for member in message.group.members:
+                self._addresses.setdefault(member.peer_id, member.grpc_address)
+        formation = self._formation
+        if formation is not None:
+            actions = formation.on_message(sender, message, self.clock())
+        else:
+            actions = reply_without_formation(sender, message)
+        self._execute(actions)
+        self._wake.set()
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, Publish):
+                assert self.record is not None, "publish a record before forming a round"
+                self.registry.publish(
+                    dataclasses.replace(self.record, ready_for_round=action.ready_for_round)
+                )
+            elif isinstance(action, GroupMemberLost):
+                logger.info(
+                    "round %d: member %s left our group (%s)", action.round, action.peer_id, action.reason
+                )
+            # Terminal outcomes are read from formation.outcome by form().
+
+    def _send(self, send: Send) -> None:
+        address = self._addresses.get(send.to)
+        if address is None:
+            self.num_messages_dropped += 1
+            logger.info(
+                "no address for %s yet; dropped %s (its sender retries)", send.to, type(send.message).__name__
+            )
+            return
+        if len(self._sends) >= MAX_PENDING_SENDS:
+            self.num_messages_dropped += 1
+            logger.warning("%d membership messages in flight; dropped one to %s", len(self._sends), send.to)
+            return
+        task = asyncio.create_task(
+            self.client.send(address, send.message, timeout=self.config.message_timeout)
+        )
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    # --- one formation ---
+
+    async def form(self, local: PeerRecord, *, num_tokens: int, vector_length: int) -> Outcome:
+        """Form round ``local.round + 1``; returns its outcome by ``max_wait`` (plus a view read)."""
+        self.record = dataclasses.replace(local, ready_for_round=None)
+        now = self.clock()
+        formation = RoundFormation(
+            config=self.config.rounds,
+            local=local,
+            num_tokens=num_tokens,
+            vector_length=vector_length,
+            now=now,
+        )
+        self._formation = formation
+        view = await self._read_view()
+        self._execute(formation.start(view, self.clock()))
+        refresh_every = self.config.view_refresh.total_seconds()
+        next_refresh = time.monotonic() + refresh_every
+        while formation.outcome is None:
+            now = self.clock()
+            deadline = formation.next_deadline()
+            wait = refresh_every if deadline is None else min(max(deadline - now, 0.0), refresh_every)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=max(wait, 0.01))
+            except TimeoutError:
+                pass  # a deadline or a refresh is due
+            if formation.outcome is not None:
+                break
+            if time.monotonic() >= next_refresh:
+                next_refresh = time.monotonic() + refresh_every
+                view = await self._read_view()
+                self._execute(formation.on_view(view, self.clock()))
+            if formation.outcome is None:
+                self._execute(formation.tick(self.clock()))
+        assert formation.outcome is not None
+        return formation.outcome
+
+    async def _read_view(self) -> SwarmView:
+        """A fresh view, or the last one if the DHT does not answer in time (formation deadlines still run)."""
+        try:
+            return await self.refresh_view()
+        except (DhtCallTimeout, DhtNodeClosed) as error:
+            logger.warning(
+                "DHT read failed (%s); using the view from %.1fs ago", error, self.clock() - self.view.now
+            )
+            return self.view
+
+    async def close(self) -> None:
+        for task in list(self._sends):
+            task.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)

@@ -1,0 +1,331 @@
+"""SwarmNode: everything a training loop needs from the swarm, behind blocking calls.
+
+    swarm = SwarmNode(SwarmConfig(run_name="demo", dht=DhtConfig(initial_peers=peers)))
+    swarm.publish(round=0, param_hash=h, tokens_per_s=0.0, snapshot=None)
+    decision = swarm.lineage(round=0, param_hash=h)      # join: are we on the swarm's params?
+    if not decision.in_canonical:
+        snapshot = swarm.fetch_state(decision)             # verified against the advertised hash
+    ...                                                    # H inner steps
+    result = swarm.run_round(delta, round=r - 1, param_hash=h, num_tokens=t, error_feedback=ef)
+    ...                                                    # outer step; publish the new state
+    swarm.leave(); swarm.close()
+
+One round (``run_round``): the local peer publishes that it is ready for round ``r``, the driver
+forms the round's group with the other ready peers of its lineage (``protocol/membership/rounds.py``),
+and, once locked into a group, runs the compressed all-reduce with exactly that group
+(``protocol/allreduce``). The outcome says which of four things happened: averaged (with the
+all-reduce result), missed (a group formed without us), failed (too few peers), or resync (our
+params are not the swarm's: fetch the canonical state).
+
+Threads: a uvloop event loop on a daemon thread runs the gRPC server, the formation driver and
+the all-reduce; hivemind's DHT runs in its own process; the caller's thread only blocks in these
+methods, each bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+
+import torch
+from hivemind.utils import get_dht_time
+
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.group import GroupSpec as AllReduceGroup
+from protocol.allreduce.group import Member
+from protocol.codecs import get_codec
+from protocol.discovery.dht_node import DhtNode
+from protocol.discovery.registry import SwarmRegistry
+from protocol.error_feedback import ErrorFeedback
+from protocol.loop import BackgroundLoop
+from protocol.membership.actions import MissedRound, Resync, RoundFailed, StartAllReduce
+from protocol.membership.lineage import LineageDecision, decide_lineage
+from protocol.membership.messages import GroupSpec
+from protocol.membership.records import PeerRecord, SwarmView
+from protocol.membership.transport import MAX_MESSAGE_BYTES, MembershipClient
+from protocol.statesync.fetch import FetchReport, fetch_state_with_report
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
+from protocol.swarm.driver import RoundDriver
+from protocol.swarm.server import NodeServer
+
+logger = logging.getLogger(__name__)
+
+MARGIN = timedelta(seconds=10)
+"""How much longer than a call's own deadline the caller waits before declaring the loop wedged."""
+
+T = TypeVar("T")
+
+RoundKind = Literal["averaged", "missed", "failed", "resync"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundResult:
+    """What one ``run_round`` came to."""
+
+    kind: RoundKind
+    round: int
+    group: GroupSpec | None = None
+    """The agreed group (``averaged`` only)."""
+    allreduce: AllReduceResult | None = None
+    """The all-reduce's result (``averaged`` only; it may still have ``fell_back``)."""
+    resync: LineageDecision | None = None
+    """Where to fetch the canonical state from (``resync`` only)."""
+    reason: str = ""
+    seconds_forming: float = 0.0
+
+
+class SwarmNode:
+    """A node's swarm side: DHT peer, gRPC server, round formation, all-reduce and state sync."""
+
+    def __init__(self, config: SwarmConfig, *, start_timeout: timedelta = timedelta(seconds=60)) -> None:
+        self.config = config
+        self.codec = get_codec(config.codec)
+        self.dht = DhtNode(config.dht)  # DhtStartupError (clear message) if it cannot start or join
+        self._loop: BackgroundLoop | None = None
+        self.registry: SwarmRegistry | None = None
+        try:
+            self.peer_id = self.dht.peer_id
+            self.registry = SwarmRegistry(
+                self.dht,
+                run_name=config.run_name,
+                protocol_version=PROTOCOL_VERSION,
+                period=config.heartbeat,
+                ttl=config.record_ttl,
+                call_timeout=config.dht_call_timeout,
+            )
+            self._loop = BackgroundLoop(name="swarm-loop")
+            client = MembershipClient(
+                sender_id=self.peer_id,
+                protocol_version=PROTOCOL_VERSION,
+                options=[
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
+            self.driver = RoundDriver(
+                config=config, peer_id=self.peer_id, registry=self.registry, client=client, clock=get_dht_time
+            )
+            self.server = self._loop.run(NodeServer.start(config, self.driver.on_message), start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+        self.grpc_address = self.server.address
+        if config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
+            # Bound to every interface: advertise one others can reach, as the DHT sees it.
+            host = routable_host(self.dht.visible_multiaddrs())
+            if host is not None:
+                self.grpc_address = f"{host}:{self.server.port}"
+        self.rounds_formed = 0
+
+    # --- identity ---
+
+    def multiaddrs(self) -> list[str]:
+        """What others pass to ``dtnode join --peers`` (each ends in ``/p2p/<peer id>``)."""
+        return self.dht.visible_multiaddrs()
+
+    # --- state ---
+
+    def publish(self, *, round: int, param_hash: str, tokens_per_s: float, snapshot: Snapshot | None) -> None:
+        """Advertise our global params ``(round, param_hash)`` and serve ``snapshot`` to joiners.
+
+        Never blocks on the network: the record goes out with the next heartbeat.
+        """
+        if snapshot is not None:
+            if snapshot.state_id != param_hash or snapshot.round_id != round:
+                raise ValueError("the snapshot must be of the published (round, param_hash)")
+            self.server.state_provider.publish(snapshot)
+        record = PeerRecord(
+            peer_id=self.peer_id,
+            grpc_address=self.grpc_address,
+            protocol_version=PROTOCOL_VERSION,
+            round=round,
+            param_hash=param_hash,
+            ready_for_round=None,
+            tokens_per_s=tokens_per_s,
+            bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s,
+            status="active",
+            expires_at=get_dht_time() + self.config.record_ttl.total_seconds(),
+        )
+        self.driver.record = record
+        assert self.registry is not None
+        self.registry.publish(record)
+
+    def view(self) -> SwarmView:
+        """The live peers of the run, read now (DhtCallTimeout if the DHT does not answer in time)."""
+        return self._run(self.driver.refresh_view(), self.config.dht_call_timeout)
+
+    def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
+        """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view."""
+        local = self._local_record(round=round, param_hash=param_hash)
+        return decide_lineage(self.view().peers, local)
+
+    def wait_for_peers(self, num_peers: int, timeout: timedelta) -> SwarmView:
+        """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            view = self.view()
+            if (
+                len([p for p in view if p.peer_id != self.peer_id]) >= num_peers
+                or time.monotonic() >= deadline
+            ):
+                return view
+            time.sleep(min(self.config.view_refresh.total_seconds(), max(deadline - time.monotonic(), 0.0)))
+
+    def fetch_state(self, decision: LineageDecision) -> FetchReport:
+        """Fetch the canonical state from ``decision.sync_sources`` in parallel, verified against its hash."""
+        addresses = [
+            record.grpc_address for pid in decision.sync_sources if (record := self.driver.view.get(pid))
+        ]
+        if not addresses:
+            raise ValueError("no sync source is in the view any more")
+        deadline = self.config.sync_deadline
+        coroutine = fetch_state_with_report(
+            addresses, expected_state_id=decision.canonical.param_hash, deadline=deadline
+        )
+        return self._run(coroutine, deadline)
+
+    # --- rounds ---
+
+    def run_round(
+        self,
+        vector: torch.Tensor,
+        *,
+        round: int,
+        param_hash: str,
+        num_tokens: int,
+        tokens_per_s: float,
+        error_feedback: ErrorFeedback | None,
+    ) -> RoundResult:
+        """Form round ``round + 1`` with the ready peers of lineage ``(round, param_hash)`` and average
+        ``vector`` (fp32, flat) with them, weighted by ``num_tokens``.
+
+        Returns within ``max_wait + round_deadline`` (plus a DHT read).
+        """
+        local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
+        started = time.monotonic()
+        formation_budget = self.config.rounds.max_wait + 2 * self.config.dht_call_timeout
+        outcome = self._run(
+            self.driver.form(local, num_tokens=max(num_tokens, 1), vector_length=vector.numel()),
+            formation_budget,
+        )
+        seconds_forming = time.monotonic() - started
+        next_round = round + 1
+        if isinstance(outcome, Resync):
+            decision = decide_lineage(self.driver.view.peers, local)
+            return RoundResult(
+                kind="resync",
+                round=next_round,
+                resync=decision,
+                reason="lineage",
+                seconds_forming=seconds_forming,
+            )
+        if isinstance(outcome, MissedRound):
+            return RoundResult(
+                kind="missed", round=next_round, reason=str(outcome.reason), seconds_forming=seconds_forming
+            )
+        if isinstance(outcome, RoundFailed):
+            return RoundResult(
+                kind="failed", round=next_round, reason=str(outcome.reason), seconds_forming=seconds_forming
+            )
+        assert isinstance(outcome, StartAllReduce)
+        group = outcome.group
+        self.rounds_formed += 1
+        logger.info(
+            "round %d: group %s of %d (%s), formed in %.2fs",
+            group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
+            seconds_forming,
+        )  # fmt: skip
+        result = self._run(
+            self.server.allreduce.allreduce(
+                vector,
+                group=to_allreduce_group(group),
+                my_peer_id=self.peer_id,
+                weight=float(group.members[group.index_of(self.peer_id)].num_tokens),
+                codec=self.codec,
+                error_feedback=error_feedback,
+                deadline=self.config.round_deadline,
+            ),
+            self.config.round_deadline,
+        )
+        return RoundResult(
+            kind="averaged", round=next_round, group=group, allreduce=result, seconds_forming=seconds_forming
+        )
+
+    # --- leaving ---
+
+    def leave(self) -> None:
+        """Tell the swarm we are gone (a tombstone in the DHT), so rounds stop counting on us at once."""
+        if self.registry is not None:
+            self.registry.leave()
+
+    def close(self) -> None:
+        """Stop serving and shut everything down (call ``leave`` first for a graceful exit)."""
+        self._shutdown()
+
+    def __enter__(self) -> SwarmNode:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.leave()
+        self.close()
+
+    # --- internals ---
+
+    def _local_record(self, *, round: int, param_hash: str, tokens_per_s: float | None = None) -> PeerRecord:
+        base = self.driver.record
+        rate = tokens_per_s if tokens_per_s is not None else (base.tokens_per_s if base else 0.0)
+        return PeerRecord(
+            peer_id=self.peer_id,
+            grpc_address=self.grpc_address,
+            protocol_version=PROTOCOL_VERSION,
+            round=round,
+            param_hash=param_hash,
+            ready_for_round=None,
+            tokens_per_s=rate,
+            bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s,
+            status="active",
+            expires_at=get_dht_time() + self.config.record_ttl.total_seconds(),
+        )
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], deadline: timedelta) -> T:
+        if self._loop is None:
+            raise RuntimeError("the swarm node is closed")
+        return self._loop.run(coroutine, deadline + MARGIN)
+
+    def _shutdown(self) -> None:
+        if self.registry is not None:
+            self.registry.close()
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
+            try:
+                if hasattr(self, "server"):
+                    loop.run(self.server.stop(timedelta(seconds=2)), MARGIN)
+                if hasattr(self, "driver"):
+                    loop.run(self.driver.close(), MARGIN)
+                    loop.run(self.driver.client.close(), MARGIN)
+            finally:
+                loop.close()
+        self.dht.shutdown()
+
+
+def routable_host(multiaddrs: list[str]) -> str | None:
+    """The first non-loopback IPv4 host in ``/ip4/<host>/tcp/...`` multiaddrs, if any."""
+    for multiaddr in multiaddrs:
+        parts = multiaddr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
+            return parts[2]
+    return None
+
+
+def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
+    """The all-reduce's view of an agreed group: members in the same order, the same parts."""
+    return AllReduceGroup(
+        round_id=group.round,
+        members=tuple(Member(peer_id=m.peer_id, address=m.grpc_address) for m in group.members),
+        part_bounds=group.part_boundaries,
+    )

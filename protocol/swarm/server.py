@@ -1,0 +1,95 @@
+"""One gRPC server per node: all-reduce, state sync, membership and the standard health service.
+
+Every protocol piece is a servicer that can live on any ``grpc.aio`` server; the daemon puts them
+all on one port, so a peer needs one address per node (the ``grpc_address`` of its DHT record),
+one firewall rule, and one channel to each other peer per service. The server's message limit is
+the largest any service needs (state-sync chunks, all-reduce chunks); each service still checks
+its own, smaller limits on what it accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protocol.allreduce.peer import SERVICE_NAME as ALLREDUCE_SERVICE
+from protocol.allreduce.peer import AllReducePeer
+from protocol.membership.messages import Message
+from protocol.membership.transport import SERVICE_NAME as MEMBERSHIP_SERVICE
+from protocol.membership.transport import MembershipServicer, add_membership_to_server
+from protocol.statesync.provider import SERVICE_NAME as STATESYNC_SERVICE
+from protocol.statesync.provider import StateProvider, add_state_sync_to_server
+from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+SERVICES = (ALLREDUCE_SERVICE, STATESYNC_SERVICE, MEMBERSHIP_SERVICE)
+
+
+def _merged_options(*option_lists: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """One option list: message limits take the largest value, other options the first given."""
+    merged: dict[str, int] = {}
+    for options in option_lists:
+        for key, value in options:
+            if key in merged and key.startswith("grpc.max_"):
+                merged[key] = max(merged[key], value)
+            else:
+                merged.setdefault(key, value)
+    return list(merged.items())
+
+
+class NodeServer:
+    """The node's grpc.aio server and the services on it; build with :meth:`start` on an event loop."""
+
+    def __init__(self, config: SwarmConfig, on_message: Callable[[str, Message], None]) -> None:
+        self.config = config
+        self.allreduce = AllReducePeer(config=config.allreduce, fault_plan=None)
+        self.state_provider = StateProvider(config.statesync)
+        self.membership = MembershipServicer(on_message, protocol_version=PROTOCOL_VERSION)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @classmethod
+    async def start(cls, config: SwarmConfig, on_message: Callable[[str, Message], None]) -> NodeServer:
+        """Bind ``config.listen`` and serve every service; OSError if the address cannot be bound."""
+        node = cls(config, on_message)
+        options = _merged_options(
+            config.allreduce.grpc_options(server=True), config.statesync.server_options()
+        )
+        server = grpc.aio.server(options=options)
+        node.allreduce.add_to_server(server)
+        add_state_sync_to_server(server, node.state_provider)
+        add_membership_to_server(server, node.membership)
+        health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
+        port = server.add_insecure_port(config.listen)
+        if port == 0:
+            raise OSError(f"could not bind the gRPC server to {config.listen}")
+        await server.start()
+        for service in ("", *SERVICES):
+            await node.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        node._server, node.port = server, port
+        logger.info("gRPC server on %s (port %d): %s", config.listen, port, ", ".join(SERVICES))
+        return node
+
+    @property
+    def address(self) -> str:
+        """``host:port`` other peers dial: the announced host, else the listen host (loopback for a wildcard)."""
+        host = self.config.announce_host or self.config.listen_host
+        if host in WILDCARD_HOSTS:
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace: timedelta) -> None:
+        """Say NOT_SERVING, let in-flight calls finish for ``grace``, then close every service."""
+        if self._server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        server, self._server = self._server, None
+        self.state_provider.close()
+        await server.stop(grace.total_seconds())
+        await self.allreduce.close()
