@@ -154,8 +154,8 @@ class SwarmSession:
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
             return
         decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
-        if not decision.in_canonical:
-            self._adopt(decision, why="joining")
+        if not decision.in_canonical and not self._adopt(decision, why="joining"):
+            log.warning("training on our own state until the next round's lineage check")
 
     def publish(self) -> None:
         """Advertise and serve the trainer's current global state."""
@@ -214,8 +214,9 @@ class SwarmSession:
         if result.kind == "missed":
             decision = self._wait_for_canonical_past(round_index - 1)
         if decision is not None and not decision.in_canonical:
-            self._adopt(decision, why=f"round {round_index} {result.kind}")
-            return AveragingOutcome(averaged=vector, num_peers=0, adopted=True, failures=(result.kind,))
+            if self._adopt(decision, why=f"round {round_index} {result.kind}"):
+                return AveragingOutcome(averaged=vector, num_peers=0, adopted=True, failures=(result.kind,))
+            return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
         log.warning(
             "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
         )
@@ -246,7 +247,12 @@ class SwarmSession:
             time.sleep(self.swarm.config.view_refresh.total_seconds())
         return None
 
-    def _adopt(self, decision: LineageDecision, *, why: str) -> None:
+    def _adopt(self, decision: LineageDecision, *, why: str) -> bool:
+        """Fetch and load the canonical state; False (logged) if no source delivered it in time.
+
+        A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
+        healed yet), and the next round's lineage check tries again.
+        """
         trainer = self._trainer
         assert trainer is not None
         canonical = decision.canonical
@@ -255,15 +261,20 @@ class SwarmSession:
         try:
             report = self.swarm.fetch_state(decision)
         except (StateSyncError, ValueError, TimeoutError) as error:
-            raise RuntimeError(f"could not fetch the swarm's state ({why}): {error}") from error
-        state = adopted_state(
-            report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
-        )
+            log.warning("could not fetch the swarm's state (%s): %s", why, error)
+            return False
+        try:
+            state = adopted_state(
+                report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
+            )
+        except ValueError as error:  # another model or corpus: this node cannot be part of this swarm
+            raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
         trainer.adopt(state)
         if self.error_feedback is not None:
             self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)  # residuals of other params
         self.num_adoptions += 1
         self.publish()
+        return True
 
 
 def swarm_config(config: NodeConfig) -> SwarmConfig:

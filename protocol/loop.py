@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -38,6 +39,10 @@ class BackgroundLoop:
         except FutureTimeoutError as error:
             future.cancel()
             raise TimeoutError(f"background loop did not finish within {timeout}") from error
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start the coroutine on the loop without waiting; cancel the returned future to stop it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     def close(self, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Stop the loop and join its thread."""

@@ -47,6 +47,20 @@ class RoundRegistry:
         self._highest_opened = state.round_id
         self._opened.notify()
 
+    @property
+    def highest_opened(self) -> int:
+        return self._highest_opened
+
+    def rewind(self) -> None:
+        """Forget every round and accept lower round ids again.
+
+        For a daemon that switched to another lineage, whose rounds may be numbered lower than
+        ours: nothing of our old rounds is of use to its members (their group digests differ).
+        """
+        for round_id in list(self._rounds):
+            self._forget(round_id)
+        self._highest_opened = -1
+
     def finished(self, state: RoundState) -> None:
         """allreduce() returned for this round; forget it once its linger time is over."""
         state.finish_locally()

@@ -25,15 +25,19 @@ every TTL by that much).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from protocol.discovery.addresses import announce_multiaddr, check_peer_multiaddr, listen_multiaddr
@@ -169,6 +173,23 @@ class DhtNode:
         assert isinstance(addresses, list)  # what _visible_multiaddrs returns
         return [str(address) for address in addresses]
 
+    def reconnect(self, peer_ids: Sequence[str], timeout: timedelta | None = None) -> int:
+        """Ping ``peer_ids`` so they are back in the routing table; returns how many answered.
+
+        Kademlia drops peers that stop answering and hivemind blacklists them with a growing
+        backoff, so after a partition heals each side keeps routing around the other forever
+        unless someone knocks again: the daemon calls this for peers it lost from its view.
+        """
+        if not peer_ids:
+            return 0
+        answered = self._call(
+            functools.partial(_ping_peers, tuple(peer_ids)),
+            timeout or 2 * self.config.rpc_timeout,
+            "reconnect",
+        )
+        assert isinstance(answered, int)
+        return answered
+
     def store(
         self,
         key: str,
@@ -233,6 +254,14 @@ class DhtNode:
 
 async def _peer_id(_dht: DHT, node: DHTNode) -> str:
     return node.peer_id.to_base58()
+
+
+async def _ping_peers(peer_ids: tuple[str, ...], _dht: DHT, node: DHTNode) -> int:
+    peers = [PeerID.from_base58(peer_id) for peer_id in peer_ids]
+    for peer in peers:
+        node.blacklist.register_success(peer)  # forget the backoff from the partition
+    answers = await asyncio.gather(*(node.protocol.call_ping(peer) for peer in peers), return_exceptions=True)
+    return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
 
 
 async def _visible_multiaddrs(_dht: DHT, node: DHTNode) -> list[str]:

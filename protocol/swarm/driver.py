@@ -40,6 +40,8 @@ from protocol.swarm.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
+MAX_REMEMBERED_PEERS = 256
+"""Peers remembered as once seen, to knock on again after a partition (oldest forgotten first)."""
 MAX_PENDING_SENDS = 1024
 """Membership messages in flight at once; more are dropped with a log line (their senders retry)."""
 
@@ -66,6 +68,7 @@ class RoundDriver:
         self._formation: RoundFormation | None = None
         self._wake = asyncio.Event()
         self._addresses: dict[str, str] = {}  # peer id -> gRPC address, from views and Accepts
+        self.last_seen: dict[str, float] = {}  # peer id -> when a view last listed it (bounded)
         self._sends: set[asyncio.Task[bool]] = set()
         self.num_messages_in = 0
         self.num_messages_dropped = 0
@@ -83,6 +86,12 @@ class RoundDriver:
         self.view = view
         for record in view:
             self._addresses[record.peer_id] = record.grpc_address
+            self.last_seen.pop(record.peer_id, None)
+            self.last_seen[record.peer_id] = view.now  # re-inserted: the dict stays in last-seen order
+        for peer_id in view.left_peer_ids:  # said goodbye: no need to knock again
+            self.last_seen.pop(peer_id, None)
+        while len(self.last_seen) > MAX_REMEMBERED_PEERS:
+            self.last_seen.pop(next(iter(self.last_seen)))
         return view
 
     # --- messages ---

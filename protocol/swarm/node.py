@@ -24,9 +24,10 @@ methods, each bounded by a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -38,7 +39,7 @@ from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member
 from protocol.codecs import get_codec
-from protocol.discovery.dht_node import DhtNode
+from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
 from protocol.error_feedback import ErrorFeedback
 from protocol.loop import BackgroundLoop
@@ -114,6 +115,7 @@ class SwarmNode:
         except BaseException:
             self._shutdown()
             raise
+        self._watch = self._loop.submit(self._watch_swarm())
         self.grpc_address = self.server.address
         if config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
             # Bound to every interface: advertise one others can reach, as the DHT sees it.
@@ -240,6 +242,9 @@ class SwarmNode:
             group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
             seconds_forming,
         )  # fmt: skip
+        registry = self.server.allreduce.registry
+        if group.round <= registry.highest_opened:  # we moved to a lineage whose rounds are numbered lower
+            self._run(_call(registry.rewind), timedelta(seconds=5))
         result = self._run(
             self.server.allreduce.allreduce(
                 vector,
@@ -255,6 +260,35 @@ class SwarmNode:
         return RoundResult(
             kind="averaged", round=next_round, group=group, allreduce=result, seconds_forming=seconds_forming
         )
+
+    # --- keeping the DHT whole ---
+
+    async def _watch_swarm(self) -> None:
+        """Every ``view_refresh`` x 5: read the view, and knock on peers we lost from it.
+
+        A partition makes each side drop the other from its DHT routing table; without a knock,
+        the two halves of the DHT would never merge again after the partition heals. The bootstrap
+        peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent.
+        """
+        period = 5 * self.config.view_refresh.total_seconds()
+        bootstrap = [address.rpartition("/p2p/")[2] for address in self.config.dht.initial_peers]
+        while True:
+            await asyncio.sleep(period)
+            try:
+                view = await self.driver.refresh_view()
+                forget_before = view.now - 10 * self.config.record_ttl.total_seconds()
+                lost = [
+                    peer_id
+                    for peer_id, seen in self.driver.last_seen.items()
+                    if peer_id not in view and seen >= forget_before and peer_id != self.peer_id
+                ]
+                lost += [peer_id for peer_id in bootstrap if peer_id not in view and peer_id not in lost]
+                if lost:
+                    answered = await asyncio.to_thread(self.dht.reconnect, lost[-64:])
+                    if answered:
+                        logger.info("reconnected to %d of %d lost peer(s)", answered, len(lost[-64:]))
+            except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:
+                logger.debug("swarm watch: %s", error)
 
     # --- leaving ---
 
@@ -303,6 +337,8 @@ class SwarmNode:
         if self._loop is not None:
             loop, self._loop = self._loop, None
             try:
+                if hasattr(self, "_watch"):
+                    self._watch.cancel()
                 if hasattr(self, "server"):
                     loop.run(self.server.stop(timedelta(seconds=2)), MARGIN)
                 if hasattr(self, "driver"):
@@ -311,6 +347,11 @@ class SwarmNode:
             finally:
                 loop.close()
         self.dht.shutdown()
+
+
+async def _call(function: Callable[[], None]) -> None:
+    """Run ``function`` on the event loop (the all-reduce registry is the loop's alone)."""
+    function()
 
 
 def routable_host(multiaddrs: list[str]) -> str | None:

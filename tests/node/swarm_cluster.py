@@ -1,0 +1,155 @@
+"""Run `dtnode join` nodes as real processes for the swarm tests, and read what they wrote.
+
+Each node is `python -m node.cli join ...` in its own process group with its own run dir; the
+first one's `node.json` gives the multiaddr the others join through. Every wait is bounded and
+`Cluster.close()` kills whatever is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Small and quick: the nano model, short inner phases, short windows and leases.
+FAST_FLAGS = (
+    "--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--threads", "1",
+    "--inner-steps", "10", "--log-every", "1000", "--join-window", "5", "--max-wait", "60",
+    "--round-deadline", "60", "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0",
+)  # fmt: skip
+
+
+@dataclass
+class Node:
+    name: str
+    run_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+
+    def records(self, kind: str = "round") -> list[dict[str, Any]]:
+        """The node's metrics records of ``kind`` so far (a half-written last line is skipped)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("kind") == kind:
+                records.append(record)
+        return records
+
+    def hashes(self) -> dict[int, str]:
+        """round -> param_hash after it, for the rounds this node took part in (not adopted)."""
+        return {r["round"]: r["param_hash"] for r in self.records() if not r.get("adopted")}
+
+    def identity(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "node.json").read_text())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+
+class Cluster:
+    """Nodes of one run under ``root``; use as a context manager."""
+
+    def __init__(self, root: Path, *, name: str = "swarmtest", flags: Sequence[str] = FAST_FLAGS) -> None:
+        self.root = root
+        self.name = name
+        self.flags = list(flags)
+        self.nodes: list[Node] = []
+
+    def start(self, extra: Sequence[str] = (), *, peers: str | None = None, wrap: Sequence[str] = ()) -> Node:
+        """Start one node; ``wrap`` prefixes the command (e.g. ``ip netns exec NS``)."""
+        index = len(self.nodes)
+        run_dir = self.root / f"node-{index}"
+        log_path = self.root / f"node-{index}.log"
+        argv = [sys.executable, "-m", "node.cli", "join", "--name", self.name, "--run-dir", str(run_dir)]
+        argv += self.flags + list(extra)
+        if peers:
+            argv += ["--peers", peers]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [*wrap, *argv],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        node = Node(name=f"node-{index}", run_dir=run_dir, process=process, log_path=log_path, argv=argv)
+        self.nodes.append(node)
+        return node
+
+    def first_multiaddr(self, node: Node, timeout: float = 60.0, prefix: str = "/ip4/127.0.0.1/") -> str:
+        """Wait for ``node`` to write node.json and return its multiaddr starting with ``prefix``."""
+        wait_for(
+            lambda: (node.run_dir / "node.json").exists(), timeout, f"{node.name} to write node.json", node
+        )
+        addresses = [a for a in node.identity()["multiaddrs"] if a.startswith(prefix)]
+        assert addresses, f"{node.name} has no multiaddr starting with {prefix}: {node.identity()}"
+        return addresses[0]
+
+    def wait_all(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for node in self.nodes:
+            try:
+                codes.append(node.wait(max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{node.name} still running after {timeout}s:\n{tail(node)}") from None
+        return codes
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.signal(signal.SIGKILL)
+        for node in self.nodes:
+            try:
+                node.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def tail(node: Node, lines: int = 40) -> str:
+    return "\n".join(node.log().splitlines()[-lines:])
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, node: Node | None = None) -> None:
+    """Poll ``condition`` every 0.2 s until true; AssertionError (with the node's log) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if node is not None and node.process.poll() is not None:
+            raise AssertionError(
+                f"{node.name} exited with {node.process.returncode} waiting for {what}:\n{tail(node)}"
+            )
+        time.sleep(0.2)
+    detail = f":\n{tail(node)}" if node is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
