@@ -6,8 +6,11 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   inner step; ``round`` is the outer round the step belongs to (1-based), ``step`` the global inner
   step count after it, ``tokens`` this node's cumulative training tokens.
 - ``{"kind": "round", "round", "eval_loss", "peers", "bytes_sent", "bytes_recv", "seconds_compute",
-  "seconds_comm", "param_hash", …}`` after every outer round; ``param_hash`` is the SHA-256 of the
-  global params in canonical order.
+  "seconds_comm", "param_hash", "fell_back", "adopted", "shard", …}`` after every outer round;
+  ``param_hash`` is the SHA-256 of the global params in canonical order, ``peers`` how many
+  contributions the round's mean holds, ``fell_back`` that this node stepped on its own Δ (the
+  swarm round failed), ``adopted`` that it replaced its state by the swarm's instead of stepping
+  (then ``round`` is the swarm's), ``shard`` the ``[index, count]`` it reads in the next phase.
 
 Lines are flushed as written, so a crash loses at most the line being written; a resumed run appends.
 """

@@ -347,7 +347,8 @@ class Trainer:
                 if self.progress.step % config.inner_steps == 0:
                     round_record = self.outer_round()
                     if self.swarm is not None:
-                        self.swarm.after_round()
+                        self.swarm.after_round()  # takes this round's data shard, serves the new state
+                    round_record["shard"] = [self.batches.shard_index, self.batches.num_shards]
                     self.metrics.write(round_record)
                     log.info(
                         "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs | param_hash %s",

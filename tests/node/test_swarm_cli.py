@@ -39,6 +39,10 @@ def test_three_nodes_share_every_round(tmp_path):
             for r in node_records:
                 assert 0.5 * num_params < r["bytes_sent"] < 2.0 * num_params, r["bytes_sent"]
         assert_one_lineage([node.hashes() for node in cluster.nodes], [1, 2, 3])
+        # After each round the members read disjoint shards: one each of three.
+        for index in range(3):
+            shards = sorted(tuple(node_records[index]["shard"]) for node_records in records)
+            assert shards == [(0, 3), (1, 3), (2, 3)], shards
         losses = [r["eval_loss"] for r in records[0]]
         assert losses[-1] < losses[0], losses
         assert "To join it from another machine" in first.log()
