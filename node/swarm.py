@@ -180,14 +180,18 @@ class SwarmSession:
     def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
         trainer = self._trainer
         assert trainer is not None, "start() the session first"
-        result = self.swarm.run_round(
-            vector.to("cpu", torch.float32).contiguous(),
-            round=round_index - 1,
-            param_hash=trainer.diloco.param_hash(),
-            num_tokens=int(weight),
-            tokens_per_s=trainer.tokens_per_s(),
-            error_feedback=self.error_feedback,
-        )
+        try:
+            result = self.swarm.run_round(
+                vector.to("cpu", torch.float32).contiguous(),
+                round=round_index - 1,
+                param_hash=trainer.diloco.param_hash(),
+                num_tokens=int(weight),
+                tokens_per_s=trainer.tokens_per_s(),
+                error_feedback=self.error_feedback,
+            )
+        except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
+            log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)
+            result = RoundResult(kind="failed", round=round_index, reason=f"timeout: {error}")
         self.last_result = result
         if self.on_round is not None:
             self.on_round(result)

@@ -170,7 +170,11 @@ class SwarmNode:
         """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            view = self.view()
+            try:
+                view = self.view()
+            except (DhtCallTimeout, TimeoutError) as error:  # a slow DHT read is one empty poll, not fatal
+                logger.info("DHT read failed while waiting for peers: %s", error)
+                view = self.driver.view
             if (
                 len([p for p in view if p.peer_id != self.peer_id]) >= num_peers
                 or time.monotonic() >= deadline
