@@ -74,6 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", dest="config_file", default=None, help="TOML file of settings (env DTNODE_CONFIG)"
     )
     add_config_flags(join)
+    # "resolve": the swarm's own --run-dir (the root of the node dirs) replaces the per-node flag.
+    swarm = commands.add_parser(
+        "swarm",
+        help="start N nodes on this machine, stream their rounds, stop them, write a report",
+        description="Start N `dtnode join` nodes on this machine (node i in RUN_DIR/node-<i>); every "
+        "setting flag is passed to every node. Ctrl-C stops them all (twice: at once).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        conflict_handler="resolve",
+    )
+    swarm.add_argument("--nodes", dest="num_nodes", type=int, required=True, help="how many nodes to start")
+    swarm.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="run each node on a host of the WAN emulator with its uplink capped at this (needs root)",
+    )
+    swarm.add_argument(
+        "--config", dest="config_file", default=None, help="TOML file of settings for every node"
+    )
+    add_config_flags(swarm)
+    swarm.add_argument(
+        "--run-dir",
+        dest="run_dir",
+        default=argparse.SUPPRESS,
+        help="swarm directory: node i runs in RUN_DIR/node-<i>, logs and report.{json,md} beside [default: runs/<name>]",
+    )
     return parser
 
 
@@ -109,6 +135,24 @@ def run_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_swarm(args: argparse.Namespace) -> int:
+    from node.launcher import SwarmLauncher, launch_config
+
+    options = ("command", "config_file", "num_nodes", "link_mbit")
+    flags = {key: value for key, value in vars(args).items() if key not in options}
+    config = launch_config(
+        num_nodes=args.num_nodes, node_flags=flags, config_file=args.config_file, link_mbit=args.link_mbit
+    )
+    launcher = SwarmLauncher(config)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        launcher.request_stop()  # the first stops the nodes gracefully, a second kills them
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return launcher.run()
+
+
 def _stop_on_signals(trainer: Any) -> None:
     """SIGINT/SIGTERM: finish the current step (or round), checkpoint, leave the swarm, exit 0."""
 
@@ -127,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "join":
             return run_join(args)
+        if args.command == "swarm":
+            return run_swarm(args)
     except ConfigError as error:
         print(f"dtnode: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -108,6 +108,13 @@ class NodeConfig:
     outer_lr: float = field(default=0.7, metadata=_help("Outer Nesterov SGD learning rate."))
     outer_momentum: float = field(default=0.9, metadata=_help("Outer Nesterov SGD momentum."))
     outer_nesterov: bool = field(default=True, metadata=_help("Use Nesterov momentum in the outer step."))
+    overlap: bool = field(
+        default=False,
+        metadata=_help(
+            "Overlap each round's all-reduce with the next round's inner steps; the averaged update "
+            "is applied one round late (Streaming DiLoCo)."
+        ),
+    )
     outer_offload: bool = field(
         default=False,
         metadata=_help("Keep the outer state (global params, momentum) on CPU instead of the device."),

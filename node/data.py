@@ -188,6 +188,18 @@ class ShardedBatches:
         self.position += self.windows_per_round
         return _gather_windows(self.tokens, windows, self.seq_len)
 
+    def skip(self, num_steps: int) -> None:
+        """Advance the position as ``num_steps`` calls of ``next_batch`` would, reading nothing.
+
+        A node that ended an inner phase early (a joiner catching up with its swarm) skips the
+        windows its peers read meanwhile, so the swarm's positions agree again.
+        """
+        for _ in range(num_steps):
+            if self.position + self.windows_per_round > self.num_windows:
+                self.epoch += 1
+                self.position = 0
+            self.position += self.windows_per_round
+
     def state_dict(self) -> dict[str, int]:
         """Everything needed to continue exactly where this loader stands."""
         return {

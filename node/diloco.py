@@ -22,8 +22,13 @@ SHA-256 over it: identical global params on two nodes ⇔ identical hash.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,7 +46,10 @@ class AveragingOutcome:
     bytes_recv: int = 0
     fell_back: bool = False  # the swarm round failed and this node used its own vector
     failures: tuple[str, ...] = ()  # human-readable reasons, one per failed peer or phase
-    adopted: bool = False  # the averager replaced the global state with the swarm's: no outer step
+    adopted_state: object | None = None
+    """The swarm's global state to load instead of stepping (this node was off the swarm's lineage
+    or missed the round); the averager's own type, loaded by the trainer on its own thread."""
+    members: tuple[str, ...] = ()  # the round's group (peer ids), for resharding the data
 
 
 class Averager(Protocol):
@@ -70,7 +78,13 @@ class OuterStepReport:
     param_hash: str
     fell_back: bool = False
     failures: tuple[str, ...] = field(default_factory=tuple)
-    adopted: bool = False  # the global state was replaced by the swarm's instead of stepped
+    adopted_state: object | None = None  # the swarm's state to load instead (no outer step was applied)
+    members: tuple[str, ...] = ()
+    seconds_waited: float = 0.0  # how long the training thread was blocked on the swarm for this round
+
+    @property
+    def adopted(self) -> bool:
+        return self.adopted_state is not None
 
 
 def flatten_params(params: list[nn.Parameter], *, device: torch.device | str) -> torch.Tensor:
@@ -100,8 +114,21 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         offload: bool = False,
+        overlap: bool = False,
     ) -> None:
         self.model = model
+        self.overlap = overlap
+        # Overlap: round r's averaging runs here while the inner steps of round r + 1 proceed.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="outer-averaging") if overlap else None
+        self._pending: Future[OuterStepReport] | None = None
+        self._pending_round = 0
+        self._anchor: torch.Tensor | None = None  # overlap: the local params the current phase started from
+        # Overlap: the background thread applies a round's outer step as soon as its mean arrives;
+        # this lock keeps readers of the outer state (hash, checkpoint) from seeing half a step.
+        self._lock = threading.RLock()
+        self.on_applied: Callable[[OuterStepReport], None] | None = None
+        """Called (under the lock, on the averaging thread) right after an overlapped round is applied:
+        the swarm publishes the new params at once rather than a phase later."""
         self.averager = averager
         self.params = [p for p in model.parameters() if p.requires_grad]
         model_device = self.params[0].device
@@ -117,7 +144,8 @@ class DiLoCo:
         return self.global_params.numel()
 
     def param_hash(self) -> str:
-        return tensor_hash(self.global_params)
+        with self._lock:
+            return tensor_hash(self.global_params)
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_global − θ_local, flat fp32 on the outer device."""
@@ -126,55 +154,124 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self, *, round_index: int, weight: float) -> OuterStepReport:
         """Average Δ across the swarm, apply outer Nesterov SGD, copy θ_global into the model."""
+        assert not self.overlap, "an overlapping DiLoCo uses phase_delta / finish_pending / submit"
         # Phase 1: the pseudo-gradient of this node's H inner steps.
         delta = self.pseudo_gradient()
         # Phase 2: the swarm's weighted mean (compressed all-reduce in a swarm; identity alone).
         start = time.perf_counter()
         outcome = self.averager.average(delta, round_index=round_index, weight=weight)
         seconds_comm = time.perf_counter() - start
-        if outcome.adopted:  # the averager loaded the swarm's global state (and the model) already
-            return OuterStepReport(
-                round_index=round_index,
-                num_peers=outcome.num_peers,
-                bytes_sent=outcome.bytes_sent,
-                bytes_recv=outcome.bytes_recv,
-                seconds_comm=seconds_comm,
-                pseudo_gradient_norm=0.0,
-                param_hash=self.param_hash(),
-                failures=outcome.failures,
-                adopted=True,
-            )
-        averaged = outcome.averaged.to(self.outer_device, torch.float32)
-        if averaged.shape != self.global_params.shape:
-            raise RuntimeError(
-                f"averager returned shape {tuple(averaged.shape)}, expected {tuple(self.global_params.shape)}"
-            )
-        # Phase 3: outer Nesterov step on the global params.
-        self.global_params.grad = averaged
-        self.outer_optimizer.step()
-        self.global_params.grad = None
-        # Phase 4: the model restarts the next H inner steps from the new global params.
-        self.load_global_into_model()
+        # Phases 3-4: outer Nesterov step; the model restarts from the new global params.
+        report = self._apply(outcome, round_index, seconds_comm=seconds_comm, seconds_waited=seconds_comm)
+        if not report.adopted:
+            self.load_global_into_model()
+        return report
+
+    def _apply(
+        self, outcome: AveragingOutcome, round_index: int, *, seconds_comm: float, seconds_waited: float
+    ) -> OuterStepReport:
+        """Outer Nesterov SGD on θ_global with gradient Δ̄ (nothing if the swarm's state is to be adopted)."""
+        norm = 0.0
+        if outcome.adopted_state is None:
+            averaged = outcome.averaged.to(self.outer_device, torch.float32)
+            if averaged.shape != self.global_params.shape:
+                raise RuntimeError(
+                    f"averager returned shape {tuple(averaged.shape)}, expected {tuple(self.global_params.shape)}"
+                )
+            self.global_params.grad = averaged
+            self.outer_optimizer.step()
+            self.global_params.grad = None
+            norm = float(averaged.norm())
         return OuterStepReport(
             round_index=round_index,
             num_peers=outcome.num_peers,
             bytes_sent=outcome.bytes_sent,
             bytes_recv=outcome.bytes_recv,
             seconds_comm=seconds_comm,
-            pseudo_gradient_norm=float(averaged.norm()),
+            pseudo_gradient_norm=norm,
             param_hash=self.param_hash(),
             fell_back=outcome.fell_back,
             failures=outcome.failures,
+            adopted_state=outcome.adopted_state,
+            members=outcome.members,
+            seconds_waited=seconds_waited,
         )
+
+    # --- overlapped rounds: the outer update reaches the model one round late ---
+    #
+    # Streaming DiLoCo (Douillard et al., 2025, arXiv:2501.18512) overlaps a round's communication
+    # with the next round's inner steps. At the end of phase k this node:
+    #   1. takes Δ_k = anchor_k − θ_local, its own progress during phase k (phase_delta);
+    #   2. waits for round k−1, averaged during phase k on a background thread, which applied
+    #      θ_global ← OuterSGD(θ_global, Δ̄_{k−1}) as soon as Δ̄_{k−1} arrived (finish_pending);
+    #   3. starts averaging Δ_k in the background and restarts the model from θ_global − Δ_k: the
+    #      newest global params plus its own last phase, which is not in θ_global yet (submit).
+    # Every node applies the same Δ̄ in the same order, so θ_global stays identical swarm-wide; a
+    # node's own progress is counted once, through Δ̄_k when it lands in θ_global. The main thread
+    # never touches θ_global during a phase, so the background thread may step it then.
+
+    @property
+    def pending_round(self) -> int | None:
+        """The round whose averaging is in flight (overlap), else None."""
+        return self._pending_round if self._pending is not None else None
+
+    @torch.no_grad()
+    def phase_delta(self) -> torch.Tensor:
+        """Δ_k: the local progress since the phase started (overlap); θ_global − θ_local before any round."""
+        anchor = self._anchor if self._anchor is not None else self.global_params
+        return anchor - flatten_params(self.params, device=self.outer_device)
+
+    @torch.no_grad()
+    def finish_pending(self) -> OuterStepReport | None:
+        """Wait for the round in flight (already applied to θ_global); None if none is in flight."""
+        if self._pending is None:
+            return None
+        start = time.perf_counter()
+        report = self._pending.result()  # the averager returns within its own deadlines
+        self._pending = None
+        return dataclasses.replace(report, seconds_waited=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def submit(self, delta: torch.Tensor, *, round_index: int, weight: float) -> None:
+        """Start averaging ``delta`` for ``round_index`` in the background; the model continues from
+        θ_global − delta (see above)."""
+        assert self._executor is not None and self._pending is None
+        start = self.global_params - delta  # before the averaging thread may step θ_global
+        self._load_into_model(start)
+        self._anchor = start
+        self._pending = self._executor.submit(self._average_and_apply, delta.clone(), round_index, weight)
+        self._pending_round = round_index
+
+    @torch.no_grad()
+    def _average_and_apply(self, delta: torch.Tensor, round_index: int, weight: float) -> OuterStepReport:
+        started = time.perf_counter()
+        outcome = self.averager.average(delta, round_index=round_index, weight=weight)
+        with self._lock:
+            report = self._apply(
+                outcome, round_index, seconds_comm=time.perf_counter() - started, seconds_waited=0.0
+            )
+            if self.on_applied is not None and not report.adopted:
+                self.on_applied(report)
+        return report
+
+    def close(self) -> None:
+        """Stop the background averaging thread (after finish_pending)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     @torch.no_grad()
     def load_global_into_model(self) -> None:
+        self._load_into_model(self.global_params)
+        self._anchor = None
+
+    @torch.no_grad()
+    def _load_into_model(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.copy_(self.global_params[offset : offset + n].view_as(p))
+            p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
-        assert offset == self.global_params.numel()
+        assert offset == flat.numel()
 
     def momentum_buffer(self) -> torch.Tensor | None:
         """The outer Nesterov momentum (flat fp32), None before the first outer step."""
@@ -187,19 +284,23 @@ class DiLoCo:
         """Replace the global params and the outer momentum (e.g. with the swarm's), and the model's params."""
         if global_params.shape != self.global_params.shape:
             raise ValueError(f"got {global_params.numel()} global params, the model has {self.num_elements}")
+        if momentum is not None and momentum.shape != self.global_params.shape:
+            raise ValueError("the outer momentum does not match the global params")
         self.global_params.copy_(global_params)
         state = self.outer_optimizer.state[self.global_params]
         if momentum is None:
             state.pop("momentum_buffer", None)
         else:
-            if momentum.shape != self.global_params.shape:
-                raise ValueError("the outer momentum does not match the global params")
             state["momentum_buffer"] = momentum.to(self.outer_device, torch.float32).clone()
         self.load_global_into_model()
 
     # --- checkpoint state ---
     def state_dict(self) -> dict[str, object]:
-        return {"global_params": self.global_params, "outer_optimizer": self.outer_optimizer.state_dict()}
+        with self._lock:  # copies: the averaging thread may step the outer state right after
+            return {
+                "global_params": self.global_params.detach().clone(),
+                "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+            }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, object]) -> None:

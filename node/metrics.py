@@ -30,6 +30,8 @@ class MetricsWriter:
         self._handle: IO[str] = open(path, "a", buffering=1)  # line-buffered
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._handle.closed:  # written to after close() (e.g. a round finished after the loop): append
+            self._handle = open(self.path, "a", buffering=1)
         # JSON has no NaN/Inf: a diverged loss is written as null rather than breaking readers.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._handle.write(json.dumps(clean, separators=(",", ":")) + "\n")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import ConfigError, NodeConfig
-from node.diloco import AveragingOutcome
+from node.diloco import AveragingOutcome, OuterStepReport, tensor_hash
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.config import RoundConfig
@@ -65,25 +65,34 @@ class AdoptedState:
     metadata: dict[str, Any]
 
 
-def snapshot_of(trainer: Trainer) -> Snapshot:
-    """The trainer's global state as served to joiners: params, momentum, counters, data position."""
+def snapshot_of(trainer: Trainer, *, round: int | None = None) -> Snapshot:
+    """The trainer's global state as served to joiners: params, momentum, counters, data position.
+
+    ``round``: the rounds the global params went through (default the trainer's count; with overlap
+    the averaging thread publishes a round before the training thread counts it). The step and
+    data position are the training thread's at this moment, which with overlap may be mid-phase:
+    a joiner then reads its source's windows until the next round boundary (``shards.py``).
+    """
     diloco, progress = trainer.diloco, trainer.progress
+    round = progress.round if round is None else round
     tensors = {GLOBAL_PARAMS: diloco.global_params.detach().to("cpu")}
     momentum = diloco.momentum_buffer()
     if momentum is not None:
         tensors[OUTER_MOMENTUM] = momentum.detach().to("cpu")
-    param_hash = diloco.param_hash()
+    param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
     metadata = {
-        "round": progress.round,
+        "round": round,
         "step": progress.step,
         "param_hash": param_hash,
         "model": trainer.config.model,
         "num_elements": diloco.num_elements,
         "corpus_sha256": trainer.corpus.sha256,
-        "data": trainer.batches.state_dict(),
+        # The lineage's shared data position, without this node's shard: every member of a round
+        # serves byte-identical metadata, so a joiner can fetch from all of them at once.
+        "data": {k: v for k, v in trainer.batches.state_dict().items() if k != "shard_index"},
     }
     return Snapshot(
-        round_id=progress.round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()
+        round_id=round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()
     )
 
 
@@ -136,6 +145,8 @@ class SwarmSession:
         self.error_feedback: ErrorFeedback | None = None
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
+        self.catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
+        self._adopted_lineage: tuple[int, str] = (0, "")
         self._trainer: Trainer | None = None
 
     # --- lifecycle ---
@@ -143,6 +154,7 @@ class SwarmSession:
     def start(self, trainer: Trainer) -> None:
         """Announce the node; a joiner adopts the swarm's state first if its own is not canonical."""
         self._trainer = trainer
+        trainer.diloco.on_applied = self._applied_in_background
         if self.swarm.codec.name != "none":
             self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)
         self.publish()
@@ -154,18 +166,40 @@ class SwarmSession:
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
             return
         decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
-        if not decision.in_canonical and not self._adopt(decision, why="joining"):
+        if decision.in_canonical:
+            return
+        state = self._fetch_canonical(decision, why="joining")
+        if state is None:
             log.warning("training on our own state until the next round's lineage check")
+            return
+        trainer.adopt(state)
+        self._adopted()
 
-    def publish(self) -> None:
-        """Advertise and serve the trainer's current global state."""
+    def publish(self, round: int | None = None) -> None:
+        """Advertise and serve the trainer's current global state (after ``round``, default the
+        trainer's count of applied rounds)."""
+        trainer = self._trainer
+        assert trainer is not None
+        round = trainer.progress.round if round is None else round
+        snapshot = snapshot_of(trainer, round=round)
+        self.swarm.publish(
+            round=round, param_hash=snapshot.state_id, tokens_per_s=trainer.tokens_per_s(), snapshot=snapshot
+        )
+
+    def _applied_in_background(self, report: OuterStepReport) -> None:
+        """Overlap: a round was applied on the averaging thread; advertise it now, not a phase later,
+        so the swarm's lineage check sees every member of the round on its new params at once.
+
+        The snapshot follows at the phase's end (``after_round``), when the step and data position
+        are at a round boundary like every other member's; until then fetchers get NOT_FOUND here.
+        """
         trainer = self._trainer
         assert trainer is not None
         self.swarm.publish(
-            round=trainer.progress.round,
-            param_hash=trainer.diloco.param_hash(),
+            round=report.round_index,
+            param_hash=report.param_hash,
             tokens_per_s=trainer.tokens_per_s(),
-            snapshot=snapshot_of(trainer),
+            snapshot=None,
         )
 
     def stop(self) -> None:
@@ -210,6 +244,7 @@ class SwarmSession:
                 bytes_recv=outcome.bytes_recv,
                 fell_back=outcome.fell_back,
                 failures=tuple(outcome.failures),
+                members=result.group.member_ids,
             )
         if result.kind == "failed":
             log.warning("round %d: %s; stepping on our own Δ", round_index, result.reason)
@@ -218,21 +253,28 @@ class SwarmSession:
         if result.kind == "missed":
             decision = self._wait_for_canonical_past(round_index - 1)
         if decision is not None and not decision.in_canonical:
-            if self._adopt(decision, why=f"round {round_index} {result.kind}"):
-                return AveragingOutcome(averaged=vector, num_peers=0, adopted=True, failures=(result.kind,))
+            state = self._fetch_canonical(decision, why=f"round {round_index} {result.kind}")
+            if state is not None:  # the trainer loads it on its own thread
+                return AveragingOutcome(
+                    averaged=vector, num_peers=0, adopted_state=state, failures=(result.kind,)
+                )
             return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
         log.warning(
             "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
         )
         return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
 
-    def after_round(self) -> None:
-        """After the outer step: take this round's data shard and serve the new state."""
+    def after_round(self, report: OuterStepReport) -> None:
+        """After the outer step (or adopting the swarm's state): take the round's data shard and
+        serve the new state."""
         trainer = self._trainer
         assert trainer is not None
-        result = self.last_result
-        if result is not None and result.kind == "averaged" and result.group is not None:
-            shard = assign_shard(result.group.member_ids, self.swarm.peer_id)
+        if report.adopted:
+            self._adopted()
+            return
+        self.catching_up = False
+        if report.members and self.swarm.peer_id in report.members:
+            shard = assign_shard(report.members, self.swarm.peer_id)
             trainer.batches.reshard(shard.shard_index, shard.num_shards)
         self.publish()
 
@@ -251,8 +293,9 @@ class SwarmSession:
             time.sleep(self.swarm.config.view_refresh.total_seconds())
         return None
 
-    def _adopt(self, decision: LineageDecision, *, why: str) -> bool:
-        """Fetch and load the canonical state; False (logged) if no source delivered it in time.
+    def _fetch_canonical(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
+        """Fetch the canonical state, checked against this node's model and corpus; None (logged) if
+        no source delivered it in time.
 
         A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
         healed yet), and the next round's lineage check tries again.
@@ -266,19 +309,44 @@ class SwarmSession:
             report = self.swarm.fetch_state(decision)
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
-            return False
+            return None
         try:
-            state = adopted_state(
+            return adopted_state(
                 report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
             )
         except ValueError as error:  # another model or corpus: this node cannot be part of this swarm
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
-        trainer.adopt(state)
+
+    def phase_should_end(self) -> bool:
+        """Whether a node catching up should end its inner phase now: a peer of its lineage is ready
+        for the next round (read from the view the swarm watch refreshes every few seconds).
+
+        After adopting, a node starts its phase later than the swarm (by its startup and the fetch);
+        with a full phase it would miss every round and re-sync forever. Joining the round with
+        fewer steps costs nothing: the mean weights each member by its tokens.
+        """
+        trainer = self._trainer
+        if not self.catching_up or trainer is None or trainer.diloco.overlap:
+            return False
+        round, param_hash = self._adopted_lineage
+        return any(
+            peer.peer_id != self.swarm.peer_id
+            and peer.round == round
+            and peer.param_hash == param_hash
+            and peer.ready_for_round == round + 1
+            for peer in self.swarm.driver.view
+        )
+
+    def _adopted(self) -> None:
+        """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state."""
+        trainer = self._trainer
+        assert trainer is not None
+        self.catching_up = True
+        self._adopted_lineage = (trainer.progress.round, trainer.diloco.param_hash())
         if self.error_feedback is not None:
             self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)  # residuals of other params
         self.num_adoptions += 1
         self.publish()
-        return True
 
 
 def swarm_config(config: NodeConfig) -> SwarmConfig:

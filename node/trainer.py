@@ -29,7 +29,7 @@ from torch import nn
 from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches, load_corpus
-from node.diloco import Averager, DiLoCo, SoloAverager
+from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.metrics import MetricsWriter
 from node.model import GPT, cross_entropy_loss, model_config
 from node.schedule import LRSchedule
@@ -120,6 +120,7 @@ class Trainer:
             outer_momentum=config.outer_momentum,
             nesterov=config.outer_nesterov,
             offload=config.outer_offload,
+            overlap=config.overlap,
         )
         self.progress = Progress()
         self.checkpoint_root = self.run_dir / "checkpoints"
@@ -219,7 +220,10 @@ class Trainer:
         self.diloco.load_global_state(state.global_params, state.outer_momentum)
         if self.diloco.param_hash() != state.param_hash:
             raise RuntimeError("the adopted params do not match their param_hash")
-        self.batches.load_state_dict(state.metadata["data"])
+        # The swarm's data position; our shard stays the first until the next round assigns ours
+        # (a bounded duplicate read, never a gap: protocol/membership/shards.py).
+        data = {"shard_index": 0, **state.metadata["data"]}
+        self.batches.load_state_dict(data)
         self.progress = Progress(
             step=int(state.metadata["step"]), round=state.round, tokens=self.progress.tokens
         )
@@ -241,7 +245,8 @@ class Trainer:
 
     def _done(self) -> bool:
         config, progress = self.config, self.progress
-        return (config.max_rounds > 0 and progress.round >= config.max_rounds) or (
+        rounds = progress.round + (self.diloco.pending_round is not None)  # applied or in flight
+        return (config.max_rounds > 0 and rounds >= config.max_rounds) or (
             config.max_steps > 0 and progress.step >= config.max_steps
         )
 
@@ -269,7 +274,7 @@ class Trainer:
         progress.round_compute_seconds += seconds
         return {
             "kind": "step",
-            "round": progress.round + 1,
+            "round": self._phase(),
             "step": progress.step,
             "loss": loss_value,
             "lr": lr,
@@ -287,34 +292,94 @@ class Trainer:
         self.model.train()  # set once here, not every inner step (it walks every module)
         return total / len(self.eval_set)
 
-    def outer_round(self) -> dict[str, Any]:
+    def outer_round(self) -> dict[str, Any] | None:
+        """End of an inner phase: the outer step, or with ``overlap`` the previous round's.
+
+        Writes (and returns) the record of the round applied now, and checkpoints on schedule;
+        returns None for the first overlapped phase, whose round is still in flight.
+        """
         progress = self.progress
-        round_index = progress.round + 1
-        report = self.diloco.outer_step(round_index=round_index, weight=float(progress.round_tokens))
-        if report.adopted:  # adopt() set the counters to the swarm's
-            round_index, progress = self.progress.round, self.progress
-        eval_loss = self.evaluate()
-        record = {
+        compute_seconds, weight = progress.round_compute_seconds, float(progress.round_tokens)
+        progress.round_tokens, progress.round_compute_seconds = 0, 0.0
+        if not self.diloco.overlap:
+            report: OuterStepReport | None = self.diloco.outer_step(
+                round_index=progress.round + 1, weight=weight
+            )
+            delta = None
+        else:
+            delta = self.diloco.phase_delta()  # before finish_pending: the model still holds this phase
+            report = self.diloco.finish_pending()
+        if report is not None:
+            if report.adopted:
+                self.adopt(report.adopted_state)  # type: ignore[arg-type]  # the swarm's AdoptedState
+                delta = None  # this phase's progress belongs to other params
+            else:
+                progress.round = report.round_index
+            if self.swarm is not None:
+                self.swarm.after_round(report)  # reshard among the round's group, serve the new state
+        record = None if report is None else self._round_record(report, compute_seconds)
+        if record is not None:
+            self._log_round(record)
+            if self.config.checkpoint_every and self.progress.round % self.config.checkpoint_every == 0:
+                self.save()  # before submit: no round in flight, so the saved state is consistent
+        if delta is not None:
+            self.diloco.submit(delta, round_index=self._phase(), weight=weight)
+        return record
+
+    def _phase(self) -> int:
+        """The outer round the current inner phase belongs to (1-based)."""
+        return self.progress.round + 1 + (self.diloco.pending_round is not None)
+
+    def _round_record(self, report: OuterStepReport, compute_seconds: float) -> dict[str, Any]:
+        progress = self.progress
+        blocked = report.seconds_waited
+        return {
             "kind": "round",
-            "round": round_index,
+            "round": progress.round,
             "step": progress.step,
-            "eval_loss": eval_loss,
+            "eval_loss": self.evaluate(),
             "peers": report.num_peers,
             "bytes_sent": report.bytes_sent,
             "bytes_recv": report.bytes_recv,
-            "seconds_compute": progress.round_compute_seconds,
+            "seconds_compute": compute_seconds,
             "seconds_comm": report.seconds_comm,
+            "seconds_blocked": blocked,
+            # The share of the training thread's time spent on inner steps rather than waiting for the
+            # swarm (with overlap, the round's communication hides behind the next phase's compute).
+            # None for the round applied at the end of a run with overlap: no phase ran alongside it.
+            "utilization": (compute_seconds / (compute_seconds + blocked)) if compute_seconds > 0 else None,
+            "overlap": self.diloco.overlap,
             "param_hash": report.param_hash,
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "tokens": progress.tokens,
             "fell_back": report.fell_back,
             "adopted": report.adopted,
+            "shard": [self.batches.shard_index, self.batches.num_shards],
             "time": time.time(),
         }
-        progress.round = round_index
-        progress.round_tokens = 0
-        progress.round_compute_seconds = 0.0
-        return record
+
+    def _finish_rounds(self) -> None:
+        """Overlap: apply the round still in flight, so the run ends on the swarm's latest params."""
+        report = self.diloco.finish_pending()
+        if report is not None:
+            if report.adopted:
+                self.adopt(report.adopted_state)  # type: ignore[arg-type]
+            else:
+                progress = self.progress
+                progress.round = report.round_index
+                self.diloco.load_global_into_model()
+            if self.swarm is not None:
+                self.swarm.after_round(report)
+            self._log_round(self._round_record(report, 0.0))
+        self.diloco.close()
+
+    def _log_round(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        log.info(
+            "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs (blocked %.2fs) | param_hash %s",
+            record["round"], record["eval_loss"], record["peers"], record["seconds_compute"],
+            record["seconds_comm"], record["seconds_blocked"], record["param_hash"][:12],
+        )  # fmt: skip
 
     def run(self) -> None:
         """Train until a limit is reached or :meth:`request_stop` is called; checkpoint on the way out."""
@@ -345,20 +410,20 @@ class Trainer:
                         record["loss"], record["lr"], f"{record['tokens_per_s']:,.0f}",
                     )  # fmt: skip
                 if self.progress.step % config.inner_steps == 0:
-                    round_record = self.outer_round()
-                    if self.swarm is not None:
-                        self.swarm.after_round()  # takes this round's data shard, serves the new state
-                    round_record["shard"] = [self.batches.shard_index, self.batches.num_shards]
-                    self.metrics.write(round_record)
-                    log.info(
-                        "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs | param_hash %s",
-                        round_record["round"], round_record["eval_loss"], round_record["peers"],
-                        round_record["seconds_compute"], round_record["seconds_comm"], round_record["param_hash"][:12],
-                    )  # fmt: skip
-                    if config.checkpoint_every and self.progress.round % config.checkpoint_every == 0:
-                        self.save()
+                    self.outer_round()
+                elif self.swarm is not None and self.swarm.phase_should_end():
+                    # Catching up after adopting the swarm's state: join the round the swarm is
+                    # forming now with the steps done so far (weighted by their tokens), then
+                    # continue on the swarm's step count and data position.
+                    missing = -self.progress.step % config.inner_steps
+                    log.info("ending the phase %d steps early to join the swarm's round", missing)
+                    self.outer_round()
+                    if not self.swarm.catching_up:  # (not when the round sent us to adopt again)
+                        self.batches.skip(missing)
+                        self.progress.step += missing
             if self._stop.is_set():
                 log.info("stop requested: checkpointing at step %d", self.progress.step)
+            self._finish_rounds()
         finally:
             self.metrics.close()
         self.save()

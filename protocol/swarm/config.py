@@ -62,7 +62,10 @@ class SwarmConfig:
         check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth_bytes_per_s must be positive")
-        for name in ("round_deadline", "sync_deadline", "heartbeat", "record_ttl", "view_refresh"):
+        for name in (
+            "round_deadline", "sync_deadline", "heartbeat", "record_ttl", "view_refresh", "dht_call_timeout",
+            "message_timeout",
+        ):  # fmt: skip
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
         if self.record_ttl < 3 * self.heartbeat + 2 * self.dht_call_timeout:

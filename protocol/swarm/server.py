@@ -30,12 +30,15 @@ logger = logging.getLogger(__name__)
 SERVICES = (ALLREDUCE_SERVICE, STATESYNC_SERVICE, MEMBERSHIP_SERVICE)
 
 
+_MESSAGE_LIMITS = frozenset({"grpc.max_send_message_length", "grpc.max_receive_message_length"})
+
+
 def _merged_options(*option_lists: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """One option list: message limits take the largest value, other options the first given."""
     merged: dict[str, int] = {}
     for options in option_lists:
         for key, value in options:
-            if key in merged and key.startswith("grpc.max_"):
+            if key in merged and key in _MESSAGE_LIMITS:
                 merged[key] = max(merged[key], value)
             else:
                 merged.setdefault(key, value)

@@ -22,18 +22,21 @@ def assert_one_lineage(nodes_hashes: list[dict[int, str]], rounds: list[int]) ->
 
 
 @pytest.mark.timeout(240)
-def test_three_nodes_share_every_round(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_three_nodes_share_every_round(tmp_path, mode):
+    flags = ["--max-rounds", "3", "--min-peers", "3"] + (["--overlap"] if mode == "overlap" else [])
     with Cluster(tmp_path) as cluster:
-        first = cluster.start(["--max-rounds", "3", "--min-peers", "3"])
+        first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         assert (first.run_dir / "node.json").exists()
         for _ in range(2):
-            cluster.start(["--max-rounds", "3", "--min-peers", "3"], peers=peers)
+            cluster.start(flags, peers=peers)
         assert cluster.wait_all(180) == [0, 0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
         records = [node.records() for node in cluster.nodes]
         for node_records in records:
             assert [r["round"] for r in node_records] == [1, 2, 3]
             assert all(r["peers"] == 3 and not r["fell_back"] and not r["adopted"] for r in node_records)
+            assert all(r["overlap"] == (mode == "overlap") for r in node_records)
             # int8 all-reduce of the nano model: each node sends about 2 (N-1)/N of 1 byte per number.
             num_params = 919_680
             for r in node_records:

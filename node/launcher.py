@@ -1,0 +1,513 @@
+"""``dtnode swarm``: N ``dtnode join`` nodes on this machine, their progress, a clean stop, a report.
+
+A swarm of N is N separate processes, exactly as on N machines; the launcher only starts them,
+watches them and stops them, and never talks to the swarm itself:
+
+1. Start. Node 0 (``python -m node.cli join --run-dir RUN_DIR/node-0 …``) starts a new swarm and
+   writes ``RUN_DIR/node-0/node.json``; nodes 1..N-1 then join through its multiaddr (``--peers``).
+   Each runs in its own process group (a Ctrl-C in the terminal reaches only the launcher, which
+   decides how to stop them), output in ``RUN_DIR/node-<i>.log``. With ``link_mbit`` each node
+   runs on its own host of the WAN emulator (``scripts/wan_emulator.py``: a network namespace
+   with a capped uplink) and listens on that host's address.
+2. Watch. The launcher tails every node's ``metrics.jsonl`` (contract: ``node/metrics.py``) and
+   prints one line per outer round per node as it is written.
+3. Stop. When every node has exited (they stop by themselves at ``--max-rounds``), or on the
+   first SIGINT/SIGTERM: SIGTERM to every node (each finishes its step or round, checkpoints and
+   leaves the swarm), a bounded wait, then SIGKILL for what is left; a second signal kills at once.
+4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, the final eval loss and
+   the bytes sent; whether every node held the same ``param_hash`` after every round they all
+   recorded (DiLoCo's outer step must leave all members with identical global params); wall time.
+
+Settings the launcher fills in when the user left them unset: ``--threads max(1, cores // N)``
+(one machine is shared); ``--shard-index i --num-shards N`` (round 1 already reads disjoint data;
+the swarm reshards among each round's members after that); loopback listen addresses (or the
+emulated host's); ``--bandwidth-mbit`` = the emulated link. ``--seed`` and ``--data-seed`` are
+the same for every node: the swarm shares one initialisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from node.config import ConfigError, NodeConfig, load_config
+
+log = logging.getLogger("dtnode.swarm")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "wan_emulator.py"
+LOOPBACK = "127.0.0.1"
+KILL_WAIT = timedelta(seconds=10)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What ``dtnode swarm`` runs; build it with :func:`launch_config`, which validates it."""
+
+    num_nodes: int
+    """How many nodes to start on this machine."""
+    root: Path
+    """Run directory of the swarm: node i in ``root/node-<i>``, logs and report beside them."""
+    node_flags: Mapping[str, Any]
+    """``NodeConfig`` field -> value given on the command line, passed to every node."""
+    config_file: Path | None = None
+    """``--config`` TOML passed to every node."""
+    base: NodeConfig
+    """The nodes' resolved settings (flag > env > TOML > default) before per-node additions."""
+    link_mbit: float | None = None
+    """Run every node in the WAN emulator with its uplink capped at this many Mbit/s."""
+    num_cores: int = field(default_factory=lambda: available_cores())
+    stop_grace: timedelta = timedelta(seconds=60)
+    """After SIGTERM, how long nodes may take to finish their round, checkpoint and leave."""
+    start_timeout: timedelta = timedelta(seconds=120)
+    """How long node 0 may take to write its ``node.json`` (imports, DHT start-up)."""
+    poll_interval: timedelta = timedelta(seconds=0.5)
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in fields(NodeConfig) if f.name == name)
+
+
+def _user_set(config: LaunchConfig, name: str) -> bool:
+    """Whether the user chose ``name`` (flag, env or TOML), so the launcher must not pick it."""
+    return name in config.node_flags or getattr(config.base, name) != _default(name)
+
+
+def _has_fixed_port(address: str) -> bool:
+    return bool(address) and not address.endswith(":0")
+
+
+def launch_config(
+    *,
+    num_nodes: int,
+    node_flags: Mapping[str, Any],
+    config_file: str | None = None,
+    link_mbit: float | None = None,
+) -> LaunchConfig:
+    """Validate the user's settings once, here, rather than in N failing nodes; ConfigError if wrong."""
+    if num_nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {num_nodes}")
+    if link_mbit is not None and not link_mbit > 0:
+        raise ConfigError(f"--link-mbit must be > 0, got {link_mbit}")
+    base = load_config(config_file=config_file, flags=node_flags)
+    if not base.swarm:
+        raise ConfigError("dtnode swarm runs a swarm: drop --no-swarm (dtnode join --no-swarm trains alone)")
+    if link_mbit is not None:
+        load_wan_emulator()  # a missing emulator or no namespaces: say so before starting anything
+        for key in ("peers", "listen", "dht_listen", "announce"):
+            if getattr(base, key) != _default(key):
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"--link-mbit gives every node an emulated host of its own: drop {flag}")
+    elif num_nodes > 1:
+        for key in ("listen", "dht_listen"):
+            if _has_fixed_port(getattr(base, key)):
+                raise ConfigError(
+                    f"{num_nodes} nodes on one machine cannot share --{key.replace('_', '-')} "
+                    f"{getattr(base, key)}: use port 0"
+                )
+    # Per node: the run dir is RUN_DIR/node-<i>; the peers are the user's plus node 0.
+    flags = {key: value for key, value in node_flags.items() if key not in ("run_dir", "peers")}
+    return LaunchConfig(
+        num_nodes=num_nodes,
+        root=base.resolved_run_dir,
+        node_flags=flags,
+        config_file=None if config_file is None else Path(config_file).resolve(),
+        base=base,
+        link_mbit=link_mbit,
+    )
+
+
+def flags_to_argv(flags: Mapping[str, Any]) -> list[str]:
+    """The ``dtnode join`` arguments that set ``flags`` (the inverse of ``add_config_flags``)."""
+    argv = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None) -> list[str]:
+    """The command of node ``index``: the user's flags plus the per-node ones the user left unset."""
+    extra: dict[str, Any] = {"run_dir": str((config.root / f"node-{index}").resolve())}
+    if not _user_set(config, "threads"):
+        extra["threads"] = max(1, config.num_cores // config.num_nodes)
+    if not _user_set(config, "num_shards") and not _user_set(config, "shard_index"):
+        extra["shard_index"], extra["num_shards"] = index, config.num_nodes
+    if host is not None or not _user_set(config, "listen"):
+        extra["listen"] = f"{host or LOOPBACK}:0"
+    if host is not None:
+        extra["dht_listen"] = f"{host}:0"
+        if not _user_set(config, "bandwidth_mbit"):
+            extra["bandwidth_mbit"] = config.link_mbit
+    all_peers = ",".join(address for address in (config.base.peers, peers) if address)
+    if all_peers:
+        extra["peers"] = all_peers
+    argv = [sys.executable, "-m", "node.cli", "join"]
+    if config.config_file is not None:
+        argv += ["--config", str(config.config_file)]
+    return argv + flags_to_argv(config.node_flags) + flags_to_argv(extra)
+
+
+class MetricsTail:
+    """The round records appended to one ``metrics.jsonl`` since this tail was made (as ``tail -f``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # A resumed run appends to the file: report only what this launch adds.
+        self._offset = path.stat().st_size if path.exists() else 0
+        self._partial = b""
+
+    def read_rounds(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s: skipping an unreadable line", self.path)
+                continue
+            if isinstance(record, dict) and record.get("kind") == "round":
+                records.append(record)
+        return records
+
+
+def round_line(name: str, record: Mapping[str, Any]) -> str:
+    """``node-1 round 3 | eval_loss 2.71 | peers 3 | 1.2 MB sent | param_hash 0cefb6a965``."""
+    eval_loss = record.get("eval_loss")
+    loss_text = "nan" if eval_loss is None else f"{eval_loss:.4f}"
+    line = (
+        f"{name} round {record['round']} | eval_loss {loss_text} | peers {record['peers']} | "
+        f"{record['bytes_sent'] / 1e6:.1f} MB sent | param_hash {record['param_hash'][:10]}"
+    )
+    if record.get("fell_back"):
+        line += " | fell back (own Δ)"
+    if record.get("adopted"):
+        line += " | adopted the swarm's state"
+    return line
+
+
+@dataclass
+class NodeProcess:
+    index: int
+    run_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    tail: MetricsTail
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"node-{self.index}"
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the node's whole process group (its DHT process and p2pd daemon included)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-num_lines:])
+
+
+def hash_agreement(rounds_per_node: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The rounds every node recorded, and those whose ``param_hash`` differs between nodes.
+
+    After an outer round every member must hold the same global params, so any disagreement is a
+    bug or a split into two lineages (a node that fell back or adopted shows up here too).
+    """
+    # A node's last record of a round wins (a node that adopted may record a round twice).
+    hashes = [{int(r["round"]): str(r["param_hash"]) for r in rounds} for rounds in rounds_per_node]
+    common = sorted(set.intersection(*(set(h) for h in hashes))) if hashes else []
+    disagreeing = [r for r in common if len({h[r] for h in hashes}) > 1]
+    return {
+        "common_rounds": common,
+        "disagreeing_rounds": disagreeing,
+        "all_agree": bool(common) and not disagreeing,
+    }
+
+
+def node_summary(node: NodeProcess) -> dict[str, Any]:
+    rounds = node.rounds
+    return {
+        "name": node.name,
+        "run_dir": str(node.run_dir),
+        "pid": node.process.pid,
+        "exit_code": node.process.returncode,
+        "num_rounds": len(rounds),
+        "rounds": [r["round"] for r in rounds],
+        "eval_losses": [r["eval_loss"] for r in rounds],
+        "final_eval_loss": rounds[-1]["eval_loss"] if rounds else None,
+        "bytes_sent": sum(int(r["bytes_sent"]) for r in rounds),
+        "bytes_recv": sum(int(r["bytes_recv"]) for r in rounds),
+        "fell_back_rounds": [r["round"] for r in rounds if r.get("fell_back")],
+        "adopted_rounds": [r["round"] for r in rounds if r.get("adopted")],
+    }
+
+
+def report_markdown(report: Mapping[str, Any]) -> str:
+    where = (
+        "loopback" if report["link_mbit"] is None else f"WAN emulator, {report['link_mbit']:g} Mbit/s uplinks"
+    )
+    agreement = report["param_hash"]
+    if agreement["all_agree"]:
+        verdict = f"every node held the same param_hash after each of the {len(agreement['common_rounds'])} common round(s)"
+    elif not agreement["common_rounds"]:
+        verdict = "no round was recorded by every node"
+    else:
+        verdict = f"**param_hash differs between nodes in round(s) {agreement['disagreeing_rounds']}**"
+    lines = [
+        "# dtnode swarm report",
+        "",
+        f"{report['num_nodes']} node(s), {where}; stopped by: {report['stopped_by']}; "
+        f"wall time {report['wall_seconds']:.1f} s.",
+        "",
+        f"param_hash: {verdict}.",
+        "",
+        "| node | exit code | rounds | eval_loss after each round | MB sent | MB received | fell back | adopted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for node in report["nodes"]:
+        losses = ", ".join("nan" if loss is None else f"{loss:.4f}" for loss in node["eval_losses"])
+        lines.append(
+            f"| {node['name']} | {node['exit_code']} | {node['num_rounds']} | {losses or '-'} | "
+            f"{node['bytes_sent'] / 1e6:.2f} | {node['bytes_recv'] / 1e6:.2f} | "
+            f"{len(node['fell_back_rounds'])} | {len(node['adopted_rounds'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+class SwarmLauncher:
+    """Runs one :class:`LaunchConfig`; :meth:`request_stop` is safe to call from a signal handler."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.nodes: list[NodeProcess] = []
+        self._stop_requested = False
+        self._kill_requested = False
+        self._stopped_by = "finished"
+
+    def request_stop(self) -> None:
+        """First call: stop the nodes gracefully; a second call: kill them now."""
+        if self._stop_requested:
+            self._kill_requested = True
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Start, watch, stop, report; 0 exactly when every node exited 0."""
+        config = self.config
+        config.root.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        print(f"dtnode swarm: {config.num_nodes} node(s) in {config.root} (logs: node-<i>.log)", flush=True)
+        try:
+            with self._hosts() as wan:
+                if self._start_all(wan):
+                    self._follow(self.nodes, until=lambda: self._stop_requested)
+                self._stop_all()
+        finally:
+            self._kill_leftovers()
+        for node in self.nodes:
+            self._print_rounds(node)
+        exit_codes = [node.process.returncode for node in self.nodes]
+        agreement = hash_agreement([node.rounds for node in self.nodes])
+        report: dict[str, Any] = {
+            "num_nodes": config.num_nodes,
+            "run_dir": str(config.root),
+            "link_mbit": config.link_mbit,
+            "stopped_by": self._stopped_by,
+            "wall_seconds": round(time.monotonic() - started, 1),
+            "exit_codes": exit_codes,
+            "param_hash": agreement,
+            "nodes": [node_summary(node) for node in self.nodes],
+        }
+        (config.root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (config.root / "report.md").write_text(report_markdown(report))
+        if agreement["all_agree"]:
+            hashes = f"agreed in all {len(agreement['common_rounds'])} common round(s)"
+        else:
+            hashes = (
+                f"differs in rounds {agreement['disagreeing_rounds']}" if agreement["common_rounds"] else "-"
+            )
+        print(f"dtnode swarm: done in {report['wall_seconds']:.0f} s | exit codes {exit_codes} | "
+              f"param_hash {hashes} | {config.root / 'report.md'}", flush=True)  # fmt: skip
+        ok = len(self.nodes) == config.num_nodes and all(code == 0 for code in exit_codes)
+        return 0 if ok else 1
+
+    # --- start ---
+
+    @contextlib.contextmanager
+    def _hosts(self) -> Iterator[Any]:
+        """The WAN emulator with one host per node (None without ``link_mbit``)."""
+        if self.config.link_mbit is None:
+            yield None
+            return
+        wan_emulator = load_wan_emulator()
+        try:
+            wan = wan_emulator.WanEmulator(
+                self.config.num_nodes, self.config.link_mbit, name_prefix="dtswarm"
+            )
+        except RuntimeError as error:  # `ip netns add` refused, e.g. a container without CAP_SYS_ADMIN
+            raise ConfigError(f"--link-mbit: cannot build the WAN emulator: {error}") from None
+        with wan:
+            yield wan
+
+    def _start_all(self, wan: Any) -> bool:
+        """Node 0, then the others through its multiaddr; False if the swarm could not be started."""
+        first = self._start(0, wan, peers="")
+        host = None if wan is None else wan.address(0)
+        multiaddr = self._first_multiaddr(first, prefix=f"/ip4/{host or LOOPBACK}/")
+        if multiaddr is None:
+            return False
+        for index in range(1, self.config.num_nodes):
+            self._start(index, wan, peers=multiaddr)
+        return True
+
+    def _start(self, index: int, wan: Any, *, peers: str) -> NodeProcess:
+        run_dir = self.config.root / f"node-{index}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "node.json").unlink(missing_ok=True)  # a previous run's: its address is stale
+        argv = node_argv(self.config, index, peers=peers, host=None if wan is None else wan.address(index))
+        log_path = self.config.root / f"node-{index}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        tail = MetricsTail(run_dir / "metrics.jsonl")
+        with log_path.open("wb") as log_file:
+            popen_kwargs: dict[str, Any] = {"stdout": log_file, "stderr": subprocess.STDOUT, "env": env}
+            if wan is None:
+                process = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+            else:
+                process = wan.popen(index, argv, **popen_kwargs)  # its own session, in the namespace
+        node = NodeProcess(index=index, run_dir=run_dir, log_path=log_path, process=process, tail=tail)
+        self.nodes.append(node)
+        where = "" if wan is None else f" on emulated host {wan.address(index)}"
+        print(f"{node.name} started (pid {process.pid}){where}", flush=True)
+        return node
+
+    def _first_multiaddr(self, node: NodeProcess, *, prefix: str) -> str | None:
+        """Node 0's multiaddr starting with ``prefix`` once it wrote node.json; None (logged) if not."""
+        path = node.run_dir / "node.json"
+        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        while not self._stop_requested:
+            if node.process.poll() is not None:
+                problem = f"exited with code {node.process.returncode} before it started the swarm"
+            elif time.monotonic() > deadline:
+                problem = f"did not write {path} within {self.config.start_timeout}"
+            else:
+                try:
+                    multiaddrs = json.loads(path.read_text())["multiaddrs"] if path.exists() else None
+                except (json.JSONDecodeError, KeyError):
+                    multiaddrs = None  # being written: read it again at the next poll
+                if multiaddrs is None:
+                    time.sleep(self.config.poll_interval.total_seconds())
+                    continue
+                matching = [str(address) for address in multiaddrs if address.startswith(prefix)]
+                if matching:
+                    return matching[0]
+                problem = f"listens on no {prefix} address: {multiaddrs}"
+            log.error("%s %s:\n%s", node.name, problem, node.log_tail())
+            self._stopped_by = "error"
+            return None
+        return None
+
+    # --- watch and stop ---
+
+    def _follow(self, running: list[NodeProcess], until: Callable[[], bool]) -> list[NodeProcess]:
+        """Print rounds and exits as they come until ``running`` all exited or ``until()``; the rest."""
+        running = list(running)
+        while running and not until():
+            for node in list(running):
+                self._print_rounds(node)
+                if node.process.poll() is not None:
+                    running.remove(node)
+                    self._on_exit(node)
+            time.sleep(self.config.poll_interval.total_seconds())
+        return running
+
+    def _print_rounds(self, node: NodeProcess) -> None:
+        for record in node.tail.read_rounds():
+            node.rounds.append(record)
+            print(round_line(node.name, record), flush=True)
+
+    def _on_exit(self, node: NodeProcess) -> None:
+        code = node.process.returncode
+        last = f" after round {node.rounds[-1]['round']}" if node.rounds else ""
+        print(f"{node.name} exited with code {code}{last}", flush=True)
+        if code != 0:
+            print(f"{node.name}: last lines of {node.log_path}:\n{node.log_tail()}", flush=True)
+        # Its DHT process or p2pd daemon must not outlive it.
+        node.signal_group(signal.SIGKILL)
+
+    def _stop_all(self) -> None:
+        """SIGTERM to the running nodes, wait up to ``stop_grace`` (rounds keep printing), then SIGKILL."""
+        if self._stop_requested and self._stopped_by == "finished":
+            self._stopped_by = "signal"
+        running = [node for node in self.nodes if node.process.poll() is None]
+        if not running:
+            return
+        print(f"dtnode swarm: stopping {len(running)} node(s) (SIGTERM; again to kill at once)", flush=True)
+        for node in running:
+            node.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_grace.total_seconds()
+        running = self._follow(running, until=lambda: self._kill_requested or time.monotonic() > deadline)
+        for node in running:
+            if node.process.poll() is None:
+                print(f"{node.name} still running: SIGKILL", flush=True)
+            node.signal_group(signal.SIGKILL)
+            self._reap(node)
+            self._on_exit(node)
+
+    def _reap(self, node: NodeProcess) -> None:
+        try:
+            node.process.wait(timeout=KILL_WAIT.total_seconds())
+        except subprocess.TimeoutExpired:
+            log.error("%s (pid %d) survived SIGKILL for %s", node.name, node.process.pid, KILL_WAIT)
+
+    def _kill_leftovers(self) -> None:
+        """Whatever path led here (an exception included), no node process outlives the launcher."""
+        for node in self.nodes:
+            if node.process.poll() is None:
+                node.signal_group(signal.SIGKILL)
+                self._reap(node)
+
+
+def load_wan_emulator() -> ModuleType:
+    """``scripts/wan_emulator.py`` of this checkout, loaded by path; ConfigError if it cannot run here."""
+    if not WAN_EMULATOR_PATH.is_file():
+        raise ConfigError(
+            f"--link-mbit needs the WAN emulator {WAN_EMULATOR_PATH} (a source checkout of dtnode)"
+        )
+    module = sys.modules.get("wan_emulator")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("wan_emulator", WAN_EMULATOR_PATH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["wan_emulator"] = module  # its dataclasses resolve their module through sys.modules
+        spec.loader.exec_module(module)
+    reason = module.unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--link-mbit: {reason}")
+    return module

@@ -1,0 +1,231 @@
+"""`dtnode swarm` starts N real `dtnode join` processes, streams their rounds, stops them, reports.
+
+The swarm tests run the launcher through the CLI (a subprocess, as a user would) and check what it
+reports against the nodes' own metrics files: three nodes agree on every round's param_hash and
+their eval loss falls; Ctrl-C stops every node cleanly and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node.cli import build_parser
+from node.config import ConfigError
+from node.launcher import flags_to_argv, hash_agreement, launch_config, node_argv
+from tests.node.swarm_cluster import REPO_ROOT, wait_for
+from tests.scripts.script_loader import load_script
+
+# Small and quick (as FAST_FLAGS in swarm_cluster.py), but --threads is left to the launcher.
+FAST = (
+    "--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--inner-steps", "10",
+    "--log-every", "1000", "--join-window", "5", "--max-wait", "60", "--round-deadline", "60",
+    "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0",
+)  # fmt: skip
+
+
+def swarm_command(root: Path, num_nodes: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "node.cli", "swarm", "--nodes", str(num_nodes), "--run-dir", str(root),
+            "--name", "launchertest", *FAST, *flags]  # fmt: skip
+
+
+def round_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == "round"]
+
+
+def has_step_record(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and '"kind":"step"' in path.read_text()
+
+
+def processes_left(pids: list[int], marker: str) -> list[str]:
+    """Live processes in the process group of one of ``pids`` or with ``marker`` in their command line."""
+    left = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited while we looked
+        # Fields after "(comm)": state, ppid, pgrp, ...; comm may itself contain spaces or parens.
+        state, _, process_group = stat.rpartition(")")[2].split()[:3]
+        if state != "Z" and (int(process_group) in pids or marker in cmdline):
+            left.append(f"{entry.name}: {cmdline}")
+    return left
+
+
+# --- in-process: flags, per-node settings, the hash verdict ---
+
+
+def test_flags_round_trip_through_the_join_parser():
+    flags = {"model": "nano", "inner_lr": 0.0003, "max_rounds": 4, "outer_nesterov": False, "swarm": True}
+    parsed = vars(build_parser().parse_args(["join", *flags_to_argv(flags)]))
+    assert {key: parsed[key] for key in flags} == flags
+
+
+def test_node_argv_fills_only_what_the_user_left_unset():
+    config = launch_config(num_nodes=3, node_flags={"model": "nano", "run_dir": "/tmp/sw"})
+    config = dataclasses.replace(config, num_cores=8)
+    argv = node_argv(config, 2, peers="/ip4/127.0.0.1/tcp/1/p2p/X", host=None)
+    parsed = vars(build_parser().parse_args(argv[3:]))
+    assert parsed["run_dir"] == "/tmp/sw/node-2"
+    assert (parsed["threads"], parsed["shard_index"], parsed["num_shards"]) == (8 // 3, 2, 3)
+    assert parsed["listen"] == "127.0.0.1:0" and parsed["peers"] == "/ip4/127.0.0.1/tcp/1/p2p/X"
+    assert parsed["model"] == "nano"
+
+    chosen = launch_config(
+        num_nodes=3, node_flags={"threads": 2, "num_shards": 1, "peers": "/ip4/1.2.3.4/tcp/5/p2p/Y"}
+    )
+    parsed = vars(
+        build_parser().parse_args(node_argv(chosen, 1, peers="/ip4/127.0.0.1/tcp/1/p2p/X", host=None)[3:])
+    )
+    assert (parsed["threads"], parsed["num_shards"]) == (2, 1) and "shard_index" not in parsed
+    assert parsed["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y,/ip4/127.0.0.1/tcp/1/p2p/X"
+
+
+@pytest.mark.parametrize(
+    "num_nodes, flags, message",
+    [
+        (0, {}, "--nodes must be >= 1"),
+        (2, {"listen": "127.0.0.1:7000"}, "cannot share --listen"),
+        (2, {"swarm": False}, "drop --no-swarm"),
+        (2, {"model": "huge"}, "model must be one of"),
+    ],
+)
+def test_user_mistakes_are_refused_before_any_node_starts(num_nodes, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        launch_config(num_nodes=num_nodes, node_flags=flags)
+
+
+def test_cli_reports_a_mistake_in_one_line(tmp_path):
+    completed = subprocess.run(swarm_command(tmp_path, 2, "--listen", "127.0.0.1:7000"),
+                               capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)  # fmt: skip
+    assert completed.returncode == 2
+    assert completed.stderr.strip().count("\n") == 0 and "use port 0" in completed.stderr
+    assert not (tmp_path / "node-0").exists()
+
+
+def test_hash_agreement_names_the_rounds_that_differ():
+    node_a = [
+        {"round": 1, "param_hash": "aa"},
+        {"round": 2, "param_hash": "bb"},
+        {"round": 3, "param_hash": "cc"},
+    ]
+    node_b = [{"round": 1, "param_hash": "aa"}, {"round": 2, "param_hash": "xx"}]
+    # The last record of a round wins: node_c adopted round 2's canonical state after a first try.
+    node_c = [
+        {"round": 1, "param_hash": "aa"},
+        {"round": 2, "param_hash": "yy"},
+        {"round": 2, "param_hash": "bb"},
+    ]
+    assert hash_agreement([node_a, node_c]) == {
+        "common_rounds": [1, 2],
+        "disagreeing_rounds": [],
+        "all_agree": True,
+    }
+    verdict = hash_agreement([node_a, node_b, node_c])
+    assert verdict == {"common_rounds": [1, 2], "disagreeing_rounds": [2], "all_agree": False}
+    assert hash_agreement([node_a, []])["all_agree"] is False  # nothing in common proves nothing
+
+
+# --- real swarms through the CLI ---
+
+
+@pytest.mark.timeout(240)
+def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
+    root = tmp_path / "swarm"
+    command = swarm_command(root, 3, "--max-rounds", "3", "--min-peers", "3")
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+
+    # The nodes' own metrics, read independently of the launcher.
+    records = [round_records(root / f"node-{index}") for index in range(3)]
+    for node_records in records:
+        assert [r["round"] for r in node_records] == [1, 2, 3]
+        assert all(r["peers"] == 3 and not r["fell_back"] for r in node_records)
+        assert node_records[-1]["eval_loss"] < node_records[0]["eval_loss"]
+    for index in range(3):
+        assert len({node_records[index]["param_hash"] for node_records in records}) == 1
+
+    report = json.loads((root / "report.json").read_text())
+    assert report["exit_codes"] == [0, 0, 0] and report["stopped_by"] == "finished"
+    assert report["param_hash"] == {"common_rounds": [1, 2, 3], "disagreeing_rounds": [], "all_agree": True}
+    for index, node in enumerate(report["nodes"]):
+        assert node["eval_losses"] == [r["eval_loss"] for r in records[index]]
+        assert node["bytes_sent"] == sum(r["bytes_sent"] for r in records[index]) > 0
+    assert "every node held the same param_hash" in (root / "report.md").read_text()
+
+    # One streamed line per round per node; the launcher's settings reached the nodes.
+    for index in range(3):
+        for r in records[index]:
+            expected = f"node-{index} round {r['round']} | eval_loss {r['eval_loss']:.4f} | peers 3 |"
+            assert expected in completed.stdout
+        config_text = (root / f"node-{index}" / "config.toml").read_text()
+        assert f"shard_index = {index}\n" in config_text and "num_shards = 3\n" in config_text
+        expected_threads = max(1, len(os.sched_getaffinity(0)) // 3)
+        assert f"threads = {expected_threads}\n" in config_text
+    assert "To join it from another machine" in (root / "node-0.log").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_every_node_and_leaves_no_process(tmp_path):
+    root = tmp_path / "swarm"
+    output = tmp_path / "launcher.out"
+    with output.open("wb") as out:
+        launcher = subprocess.Popen(
+            swarm_command(root, 3), stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+        )
+    try:
+        # A node takes SIGTERM as "stop after this step" once it trains: wait until all three do.
+        wait_for(
+            lambda: all(has_step_record(root / f"node-{i}") for i in range(3)), 150, "three training nodes"
+        )
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    text = output.read_text()
+    assert code == 0, text[-4000:]
+    assert "stopping 3 node(s)" in text
+    report = json.loads((root / "report.json").read_text())
+    assert report["stopped_by"] == "signal" and report["exit_codes"] == [0, 0, 0], text[-4000:]
+    for index in range(3):
+        assert f"node-{index} exited with code 0" in text
+        assert "stop requested: checkpointing" in (root / f"node-{index}.log").read_text()
+    assert processes_left([node["pid"] for node in report["nodes"]], str(root)) == []
+
+
+wan_emulator = load_script("wan_emulator")
+_no_namespaces = wan_emulator.unavailable_reason()
+
+
+@pytest.mark.skipif(_no_namespaces is not None, reason=_no_namespaces or "")
+@pytest.mark.timeout(180)
+def test_link_mbit_runs_each_node_on_an_emulated_host(tmp_path):
+    root = tmp_path / "swarm"
+    command = swarm_command(root, 2, "--max-rounds", "1", "--min-peers", "2", "--link-mbit", "50")
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=160, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((root / "report.json").read_text())
+    assert report["link_mbit"] == 50 and report["param_hash"]["all_agree"]
+    for index in range(2):
+        host = f"{wan_emulator.SUBNET_PREFIX}{index + 1}"
+        assert f"node-{index} started" in completed.stdout and f"on emulated host {host}" in completed.stdout
+        assert f"gRPC {host}:" in (root / f"node-{index}.log").read_text()
+        assert round_records(root / f"node-{index}")[0]["peers"] == 2

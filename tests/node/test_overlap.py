@@ -1,0 +1,110 @@
+"""Overlapped DiLoCo: round k's averaging runs during phase k+1, its update lands one round late.
+
+The reference is a hand computation of the one-round-delayed outer Nesterov step (torch.optim.SGD's
+documented update: b ← μb + g; θ ← θ − lr(g + μb)) on a tiny linear model whose "inner steps" we
+set by hand, so every number is known.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from node.config import NodeConfig
+from node.diloco import AveragingOutcome, DiLoCo, tensor_hash
+from node.trainer import Trainer
+
+LR, MOMENTUM = 0.7, 0.9
+
+
+class HalvingAverager:
+    """Pretends the other peers contributed nothing: the 'swarm mean' is half of our Δ.
+
+    Runs on DiLoCo's background thread; records which thread and which rounds it saw.
+    """
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+        self.threads: set[str] = set()
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        self.rounds.append(round_index)
+        self.threads.add(threading.current_thread().name)
+        return AveragingOutcome(averaged=0.5 * vector, num_peers=2)
+
+
+def nesterov(theta: torch.Tensor, buffer: torch.Tensor | None, grad: torch.Tensor):
+    buffer = grad.clone() if buffer is None else MOMENTUM * buffer + grad
+    return theta - LR * (grad + MOMENTUM * buffer), buffer
+
+
+def local_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@torch.no_grad()
+def test_overlapped_rounds_apply_the_mean_one_round_late():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    averager = HalvingAverager()
+    diloco = DiLoCo(model, averager=averager, outer_lr=LR, outer_momentum=MOMENTUM, overlap=True)
+    theta = local_params(model).clone()  # θ_global, by hand
+    buffer = None
+    steps = [torch.randn_like(theta) * 0.1 for _ in range(4)]  # what each phase's inner steps do
+    pending_delta = None
+    try:
+        for phase, step in enumerate(steps, start=1):
+            start = local_params(model).clone()
+            torch.nn.utils.vector_to_parameters(start - step, model.parameters())  # "inner steps"
+            delta = diloco.phase_delta()
+            torch.testing.assert_close(delta, step, rtol=0, atol=1e-6)  # Δ_k is this phase's progress
+            report = diloco.finish_pending()
+            if pending_delta is None:
+                assert report is None  # nothing in flight after the first phase
+            else:
+                theta, buffer = nesterov(theta, buffer, 0.5 * pending_delta)
+                assert report is not None and report.round_index == phase - 1
+                torch.testing.assert_close(diloco.global_params, theta, rtol=0, atol=1e-6)
+            diloco.submit(delta, round_index=phase, weight=1.0)
+            # The next phase starts from the newest global params plus this phase's own progress.
+            torch.testing.assert_close(local_params(model), theta - step, rtol=0, atol=1e-6)
+            pending_delta = step
+        last = diloco.finish_pending()
+        theta, buffer = nesterov(theta, buffer, 0.5 * pending_delta)
+        assert last is not None and last.round_index == len(steps)
+        torch.testing.assert_close(diloco.global_params, theta, rtol=0, atol=1e-6)
+    finally:
+        diloco.close()
+    assert averager.rounds == [1, 2, 3, 4]
+    assert all(name.startswith("outer-averaging") for name in averager.threads)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_with_overlap_records_every_round(tmp_path):
+    config = NodeConfig(
+        model="nano", run_dir=str(tmp_path / "run"), max_rounds=3, inner_steps=4, batch_size=2,
+        eval_batches=1, log_every=100, overlap=True, swarm=False, threads=1,
+    )  # fmt: skip
+    trainer = Trainer(config, averager=HalvingAverager())
+    trainer.run()
+    rounds = [r for r in _read(trainer) if r["kind"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["overlap"] for r in rounds)
+    assert all(0 < r["utilization"] <= 1 for r in rounds[:-1])
+    assert rounds[-1]["utilization"] is None  # applied after the last phase, with no phase beside it
+    # Three phases of four steps: the run ends after the third phase with the last round applied.
+    assert trainer.progress.step == 12 and trainer.progress.round == 3
+    assert rounds[-1]["param_hash"] == tensor_hash(trainer.diloco.global_params)
+    # The model ends on the global params (the last round was applied, not left in flight).
+    torch.testing.assert_close(local_params(trainer.model), trainer.diloco.global_params, rtol=0, atol=0)
+    steps = [r for r in _read(trainer) if r["kind"] == "step"]
+    assert [s["round"] for s in steps] == [1] * 4 + [2] * 4 + [3] * 4
+
+
+def _read(trainer: Trainer) -> list[dict]:
+    from node.metrics import read_metrics
+
+    return read_metrics(trainer.run_dir / "metrics.jsonl")

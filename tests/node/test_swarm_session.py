@@ -1,0 +1,198 @@
+"""Adopting the swarm's state, with no sockets: snapshot_of -> adopted_state -> Trainer.adopt.
+
+A joiner that adopts a peer's snapshot must be that peer as far as the swarm can tell: the same
+global params (param_hash), outer momentum, counters and data position. The inner AdamW state is
+deliberately *not* part of it (DiLoCo keeps it per node, ``Trainer.adopt``), so to compare whole
+training trajectories the test hands the joiner the source's inner state too; then every loss and
+the next round's param_hash must match bit for bit. The model has no dropout and the data order
+is a pure function of (seed, epoch, position), so no RNG state is involved.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from node.config import NodeConfig
+from node.data import load_corpus
+from node.diloco import DiLoCo, SoloAverager, flatten_params
+from node.swarm import GLOBAL_PARAMS, OUTER_MOMENTUM, adopted_state, snapshot_of
+from node.trainer import Trainer
+from protocol.statesync.snapshot import Snapshot
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text(inspect.getsource(inspect) * 2)  # ~250 KB of Python source
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    """The nano model at batch 4 gains nothing from intra-op threads, and on a busy 2-core machine
+    their barriers make each step ~10x slower; both trainers of a test run with the same count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeConfig:
+    settings: dict[str, object] = dict(
+        model="nano", seq_len=32, batch_size=4, inner_steps=2, eval_batches=2, warmup_steps=2,
+        total_steps=30, data=str(corpus_file), run_dir=str(run_dir), log_every=100, inner_lr=3e-3,
+    )  # fmt: skip
+    settings.update(overrides)
+    return NodeConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
+def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: Path, tmp_path: Path) -> None:
+    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
+    source.run()  # 2 inner steps and one outer step: the outer momentum exists now
+    source.batches.reshard(1, 2)  # as after a round in a group of two
+    live_momentum = source.diloco.momentum_buffer()
+    assert live_momentum is not None and bool(live_momentum.abs().sum() > 0)
+    source_momentum = live_momentum.clone()  # the optimizer updates its buffer in place
+
+    snapshot = snapshot_of(source)
+    source_hash = source.diloco.param_hash()
+    global_bytes = source.diloco.global_params.detach().numpy().tobytes()
+    assert snapshot.state_id == source_hash == hashlib.sha256(global_bytes).hexdigest()
+    assert snapshot.sha256(GLOBAL_PARAMS).hex() == source_hash  # what a fetcher verifies
+    assert snapshot.round_id == 1 and set(snapshot.tensors) == {GLOBAL_PARAMS, OUTER_MOMENTUM}
+
+    joiner = Trainer(small_config(corpus_file, tmp_path / "joiner", seed=1, data_seed=5))
+    assert joiner.diloco.param_hash() != source_hash
+    state = adopted_state(
+        snapshot, num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
+    )
+    joiner.adopt(state)
+
+    assert joiner.diloco.param_hash() == source_hash
+    assert torch.equal(flatten_params(joiner.diloco.params, device="cpu"), source.diloco.global_params)
+    joiner_momentum = joiner.diloco.momentum_buffer()
+    assert joiner_momentum is not None and torch.equal(joiner_momentum, source_momentum)
+    assert (
+        (joiner.progress.step, joiner.progress.round)
+        == (source.progress.step, source.progress.round)
+        == (2, 1)
+    )
+    # The lineage's data position comes along, the source's shard does not (the snapshot's metadata
+    # must be the same on every member); the joiner reads shard 0 until the next round assigns its own.
+    assert {**joiner.batches.state_dict(), "shard_index": 1} == source.batches.state_dict()
+    assert (joiner.batches.seed, joiner.batches.shard_index, joiner.batches.num_shards) == (0, 0, 2)
+    joiner.batches.reshard(1, 2)  # read what the source reads, to compare trajectories below
+    assert joiner.schedule.lr(joiner.progress.step) == source.schedule.lr(source.progress.step)
+    assert joiner.evaluate() == source.evaluate()
+
+    # The inner AdamW state is the node's own (kept by adopt); hand over the source's to compare
+    # trajectories. Everything else the next round depends on came with the snapshot.
+    joiner.optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))
+    source_steps = [source.inner_step() for _ in range(2)]
+    joiner_steps = [joiner.inner_step() for _ in range(2)]
+    assert [s["loss"] for s in joiner_steps] == [s["loss"] for s in source_steps]
+    assert [s["lr"] for s in joiner_steps] == [s["lr"] for s in source_steps]
+    assert [s["step"] for s in joiner_steps] == [3, 4]
+    # The outer Nesterov step reads the momentum: equal hashes after it need the adopted momentum.
+    source_round, joiner_round = source.outer_round(), joiner.outer_round()
+    assert source_round is not None and joiner_round is not None
+    assert joiner_round["param_hash"] == source_round["param_hash"] != source_hash
+    assert joiner_round["round"] == source_round["round"] == 2
+    assert joiner_round["eval_loss"] == source_round["eval_loss"]
+
+    # The adopter copied the snapshot's tensors: training on did not write into them.
+    assert hashlib.sha256(snapshot.tensors[GLOBAL_PARAMS].numpy().tobytes()).hexdigest() == source_hash
+    assert torch.equal(snapshot.tensors[OUTER_MOMENTUM], source_momentum)
+    assert not torch.equal(joiner_momentum, source_momentum)  # the joiner's own buffer moved on
+
+
+@pytest.mark.timeout(120)
+def test_adopted_state_rejects_another_model_or_corpus(corpus_file: Path, tmp_path: Path) -> None:
+    nano = Trainer(small_config(corpus_file, tmp_path / "nano"))
+    snapshot = snapshot_of(nano)  # before any outer step: no momentum
+    state = adopted_state(snapshot, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
+    assert state.outer_momentum is None and state.round == 0 and state.param_hash == nano.diloco.param_hash()
+
+    tiny = Trainer(small_config(corpus_file, tmp_path / "tiny", model="tiny"))
+    with pytest.raises(ValueError, match="parameters"):
+        adopted_state(snapshot, num_elements=tiny.diloco.num_elements, corpus_sha256=tiny.corpus.sha256)
+
+    other_file = tmp_path / "other.txt"
+    other_file.write_text(inspect.getsource(os) * 2)
+    other_corpus = load_corpus(str(other_file), val_fraction=nano.config.val_fraction)
+    assert other_corpus.sha256 != nano.corpus.sha256
+    with pytest.raises(ValueError, match="corpus"):
+        adopted_state(snapshot, num_elements=nano.diloco.num_elements, corpus_sha256=other_corpus.sha256)
+
+    # Metadata that fits but tensors that do not: the tensors are checked too.
+    metadata = json.loads(snapshot.metadata)
+    wrong_dtype = Snapshot(
+        round_id=0,
+        state_id=snapshot.state_id,
+        tensors={GLOBAL_PARAMS: snapshot.tensors[GLOBAL_PARAMS].to(torch.float64)},
+        metadata=json.dumps(metadata).encode(),
+    )
+    with pytest.raises(ValueError, match="fp32"):
+        adopted_state(wrong_dtype, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
+    short_momentum = Snapshot(
+        round_id=0,
+        state_id=snapshot.state_id,
+        tensors={GLOBAL_PARAMS: snapshot.tensors[GLOBAL_PARAMS], OUTER_MOMENTUM: torch.zeros(3)},
+        metadata=snapshot.metadata,
+    )
+    with pytest.raises(ValueError, match="outer_momentum"):
+        adopted_state(short_momentum, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
+    not_an_object = Snapshot(round_id=0, state_id="x", tensors={}, metadata=b"[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        adopted_state(not_an_object, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
+
+
+@pytest.mark.timeout(30)
+def test_load_global_state_without_momentum_restarts_nesterov() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)  # 15 parameters
+    diloco = DiLoCo(model, averager=SoloAverager(), outer_lr=0.7, outer_momentum=0.9)
+    with torch.no_grad():
+        for param in diloco.params:
+            param.sub_(0.1)
+    diloco.outer_step(round_index=1, weight=1.0)
+    kept_momentum = diloco.momentum_buffer()
+    assert kept_momentum is not None and bool(kept_momentum.abs().sum() > 0)
+
+    generator = torch.Generator().manual_seed(1)
+    global_params = torch.randn(15, generator=generator)
+    diloco.load_global_state(global_params, None)
+    assert diloco.momentum_buffer() is None
+    assert torch.equal(diloco.global_params, global_params)
+    assert torch.equal(flatten_params(diloco.params, device="cpu"), global_params)  # the model follows
+
+    # Next outer step from fresh momentum: buf = Δ, update = Δ + 0.9 buf (torch's Nesterov SGD),
+    # computed here by hand; a kept buffer would add 0.9 x 0.9 x the old one.
+    local = global_params - torch.randn(15, generator=generator)
+    with torch.no_grad():
+        offset = 0
+        for param in diloco.params:
+            param.copy_(local[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+    delta = global_params - local
+    diloco.outer_step(round_index=2, weight=1.0)
+    expected = global_params - 0.7 * (delta + 0.9 * delta)
+    torch.testing.assert_close(diloco.global_params.detach(), expected)
+    momentum = diloco.momentum_buffer()
+    assert momentum is not None and torch.equal(momentum, delta)
+
+    with pytest.raises(ValueError, match="momentum"):
+        diloco.load_global_state(global_params, torch.zeros(14))
+    with pytest.raises(ValueError, match="global params"):
+        diloco.load_global_state(torch.zeros(16), None)
