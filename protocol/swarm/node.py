@@ -141,18 +141,7 @@ class SwarmNode:
             if snapshot.state_id != param_hash or snapshot.round_id != round:
                 raise ValueError("the snapshot must be of the published (round, param_hash)")
             self.server.state_provider.publish(snapshot)
-        record = PeerRecord(
-            peer_id=self.peer_id,
-            grpc_address=self.grpc_address,
-            protocol_version=PROTOCOL_VERSION,
-            round=round,
-            param_hash=param_hash,
-            ready_for_round=None,
-            tokens_per_s=tokens_per_s,
-            bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s,
-            status="active",
-            expires_at=get_dht_time() + self.config.record_ttl.total_seconds(),
-        )
+        record = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
         self.driver.record = record
         assert self.registry is not None
         self.registry.publish(record)
