@@ -1,0 +1,159 @@
+"""bench_convergence: the simulated all-reduce against exact means and byte formulas, and a tiny real run.
+
+The tiny run checks the DDP baseline for real: both gloo ranks end with the same params, and those
+are bit-identical to an independent single-process reference that averages the two shards' gradients
+by hand (two addends sum the same in any order, so gloo's sum must match it exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.data import ShardedBatches, load_corpus
+from node.diloco import flatten_params, tensor_hash
+from node.model import GPT, cross_entropy_loss, model_config
+from node.schedule import LRSchedule
+from node.trainer import build_inner_optimizer
+from protocol.codecs import get_codec
+from tests.scripts.script_loader import load_script
+
+bench = load_script("bench_convergence")
+
+TINY = {"preset": "nano", "seq_len": 32, "batch_size": 2, "num_workers": 2, "steps": 4, "warmup_steps": 1}
+REQUIRED_FIELDS = (
+    "variant", "workers", "inner_steps", "codec", "tokens", "eval_loss", "bytes_sent_per_worker",
+    "reduction_vs_ddp", "final_train_loss", "wall_seconds",
+)  # fmt: skip
+
+
+def _vectors(num_members: int, num_elements: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randn(num_elements, generator=generator) for _ in range(num_members)]
+
+
+def _part_payloads(codec_name: str, num_elements: int, num_members: int, chunk: int) -> list[int]:
+    """Payload bytes of each member's part, from the codec's size formula, split by hand."""
+    codec = get_codec(codec_name)
+    base, extra = divmod(num_elements, num_members)
+    sizes = [base + (1 if i < extra else 0) for i in range(num_members)]
+    return [
+        sum(codec.encoded_num_bytes(min(chunk, size - start)) for start in range(0, size, chunk))
+        for size in sizes
+    ]
+
+
+def test_none_codec_averages_exactly() -> None:
+    vectors = _vectors(3, 1001)
+    allreduce = bench.SimulatedAllReduce(
+        num_members=3,
+        num_elements=1001,
+        codec=get_codec("none"),
+        error_feedback=False,
+        chunk_num_elements=100,
+    )
+    torch.testing.assert_close(allreduce.reduce(vectors, [1.0, 1.0, 1.0]), torch.stack(vectors).mean(0))
+    weights = [1.0, 2.0, 5.0]
+    exact = torch.stack([w * v.double() for w, v in zip(weights, vectors, strict=True)]).sum(0) / sum(weights)
+    torch.testing.assert_close(allreduce.reduce(vectors, weights), exact.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "int8", "int4"])
+def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
+    num_members, num_elements, chunk = 3, 1001, 100
+    allreduce = bench.SimulatedAllReduce(
+        num_members=num_members, num_elements=num_elements, codec=get_codec(codec_name),
+        error_feedback=codec_name != "none", chunk_num_elements=chunk,
+    )  # fmt: skip
+    for _ in range(2):
+        averaged = allreduce.reduce(_vectors(num_members, num_elements), [3.0, 1.0, 2.0])
+        assert torch.isfinite(averaged).all()
+    parts = _part_payloads(codec_name, num_elements, num_members, chunk)
+    # Member m sends its slice of every other part, and its own part's mean to the N - 1 others.
+    expected = [2 * (sum(parts) - parts[m] + (num_members - 1) * parts[m]) for m in range(num_members)]
+    assert allreduce.bytes_sent == expected
+    mean_sent = sum(allreduce.bytes_sent) / num_members
+    assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * sum(parts))
+    assert sum(parts) == bench.payload_bytes(get_codec(codec_name), num_elements, num_members, chunk)
+    if codec_name == "none":
+        assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * 4 * num_elements)
+
+
+def _reference_ddp_hash() -> str:
+    """Single process: each step, the mean of both shards' gradients, then clip and AdamW (as DDP must)."""
+    settings = bench.BenchSettings(**TINY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)  # the ranks' thread count: the same matmul reduction order
+    try:
+        corpus = load_corpus(None, val_fraction=NodeConfig().val_fraction)
+        torch.manual_seed(settings.seed)
+        model = GPT(model_config("nano", vocab_size=corpus.vocab_size, seq_len=settings.seq_len))
+        optimizer = build_inner_optimizer(model, NodeConfig(inner_lr=settings.inner_lr))
+        schedule = LRSchedule(
+            kind="cosine", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
+            horizon_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio,
+        )  # fmt: skip
+        shards = [
+            ShardedBatches(corpus.train, seq_len=settings.seq_len, batch_size=settings.batch_size, seed=0,
+                           shard_index=i, num_shards=settings.num_workers)
+            for i in range(settings.num_workers)
+        ]  # fmt: skip
+        params = list(model.parameters())
+        for step in range(settings.steps):
+            grads = []
+            for shard in shards:
+                x, y = shard.next_batch()
+                grads.append(torch.autograd.grad(cross_entropy_loss(model(x), y), params))
+            for p, g0, g1 in zip(params, *grads, strict=True):
+                p.grad = (g0 + g1) / 2
+            for group in optimizer.param_groups:
+                group["lr"] = schedule.lr(step)
+            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return tensor_hash(flatten_params(params, device="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(180)
+def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--variants", "ddp,diloco:2:none,diloco:2:int4,overlap:2:int4", "--out-dir", str(tmp_path), "--jobs", "3",
+            "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4"]  # fmt: skip
+    for name, value in TINY.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("note: overlap-H2-int4-ef is pending") for line in lines)
+    printed = {r["variant"]: r for r in (json.loads(line) for line in lines if line.startswith("{"))}
+    assert list(printed) == ["ddp", "diloco-H2-none", "diloco-H2-int4-ef"]
+    assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
+    results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
+    records = {r["variant"]: r for r in results["variants"]}
+    for name, record in printed.items():
+        assert all(field in record for field in REQUIRED_FIELDS), name
+        assert record["tokens"] == 4 * 2 * 2 * 32 and record["workers"] == 2
+        assert math.isfinite(record["eval_loss"]) and math.isfinite(record["final_train_loss"])
+        history = records[name]["history"]
+        assert history[-1][2] == record["eval_loss"] < history[0][2]  # it trained
+        hashes = records[name]["param_hashes"]
+        assert len(hashes) == 2 and hashes[0] == hashes[1], f"{name}: workers ended with different params"
+
+    ddp = printed["ddp"]
+    num_params = ddp["num_params"]
+    ddp_bytes = 4 * 2 * (2 - 1) / 2 * 4 * num_params  # steps x ring all-reduce of fp32 grads
+    assert ddp["bytes_sent_per_worker"] == pytest.approx(ddp_bytes) and ddp["reduction_vs_ddp"] == 1.0
+    assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash()
+    for name, codec_name in (("diloco-H2-none", "none"), ("diloco-H2-int4-ef", "int4")):
+        record = printed[name]
+        parts = _part_payloads(codec_name, num_params, 2, bench.AllReduceConfig().chunk_num_elements)
+        expected = 2 * 2 * (2 - 1) / 2 * sum(parts)  # 2 rounds x 2 (N - 1) / N x payload
+        assert record["bytes_sent_per_worker"] == pytest.approx(expected)
+        assert record["reduction_vs_ddp"] == pytest.approx(ddp_bytes / expected)
+    assert printed["diloco-H2-none"]["reduction_vs_ddp"] == pytest.approx(2.0)  # H = 2, both fp32
