@@ -6,18 +6,23 @@ Its vector is regenerated from (seed, index, round) in 1M-number blocks, so any 
 every peer's vector and the exact mean without holding them all. After each round it prints one JSON
 line:
 
-    {"round", "index", "peer_id", "elements", "codec", "seconds", "bytes_sent", "bytes_recv",
-     "max_abs_error", "sha256", "peak_rss_bytes", "baseline_rss_bytes", "round_start_rss_bytes",
-     "round_peak_rss_bytes", "vector_bytes", "fell_back", "failures", "contributors", "producers"}
+    {"round", "index", "peer_id", "elements", "codec", "seconds", "cpu_seconds", "bytes_sent",
+     "bytes_recv", "max_abs_error", "sha256", "peak_rss_bytes", "baseline_rss_bytes",
+     "round_start_rss_bytes", "round_peak_rss_bytes", "vector_bytes", "fell_back", "failures",
+     "contributors", "producers"}
 
-max_abs_error compares with the exact float32 weighted mean over each part's contributors (computed
-after the round, block by block); sha256 of the result lets a harness check that survivors agree bit
-for bit; peak_rss_bytes is ru_maxrss (the process's high-water mark) sampled right after the round,
-before that reference check; baseline_rss_bytes is ru_maxrss once the server is up, before any vector;
+cpu_seconds is the CPU time of the whole process (every thread: the event loop, the compute thread,
+gRPC's threads) during the allreduce() call. max_abs_error compares with the exact float32 weighted
+mean over each part's contributors (computed after the round, block by block); sha256 of the result
+lets a harness check that survivors agree bit for bit. Memory: peak_rss_bytes is ru_maxrss (the
+process's high-water mark) sampled right after the round, before that reference check;
+baseline_rss_bytes is the resident size just before the first round's vector was built (interpreter,
+torch, gRPC, the server and its threads: everything but the all-reduce's own data), so
+peak_rss_bytes - baseline_rss_bytes is what the rounds added, our input vector included;
 round_start_rss_bytes is the resident size before this round's vector was built; round_peak_rss_bytes
-is the high-water mark from just after this round's vector was built to the end of the round (VmHWM, reset
-through /proc/self/clear_refs; equal to peak_rss_bytes where the kernel does not allow the reset).
-Before exiting, a worker waits (bounded) for the others to finish so it can still serve its part.
+is the high-water mark from just after this round's vector was built to the end of the round (VmHWM,
+reset through /proc/self/clear_refs; equal to peak_rss_bytes where the kernel does not allow the
+reset). Before exiting, a worker waits (bounded) for the others to finish so it can still serve its part.
 
 Example (4 peers, 25M numbers, int8):
     for i in 0 1 2 3; do python scripts/allreduce_worker.py --index $i --num-peers 4 \\
@@ -249,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     codec = get_codec(args.codec, args.block_size)
     error_feedback = ErrorFeedback(args.elements) if args.error_feedback else None
     peer = SyncAllReducePeer(host=args.host, port=args.port, config=config, fault_plan=fault_plan)
-    baseline_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         peers = rendezvous(args, f"{args.host}:{peer.port}")
+        baseline_rss_bytes = current_rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         members = [Member(peer_id=str(p["peer_id"]), address=str(p["address"])) for p in peers]
         bandwidths = [float(p["bandwidth"]) for p in peers]  # type: ignore[arg-type]
         for round_id in range(args.rounds):
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             group = GroupSpec.build(
                 round_id=round_id, members=members, num_elements=args.elements, bandwidths=bandwidths
             )
+            cpu_start = time.process_time()
             result = peer.allreduce(
                 vector,
                 group=group,
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 error_feedback=error_feedback,
                 deadline=timedelta(seconds=args.deadline_seconds),
             )
+            cpu_seconds = time.process_time() - cpu_start
             peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             round_peak_rss_bytes = peak_rss_since_reset() if round_hwm_reset else peak_rss_bytes
             if args.save_dir is not None:
@@ -284,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 "elements": args.elements,
                 "codec": args.codec,
                 "seconds": round(result.seconds, 4),
+                "cpu_seconds": round(cpu_seconds, 4),
                 "bytes_sent": result.bytes_sent,
                 "bytes_recv": result.bytes_recv,
                 "max_abs_error": exact_mean_error(result, group, args, vector_round),

@@ -18,10 +18,16 @@ seconds: a worker reports the wall time of its ``allreduce()`` call. Peers do no
     duration varies with the load), so an early peer's time includes waiting for the last one. The
     last to enter has the shortest call, running from the moment all peers are present until it
     holds the full average: a round's time is the MINIMUM over peers (``seconds_max_peer_per_round``
-    keeps the maximum, skew included). ``seconds`` is the median over rounds 1.. (round 0 warms up
-    connections and allocators; round 0 itself if ``--rounds 1``). ``hivemind_seconds`` is the same
-    statistic of hivemind's all-reduce phase (``allreduce_seconds``: from RUNNING_ALLREDUCE, after
+    keeps the maximum, skew included). ``seconds`` is the steady state: the median over rounds 1..,
+    as a long-running node keeps its connections open from round to round (round 0 itself if
+    ``--rounds 1``; ``seconds_statistic`` says which). Round 0 also opens every connection and warms
+    the allocators: it is reported on its own as ``first_round_seconds`` (and
+    ``first_round_link_efficiency``). ``hivemind_seconds`` is the minimum over peers of hivemind's
+    all-reduce phase in its single step (``allreduce_seconds``: from RUNNING_ALLREDUCE, after
     matchmaking has gathered the group, to the end of the step).
+cpu_seconds_per_peer: CPU time of a peer process (all its threads) during its ``allreduce()`` call,
+    mean over peers and timed rounds; with ``cpu_cores`` it shows how close the peers, which share
+    this machine's cores, come to being limited by the CPU rather than the links.
 wire_bytes = codec.encoded_num_bytes(E), the full vector as the codec encodes it (int8: E bytes and
     one fp32 scale per 256 numbers). ``wire_bytes_per_peer``: gRPC bytes each peer sent in a round,
     mean over peers and timed rounds, as counted when its ``allreduce()`` returned (a peer that is done
@@ -33,9 +39,13 @@ link_bound_seconds = 2 * (N - 1) / N * wire_bytes / (M * 1e6 / 8): the time of a
     algorithms for clusters of workstations", JPDC 2009). link_efficiency = link_bound_seconds / seconds.
 speedup_vs_hivemind = hivemind_seconds / seconds.
 max_abs_error: max over peers and rounds of |result - exact mean| (per round too); same for hivemind.
-peak_rss_bytes_per_peer: max over peers of ru_maxrss right after the round. About 250 MB of it is the
-    interpreter with torch and grpc (``baseline_rss_bytes``, before any vector exists), so it is also
-    given as a multiple of the fp32 vector (4 E bytes), raw and above that baseline. A hivemind peer
+peak_rss_bytes_per_peer: max over peers of the whole process's peak resident size (ru_maxrss after
+    its last round). About 250 MB of it is the interpreter with torch and grpc and the idle server
+    (``baseline_rss_bytes_per_peer``: resident size just before the first round's vector was built),
+    so ``peak_rss_above_baseline_bytes`` (max over peers of peak minus that peer's baseline) is what
+    the all-reduce adds, the peer's own input vector included. Both are also given as multiples of
+    the fp32 vector (4 E bytes): ``peak_rss_x_vector`` (raw) and ``peak_rss_above_baseline_x_vector``
+    (the one the memory target applies to). A hivemind peer
     is a main process (``hivemind_peak_rss_bytes_per_peer`` and baseline) plus averager and p2pd
     children (``hivemind_peak_rss_children_bytes``: the largest); forked children share pages with
     the main process, so a sum would overcount.
@@ -356,6 +366,12 @@ def summarize_dtnode(setup: Setup, run: PeerRun) -> dict[str, object]:
     link_bound = setup.ideal_seconds(wire_bytes) if setup.link_mbit else None
     summary: dict[str, object] = {
         "seconds": seconds,
+        "seconds_statistic": (
+            f"median over rounds {timed[0]}..{timed[-1]} of the fastest peer's time"
+            + (" (round 0, which opens the connections, is first_round_seconds)" if timed[0] else "")
+        ),
+        "first_round_seconds": per_round[0],
+        "first_round_link_efficiency": rounded(link_bound / per_round[0] if link_bound else None),
         "seconds_per_round": per_round,
         "seconds_max_peer_per_round": [max(r["seconds"] for r in peers) for peers in by_round],
         "wire_bytes": wire_bytes,
@@ -365,9 +381,14 @@ def summarize_dtnode(setup: Setup, run: PeerRun) -> dict[str, object]:
         "link_efficiency": rounded(link_bound / seconds if link_bound else None),
         "max_abs_error": max(r["max_abs_error"] for peers in by_round for r in peers),
         "max_abs_error_per_round": [max(r["max_abs_error"] for r in peers) for peers in by_round],
+        "cpu_seconds_per_peer": rounded(
+            statistics.mean(r["cpu_seconds"] for k in timed for r in by_round[k])
+        ),
+        "cpu_cores": os.cpu_count(),
         "peak_rss_bytes_per_peer": peak_rss,
         "peak_rss_bytes_per_round": [max(r["peak_rss_bytes"] for r in peers) for peers in by_round],
         "baseline_rss_bytes_per_peer": max(r["baseline_rss_bytes"] for r in last),
+        "peak_rss_above_baseline_bytes": above_baseline,
         "peak_rss_x_vector": rounded(peak_rss / setup.vector_bytes, 3),
         "peak_rss_above_baseline_x_vector": rounded(above_baseline / setup.vector_bytes, 3),
         "bit_identical": all(identical),
@@ -494,9 +515,13 @@ def summary_line(r: dict[str, Any]) -> str:
     head = f"N={r['peers']} {r['codec']} E={r['elements']:,} {link}:"
     if "error" in r:
         return f"{head} dtnode FAILED: {r['error']}"
-    parts = [f"dtnode {r['seconds']:.2f} s"]
+    parts = [f"dtnode {r['seconds']:.2f} s (first round {r['first_round_seconds']:.2f} s"]
     if r["link_bound_seconds"] is not None:
-        parts[0] += f" (link bound {r['link_bound_seconds']:.2f} s, efficiency {r['link_efficiency']:.2f})"
+        parts[0] += (
+            f"; link bound {r['link_bound_seconds']:.2f} s, efficiency {r['link_efficiency']:.2f}"
+            f", first round {r['first_round_link_efficiency']:.2f}"
+        )
+    parts[0] += f"; {r['cpu_seconds_per_peer']:.2f} CPU-s per peer on {r['cpu_cores']} cores)"
     if r.get("hivemind_seconds") is not None:
         parts.append(f"hivemind {r['hivemind_seconds']:.2f} s -> {r['speedup_vs_hivemind']:.2f}x")
     elif "hivemind_ok" in r:
@@ -504,8 +529,8 @@ def summary_line(r: dict[str, Any]) -> str:
     errors = f"err {r['max_abs_error']:.3g}"
     if r.get("hivemind_max_abs_error") is not None:
         errors += f" (hivemind {r['hivemind_max_abs_error']:.3g})"
-    rss = f"RSS {r['peak_rss_x_vector']:.2f}x vector"
-    rss += f", {r['peak_rss_above_baseline_x_vector']:.2f}x above baseline"
+    rss = f"peak RSS {r['peak_rss_x_vector']:.2f}x vector"
+    rss += f", {r['peak_rss_above_baseline_x_vector']:.2f}x above the pre-round baseline"
     if r.get("hivemind_peak_rss_x_vector") is not None:
         rss += f" (hivemind {r['hivemind_peak_rss_x_vector']:.2f}x"
         rss += f", {r['hivemind_peak_rss_above_baseline_x_vector']:.2f}x)"

@@ -3,7 +3,9 @@
     Phase 1, reduce-scatter: for every part k, push our weighted contribution (encoded chunk by chunk)
              to k's owner; meanwhile our own part is reduced from everyone's pushes (RoundState).
     Phase 2, all-gather:     pull every part's encoded average from whoever decided it and decode it
-             straight into our result; our own part we decode from the bytes we decided.
+             straight into our result; our own part we decode from the bytes we decided. We pull
+             once our own part is committed and its replica holders told (so that dying while
+             pulling never strands our part), and we open our connections when the round opens.
 
 All parts run concurrently, so encoding, sending, reducing and decoding overlap. For each part the
 member walks the part's chain (owner, then the next members): a member that is gone or stalled is
@@ -58,8 +60,14 @@ class _PartOutcome:
     contributor_indices: tuple[int, ...]
 
 
+def _nothing() -> None:
+    """A job for the compute thread that only marks the end of the queue."""
+
+
 async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch.Tensor) -> None:
     """Decode the bytes we decided (or hold as a replica) into our result, like any puller would."""
+    if state.parts[reduced.part_index].in_result:
+        return  # the replica was decoded into our result as it arrived
     start = state.group.part_bounds[reduced.part_index]
 
     def decode() -> None:
@@ -105,8 +113,10 @@ async def _pull_or_use_replica(
         # The producer answers "you hold the replica" (or we cancelled the pull): use our copy.
         if not part.servable or part.decided is None:
             raise
-        await _decode_reduced(state, part.decided, output)
-        return _PartOutcome(part.decided.producer_index, part.decided.contributor_indices)
+        decided = part.decided
+        await _decode_reduced(state, decided, output)
+        state.note_holder(part_index, state.my_index)
+        return _PartOutcome(decided.producer_index, decided.contributor_indices)
     return _PartOutcome(header.producer_index, tuple(header.contributor_indices))
 
 
@@ -144,6 +154,7 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
             continue
         if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
             state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
+        await state.own_part_settled()
         try:
             outcome_of_pull = await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
         except PeerFailed as error:
@@ -160,7 +171,10 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
     group, me = state.group, state.my_index
     registry.open(state)
     try:
+        # Handshakes first, while the links are still quiet (see AllReduceConfig.connect_timeout).
+        state.client.connect([m.address for i, m in enumerate(group.members) if i != me])
         output = torch.empty_like(state.vector)  # (E,)
+        state.output = output
         if group.part_num_elements(me) > 0:
             state.start_owner(output)
         check_fault(state.fault_plan, "round_open", state.round_id)
@@ -176,6 +190,10 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
             if pending:
                 await asyncio.wait(pending)
                 state.record_failure(f"{len(pending)} part(s) not gathered before the deadline")
+        # `output` becomes the caller's: replicas stop going into it, and the chunks of theirs already
+        # queued on the compute thread are decoded before we return (the thread runs jobs in order).
+        state.output = None
+        await asyncio.get_running_loop().run_in_executor(state.executor, _nothing)
         outcomes = {k: t.result() if not t.cancelled() else None for k, t in tasks.items()}
         fell_back = any(outcome is None for outcome in outcomes.values())
         peer_ids = [m.peer_id for m in group.members]

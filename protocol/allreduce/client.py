@@ -19,6 +19,7 @@ import grpc
 import grpc.aio
 
 from protocol.allreduce.faults import check_fault
+from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
 from protocol.codecs import CodecError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
@@ -56,6 +57,14 @@ def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+async def _connected_stub(state: RoundState, target: int, deadline: float) -> pb_grpc.AllReduceStub:
+    """A stub for member `target`, once its connection is up or failed (see PeerClient.wait_connected)."""
+    address = state.group.members[target].address
+    wait = min(state.config.connect_timeout.total_seconds(), _remaining(deadline))
+    await state.client.wait_connected(address, wait)
+    return state.client.stub(address)
+
+
 def _code_of(error: BaseException) -> grpc.StatusCode | None:
     return error.code() if isinstance(error, grpc.aio.AioRpcError) else None
 
@@ -70,17 +79,53 @@ async def _final_status(call: grpc.aio.Call, error: BaseException) -> tuple[grpc
     return None, repr(error)
 
 
+_SETTLED = (
+    grpc.ChannelConnectivity.READY,
+    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+    grpc.ChannelConnectivity.SHUTDOWN,
+)
+
+
 class PeerClient:
-    """One gRPC channel per peer address, with the explicit limits of AllReduceConfig."""
+    """One gRPC channel per peer address, with the explicit limits of AllReduceConfig.
+
+    Channels live as long as the peer, so connections made in one round serve the next ones.
+    """
 
     def __init__(self, options: list[tuple[str, int]]) -> None:
         self._options = options
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def stub(self, address: str) -> pb_grpc.AllReduceStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
-        return pb_grpc.AllReduceStub(self._channels[address])
+        return self._channels[address]
+
+    def stub(self, address: str) -> pb_grpc.AllReduceStub:
+        return pb_grpc.AllReduceStub(self.channel(address))
+
+    def connect(self, addresses: list[str]) -> None:
+        """Start connecting to every address that has no connection yet (returns at once)."""
+        for address in addresses:
+            self.channel(address).get_state(try_to_connect=True)
+
+    async def wait_connected(self, address: str, timeout: float) -> None:
+        """Return once the connection to `address` is up or its attempt failed, at most `timeout` s.
+
+        A call started on a connection still being made waits for it anyway; waiting here first keeps
+        a round's bulk data from starting while handshakes are in flight, and lets the call's own
+        deadline and stall checks measure the transfer, not the handshake.
+        """
+        channel = self.channel(address)
+        state = channel.get_state(try_to_connect=True)
+        give_up = time.monotonic() + timeout
+        while state not in _SETTLED and (time_left := give_up - time.monotonic()) > 0:
+            try:
+                async with asyncio.timeout(time_left):
+                    await channel.wait_for_state_change(state)
+            except TimeoutError:
+                return  # still connecting: the call itself waits on, within its own deadline
+            state = channel.get_state(try_to_connect=True)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -147,7 +192,7 @@ async def push_contribution(
     """
     state = round_state
     stall = state.config.stall_timeout.total_seconds()
-    stub = state.client.stub(state.group.members[target].address)
+    stub = await _connected_stub(state, target, deadline)
     header = pb.ContributionHeader(
         round=state.round_ref(),
         part_index=part_index,
@@ -174,7 +219,7 @@ async def push_contribution(
                 chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
             )
             await _write(call, message, deadline, stall)
-            state.bytes_sent += message.ByteSize()
+            state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
             offset += size
             check_fault(state.fault_plan, "push_chunk", state.group.round_id, chunk_index)
         await call.done_writing()
@@ -202,7 +247,7 @@ async def push_replica(
     """
     state = round_state
     stall = state.config.stall_timeout.total_seconds()
-    stub = state.client.stub(state.group.members[target].address)
+    stub = await _connected_stub(state, target, deadline)
     header = pb.ReplicaHeader(
         round=state.round_ref(), average=state.average_header(reduced), committed=committed
     )
@@ -223,7 +268,7 @@ async def push_replica(
                 chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
             )
             await _write(call, message, deadline, stall)
-            state.bytes_sent += message.ByteSize()
+            state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
             offset += size
             check_fault(state.fault_plan, "replica_chunk", state.group.round_id, chunk_index)
         await call.done_writing()
@@ -239,7 +284,7 @@ async def push_replica(
         raise PeerFailed(
             f"{code.name if code else 'error'}: {details}", moved=code is grpc.StatusCode.ABORTED
         ) from error
-    except PeerFailed:
+    except (PeerFailed, asyncio.CancelledError):
         call.cancel()
         raise
 
@@ -256,7 +301,7 @@ async def pull_average(
     Raises PeerFailed if the target is gone, stalls, sends malformed data, or says the part moved.
     """
     state = round_state
-    stub = state.client.stub(state.group.members[target].address)
+    stub = await _connected_stub(state, target, deadline)
     request = pb.PullAverageRequest(round=state.round_ref(), part_index=part_index)
     stall_seconds = state.config.stall_timeout.total_seconds()
     call = stub.PullAverage(request, timeout=_remaining(deadline) + 1.0)
@@ -275,18 +320,21 @@ async def pull_average(
                 raise PeerFailed(f"no message for {stall_seconds:.1f}s: stalled") from error
             if message is grpc.aio.EOF:
                 break
-            state.bytes_recv += message.ByteSize()
             kind = message.WhichOneof("body")
+            if kind != "chunk":
+                state.bytes_recv += message.ByteSize()
             if kind == "header":
                 header = message.header
                 state.check_average_header(header, part_index)
             elif kind == "chunk":
                 chunk = message.chunk
+                payload = chunk.payload  # each read of a bytes field copies it
+                state.bytes_recv += chunk_message_num_bytes(chunk.offset, chunk.num_elements, len(payload))
                 if header is None or chunk.offset != received or chunk.num_elements <= 0:
                     raise PeerFailed("malformed average stream: chunk out of order or before the header")
                 if received + chunk.num_elements > header.num_elements:
                     raise PeerFailed("malformed average stream: more numbers than the part holds")
-                await decode_chunk(chunk.offset, chunk.num_elements, chunk.payload)
+                await decode_chunk(chunk.offset, chunk.num_elements, payload)
                 received += chunk.num_elements
                 check_fault(state.fault_plan, "pull_chunk", state.group.round_id, chunk_index)
                 chunk_index += 1

@@ -19,6 +19,12 @@ class AllReduceConfig:
     message, gRPC buffers), so 4x larger chunks cost ~0.5x the vector more peak memory for fp32."""
     max_message_bytes: int = 8 * 1024 * 1024
     """gRPC send/receive limit on both server and channels; larger messages get RESOURCE_EXHAUSTED."""
+    max_chunks_ahead: int = 4
+    """Chunks of one contribution an owner holds received but not yet summed before it stops reading
+    that sender for a while. Chunks are summed in member order, so a sender's chunks wait while a
+    lower member lags behind (it started late, or its link is slower); unbounded, whole contributions
+    would wait in memory. A sender is never held longer than half the stall timeout at a time, so it
+    never takes the owner for stalled."""
     stall_timeout: timedelta = timedelta(seconds=30)
     """A stream that makes no progress for this long counts as a stalled peer and is dropped."""
     heartbeat_interval: timedelta = timedelta(seconds=2)
@@ -38,6 +44,12 @@ class AllReduceConfig:
     """Requests that may wait at once for a round to open; more get RESOURCE_EXHAUSTED."""
     reconnect_backoff: timedelta = timedelta(seconds=1)
     """Longest gRPC reconnect backoff, so a peer that comes back is reachable in the next round."""
+    connect_timeout: timedelta = timedelta(seconds=20)
+    """How long one attempt to connect to a member may take (TCP and HTTP/2 handshakes). On a
+    saturated uplink every handshake packet queues behind bulk data (a 100 ms buffer per hop at
+    100 Mbit/s), so a short attempt deadline fails connections to live members; a refused connection
+    (a dead member) still fails at once. A round opens its connections to every member when it
+    starts and sends a member nothing until its connection is up or has failed, at most this long."""
     server_grace: timedelta = timedelta(seconds=2)
     """On stop, in-flight RPCs get this long to finish."""
 
@@ -49,7 +61,13 @@ class AllReduceConfig:
                 f"max_message_bytes={self.max_message_bytes} cannot hold an fp32 chunk of "
                 f"{self.chunk_num_elements} numbers; raise it or lower chunk_num_elements"
             )
-        for name in ("stall_timeout", "heartbeat_interval", "max_early_wait", "reconnect_backoff"):
+        for name in (
+            "stall_timeout",
+            "heartbeat_interval",
+            "max_early_wait",
+            "reconnect_backoff",
+            "connect_timeout",
+        ):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
         if self.heartbeat_interval >= self.stall_timeout:
@@ -57,14 +75,16 @@ class AllReduceConfig:
         for name in ("reduce_scatter_fraction", "takeover_fraction"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in (0, 1)")
-        if self.max_rounds_kept < 1 or self.max_waiting_requests < 1:
-            raise ValueError("max_rounds_kept and max_waiting_requests must be >= 1")
+        if self.max_rounds_kept < 1 or self.max_waiting_requests < 1 or self.max_chunks_ahead < 1:
+            raise ValueError("max_rounds_kept, max_waiting_requests and max_chunks_ahead must be >= 1")
 
     def grpc_options(self, *, server: bool) -> list[tuple[str, int]]:
         """Explicit message limits on both sides, keepalive that catches frozen peers, no hidden retries.
 
         A frozen peer (e.g. SIGSTOP) keeps its TCP connection open, so a write to it would just block;
         keepalive pings that go unanswered for half the stall timeout close the connection instead.
+        gRPC gives each connection attempt max(the current backoff, `grpc.min_reconnect_backoff_ms`),
+        so that option is our connect timeout (not a backoff: the backoff starts at the initial value).
         """
         keepalive_ms = max(500, int(self.stall_timeout.total_seconds() * 500))
         options = [
@@ -85,6 +105,6 @@ class AllReduceConfig:
             ("grpc.keepalive_timeout_ms", keepalive_ms),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 200)),
-            ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 200)),
+            ("grpc.min_reconnect_backoff_ms", int(self.connect_timeout.total_seconds() * 1000)),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
         ]

@@ -20,7 +20,8 @@ then hands the part to its backup, which reduces it again from resent contributi
 phase deadline, members that have not started are left out, while members already partly summed are
 waited for (they are alive and stream; a stalled one is cut off by the stall timeout).
 
-Memory. Chunks wait, encoded, only while a lower member lags behind; each fold decodes one chunk into a
+Memory. Chunks wait, encoded, only while a lower member lags behind (the round stops reading a sender
+that is `max_chunks_ahead` chunks ahead, see RoundState.hold_back); each fold decodes one chunk into a
 reused scratch buffer and adds it into the accumulator in place.
 """
 
@@ -229,6 +230,10 @@ class PartReducer:
             or (c.status is SenderStatus.COMPLETE and c.num_folded == self.num_elements)
             for c in self._contributions
         )
+
+    def num_queued(self, member: int) -> int:
+        """Chunks received from `member` that wait to be summed (behind a lower member's)."""
+        return len(self._contributions[member].pending)
 
     def all_arrived(self) -> bool:
         """True once no member is still expected to send anything."""

@@ -3,8 +3,11 @@
 Messages may arrive before this peer has entered their round (a faster member already started), so a
 request for a round newer than any we opened waits, bounded in time and in number of waiters, for the
 round to open. Rounds only move forward: a request for an older round we no longer hold is refused
-as expired. A round stays servable until `linger` after its deadline (slower members may still pull
-our part) and at most `max_rounds_kept` rounds are held at once.
+as expired. A round we finished stays servable for slower members until `linger` after its deadline,
+at most `max_rounds_kept` rounds are held at once, and a finished round is forgotten as soon as every
+other member of it has sent us a message of a later round: a member runs its rounds one after the
+other, so it has returned from this one and will not ask for its parts again. In steady state that
+frees a round's buffers early in the next round, before that round's own buffers peak.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class RoundRegistry:
         self._highest_opened = -1
         self._opened = Pulse()
         self._num_waiting = 0
+        self._latest_round_of: dict[str, int] = {}  # peer id -> the newest round it sent us a message of
 
     def open(self, state: RoundState) -> None:
         """Register a new round; round ids must increase."""
@@ -60,10 +64,13 @@ class RoundRegistry:
         for round_id in list(self._rounds):
             self._forget(round_id)
         self._highest_opened = -1
+        self._latest_round_of.clear()
 
     def finished(self, state: RoundState) -> None:
-        """allreduce() returned for this round; forget it once its linger time is over."""
+        """allreduce() returned for this round; forget it once no other member needs it, or its linger
+        time is over."""
         state.finish_locally()
+        self._forget_superseded()
         release_free_memory()
         delay = max(0.0, state.retain_until - time.monotonic())
         asyncio.get_running_loop().call_later(delay, self.evict)
@@ -73,6 +80,19 @@ class RoundRegistry:
         now = time.monotonic()
         for round_id in [r for r, s in self._rounds.items() if s.retain_until <= now]:
             self._forget(round_id)
+
+    def note_member_seen(self, peer_id: str, round_id: int) -> None:
+        """Member `peer_id` sent us a message of round `round_id` (it has returned from every earlier one)."""
+        if round_id > self._latest_round_of.get(peer_id, -1):
+            self._latest_round_of[peer_id] = round_id
+            self._forget_superseded()
+
+    def _forget_superseded(self) -> None:
+        """Forget the rounds we finished whose other members have all moved on to later rounds."""
+        for round_id, state in list(self._rounds.items()):
+            others = [m.peer_id for i, m in enumerate(state.group.members) if i != state.my_index]
+            if state.local_done and all(self._latest_round_of.get(p, -1) > round_id for p in others):
+                self._forget(round_id)
 
     def _forget(self, round_id: int) -> None:
         self._rounds.pop(round_id).close()

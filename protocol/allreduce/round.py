@@ -9,10 +9,11 @@ For every part this member is in one role:
     MOVED              it reduced the part but a backup took it over first; it refers pullers on
 
 Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
-encode the average once, hand replicas to the live members after us in the part's backup chain until
-we and the replica holders are a strict majority of the group, tell those holders the average is
-committed, and only then serve and use it. A member that cannot reach the owner takes the part over
-(`take_over`), so a part may be reduced twice; the majority is what keeps survivors bit-identical:
+encode the average once, hand replicas (all at once) to live members after us in the part's backup
+chain until we and the replica holders are a strict majority of the group; the average is then
+committed: we serve and use it, and tell those holders, which may then serve and use theirs. A
+member that cannot reach the owner takes the part over (`take_over`), so a part may be reduced
+twice; the majority is what keeps survivors bit-identical:
 
     every member accepts (votes for) at most one version of a part: its own, from the moment it starts
     reducing the part, or the first replica it completes; it refuses any other replica (ABORTED);
@@ -29,8 +30,10 @@ holders serve the same committed bytes. Liveness needs a live, mutually reachabl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Coroutine
 from concurrent.futures import Executor
 from datetime import timedelta
@@ -53,8 +56,8 @@ from protocol.allreduce.parts import (
     check_average_header,
     remaining,
 )
-from protocol.allreduce.reducer import PartReducer, ReducedPart
-from protocol.codecs import Codec
+from protocol.allreduce.reducer import PartReducer, ReducedPart, SenderStatus
+from protocol.codecs import Codec, CodecError
 from protocol.error_feedback import ErrorFeedback
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
@@ -104,6 +107,7 @@ class RoundState:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.local_done = False
+        self.output: torch.Tensor | None = None  # (E,) our result while allreduce() runs
         self.pulse = Pulse()
         self.source = ContributionSource(
             vector=vector,
@@ -115,6 +119,8 @@ class RoundState:
             executor=executor,
         )
         self._tasks: set[asyncio.Task[None]] = set()
+        self._own_part_settled = asyncio.Event()
+        self._num_held_back = 0  # contribution streams waiting in hold_back
 
     @property
     def round_id(self) -> int:
@@ -222,6 +228,8 @@ class RoundState:
         loop = asyncio.get_running_loop()
         while not reducer.poisoned:
             jobs = reducer.plan_folds()
+            if jobs and self._num_held_back:
+                self.pulse.notify()  # their queues shrank: senders held back may be read again
             if jobs:
                 await loop.run_in_executor(self.executor, reducer.run_folds, jobs)
                 reducer.folds_done(jobs)
@@ -238,7 +246,48 @@ class RoundState:
                 return
             await self.pulse.wait_next(remaining(self.all_gather_deadline if reducer.finalized else deadline))
 
+    async def hold_back(self, reducer: PartReducer, member: int) -> None:
+        """Before reading more of `member`'s contribution, wait while `max_chunks_ahead` of its chunks
+        wait to be summed, at most half the stall timeout (the sender's writes then block, but not long
+        enough for it to take us for stalled)."""
+        limit = self.config.max_chunks_ahead
+        if reducer.num_queued(member) < limit:
+            return
+
+        def may_read_on() -> bool:
+            streaming = reducer.status(member) is SenderStatus.STREAMING
+            return reducer.num_queued(member) < limit or bool(reducer.poisoned) or not streaming
+
+        self._num_held_back += 1
+        try:
+            await self.pulse.wait_for(may_read_on, self.config.stall_timeout.total_seconds() / 2)
+        finally:
+            self._num_held_back -= 1
+
     async def _decide(self, part_index: int, deadline: float, *, taken_over: bool) -> None:
+        try:
+            await self._decide_part(part_index, deadline, taken_over=taken_over)
+        finally:
+            if part_index == self.my_index and not taken_over:
+                self._own_part_settled.set()
+
+    async def own_part_settled(self) -> None:
+        """Return once our own part is committed and its voters told, or moved on (or the all-gather
+        deadline passed).
+
+        We pull the other parts only then: a member that dies in the middle of the all-gather has
+        handed its own part over by then, so the others can still use it. (Between a majority
+        accepting our replicas and our telling them, our death would leave them holding a version
+        nobody may use, and every member would fall back.) The pulls only wait for our own replica
+        round trips, which the other owners go through at the same time before they serve.
+        """
+        if self.group.part_num_elements(self.my_index) == 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(remaining(self.all_gather_deadline)):
+                await self._own_part_settled.wait()
+
+    async def _decide_part(self, part_index: int, deadline: float, *, taken_over: bool) -> None:
         part = self.parts[part_index]
         reducer = part.reducer
         assert reducer is not None
@@ -264,64 +313,107 @@ class RoundState:
             ),
         )
         check_fault(self.fault_plan, "reduce_done", self.round_id)
-        if not await self._commit(part_index, reduced):
+        voters = await self._gather_votes(part_index, reduced)
+        if voters is None:
             return
+        # A strict majority (we and the voters) holds our version: it is committed, so we serve and
+        # use it from now on, and tell the voters, which may then serve and use their copies.
         part.role, part.reducer, part.decided, part.committed = PartRole.DECIDED, None, reduced, True
         self.pulse.notify()
+        await asyncio.gather(*(self._tell_committed(part_index, reduced, voter) for voter in voters))
 
-    async def _commit(self, part_index: int, reduced: ReducedPart) -> bool:
-        """Get our decided average held by a strict majority (us included), then tell its holders.
+    async def _gather_votes(self, part_index: int, reduced: ReducedPart) -> list[int] | None:
+        """Hand our decided average to members until they and we are a strict majority; return them.
 
-        Returns False (the part moved) if some member holds another version or too few accepted ours:
-        then our version must never be served or used. Until this returns True our role stays
-        REDUCING, so we refuse every other producer's replica: we vote for our own version.
+        The replicas go out at once, to as many members as the majority needs: on a saturated uplink
+        each hand-off waits a queueing delay for every reply, so hand-offs one after the other would
+        leave the link idle for several such delays. A member that fails is replaced by the next
+        candidate. Returns None (the part moved) if some member holds another version or too few
+        accepted ours: then our version must never be served or used. Until this returns our role
+        stays REDUCING, so we refuse every other producer's replica: we vote for our own version.
         """
         part = self.parts[part_index]
         num_votes_needed = self.group.num_members // 2  # besides ours: 1 + N // 2 > N / 2
-        voters: list[int] = []
         chain = self.group.chain(part_index)
         position = chain.index(self.my_index)
         # The members after us in the chain first (pullers that fail over reach them first), then the
         # ones before us: an owner that moved the part may still vote for our version.
-        for target in chain[position + 1 :] + chain[:position]:
-            if len(voters) >= num_votes_needed:
-                break
-            if target in self.failed:
-                continue  # pullers skip it too: they only walk past members that failed them
-            try:
-                await push_replica(self, target, reduced, self.all_gather_deadline)
-            except PeerFailed as error:
-                if error.moved:
-                    self._move(part_index, f"member {target} holds another version of it: {error}")
-                    return False
-                self.mark_failed(target, f"replica of part {part_index} not accepted: {error}")
-                continue
-            voters.append(target)
-            part.holders.add(target)
+        candidates = deque(chain[position + 1 :] + chain[:position])
+        voters: list[int] = []
+        in_flight: dict[asyncio.Future[None], int] = {}
+        started: list[asyncio.Future[None]] = []
+        try:
+            while len(voters) < num_votes_needed:
+                while candidates and len(voters) + len(in_flight) < num_votes_needed:
+                    target = candidates.popleft()
+                    if target in self.failed:
+                        continue  # pullers skip it too: they only walk past members that failed them
+                    hand_off: asyncio.Future[None] = asyncio.ensure_future(
+                        push_replica(self, target, reduced, self.all_gather_deadline)
+                    )
+                    in_flight[hand_off] = target
+                    started.append(hand_off)
+                    part.telling.add(target)  # its pull of our part waits: it gets the bytes here
+                if not in_flight:
+                    break
+                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for hand_off in done:
+                    target = in_flight.pop(hand_off)
+                    try:
+                        hand_off.result()
+                    except PeerFailed as error:
+                        part.telling.discard(target)
+                        if error.moved:
+                            self._move(part_index, f"member {target} holds another version of it: {error}")
+                            return None
+                        self.mark_failed(target, f"replica of part {part_index} not accepted: {error}")
+                        continue
+                    voters.append(target)
+                    part.holders.add(target)
+        finally:
+            for hand_off in in_flight:
+                hand_off.cancel()
+            if in_flight:
+                await asyncio.wait(in_flight)
+            for hand_off in started:  # outcomes we no longer need (the part moved) are dropped
+                if hand_off.done() and not hand_off.cancelled():
+                    hand_off.exception()
+            part.telling.intersection_update(voters)
+            self.pulse.notify()
         if len(voters) < num_votes_needed:
             self._move(
                 part_index,
                 f"only {len(voters) + 1} of {self.group.num_members} members hold our average, not a majority",
             )
-            return False
-        for target in voters:
-            try:
-                await push_replica(self, target, reduced, self.all_gather_deadline, committed=True)
-                part.told_committed.add(target)
-            except PeerFailed as error:
-                # It can still pull the committed bytes from us; it just may not serve its copy.
-                self.record_failure(f"member {target} was not told part {part_index} is committed: {error}")
-        return True
+            return None
+        return voters
+
+    async def _tell_committed(self, part_index: int, reduced: ReducedPart, voter: int) -> None:
+        """Tell a voter our version is committed; its pull waits for this (see `telling`)."""
+        part = self.parts[part_index]
+        try:
+            await push_replica(self, voter, reduced, self.all_gather_deadline, committed=True)
+            part.told_committed.add(voter)
+        except PeerFailed as error:
+            # It can still pull the committed bytes from us; it just may not serve its copy.
+            self.record_failure(f"member {voter} was not told part {part_index} is committed: {error}")
+        finally:
+            part.telling.discard(voter)
+            self.pulse.notify()
 
     def note_holder(self, part_index: int, member: int) -> None:
-        """`member` now holds the bytes we decided for the part; drop ours once every live member does.
+        """`member` now holds the part's committed bytes; drop our copy once every live member does.
 
-        A member that asks later (we wrongly thought it dead) is sent on to the replica holder.
+        Its producer holds them too, and we count once we decoded them into our result. A member that
+        asks later (we wrongly thought it dead) is sent on along the chain. With two members, both
+        hold the part as soon as each decoded it, so neither keeps a copy after the round.
         """
         part = self.parts[part_index]
-        if part.decided is None or part.decided.producer_index != self.my_index:
+        if part.decided is None or not part.servable:
             return
         part.holders.add(member)
+        if part.decided.producer_index != self.my_index:  # a producer counts itself once it decoded
+            part.holders.add(part.decided.producer_index)
         if part.holders | self.failed >= set(range(self.group.num_members)):
             part.decided, part.released = None, True
 
@@ -421,17 +513,39 @@ class RoundState:
             raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, f"already hold your part {part_index}")
         if part.role not in (PartRole.IDLE, PartRole.MOVED):
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} is {part.role.value} here")
-        part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header)
+        # With two members nobody but its producer and us could ever want this part, and the producer
+        # holds it: we decode it into our result as it arrives instead of keeping a copy (half a
+        # vector less at the end of the round). The other member is the only producer a replica can
+        # come from, so no other version can land in that slice; one that is never committed is
+        # overwritten by the part we do get, or our result is not used (we fall back).
+        keep = self.group.num_members > 2 or self.output is None
+        part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header, keep=keep)
         self.pulse.notify()
 
-    def add_replica_chunk(self, part_index: int, offset: int, num_elements: int, payload: bytes) -> None:
+    async def add_replica_chunk(
+        self, part_index: int, offset: int, num_elements: int, payload: bytes
+    ) -> None:
         replica = self.parts[part_index].replica
-        assert replica is not None
+        if replica is None:
+            raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} was forgotten here")
         replica.add_chunk(offset, num_elements, payload, self.codec)
+        if not replica.keep:
+            if self.output is None:
+                raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} is over here")
+            start = self.group.part_bounds[part_index] + offset
+            target = self.output[start : start + num_elements]
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.codec.decode_into, payload, target
+                )
+            except CodecError as error:
+                raise invalid(str(error)) from error
 
     def complete_replica(self, part_index: int) -> None:
         part = self.parts[part_index]
-        assert part.replica is not None
+        if part.replica is None:
+            raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} was forgotten here")
+        part.in_result = not part.replica.keep
         part.decided = part.replica.complete()
         part.role, part.replica = PartRole.DECIDED, None
         self.pulse.notify()
@@ -455,9 +569,20 @@ class RoundState:
         self.local_done = True
         self.source.release()
         self.vector = torch.empty(0)
+        self.output = None  # the caller's now: nothing of ours may write into it any more
 
     def close(self) -> None:
-        """The round is forgotten: stop its background work."""
+        """The round is forgotten: stop its background work and drop every buffer it holds.
+
+        Tasks and callbacks form reference cycles with this object, which only the cyclic garbage
+        collector breaks, and it runs rarely (large byte buffers do not count towards triggering it):
+        the buffers are dropped here so that they go at once.
+        """
         for task in list(self._tasks):
             task.cancel()
         self.source.release()
+        self.vector = torch.empty(0)
+        for part in self.parts:
+            if part.decided is not None:
+                part.released = True
+            part.reducer = part.decided = part.replica = None

@@ -21,7 +21,7 @@ from google.protobuf.message import Message as ProtoMessage
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.faults import check_fault
-from protocol.allreduce.parts import PartRole, remaining
+from protocol.allreduce.parts import PartRole, chunk_message_num_bytes, remaining
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
@@ -34,6 +34,21 @@ Message = TypeVar("Message")
 Result = TypeVar("Result")
 
 _ROUTINE_CODES = (grpc.StatusCode.ABORTED, grpc.StatusCode.ALREADY_EXISTS)
+
+
+_Refusal = tuple[ProtocolError, int | None]
+"""Why a pushed stream was refused, and how many bytes of its rest to drain before answering."""
+
+
+def _detached(error: ProtocolError) -> ProtocolError:
+    """The error without its traceback, which holds the frames of the code that raised it.
+
+    A handler refuses a call from outside the code that raised, and gRPC keeps the abort's exception
+    (with its traceback) alive for a while: the frames would keep their locals (a part's payloads, a
+    reducer whose sum is a slice of the round's result) in memory long after the round is forgotten.
+    """
+    error.__traceback__ = None
+    return error
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             )
         if part_index >= state.group.num_members:
             raise invalid(f"part {part_index} does not exist (the group has {state.group.num_members})")
+        self._registry.note_member_seen(ref.sender_peer_id, ref.round_id)
         return state, sender
 
     async def _read(self, context: grpc.aio.ServicerContext, message_type: type[Message]) -> Message | None:
@@ -197,6 +213,12 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
 
     async def PushContribution(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
+        refusal = await self._take_contribution(context)
+        if refusal is not None:
+            await self._refuse_stream(context, peer, "PushContribution", *refusal)
+
+    async def _take_contribution(self, context: grpc.aio.ServicerContext) -> _Refusal | None:
+        """Receive one contribution into its part's reducer; return why it was refused, or None."""
         state: RoundState | None = None
         sender = part_index = -1
         opened = False
@@ -224,16 +246,20 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             )
             if reducer is None:
                 await self._write(context, pb.ContributionReply(already_decided=pb.AlreadyDecided()))
-                return
+                return None
             opened = True
             await self._write(context, pb.ContributionReply(send_chunks=pb.SendChunks()))
             while (message := await self._read(context, pb.ContributionMessage)) is not None:
                 if message.WhichOneof("body") != "chunk":
                     raise invalid("after the header a contribution holds only chunks")
-                round_state.bytes_recv += message.ByteSize()
                 chunk = message.chunk
-                reducer.add_chunk(sender, chunk.offset, chunk.num_elements, chunk.payload)
+                payload = chunk.payload  # each read of a bytes field copies it
+                round_state.bytes_recv += chunk_message_num_bytes(
+                    chunk.offset, chunk.num_elements, len(payload)
+                )
+                reducer.add_chunk(sender, chunk.offset, chunk.num_elements, payload)
                 round_state.pulse.notify()  # the reducer may fold it now
+                await round_state.hold_back(reducer, sender)
             reducer.complete(sender)
             round_state.pulse.notify()
             reply = pb.ContributionReply(
@@ -245,18 +271,25 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             if state is not None and opened:
                 state.contribution_failed(part_index, sender, str(error), vanished=False)
                 drain_bytes = 2 * state.source.num_payload_bytes(part_index)
-            await self._refuse_stream(context, peer, "PushContribution", error, drain_bytes)
+            return _detached(error), drain_bytes
         except asyncio.CancelledError:
             # The sender went away mid-stream (killed, or its connection dropped).
             if state is not None and opened:
                 state.contribution_failed(part_index, sender, "its stream broke", vanished=True)
                 logger.warning("contribution to part %d from member %d broke off", part_index, sender)
             raise
+        return None
 
     # --- between the phases: the replica hand-off ----------------------------------------------------
 
     async def PushReplica(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
+        refusal = await self._take_replica(context)
+        if refusal is not None:
+            await self._refuse_stream(context, peer, "PushReplica", *refusal)
+
+    async def _take_replica(self, context: grpc.aio.ServicerContext) -> _Refusal | None:
+        """Receive a producer's decided average (or its commit); return why it was refused, or None."""
         state: RoundState | None = None
         part_index = -1
         opened = False
@@ -279,9 +312,12 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             while (message := await self._read(context, pb.ReplicaMessage)) is not None:
                 if message.WhichOneof("body") != "chunk":
                     raise invalid("after the header a replica holds only chunks")
-                round_state.bytes_recv += message.ByteSize()
                 chunk = message.chunk
-                round_state.add_replica_chunk(part_index, chunk.offset, chunk.num_elements, chunk.payload)
+                payload = chunk.payload  # each read of a bytes field copies it
+                round_state.bytes_recv += chunk_message_num_bytes(
+                    chunk.offset, chunk.num_elements, len(payload)
+                )
+                await round_state.add_replica_chunk(part_index, chunk.offset, chunk.num_elements, payload)
             round_state.complete_replica(part_index)
             await self._write(context, pb.ReplicaReply(receipt=pb.ReplicaReceipt()))
         except ProtocolError as error:
@@ -289,16 +325,25 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             if state is not None and opened:
                 state.fail_replica(part_index)
                 drain_bytes = 2 * state.source.num_payload_bytes(part_index)
-            await self._refuse_stream(context, peer, "PushReplica", error, drain_bytes)
+            return _detached(error), drain_bytes
         except asyncio.CancelledError:
             if state is not None and opened:
                 state.fail_replica(part_index)
                 logger.warning("replica of part %d broke off", part_index)
             raise
+        return None
 
     # --- phase 2: all-gather -------------------------------------------------------------------------
 
     async def PullAverage(self, request: pb.PullAverageRequest, context: grpc.aio.ServicerContext) -> None:
+        refusal = await self._serve_average(request, context)
+        if refusal is not None:
+            await self._reject(context, "PullAverage", refusal)
+
+    async def _serve_average(
+        self, request: pb.PullAverageRequest, context: grpc.aio.ServicerContext
+    ) -> ProtocolError | None:
+        """Stream a part's average to a member; return why we refused, or None."""
         try:
             if isinstance(request, MalformedMessage):
                 raise invalid(f"malformed message: {request.error}")
@@ -308,7 +353,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 pb.AverageMessage(still_working=pb.StillWorking()),
             )
             state.bytes_recv += request.ByteSize()
-            reduced = await self._wait_decided(state, request.part_index, context)
+            reduced = await self._wait_decided(state, request.part_index, requester, context)
             if requester in state.parts[request.part_index].told_committed:
                 raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, "you hold the replica of this part")
             state.bytes_sent += await self._write(
@@ -319,16 +364,17 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 zip(reduced.chunk_sizes, reduced.payloads, strict=True)
             ):
                 chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
-                state.bytes_sent += await self._write(context, pb.AverageMessage(chunk=chunk))
+                await self._write(context, pb.AverageMessage(chunk=chunk))
+                state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
                 offset += size
                 check_fault(state.fault_plan, "serve_chunk", state.round_id, chunk_index)
         except ProtocolError as error:
-            await self._reject(context, "PullAverage", error)
-            return
+            return _detached(error)
         state.note_holder(request.part_index, requester)
+        return None
 
     async def _wait_decided(
-        self, state: RoundState, part_index: int, context: grpc.aio.ServicerContext
+        self, state: RoundState, part_index: int, requester: int, context: grpc.aio.ServicerContext
     ) -> ReducedPart:
         """The part's decided average once it exists, heartbeating meanwhile; we take the part over if
         we neither own nor hold it (the puller found every earlier member of its chain gone)."""
@@ -337,16 +383,19 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state.take_over(part_index, "a member could not get it from earlier chain members")
 
         def settled() -> bool:
-            # A replica we hold but were never told is committed must not be served.
-            return part.servable or part.role is PartRole.MOVED
+            # A replica we hold but were never told is committed must not be served. A member we are
+            # handing our replica (or its commit) to gets the bytes there: it waits for that outcome.
+            if part.role is PartRole.MOVED:
+                return True
+            return part.servable and requester not in part.telling
 
         heartbeat = self._config.heartbeat_interval.total_seconds()
         while not await state.pulse.wait_for(settled, min(heartbeat, remaining(state.all_gather_deadline))):
             if remaining(state.all_gather_deadline) <= 0:
                 raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "part not decided before the deadline")
             state.bytes_sent += await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
-        if not part.servable or part.decided is None:
-            reason = "was released here" if part.released else "moved to a backup"
+        if not part.servable or part.decided is None or part.in_result:
+            reason = "was released here" if part.released or part.in_result else "moved to a backup"
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
         return part.decided
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import grpc.aio
 import pytest
 import torch
 import uvloop
@@ -18,7 +19,6 @@ import uvloop
 from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, GroupSpec
 from protocol.allreduce.client import PeerClient
 from protocol.codecs import get_codec
-from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, exact_mean, local_peers, members_of
 
 NUM_ELEMENTS = 20_000
@@ -32,8 +32,8 @@ class PartitionedClient(PeerClient):
         super().__init__(options)
         self._unreachable = unreachable
 
-    def stub(self, address: str) -> pb_grpc.AllReduceStub:
-        return super().stub(CLOSED_PORT_ADDRESS if address in self._unreachable else address)
+    def channel(self, address: str) -> grpc.aio.Channel:
+        return super().channel(CLOSED_PORT_ADDRESS if address in self._unreachable else address)
 
 
 def cut_off(peer: AllReducePeer, unreachable: list[AllReducePeer], config: AllReduceConfig) -> None:

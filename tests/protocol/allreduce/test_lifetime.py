@@ -1,0 +1,163 @@
+"""How long a peer keeps a round's buffers: only while another member may still ask for them.
+
+A member runs its rounds one after the other, so once every other member of a round has sent us a
+message of a later round, none of them will pull that round's parts again: the round is forgotten at
+once (not `linger` later) with its buffers. Within a round, a copy of a part is dropped once every
+live member is known to hold the part; with two members that is as soon as both decoded it. And an
+owner holds only a few chunks of a sender that runs ahead of a lower member (summed first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import uvloop
+
+from protocol.allreduce import AllReducePeer, AllReduceResult, GroupSpec, Member
+from protocol.allreduce.client import PeerClient
+from protocol.allreduce.round import RoundState
+from protocol.codecs import get_codec
+from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, local_peers, members_of
+
+NUM_ELEMENTS = 40_000
+LINGER = timedelta(seconds=60)  # far longer than the test: only the new rule can forget a round
+CONFIG = FAST_CONFIG.__class__(**{**FAST_CONFIG.__dict__, "linger": LINGER})
+
+
+def vectors_for(num_peers: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_ELEMENTS, generator=generator) for _ in range(num_peers)]
+
+
+async def run_round(peers: list[AllReducePeer], round_id: int) -> list[AllReduceResult]:
+    group = GroupSpec.build(round_id=round_id, members=members_of(peers), num_elements=NUM_ELEMENTS)
+    results = await allreduce_all(peers, vectors_for(len(peers), round_id), group, get_codec("none"))
+    assert not any(result.fell_back for result in results), [r.failures for r in results]
+    return results
+
+
+def holds_no_buffer(state: RoundState) -> bool:
+    return all(p.decided is None and p.replica is None and p.reducer is None for p in state.parts)
+
+
+@pytest.mark.timeout(60)
+def test_a_round_is_forgotten_once_every_other_member_moved_on() -> None:
+    async def scenario() -> None:
+        async with local_peers(3, CONFIG) as peers:
+            await run_round(peers, 0)
+            finished = [peer.registry.get(0) for peer in peers]
+            assert all(state is not None and state.local_done for state in finished)
+
+            await run_round(peers, 1)  # every member sends every other one round-1 messages
+            for peer, state in zip(peers, finished, strict=True):
+                assert peer.registry.get(0) is None
+                assert state is not None and holds_no_buffer(state)
+
+            # Member 2 sits round 2 out: as far as 0 and 1 know, it may still pull round 1 from them.
+            await run_round(peers[:2], 2)
+            assert peers[0].registry.get(1) is not None
+            assert peers[1].registry.get(1) is not None
+            assert peers[2].registry.get(1) is not None  # it has not heard of round 2 at all
+
+    uvloop.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_two_members_keep_no_copy_of_any_part_after_the_round() -> None:
+    """Each holds both parts once it decoded them, and the other one produced or holds them too."""
+
+    async def scenario() -> list[RoundState]:
+        async with local_peers(2, CONFIG) as peers:
+            await run_round(peers, 0)
+            states = [peer.registry.get(0) for peer in peers]
+            assert all(state is not None for state in states)
+            return states  # type: ignore[return-value]
+
+    for state in uvloop.run(scenario()):
+        assert all(part.servable and part.released for part in state.parts)
+        assert holds_no_buffer(state)
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_holder_is_not_sent_the_part_again() -> None:
+    """A member that receives a part as a replica asks its owner for it too (to be safe if the owner
+    dies); the owner answers "you hold it" instead of sending the bytes a second time."""
+
+    async def scenario() -> list[AllReduceResult]:
+        async with local_peers(2, CONFIG) as peers:
+            return await run_round(peers, 0)
+
+    part_bytes = 4 * NUM_ELEMENTS // 2  # fp32
+    for result in uvloop.run(scenario()):
+        # Our contribution to the other part out and its replica out; theirs in and its replica in.
+        assert 2 * part_bytes < result.bytes_recv < 2.1 * part_bytes
+        assert 2 * part_bytes < result.bytes_sent < 2.1 * part_bytes
+
+
+def round_state_owning_part_0(num_members: int) -> RoundState:
+    members = [Member(peer_id=f"p{i}", address=f"127.0.0.1:{i + 1}") for i in range(num_members)]
+    group = GroupSpec.build(round_id=0, members=members, num_elements=NUM_ELEMENTS)
+    return RoundState(
+        group=group,
+        my_index=0,
+        codec=get_codec("none"),
+        weight=1.0,
+        vector=torch.zeros(NUM_ELEMENTS),
+        error_feedback=None,
+        config=CONFIG,
+        deadline=timedelta(seconds=30),
+        executor=ThreadPoolExecutor(max_workers=1),
+        client=PeerClient(CONFIG.grpc_options(server=False)),
+        fault_plan=None,
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_far_ahead_of_a_lower_member_is_read_no_further_for_a_while() -> None:
+    """Member 2's chunks are summed after member 1's: while member 1 sends nothing, the owner stops
+    reading member 2 once `max_chunks_ahead` of its chunks wait, and reads on as soon as they can be
+    summed, or after half the stall timeout, so that member 2 never takes the owner for stalled."""
+
+    async def scenario() -> tuple[bool, float, float]:
+        state = round_state_owning_part_0(3)
+        chunk = state.group.part_num_elements(0) // (CONFIG.max_chunks_ahead + 1)
+        payload = torch.ones(chunk).numpy().tobytes()
+        reducer = state._new_reducer(0)
+        reducer.begin(0, 1.0)  # the owner's own chunks are summed first; it has not sent them yet
+        reducer.begin(1, 1.0)
+        reducer.begin(2, 1.0)
+        for index in range(CONFIG.max_chunks_ahead):
+            reducer.add_chunk(2, index * chunk, chunk, payload)
+
+        held = asyncio.ensure_future(state.hold_back(reducer, 2))
+        await asyncio.sleep(0.3)
+        was_held = not held.done()
+        start = time.monotonic()
+        reducer.exclude(0, "test")  # members 0 and 1 drop out: member 2's chunks can be summed
+        reducer.exclude(1, "test")
+        jobs = reducer.plan_folds()
+        assert len(jobs) == CONFIG.max_chunks_ahead
+        state.pulse.notify()
+        await held
+        released_after = time.monotonic() - start
+
+        # Nobody catches up: the owner reads on after half the stall timeout anyway.
+        stuck = state._new_reducer(0)
+        stuck.begin(1, 1.0)
+        stuck.begin(2, 1.0)
+        for index in range(CONFIG.max_chunks_ahead):
+            stuck.add_chunk(2, index * chunk, chunk, payload)
+        start = time.monotonic()
+        await state.hold_back(stuck, 2)
+        return was_held, released_after, time.monotonic() - start
+
+    was_held, released_after, held_alone = uvloop.run(scenario())
+    assert was_held
+    assert released_after < 0.5
+    half_stall = CONFIG.stall_timeout.total_seconds() / 2
+    assert half_stall - 0.05 < held_alone < half_stall + 2.0
