@@ -123,6 +123,7 @@ class SwarmNode:
             if host is not None:
                 self.grpc_address = f"{host}:{self.server.port}"
         self.rounds_formed = 0
+        self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
 
     # --- identity ---
 
@@ -153,7 +154,30 @@ class SwarmNode:
     def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
         """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view."""
         local = self._local_record(round=round, param_hash=param_hash)
-        return decide_lineage(self.view().peers, local)
+        try:
+            view = self.view()
+        except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:  # judge on the last view we have
+            logger.info("DHT read failed (%s); judging the lineage on the last view", error)
+            view = self.driver.view
+        return decide_lineage(view.peers, local)
+
+    def _await_group_published(self, round: int) -> None:
+        """Before forming the next round, give the last round's other members (bounded by the join
+        window) time to publish their new params: a lagging DHT record would otherwise look like a
+        larger lineage still on the old params, and send us back to them."""
+        members = self._last_group_members
+        if not members:
+            return
+        deadline = time.monotonic() + self.config.rounds.join_window.total_seconds()
+        while time.monotonic() < deadline:
+            try:
+                view = self.view()
+            except (DhtCallTimeout, DhtNodeClosed, TimeoutError):
+                view = self.driver.view
+            lagging = [m for m in members if (record := view.get(m)) is not None and record.round < round]
+            if not lagging:
+                return
+            time.sleep(self.config.view_refresh.total_seconds())
 
     def wait_for_peers(self, num_peers: int, timeout: timedelta) -> SwarmView:
         """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
@@ -201,6 +225,7 @@ class SwarmNode:
 
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
+        self._await_group_published(round)
         local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
         started = time.monotonic()
         formation_budget = self.config.rounds.max_wait + 2 * self.config.dht_call_timeout
@@ -230,6 +255,7 @@ class SwarmNode:
         assert isinstance(outcome, StartAllReduce)
         group = outcome.group
         self.rounds_formed += 1
+        self._last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
         logger.info(
             "round %d: group %s of %d (%s), formed in %.2fs",
             group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
