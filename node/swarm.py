@@ -286,7 +286,7 @@ class SwarmSession:
         assert trainer is not None
         budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
         deadline = time.monotonic() + budget.total_seconds()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not trainer.stop_requested:  # SIGTERM ends the wait
             decision = self.swarm.lineage(round=round, param_hash=trainer.diloco.param_hash())
             if not decision.in_canonical and decision.canonical.round > round:
                 return decision

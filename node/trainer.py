@@ -239,6 +239,10 @@ class Trainer:
         )
 
     # --- the loop ---
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
     def request_stop(self) -> None:
         """Ask the loop to stop after the current inner step (signal-handler safe)."""
         self._stop.set()
