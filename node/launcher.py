@@ -1,7 +1,6 @@
 """``dtnode swarm``: N ``dtnode join`` nodes on this machine, their progress, a clean stop, a report.
 
-A swarm of N is N separate processes, exactly as on N machines; the launcher only starts them,
-watches them and stops them, and never talks to the swarm itself:
+The N nodes are separate processes, as on N machines; the launcher never talks to the swarm:
 
 1. Start. Node 0 (``python -m node.cli join --run-dir RUN_DIR/node-0 …``) starts a new swarm and
    writes ``RUN_DIR/node-0/node.json``; nodes 1..N-1 then join through its multiaddr (``--peers``).
@@ -9,20 +8,20 @@ watches them and stops them, and never talks to the swarm itself:
    decides how to stop them), output in ``RUN_DIR/node-<i>.log``. With ``link_mbit`` each node
    runs on its own host of the WAN emulator (``scripts/wan_emulator.py``: a network namespace
    with a capped uplink) and listens on that host's address.
-2. Watch. The launcher tails every node's ``metrics.jsonl`` (contract: ``node/metrics.py``) and
-   prints one line per outer round per node as it is written.
+2. Watch. Tail every node's ``metrics.jsonl`` (contract: ``node/metrics.py``); print one line per
+   outer round per node as it is written.
 3. Stop. When every node has exited (they stop by themselves at ``--max-rounds``), or on the
    first SIGINT/SIGTERM: SIGTERM to every node (each finishes its step or round, checkpoints and
    leaves the swarm), a bounded wait, then SIGKILL for what is left; a second signal kills at once.
-4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, the final eval loss and
-   the bytes sent; whether every node held the same ``param_hash`` after every round they all
-   recorded (DiLoCo's outer step must leave all members with identical global params); wall time.
+4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, eval losses and bytes
+   sent; whether every node held the same ``param_hash`` after every round they all recorded
+   (DiLoCo's outer step leaves all members of a round with identical global params); wall time.
 
-Settings the launcher fills in when the user left them unset: ``--threads max(1, cores // N)``
-(one machine is shared); ``--shard-index i --num-shards N`` (round 1 already reads disjoint data;
-the swarm reshards among each round's members after that); loopback listen addresses (or the
-emulated host's); ``--bandwidth-mbit`` = the emulated link. ``--seed`` and ``--data-seed`` are
-the same for every node: the swarm shares one initialisation.
+Left unset by the user, the launcher picks ``--threads max(1, cores // N)`` (one machine is
+shared), ``--shard-index i --num-shards N`` (round 1 already reads disjoint data; the swarm
+reshards among each round's members after that), loopback listen addresses (or the emulated
+host's) and ``--bandwidth-mbit`` = the emulated link. ``--seed`` and ``--data-seed`` are the
+same for every node: the swarm shares one initialisation.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from node.checkpoint import latest_checkpoint
 from node.config import ConfigError, NodeConfig, load_config
 
 log = logging.getLogger("dtnode.swarm")
@@ -51,6 +51,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "wan_emulator.py"
 LOOPBACK = "127.0.0.1"
 KILL_WAIT = timedelta(seconds=10)
+NODE_DEFAULTS = {f.name: f.default for f in fields(NodeConfig)}
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,29 +74,19 @@ class LaunchConfig:
     """The nodes' resolved settings (flag > env > TOML > default) before per-node additions."""
     link_mbit: float | None = None
     """Run every node in the WAN emulator with its uplink capped at this many Mbit/s."""
-    num_cores: int = field(default_factory=lambda: available_cores())
+    num_cores: int = field(default_factory=available_cores)
+    """CPU cores this process may use, shared by the nodes."""
     stop_grace: timedelta = timedelta(seconds=60)
     """After SIGTERM, how long nodes may take to finish their round, checkpoint and leave."""
     start_timeout: timedelta = timedelta(seconds=120)
     """How long node 0 may take to write its ``node.json`` (imports, DHT start-up)."""
     poll_interval: timedelta = timedelta(seconds=0.5)
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _default(name: str) -> Any:
-    return next(f.default for f in fields(NodeConfig) if f.name == name)
+    """How often the metrics files and the processes are looked at."""
 
 
 def _user_set(config: LaunchConfig, name: str) -> bool:
     """Whether the user chose ``name`` (flag, env or TOML), so the launcher must not pick it."""
-    return name in config.node_flags or getattr(config.base, name) != _default(name)
-
-
-def _has_fixed_port(address: str) -> bool:
-    return bool(address) and not address.endswith(":0")
+    return name in config.node_flags or getattr(config.base, name) != NODE_DEFAULTS[name]
 
 
 def launch_config(
@@ -112,15 +107,16 @@ def launch_config(
     if link_mbit is not None:
         load_wan_emulator()  # a missing emulator or no namespaces: say so before starting anything
         for key in ("peers", "listen", "dht_listen", "announce"):
-            if getattr(base, key) != _default(key):
+            if getattr(base, key) != NODE_DEFAULTS[key]:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"--link-mbit gives every node an emulated host of its own: drop {flag}")
     elif num_nodes > 1:
         for key in ("listen", "dht_listen"):
-            if _has_fixed_port(getattr(base, key)):
+            address = getattr(base, key)
+            if address and not address.endswith(":0"):
+                flag = "--" + key.replace("_", "-")
                 raise ConfigError(
-                    f"{num_nodes} nodes on one machine cannot share --{key.replace('_', '-')} "
-                    f"{getattr(base, key)}: use port 0"
+                    f"{num_nodes} nodes on one machine cannot share {flag} {address}: use port 0"
                 )
     # Per node: the run dir is RUN_DIR/node-<i>; the peers are the user's plus node 0.
     flags = {key: value for key, value in node_flags.items() if key not in ("run_dir", "peers")}
@@ -132,6 +128,12 @@ def launch_config(
         base=base,
         link_mbit=link_mbit,
     )
+
+
+def checkpointed_round(run_dir: Path) -> int:
+    """The round of a node's newest checkpoint (0 without one): where a restarted node resumes."""
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    return 0 if latest is None else int(json.loads((latest / "state.json").read_text())["meta"]["round"])
 
 
 def flags_to_argv(flags: Mapping[str, Any]) -> list[str]:
@@ -321,6 +323,13 @@ class SwarmLauncher:
     def run(self) -> int:
         """Start, watch, stop, report; 0 exactly when every node exited 0."""
         config = self.config
+        max_rounds = config.base.max_rounds
+        if max_rounds and all(
+            checkpointed_round(config.root / f"node-{i}") >= max_rounds for i in range(config.num_nodes)
+        ):
+            print(f"dtnode swarm: every node of {config.root} is at round {max_rounds} already: nothing to do "
+                  "(raise --max-rounds to go on)", flush=True)  # fmt: skip
+            return 0
         config.root.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         print(f"dtnode swarm: {config.num_nodes} node(s) in {config.root} (logs: node-<i>.log)", flush=True)
@@ -347,12 +356,9 @@ class SwarmLauncher:
         }
         (config.root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (config.root / "report.md").write_text(report_markdown(report))
-        if agreement["all_agree"]:
-            hashes = f"agreed in all {len(agreement['common_rounds'])} common round(s)"
-        else:
-            hashes = (
-                f"differs in rounds {agreement['disagreeing_rounds']}" if agreement["common_rounds"] else "-"
-            )
+        hashes = f"agreed in {len(agreement['common_rounds'])} common round(s)"
+        if agreement["disagreeing_rounds"]:
+            hashes = f"differs in rounds {agreement['disagreeing_rounds']} of {agreement['common_rounds']}"
         print(f"dtnode swarm: done in {report['wall_seconds']:.0f} s | exit codes {exit_codes} | "
               f"param_hash {hashes} | {config.root / 'report.md'}", flush=True)  # fmt: skip
         ok = len(self.nodes) == config.num_nodes and all(code == 0 for code in exit_codes)
@@ -363,14 +369,12 @@ class SwarmLauncher:
     @contextlib.contextmanager
     def _hosts(self) -> Iterator[Any]:
         """The WAN emulator with one host per node (None without ``link_mbit``)."""
-        if self.config.link_mbit is None:
+        num_hosts, link_mbit = self.config.num_nodes, self.config.link_mbit
+        if link_mbit is None:
             yield None
             return
-        wan_emulator = load_wan_emulator()
         try:
-            wan = wan_emulator.WanEmulator(
-                self.config.num_nodes, self.config.link_mbit, name_prefix="dtswarm"
-            )
+            wan = load_wan_emulator().WanEmulator(num_hosts, link_mbit, name_prefix="dtswarm")
         except RuntimeError as error:  # `ip netns add` refused, e.g. a container without CAP_SYS_ADMIN
             raise ConfigError(f"--link-mbit: cannot build the WAN emulator: {error}") from None
         with wan:
@@ -408,26 +412,27 @@ class SwarmLauncher:
         return node
 
     def _first_multiaddr(self, node: NodeProcess, *, prefix: str) -> str | None:
-        """Node 0's multiaddr starting with ``prefix`` once it wrote node.json; None (logged) if not."""
+        """Node 0's multiaddr (one starting with ``prefix`` if any) from its node.json; None if none."""
         path = node.run_dir / "node.json"
         deadline = time.monotonic() + self.config.start_timeout.total_seconds()
         while not self._stop_requested:
-            if node.process.poll() is not None:
+            try:
+                multiaddrs = (
+                    [str(a) for a in json.loads(path.read_text())["multiaddrs"]] if path.exists() else None
+                )
+            except (json.JSONDecodeError, KeyError):
+                multiaddrs = None  # being written: read it again at the next poll
+            if multiaddrs:
+                return next((address for address in multiaddrs if address.startswith(prefix)), multiaddrs[0])
+            if multiaddrs is not None:
+                problem = "has no address others can dial"
+            elif node.process.poll() is not None:
                 problem = f"exited with code {node.process.returncode} before it started the swarm"
             elif time.monotonic() > deadline:
                 problem = f"did not write {path} within {self.config.start_timeout}"
             else:
-                try:
-                    multiaddrs = json.loads(path.read_text())["multiaddrs"] if path.exists() else None
-                except (json.JSONDecodeError, KeyError):
-                    multiaddrs = None  # being written: read it again at the next poll
-                if multiaddrs is None:
-                    time.sleep(self.config.poll_interval.total_seconds())
-                    continue
-                matching = [str(address) for address in multiaddrs if address.startswith(prefix)]
-                if matching:
-                    return matching[0]
-                problem = f"listens on no {prefix} address: {multiaddrs}"
+                time.sleep(self.config.poll_interval.total_seconds())
+                continue
             log.error("%s %s:\n%s", node.name, problem, node.log_tail())
             self._stopped_by = "error"
             return None
@@ -474,24 +479,20 @@ class SwarmLauncher:
         deadline = time.monotonic() + self.config.stop_grace.total_seconds()
         running = self._follow(running, until=lambda: self._kill_requested or time.monotonic() > deadline)
         for node in running:
-            if node.process.poll() is None:
-                print(f"{node.name} still running: SIGKILL", flush=True)
-            node.signal_group(signal.SIGKILL)
-            self._reap(node)
+            print(f"{node.name} still running: SIGKILL", flush=True)
+        self._kill_leftovers()
+        for node in running:
             self._on_exit(node)
-
-    def _reap(self, node: NodeProcess) -> None:
-        try:
-            node.process.wait(timeout=KILL_WAIT.total_seconds())
-        except subprocess.TimeoutExpired:
-            log.error("%s (pid %d) survived SIGKILL for %s", node.name, node.process.pid, KILL_WAIT)
 
     def _kill_leftovers(self) -> None:
         """Whatever path led here (an exception included), no node process outlives the launcher."""
         for node in self.nodes:
             if node.process.poll() is None:
                 node.signal_group(signal.SIGKILL)
-                self._reap(node)
+                try:
+                    node.process.wait(timeout=KILL_WAIT.total_seconds())
+                except subprocess.TimeoutExpired:
+                    log.error("%s (pid %d) survived SIGKILL for %s", node.name, node.process.pid, KILL_WAIT)
 
 
 def load_wan_emulator() -> ModuleType:

@@ -20,7 +20,7 @@ import pytest
 
 from node.cli import build_parser
 from node.config import ConfigError
-from node.launcher import flags_to_argv, hash_agreement, launch_config, node_argv
+from node.launcher import MetricsTail, flags_to_argv, hash_agreement, launch_config, node_argv
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
 
@@ -95,6 +95,33 @@ def test_node_argv_fills_only_what_the_user_left_unset():
     )
     assert (parsed["threads"], parsed["num_shards"]) == (2, 1) and "shard_index" not in parsed
     assert parsed["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y,/ip4/127.0.0.1/tcp/1/p2p/X"
+    first = vars(build_parser().parse_args(node_argv(chosen, 0, peers="", host=None)[3:]))
+    assert first["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y"
+
+
+def test_node_argv_on_an_emulated_host_listens_there_at_the_link_rate():
+    config = dataclasses.replace(launch_config(num_nodes=2, node_flags={}), link_mbit=20.0)
+    parsed = vars(
+        build_parser().parse_args(
+            node_argv(config, 1, peers="/ip4/10.213.0.1/tcp/1/p2p/X", host="10.213.0.2")[3:]
+        )
+    )
+    assert (parsed["listen"], parsed["dht_listen"]) == ("10.213.0.2:0", "10.213.0.2:0")
+    assert parsed["bandwidth_mbit"] == 20.0
+
+
+def test_metrics_tail_reads_only_new_complete_round_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind":"round","round":1}\n')  # a previous run's: not this launch's
+    tail = MetricsTail(path)
+    assert tail.read_rounds() == []
+    with path.open("a") as handle:
+        handle.write('{"kind":"step","round":2,"step":5}\n{"kind":"round","ro')  # a line being written
+        handle.flush()
+        assert tail.read_rounds() == []
+        handle.write('und":2}\n')
+    assert tail.read_rounds() == [{"kind": "round", "round": 2}]
+    assert tail.read_rounds() == []
 
 
 @pytest.mark.parametrize(
@@ -148,7 +175,8 @@ def test_hash_agreement_names_the_rounds_that_differ():
 @pytest.mark.timeout(240)
 def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
     root = tmp_path / "swarm"
-    command = swarm_command(root, 3, "--max-rounds", "3", "--min-peers", "3")
+    # A generous --max-wait: on a loaded machine a joiner may need long to be ready for round 1.
+    command = swarm_command(root, 3, "--max-rounds", "3", "--min-peers", "3", "--max-wait", "120")
     completed = subprocess.run(command, capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
 
@@ -187,12 +215,12 @@ def test_ctrl_c_stops_every_node_and_leaves_no_process(tmp_path):
     output = tmp_path / "launcher.out"
     with output.open("wb") as out:
         launcher = subprocess.Popen(
-            swarm_command(root, 3), stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            swarm_command(root, 2), stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
     try:
-        # A node takes SIGTERM as "stop after this step" once it trains: wait until all three do.
+        # A node takes SIGTERM as "stop after this step" once it trains: wait until both do.
         wait_for(
-            lambda: all(has_step_record(root / f"node-{i}") for i in range(3)), 150, "three training nodes"
+            lambda: all(has_step_record(root / f"node-{i}") for i in range(2)), 150, "two training nodes"
         )
         launcher.send_signal(signal.SIGINT)
         code = launcher.wait(timeout=90)
@@ -202,10 +230,10 @@ def test_ctrl_c_stops_every_node_and_leaves_no_process(tmp_path):
             launcher.wait(10)
     text = output.read_text()
     assert code == 0, text[-4000:]
-    assert "stopping 3 node(s)" in text
+    assert "stopping 2 node(s)" in text
     report = json.loads((root / "report.json").read_text())
-    assert report["stopped_by"] == "signal" and report["exit_codes"] == [0, 0, 0], text[-4000:]
-    for index in range(3):
+    assert report["stopped_by"] == "signal" and report["exit_codes"] == [0, 0], text[-4000:]
+    for index in range(2):
         assert f"node-{index} exited with code 0" in text
         assert "stop requested: checkpointing" in (root / f"node-{index}.log").read_text()
     assert processes_left([node["pid"] for node in report["nodes"]], str(root)) == []
