@@ -265,7 +265,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             reply = pb.ContributionReply(
                 receipt=pb.ContributionReceipt(num_elements_received=header.num_elements)
             )
-            round_state.bytes_sent += await self._write(context, reply)
+            num_bytes = await self._write(context, reply)  # not `+= await`: other tasks add meanwhile
+            round_state.bytes_sent += num_bytes
         except ProtocolError as error:
             drain_bytes = None
             if state is not None and opened:
@@ -356,9 +357,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             reduced = await self._wait_decided(state, request.part_index, requester, context)
             if requester in state.parts[request.part_index].told_committed:
                 raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, "you hold the replica of this part")
-            state.bytes_sent += await self._write(
-                context, pb.AverageMessage(header=state.average_header(reduced))
-            )
+            num_bytes = await self._write(context, pb.AverageMessage(header=state.average_header(reduced)))
+            state.bytes_sent += num_bytes
             offset = 0
             for chunk_index, (size, payload) in enumerate(
                 zip(reduced.chunk_sizes, reduced.payloads, strict=True)
@@ -393,7 +393,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
         while not await state.pulse.wait_for(settled, min(heartbeat, remaining(state.all_gather_deadline))):
             if remaining(state.all_gather_deadline) <= 0:
                 raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "part not decided before the deadline")
-            state.bytes_sent += await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
+            num_bytes = await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
+            state.bytes_sent += num_bytes
         if not part.servable or part.decided is None or part.in_result:
             reason = "was released here" if part.released or part.in_result else "moved to a backup"
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
