@@ -71,72 +71,31 @@ import itertools
 import json
 import os
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import IO, Any
+from types import FrameType
 
-from hivemind_worker import descendant_pids
-from wan_emulator import WanEmulator, unavailable_reason
+from allreduce_summary import (
+    HIVEMIND_CODECS,
+    Setup,
+    evaluate_targets,
+    summarize_dtnode,
+    summarize_hivemind,
+    summary_line,
+)
+from peer_hosts import PeerHosts, run_peers
+from wan_emulator import unavailable_reason
 
-from protocol.codecs import CODEC_NAMES, get_codec
+from protocol.codecs import CODEC_NAMES
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
-HIVEMIND_CODECS = {"none": "none", "fp16": "fp16", "bf16": "fp16", "int8": "int8", "int4": "int8"}
 MEMORY_BUDGET_BYTES = 24 << 30
 # Planning estimate of one peer's footprint: interpreter + hivemind (~1 GiB) and up to six fp32
 # copies of the vector (hivemind's own, averaged and reference vectors plus check temporaries).
 PEER_FIXED_BYTES = 1 << 30
 PEER_VECTOR_COPIES = 6
-# Timeouts are planned for this goodput where no cap is set (loopback on a loaded 2-core machine).
-PLANNING_LOOPBACK_BYTES_PER_SECOND = 20e6
-# Generous rate of regenerating vectors for the exact-mean checks (numbers per second per peer).
-PLANNING_CHECK_NUMBERS_PER_SECOND = 10e6
 RENDEZVOUS_SECONDS = 120.0
-TARGET_ELEMENTS = (25_000_000, 100_000_000)
-TARGET_LINK_EFFICIENCY = 0.85
-TARGET_SPEEDUP = 2.0
-TARGET_MEMORY_X_VECTOR = 3.0
-STOP_GRACE = datetime.timedelta(seconds=5)
-# Once a peer failed, the others get this long to finish (or fail) on their own before being stopped.
-FAILURE_GRACE = datetime.timedelta(seconds=60)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Setup:
-    """One configuration of the benchmark."""
-
-    num_peers: int
-    num_elements: int
-    codec: str
-    link_mbit: float | None
-    num_rounds: int
-    seed: int
-
-    @property
-    def vector_bytes(self) -> int:
-        return 4 * self.num_elements
-
-    def ideal_seconds(self, num_bytes: int) -> float:
-        """Bandwidth-optimal all-reduce time of a num_bytes vector at the cap (or the planning rate)."""
-        rate = self.link_mbit * 1e6 / 8 if self.link_mbit else PLANNING_LOOPBACK_BYTES_PER_SECOND
-        return 2 * (self.num_peers - 1) / self.num_peers * num_bytes / rate
-
-    @property
-    def round_deadline_seconds(self) -> float:
-        """Deadline of one round, for either implementation: ten times the fp32 ideal, at least 2 min."""
-        return max(120.0, 10 * self.ideal_seconds(self.vector_bytes))
-
-    @property
-    def check_seconds(self) -> float:
-        """Time allowed for a peer's exact-mean check: it regenerates all N vectors, N peers share 2 cores."""
-        return self.num_peers**2 * self.num_elements / PLANNING_CHECK_NUMBERS_PER_SECOND + 30
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -193,132 +152,6 @@ def check_memory(setups: list[Setup]) -> str | None:
     return None
 
 
-class PeerHosts:
-    """Where the N peers run: the namespaces of a WanEmulator (capped uplinks) or this machine's loopback.
-
-    A context manager: leaving it (also on Ctrl-C or SIGTERM) stops every peer process with its
-    children, then removes the emulator's namespaces.
-    """
-
-    def __init__(self, num_peers: int, link_mbit: float | None) -> None:
-        self.num_peers = num_peers
-        self.emulator = WanEmulator(num_peers, link_mbit) if link_mbit is not None else None
-        self.processes: list[subprocess.Popen] = []
-
-    def address(self, index: int) -> str:
-        return self.emulator.address(index) if self.emulator is not None else "127.0.0.1"
-
-    def popen(self, index: int, argv: Sequence[str], stdout: IO[str], stderr: IO[str]) -> subprocess.Popen:
-        if self.emulator is not None:
-            process = self.emulator.popen(index, argv, stdout=stdout, stderr=stderr, text=True)
-        else:
-            # Own session: a Ctrl-C on the terminal reaches only us, and we stop the peers in order.
-            process = subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
-        self.processes.append(process)
-        return process
-
-    def tx_bytes(self) -> list[int] | None:
-        """Bytes each host's eth0 has sent so far (None on loopback, where all peers share `lo`)."""
-        if self.emulator is None:
-            return None
-        counts = []
-        for index in range(self.num_peers):
-            command = ["ip", "-n", self.emulator.namespace(index), "-j", "-s", "link", "show", "dev", "eth0"]
-            output = subprocess.run(command, capture_output=True, text=True, check=True, timeout=20).stdout
-            counts.append(int(json.loads(output)[0]["stats64"]["tx"]["bytes"]))
-        return counts
-
-    def stop(self, processes: Sequence[subprocess.Popen]) -> None:
-        """SIGTERM each running peer's process group, SIGKILL it after STOP_GRACE, and kill its
-        descendants too (hivemind's p2pd may leave the group)."""
-        running = [process for process in processes if process.poll() is None]
-        descendants = [pid for process in running for pid in descendant_pids(process.pid)]
-        for process in running:
-            _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE.total_seconds()
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait(timeout=STOP_GRACE.total_seconds())
-        for pid in descendants:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue  # it exited with its parent
-
-    def __enter__(self) -> PeerHosts:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            self.stop(self.processes)
-        finally:
-            if self.emulator is not None:
-                self.emulator.close()
-
-
-def _signal_group(process_group: int, signum: int) -> None:
-    try:
-        os.killpg(process_group, signum)
-    except ProcessLookupError:
-        return  # the whole group already exited
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerRun:
-    """What the N processes of one implementation left behind."""
-
-    stdouts: list[str]
-    error: str | None
-    """None if every peer exited 0; else which one failed (with its stderr's tail) or timed out."""
-    tx_bytes: list[int] | None
-    """Bytes each host's interface sent during the run (emulator only)."""
-
-
-def run_peers(
-    hosts: PeerHosts, argvs: list[list[str]], log_dir: Path, timeout: datetime.timedelta
-) -> PeerRun:
-    """Run one process per peer until all exit, one fails (then the others get FAILURE_GRACE) or timeout."""
-    log_dir.mkdir(parents=True)
-    tx_before = hosts.tx_bytes()
-    processes, files = [], []
-    try:
-        for index, argv in enumerate(argvs):
-            stdout = open(log_dir / f"peer-{index}.out", "w")  # closed in finally
-            stderr = open(log_dir / f"peer-{index}.err", "w")
-            files += [stdout, stderr]
-            processes.append(hosts.popen(index, argv, stdout, stderr))
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            if any(p.poll() not in (None, 0) for p in processes):
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE.total_seconds())
-            time.sleep(0.2)
-        timed_out = [i for i, p in enumerate(processes) if p.poll() is None]
-        hosts.stop(processes)
-    finally:
-        for file in files:
-            file.close()
-    tx_after = hosts.tx_bytes()
-    error = None
-    for index, process in enumerate(processes):
-        if index in timed_out or process.returncode != 0:
-            tail = (log_dir / f"peer-{index}.err").read_text().strip().splitlines()[-3:]
-            status = "did not finish in time" if index in timed_out else f"exited {process.returncode}"
-            error = f"peer {index} {status}: {' / '.join(tail)[-400:]}"
-            break
-    return PeerRun(
-        stdouts=[(log_dir / f"peer-{index}.out").read_text() for index in range(len(processes))],
-        error=error,
-        tx_bytes=None
-        if tx_before is None
-        else [b - a for a, b in zip(tx_before, tx_after or [], strict=True)],
-    )
-
-
 def dtnode_argv(setup: Setup, index: int, address: str, rendezvous: Path) -> list[str]:
     return [
         sys.executable,
@@ -341,126 +174,6 @@ def hivemind_argv(setup: Setup, index: int, address: str, rendezvous: Path, time
         *["--rendezvous-seconds", str(RENDEZVOUS_SECONDS), "--timeout", str(timeout)],
         *["--step-timeout", str(setup.round_deadline_seconds)],
     ]
-
-
-def rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def summarize_dtnode(setup: Setup, run: PeerRun) -> dict[str, object]:
-    """The dtnode fields of a configuration's record (module docstring) from its peers' JSON lines."""
-    records = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in run.stdouts]
-    if run.error or any(len(peer) != setup.num_rounds for peer in records):
-        counts = [len(peer) for peer in records]
-        return {"error": run.error or f"expected {setup.num_rounds} records per peer, got {counts}"}
-    by_round = list(zip(*records, strict=True))  # [round][peer]
-    identical = [len({r["sha256"] for r in peers}) == 1 for peers in by_round]
-    per_round = [min(r["seconds"] for r in peers) for peers in by_round]
-    timed = list(range(1, setup.num_rounds)) or [0]
-    seconds = round(statistics.median(per_round[k] for k in timed), 4)
-    wire_bytes = get_codec(setup.codec).encoded_num_bytes(setup.num_elements)
-    sent = statistics.mean(r["bytes_sent"] for k in timed for r in by_round[k])
-    last = by_round[-1]  # ru_maxrss only grows, so the last round holds each peer's peak
-    peak_rss = max(r["peak_rss_bytes"] for r in last)
-    above_baseline = max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in last)
-    link_bound = setup.ideal_seconds(wire_bytes) if setup.link_mbit else None
-    summary: dict[str, object] = {
-        "seconds": seconds,
-        "seconds_statistic": (
-            f"median over rounds {timed[0]}..{timed[-1]} of the fastest peer's time"
-            + (" (round 0, which opens the connections, is first_round_seconds)" if timed[0] else "")
-        ),
-        "first_round_seconds": per_round[0],
-        "first_round_link_efficiency": rounded(link_bound / per_round[0] if link_bound else None),
-        "seconds_per_round": per_round,
-        "seconds_max_peer_per_round": [max(r["seconds"] for r in peers) for peers in by_round],
-        "wire_bytes": wire_bytes,
-        "wire_bytes_per_peer": round(sent),
-        "wire_bytes_ideal_per_peer": round(2 * (setup.num_peers - 1) / setup.num_peers * wire_bytes),
-        "link_bound_seconds": rounded(link_bound),
-        "link_efficiency": rounded(link_bound / seconds if link_bound else None),
-        "max_abs_error": max(r["max_abs_error"] for peers in by_round for r in peers),
-        "max_abs_error_per_round": [max(r["max_abs_error"] for r in peers) for peers in by_round],
-        "cpu_seconds_per_peer": rounded(
-            statistics.mean(r["cpu_seconds"] for k in timed for r in by_round[k])
-        ),
-        "cpu_cores": os.cpu_count(),
-        "peak_rss_bytes_per_peer": peak_rss,
-        "peak_rss_bytes_per_round": [max(r["peak_rss_bytes"] for r in peers) for peers in by_round],
-        "baseline_rss_bytes_per_peer": max(r["baseline_rss_bytes"] for r in last),
-        "peak_rss_above_baseline_bytes": above_baseline,
-        "peak_rss_x_vector": rounded(peak_rss / setup.vector_bytes, 3),
-        "peak_rss_above_baseline_x_vector": rounded(above_baseline / setup.vector_bytes, 3),
-        "bit_identical": all(identical),
-        "bit_identical_per_round": identical,
-        "fell_back": any(r["fell_back"] for peers in by_round for r in peers),
-        "failures": sorted({f for peers in by_round for r in peers for f in r["failures"]}),
-    }
-    if run.tx_bytes is not None:
-        summary["interface_tx_bytes_per_peer"] = round(statistics.mean(run.tx_bytes) / setup.num_rounds)
-    return summary
-
-
-def summarize_hivemind(setup: Setup, run: PeerRun) -> dict[str, object]:
-    """The hivemind fields of a configuration's record from its peers' reports (one JSON line each)."""
-    last_lines = [[line for line in out.splitlines() if line.startswith("{")][-1:] for out in run.stdouts]
-    if not all(last_lines):
-        return {"hivemind_ok": False, "hivemind_error": run.error or "a hivemind peer printed no report"}
-    reports = [json.loads(lines[0]) for lines in last_lines]
-    # A peer whose check failed says why in its report; the stderr tail (run.error) is the last resort.
-    errors = [
-        f"peer {i}: {r['error'] or 'not averaged'} (group {r['group_size']}/{setup.num_peers}, "
-        f"relative L2 error {r['relative_l2_error']})"
-        for i, r in enumerate(reports)
-        if not r["averaged_ok"]
-    ]
-    allreduce = [r["allreduce_seconds"] for r in reports]
-    timed = not errors and run.error is None and None not in allreduce
-    peak_rss = max(r["peak_rss_bytes"] for r in reports)
-    above_baseline = max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in reports)
-    summary: dict[str, object] = {
-        "hivemind_codec": HIVEMIND_CODECS[setup.codec],
-        "hivemind_ok": not errors and run.error is None,
-        "hivemind_error": "; ".join(errors) or run.error,
-        "hivemind_seconds": rounded(min(allreduce)) if timed else None,
-        "hivemind_seconds_max_peer": rounded(max(allreduce)) if timed else None,
-        "hivemind_allreduce_seconds_per_peer": [rounded(seconds) for seconds in allreduce],
-        "hivemind_step_seconds": rounded(max(r["seconds"] or 0.0 for r in reports)),
-        "hivemind_max_abs_error": max(r["max_abs_error"] or 0.0 for r in reports) if timed else None,
-        "hivemind_peak_rss_bytes_per_peer": peak_rss,
-        "hivemind_baseline_rss_bytes_per_peer": max(r["baseline_rss_bytes"] for r in reports),
-        "hivemind_peak_rss_children_bytes": max(r["peak_rss_children_bytes"] for r in reports),
-        "hivemind_peak_rss_x_vector": rounded(peak_rss / setup.vector_bytes, 3),
-        "hivemind_peak_rss_above_baseline_x_vector": rounded(above_baseline / setup.vector_bytes, 3),
-    }
-    if run.tx_bytes is not None:
-        summary["hivemind_interface_tx_bytes_per_peer"] = round(statistics.mean(run.tx_bytes))
-    return summary
-
-
-def evaluate_targets(setup: Setup, record: dict[str, object]) -> dict[str, dict[str, object]]:
-    """The module docstring's targets that apply to this configuration, each with its verdict."""
-    targets: dict[str, dict[str, object]] = {}
-    in_range = TARGET_ELEMENTS[0] <= setup.num_elements <= TARGET_ELEMENTS[1]
-    if in_range and setup.codec == "int8" and setup.link_mbit == 100 and setup.num_peers in (4, 8):
-        value = record.get("link_efficiency")
-        targets["link_efficiency"] = {"value": value, "min": TARGET_LINK_EFFICIENCY}
-    if in_range and setup.codec == "int8" and setup.link_mbit is None and setup.num_peers in (2, 4):
-        value = record.get("speedup_vs_hivemind")
-        targets["speedup_vs_hivemind"] = {"value": value, "min": TARGET_SPEEDUP}
-    targets["peak_rss_above_baseline_x_vector"] = {
-        "value": record.get("peak_rss_above_baseline_x_vector"),
-        "max": TARGET_MEMORY_X_VECTOR,
-    }
-    for target in targets.values():
-        value = target["value"]
-        if value is None:
-            target["pass"] = False  # the run failed, so the target is not met
-        elif "min" in target:
-            target["pass"] = value >= target["min"]  # type: ignore[operator]
-        else:
-            target["pass"] = value <= target["max"]  # type: ignore[operator]
-    return targets
 
 
 def run_setup(setup: Setup, with_hivemind: bool, workdir: Path) -> dict[str, object]:
@@ -507,39 +220,6 @@ def run_setup(setup: Setup, with_hivemind: bool, workdir: Path) -> dict[str, obj
     record["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     record["targets"] = evaluate_targets(setup, record)
     return record
-
-
-def summary_line(r: dict[str, Any]) -> str:
-    """One human-readable line for a record: times, speedup, errors, memory, agreement, verdicts."""
-    link = f"{r['link_mbit']:g} Mbit/s" if r["link_mbit"] else "loopback"
-    head = f"N={r['peers']} {r['codec']} E={r['elements']:,} {link}:"
-    if "error" in r:
-        return f"{head} dtnode FAILED: {r['error']}"
-    parts = [f"dtnode {r['seconds']:.2f} s (first round {r['first_round_seconds']:.2f} s"]
-    if r["link_bound_seconds"] is not None:
-        parts[0] += (
-            f"; link bound {r['link_bound_seconds']:.2f} s, efficiency {r['link_efficiency']:.2f}"
-            f", first round {r['first_round_link_efficiency']:.2f}"
-        )
-    parts[0] += f"; {r['cpu_seconds_per_peer']:.2f} CPU-s per peer on {r['cpu_cores']} cores)"
-    if r.get("hivemind_seconds") is not None:
-        parts.append(f"hivemind {r['hivemind_seconds']:.2f} s -> {r['speedup_vs_hivemind']:.2f}x")
-    elif "hivemind_ok" in r:
-        parts.append(f"hivemind FAILED: {r['hivemind_error']}")
-    errors = f"err {r['max_abs_error']:.3g}"
-    if r.get("hivemind_max_abs_error") is not None:
-        errors += f" (hivemind {r['hivemind_max_abs_error']:.3g})"
-    rss = f"peak RSS {r['peak_rss_x_vector']:.2f}x vector"
-    rss += f", {r['peak_rss_above_baseline_x_vector']:.2f}x above the pre-round baseline"
-    if r.get("hivemind_peak_rss_x_vector") is not None:
-        rss += f" (hivemind {r['hivemind_peak_rss_x_vector']:.2f}x"
-        rss += f", {r['hivemind_peak_rss_above_baseline_x_vector']:.2f}x)"
-    parts += [errors, rss]
-    if r["fell_back"] or r["failures"]:
-        parts.append(f"fell back: {r['fell_back']}, {len(r['failures'])} failure(s) recorded")
-    parts.append("bit-identical" if r["bit_identical"] else "NOT bit-identical")
-    verdicts = ", ".join(f"{name} {'PASS' if t['pass'] else 'FAIL'}" for name, t in r["targets"].items())
-    return f"{head} {' | '.join(parts)} | targets: {verdicts}"
 
 
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:

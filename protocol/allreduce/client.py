@@ -26,7 +26,7 @@ from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from protocol.allreduce.round import RoundState
+    from protocol.allreduce.round_core import RoundCore
 
 # Statuses after which asking the next member of the chain cannot help: the refusal is about us.
 _REFUSALS = {
@@ -57,7 +57,7 @@ def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def _connected_stub(state: RoundState, target: int, deadline: float) -> pb_grpc.AllReduceStub:
+async def _connected_stub(state: RoundCore, target: int, deadline: float) -> pb_grpc.AllReduceStub:
     """A stub for member `target`, once its connection is up or failed (see PeerClient.wait_connected)."""
     address = state.group.members[target].address
     wait = min(state.config.connect_timeout.total_seconds(), _remaining(deadline))
@@ -182,7 +182,7 @@ def _classify_push_error(code: grpc.StatusCode | None, details: str) -> tuple[Pu
 
 
 async def push_contribution(
-    round_state: RoundState, target: int, part_index: int, deadline: float
+    round_state: RoundCore, target: int, part_index: int, deadline: float
 ) -> tuple[PushOutcome, str]:
     """Stream our contribution to `part_index` to member `target`; return what happened and why.
 
@@ -238,7 +238,7 @@ async def push_contribution(
 
 
 async def push_replica(
-    round_state: RoundState, target: int, reduced: ReducedPart, deadline: float, *, committed: bool = False
+    round_state: RoundCore, target: int, reduced: ReducedPart, deadline: float, *, committed: bool = False
 ) -> None:
     """Hand member `target` a copy of our decided average; PeerFailed(moved=True) if it holds another version.
 
@@ -290,7 +290,7 @@ async def push_replica(
 
 
 async def pull_average(
-    round_state: RoundState,
+    round_state: RoundCore,
     target: int,
     part_index: int,
     deadline: float,

@@ -283,7 +283,7 @@ class SwarmNode:
     # --- keeping the DHT whole ---
 
     async def _watch_swarm(self) -> None:
-        """Every ``view_refresh`` x 5: read the view, and knock on peers we lost from it.
+        """Every ``view_refresh`` x 5 (x 2 while some are lost): read the view, knock on peers we lost.
 
         A partition makes each side drop the other from its DHT routing table; without a knock,
         the two halves of the DHT would never merge again after the partition heals. The bootstrap
@@ -291,8 +291,11 @@ class SwarmNode:
         """
         period = 5 * self.config.view_refresh.total_seconds()
         bootstrap = [address.rpartition("/p2p/")[2] for address in self.config.dht.initial_peers]
+        lost: list[str] = []
         while True:
-            await asyncio.sleep(period)
+            # While peers are missing, knock sooner: a healed partition should merge well within a round.
+            await asyncio.sleep(period if not lost else 2 * self.config.view_refresh.total_seconds())
+            lost = []
             try:
                 view = await self.driver.refresh_view()
                 forget_before = view.now - 10 * self.config.record_ttl.total_seconds()

@@ -21,9 +21,12 @@ from node.diloco import flatten_params, tensor_hash
 from node.model import GPT, cross_entropy_loss, model_config
 from node.schedule import LRSchedule
 from node.trainer import build_inner_optimizer
+from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import get_codec
 from tests.scripts.script_loader import load_script
 
+simulated = load_script("simulated_allreduce")  # bench_convergence imports these two by their bare names
+variants = load_script("convergence_variants")
 bench = load_script("bench_convergence")
 
 TINY = {"preset": "nano", "seq_len": 32, "batch_size": 2, "num_workers": 2, "steps": 4, "warmup_steps": 1}
@@ -51,7 +54,7 @@ def _part_payloads(codec_name: str, num_elements: int, num_members: int, chunk: 
 
 def test_none_codec_averages_exactly() -> None:
     vectors = _vectors(3, 1001)
-    allreduce = bench.SimulatedAllReduce(
+    allreduce = simulated.SimulatedAllReduce(
         num_members=3,
         num_elements=1001,
         codec=get_codec("none"),
@@ -67,7 +70,7 @@ def test_none_codec_averages_exactly() -> None:
 @pytest.mark.parametrize("codec_name", ["none", "int8", "int4"])
 def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
     num_members, num_elements, chunk = 3, 1001, 100
-    allreduce = bench.SimulatedAllReduce(
+    allreduce = simulated.SimulatedAllReduce(
         num_members=num_members, num_elements=num_elements, codec=get_codec(codec_name),
         error_feedback=codec_name != "none", chunk_num_elements=chunk,
     )  # fmt: skip
@@ -80,14 +83,14 @@ def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
     assert allreduce.bytes_sent == expected
     mean_sent = sum(allreduce.bytes_sent) / num_members
     assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * sum(parts))
-    assert sum(parts) == bench.payload_bytes(get_codec(codec_name), num_elements, num_members, chunk)
+    assert sum(parts) == simulated.payload_bytes(get_codec(codec_name), num_elements, num_members, chunk)
     if codec_name == "none":
         assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * 4 * num_elements)
 
 
 def _reference_ddp_hash() -> str:
     """Single process: each step, the mean of both shards' gradients, then clip and AdamW (as DDP must)."""
-    settings = bench.BenchSettings(**TINY)
+    settings = variants.BenchSettings(**TINY)
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)  # the ranks' thread count: the same matmul reduction order
     try:
@@ -152,7 +155,7 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash()
     for name, codec_name in (("diloco-H2-none", "none"), ("diloco-H2-int4-ef", "int4")):
         record = printed[name]
-        parts = _part_payloads(codec_name, num_params, 2, bench.AllReduceConfig().chunk_num_elements)
+        parts = _part_payloads(codec_name, num_params, 2, AllReduceConfig().chunk_num_elements)
         expected = 2 * 2 * (2 - 1) / 2 * sum(parts)  # 2 rounds x 2 (N - 1) / N x payload
         assert record["bytes_sent_per_worker"] == pytest.approx(expected)
         assert record["reduction_vs_ddp"] == pytest.approx(ddp_bytes / expected)

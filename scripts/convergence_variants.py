@@ -1,0 +1,370 @@
+"""The variants of ``bench_convergence.py`` and how each one trains.
+
+``BenchSettings`` is the training setup every variant shares; a ``Variant`` (``parse_variant``) is one
+way of combining the workers. A ``Worker`` is one replica: the node's GPT, AdamW and LR schedule on
+its own data shard (``build_worker``, ``inner_step``). ``run_diloco`` runs N DiLoCo workers in one
+process, their outer rounds through ``SimulatedAllReduce``; ``ddp_rank_main`` is one rank of the DDP
+baseline over gloo. ``RUNNERS`` maps each kind to its in-process runner; ``PENDING_KINDS`` are
+announced but not run yet. The method is described in ``bench_convergence.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from simulated_allreduce import SimulatedAllReduce, ddp_bytes_per_step, payload_bytes
+from torch import nn
+
+from node.config import NodeConfig
+from node.corpus import Corpus
+from node.data import ShardedBatches, eval_batches, load_corpus
+from node.diloco import AveragingOutcome, DiLoCo, flatten_params, tensor_hash
+from node.model import GPT, cross_entropy_loss, model_config
+from node.schedule import LRSchedule
+from node.trainer import build_inner_optimizer
+from protocol.allreduce.config import AllReduceConfig
+from protocol.codecs import CODEC_NAMES, get_codec
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+"""Longest a DDP rank waits in the rendezvous or one all_reduce before gloo raises."""
+PENDING_KINDS = {"overlap": "the node has no --overlap (delayed outer update) yet: issue 5, item 2"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """One benchmark's shared training setup (identical for every variant)."""
+
+    preset: str
+    """Model preset of ``node.model.MODEL_PRESETS``."""
+    seq_len: int
+    """Context length in tokens."""
+    batch_size: int
+    """Sequences per worker per inner step."""
+    num_workers: int
+    """N: DDP ranks and DiLoCo workers."""
+    steps: int
+    """Inner steps per worker (a multiple of every DiLoCo H)."""
+    warmup_steps: int
+    """Linear LR warmup; then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    inner_lr: float = 1e-3
+    """Peak AdamW learning rate (the node's default)."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (norm gains are not decayed), as the node."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the (averaged, for DDP) gradient norm to this before every AdamW step."""
+    outer_lr: float = 0.7
+    """DiLoCo outer Nesterov learning rate (the node's default)."""
+    outer_momentum: float = 0.9
+    """DiLoCo outer Nesterov momentum (the node's default)."""
+    seed: int = 0
+    """Seed of the model initialisation (every worker starts from the same params)."""
+    data_seed: int = 0
+    """Seed of the data order; worker i reads shard i of N."""
+    eval_every: int = 25
+    """DDP evaluates every this many steps; also the window of ``final_train_loss``."""
+    eval_batch_size: int = 16
+    """Sequences per held-out batch."""
+    num_eval_batches: int = 8
+    """Held-out batches, evenly spaced over the validation stream; the same for every variant."""
+    threads: int = 1
+    """torch intra-op threads per process."""
+    chunk_num_elements: int = AllReduceConfig().chunk_num_elements
+    """Streamed chunk size of the simulated all-reduce (the swarm's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "num_workers", "steps", "eval_every", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 2:
+            raise ValueError(f"num_workers must be >= 2 (one worker sends nothing), got {self.num_workers}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens all workers together train on per inner step."""
+        return self.num_workers * self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H and codec."""
+
+    kind: str
+    inner_steps: int = 1
+    codec: str = "none"
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.kind != "ddp" and self.codec != "none"  # as the swarm: feedback for lossy codecs
+
+    @property
+    def name(self) -> str:
+        if self.kind == "ddp":
+            return "ddp"
+        return f"{self.kind}-H{self.inner_steps}-{self.codec}" + ("-ef" if self.error_feedback else "")
+
+    def spec(self) -> str:
+        return "ddp" if self.kind == "ddp" else f"{self.kind}:{self.inner_steps}:{self.codec}"
+
+
+def parse_variant(text: str) -> Variant:
+    """``ddp`` or ``KIND:H:CODEC`` (e.g. ``diloco:100:int4``)."""
+    if text == "ddp":
+        return Variant("ddp")
+    fields = text.split(":")
+    if len(fields) != 3 or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
+        raise ValueError(f"bad variant {text!r}: use ddp or KIND:H:CODEC with KIND in diloco, overlap")
+    if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
+        raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
+    return Variant(fields[0], int(fields[1]), fields[2])
+
+
+# --- one worker's training -------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """One worker's replica: its model, its AdamW, its data shard and its training losses."""
+
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    batches: ShardedBatches
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build_worker(settings: BenchSettings, corpus: Corpus, shard_index: int) -> Worker:
+    config = model_config(settings.preset, vocab_size=corpus.vocab_size, seq_len=settings.seq_len)
+    torch.manual_seed(settings.seed)  # the same initial params on every worker and in every variant
+    model = GPT(config)
+    model.train()
+    node_config = NodeConfig(
+        inner_lr=settings.inner_lr,
+        weight_decay=settings.weight_decay,
+        beta1=settings.beta1,
+        beta2=settings.beta2,
+    )
+    batches = ShardedBatches(
+        corpus.train, seq_len=settings.seq_len, batch_size=settings.batch_size, seed=settings.data_seed,
+        shard_index=shard_index, num_shards=settings.num_workers,
+    )  # fmt: skip
+    return Worker(model=model, optimizer=build_inner_optimizer(model, node_config), batches=batches)
+
+
+def schedule_of(settings: BenchSettings) -> LRSchedule:
+    return LRSchedule(
+        kind="cosine", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
+        horizon_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio,
+    )  # fmt: skip
+
+
+def inner_step(
+    worker: Worker,
+    settings: BenchSettings,
+    lr: float,
+    sync: Callable[[Worker, torch.Tensor], float] | None = None,
+) -> float:
+    """One AdamW step on the worker's next batch; ``sync`` averages the grads (DDP) and returns the loss."""
+    x, y = worker.batches.next_batch()  # (B, T), (B, T)
+    for group in worker.optimizer.param_groups:
+        group["lr"] = lr
+    loss = cross_entropy_loss(worker.model(x), y)
+    loss.backward()
+    loss_value = loss.item() if sync is None else sync(worker, loss.detach())
+    if settings.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(worker.params, settings.grad_clip)
+    worker.optimizer.step()
+    worker.optimizer.zero_grad(set_to_none=True)
+    worker.losses.append(loss_value)
+    return loss_value
+
+
+def recent_train_loss(workers: list[Worker], window: int) -> float:
+    """Mean training loss of the last ``window`` steps over all workers."""
+    return sum(sum(w.losses[-window:]) / len(w.losses[-window:]) for w in workers) / len(workers)
+
+
+def _progress(step: int, num_steps: int, eval_loss: float) -> None:
+    """A line in the process's log, to follow a long run."""
+    print(f"step {step}/{num_steps} eval_loss {eval_loss:.4f} cpu {time.process_time():.0f}s", flush=True)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, eval_set: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    total = sum(cross_entropy_loss(model(x), y).item() for x, y in eval_set)
+    model.train()
+    return total / len(eval_set)
+
+
+def load_data(settings: BenchSettings) -> tuple[Corpus, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.set_num_threads(settings.threads)
+    corpus = load_corpus(None, val_fraction=NodeConfig().val_fraction)
+    val = eval_batches(corpus.val, settings.seq_len, settings.eval_batch_size, settings.num_eval_batches)
+    return corpus, val
+
+
+# --- variant runners -------------------------------------------------------------------------------
+
+
+class _RoundAverager:
+    """One member's ``Averager``: hands ``DiLoCo.outer_step`` the mean the simulated group computed."""
+
+    def __init__(self) -> None:
+        self._expected: torch.Tensor | None = None
+        self._outcome: AveragingOutcome | None = None
+
+    def prepare(self, vector: torch.Tensor, outcome: AveragingOutcome) -> None:
+        self._expected, self._outcome = vector, outcome
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        outcome, expected = self._outcome, self._expected
+        assert outcome is not None and expected is not None, "prepare() the round first"
+        assert torch.equal(vector, expected), "DiLoCo averaged another Δ than the group reduced"
+        self._outcome = self._expected = None
+        return outcome
+
+
+def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
+    """N DiLoCo workers in this process, outer rounds through ``SimulatedAllReduce``."""
+    start = time.perf_counter()
+    num_workers, inner_steps = settings.num_workers, variant.inner_steps
+    if settings.steps % inner_steps:
+        raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
+    corpus, eval_set = load_data(settings)
+    workers = [build_worker(settings, corpus, i) for i in range(num_workers)]
+    averagers = [_RoundAverager() for _ in workers]
+    outer = [
+        DiLoCo(
+            w.model,
+            averager=a,
+            outer_lr=settings.outer_lr,
+            outer_momentum=settings.outer_momentum,
+            nesterov=settings.outer_momentum > 0,  # torch refuses Nesterov without momentum
+        )
+        for w, a in zip(workers, averagers, strict=True)
+    ]
+    allreduce = SimulatedAllReduce(
+        num_members=num_workers, num_elements=outer[0].num_elements, codec=get_codec(variant.codec),
+        error_feedback=variant.error_feedback, chunk_num_elements=settings.chunk_num_elements,
+    )  # fmt: skip
+    schedule = schedule_of(settings)
+    history = [(0, 0.0, evaluate(workers[0].model, eval_set))]  # (tokens, bytes per worker, eval loss)
+    hashes: list[str] = []
+    for step in range(settings.steps):
+        lr = schedule.lr(step)
+        for worker in workers:  # the inner phase: each worker alone on its shard
+            inner_step(worker, settings, lr)
+        if (step + 1) % inner_steps:
+            continue
+        round_index = (step + 1) // inner_steps
+        # As in the node, a worker's weight is the number of tokens of its round.
+        weight = float(inner_steps * settings.batch_size * settings.seq_len)
+        deltas = [o.pseudo_gradient() for o in outer]
+        sent_before = list(allreduce.bytes_sent)
+        averaged = allreduce.reduce(deltas, [weight] * num_workers)
+        for m, (o, averager, delta) in enumerate(zip(outer, averagers, deltas, strict=True)):
+            sent = allreduce.bytes_sent[m] - sent_before[m]
+            averager.prepare(
+                delta, AveragingOutcome(averaged=averaged.clone(), num_peers=num_workers, bytes_sent=sent)
+            )
+            o.outer_step(round_index=round_index, weight=weight)
+        hashes = [o.param_hash() for o in outer]
+        assert len(set(hashes)) == 1, "the workers' global params diverged"
+        bytes_per_worker = sum(allreduce.bytes_sent) / num_workers
+        tokens = (step + 1) * settings.tokens_per_step
+        history.append((tokens, bytes_per_worker, evaluate(workers[0].model, eval_set)))
+        _progress(step + 1, settings.steps, history[-1][2])
+    num_rounds = settings.steps // inner_steps
+    payload = payload_bytes(allreduce.codec, outer[0].num_elements, num_workers, settings.chunk_num_elements)
+    return {
+        "num_params": outer[0].num_elements,
+        "rounds": num_rounds,
+        "history": history,
+        "final_train_loss": recent_train_loss(workers, settings.eval_every),
+        "bytes_sent_per_worker": sum(allreduce.bytes_sent) / num_workers,
+        "bytes_sent_per_worker_formula": num_rounds * 2 * (num_workers - 1) / num_workers * payload,
+        "bytes_formula": "rounds * 2*(N-1)/N * sum over parts and chunks of codec.encoded_num_bytes (scales included)",
+        "param_hashes": hashes,
+        "simulated": True,
+        "accounting": "in-process simulation of the swarm all-reduce's arithmetic (real codecs, error "
+        "feedback and PartReducer) and of its wire payload bytes; no sockets, framing not counted",
+        "wall_seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time(),
+    }
+
+
+def ddp_rank_main(settings: BenchSettings, rank: int, store: Path, result_path: Path) -> None:
+    """One DDP rank: gradients (and the loss, for the log) all-reduced every step over gloo."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    corpus, eval_set = load_data(settings)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=settings.num_workers,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    worker = build_worker(settings, corpus, rank)
+    params = worker.params
+    flat = torch.empty(sum(p.numel() for p in params) + 1)  # (P + 1,): every grad, then the loss
+
+    def average_gradients(worker: Worker, loss: torch.Tensor) -> float:
+        torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None] + [loss.reshape(1)], out=flat)
+        dist.all_reduce(flat)  # sum over ranks
+        flat.div_(settings.num_workers)
+        offset = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        return float(flat[-1])
+
+    schedule = schedule_of(settings)
+    history = [(0, 0.0, evaluate(worker.model, eval_set))] if rank == 0 else []
+    per_step = ddp_bytes_per_step(settings.num_workers, len(flat) - 1)
+    for step in range(settings.steps):
+        inner_step(worker, settings, schedule.lr(step), average_gradients)
+        if rank == 0 and ((step + 1) % settings.eval_every == 0 or step + 1 == settings.steps):
+            tokens, sent = (step + 1) * settings.tokens_per_step, (step + 1) * per_step
+            history.append((tokens, sent, evaluate(worker.model, eval_set)))
+            _progress(step + 1, settings.steps, history[-1][2])
+    param_hash = tensor_hash(flatten_params(params, device="cpu"))
+    dist.barrier()
+    dist.destroy_process_group()
+    record = {
+        "rank": rank,
+        "param_hash": param_hash,
+        "history": history,
+        "final_train_loss": recent_train_loss([worker], settings.eval_every),
+        "num_params": len(flat) - 1,
+        "wall_seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time(),
+    }
+    result_path.write_text(json.dumps(record))
+
+
+RUNNERS: dict[str, Callable[[BenchSettings, Variant], dict[str, Any]] | None] = {
+    "ddp": None,  # multi-process: launched by `_launch`, its ranks run `ddp_rank_main`
+    "diloco": run_diloco,
+}

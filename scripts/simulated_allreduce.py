@@ -1,0 +1,109 @@
+"""The swarm all-reduce's arithmetic for N members in one process, and the bytes it and DDP send.
+
+``SimulatedAllReduce`` does to N vectors what the butterfly all-reduce of ``protocol.allreduce`` does,
+with the same code where it can (``split_by_weight``, ``chunk_sizes``, ``ErrorFeedback``, the real
+codecs and ``PartReducer``) and no sockets. ``payload_bytes`` and ``ddp_bytes_per_step`` are the byte
+formulas ``bench_convergence.py`` reports against; its docstring derives them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.allreduce.group import split_by_weight
+from protocol.allreduce.reducer import PartReducer, chunk_sizes
+from protocol.codecs import Codec
+from protocol.error_feedback import ErrorFeedback
+
+FP32_BYTES = 4
+
+
+# --- bytes -----------------------------------------------------------------------------------------
+
+
+def ddp_bytes_per_step(num_workers: int, num_params: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of the fp32 gradients: 2 (N - 1) / N x 4 x params."""
+    return 2 * (num_workers - 1) / num_workers * FP32_BYTES * num_params
+
+
+def payload_bytes(codec: Codec, num_elements: int, num_members: int, chunk_num_elements: int) -> int:
+    """The encoded vector as the all-reduce cuts it: sum over equal parts and their chunks."""
+    bounds = split_by_weight(num_elements, [1.0] * num_members)
+    return sum(
+        codec.encoded_num_bytes(size)
+        for low, high in zip(bounds[:-1], bounds[1:], strict=True)
+        for size in chunk_sizes(high - low, chunk_num_elements)
+    )
+
+
+# --- the simulated swarm all-reduce ----------------------------------------------------------------
+
+
+class SimulatedAllReduce:
+    """The swarm's reduce-scatter + all-gather arithmetic for N members in one process (no sockets).
+
+    Member m owns part m. Phase 1 (reduce-scatter): every member encodes its slice of every other
+    part (with its error feedback) and the owner folds them with its own fp32 slice in a
+    ``PartReducer``. Phase 2 (all-gather): the owner encodes the weighted mean once (with its
+    residual) and every member decodes those bytes. ``bytes_sent[m]`` counts the payloads m sends.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_members: int,
+        num_elements: int,
+        codec: Codec,
+        error_feedback: bool,
+        chunk_num_elements: int,
+    ) -> None:
+        self.num_members = num_members
+        self.codec = codec
+        self.chunk_num_elements = chunk_num_elements
+        self.bounds = split_by_weight(num_elements, [1.0] * num_members)
+        self.feedback = [ErrorFeedback(num_elements) for _ in range(num_members)] if error_feedback else None
+        self.bytes_sent = [0] * num_members  # cumulative over rounds
+
+    def _encode(self, member: int, values: torch.Tensor, offset: int) -> bytes:
+        if self.feedback is None:
+            return self.codec.encode(values).numpy().tobytes()
+        return self.feedback[member].encode(self.codec, values, offset).numpy().tobytes()
+
+    def reduce(self, vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """The token-weighted mean of ``vectors`` as every member decodes it: (E,) fp32."""
+        if len(vectors) != self.num_members or len(weights) != self.num_members:
+            raise ValueError(f"need {self.num_members} vectors and weights")
+        averaged = torch.empty_like(vectors[0])  # (E,)
+        for part in range(self.num_members):
+            low, high = self.bounds[part], self.bounds[part + 1]
+            reducer = PartReducer(
+                part_index=part, producer_index=part, num_elements=high - low, num_members=self.num_members,
+                codec=self.codec, chunk_num_elements=self.chunk_num_elements,
+            )  # fmt: skip
+            # Phase 1: the owner's slice stays fp32; every other member's crosses the wire encoded.
+            for member, (vector, weight) in enumerate(zip(vectors, weights, strict=True)):
+                if member == part:
+                    reducer.add_local(member, weight, vector[low:high])
+                    continue
+                reducer.begin(member, weight)
+                offset = 0
+                for size in chunk_sizes(high - low, self.chunk_num_elements):
+                    payload = self._encode(member, vector[low + offset : low + offset + size], low + offset)
+                    reducer.add_chunk(member, offset, size, payload)
+                    self.bytes_sent[member] += len(payload)
+                    offset += size
+                reducer.complete(member)
+            reducer.finalize()
+            jobs = reducer.plan_folds()
+            reducer.run_folds(jobs)
+            reducer.folds_done(jobs)
+            assert reducer.is_done() and len(reducer.contributors) == self.num_members
+            owner_feedback = None if self.feedback is None else self.feedback[part]
+            reduced = reducer.encode_average(error_feedback=owner_feedback, part_offset=low)
+            # Phase 2: the owner serves its encoded mean to the N - 1 others; all decode the same bytes.
+            self.bytes_sent[part] += (self.num_members - 1) * sum(len(p) for p in reduced.payloads)
+            offset = low
+            for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+                self.codec.decode_into(payload, averaged[offset : offset + size])
+                offset += size
+        return averaged
