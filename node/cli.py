@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -110,6 +111,7 @@ def setup_logging() -> None:
 
 
 def run_join(args: argparse.Namespace) -> int:
+    stop = _StopOnSignals()  # first: a signal during the slow start-up still ends in a clean exit
     flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
     config = load_config(config_file=args.config_file, flags=flags)
     log.info("config: %s", " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)))
@@ -118,16 +120,21 @@ def run_join(args: argparse.Namespace) -> int:
 
     if not config.swarm:
         trainer = Trainer(config)
-        _stop_on_signals(trainer)
+        stop.attach(trainer)
         trainer.run()
         return 0
+    from node.checkpoint import latest_checkpoint
+    from node.join import JOIN_TIMEOUT, Prefetch
     from node.swarm import SwarmSession, start_swarm
 
     swarm = start_swarm(config)
     try:
-        session = SwarmSession(swarm, joining=bool(config.peers))
+        # A fresh joiner fetches the swarm's state while its model and data are being built.
+        fresh = latest_checkpoint(config.resolved_run_dir / "checkpoints") is None
+        prefetch = Prefetch(swarm, join_timeout=JOIN_TIMEOUT) if config.peers and fresh else None
+        session = SwarmSession(swarm, joining=bool(config.peers), prefetch=prefetch)
         trainer = Trainer(config, swarm=session)
-        _stop_on_signals(trainer)
+        stop.attach(trainer)
         trainer.run()
     finally:
         swarm.leave()
@@ -153,15 +160,34 @@ def run_swarm(args: argparse.Namespace) -> int:
     return launcher.run()
 
 
-def _stop_on_signals(trainer: Any) -> None:
-    """SIGINT/SIGTERM: finish the current step (or round), checkpoint, leave the swarm, exit 0."""
+class _StopOnSignals:
+    """SIGINT/SIGTERM: finish the current step (or round), checkpoint, leave the swarm, exit 0.
 
-    def on_signal(signum: int, frame: Any) -> None:
+    Installed before anything slow starts: a signal that arrives while the DHT starts or the model
+    is built is kept and handed to the trainer, which then stops before its first step.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Any = None
+        self._requested = False
+        self._pid = os.getpid()
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def attach(self, trainer: Any) -> None:
+        self._trainer = trainer
+        if self._requested:
+            trainer.request_stop()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a child forked after we were installed (the DHT): default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         log.info("received %s: finishing the current step", signal.Signals(signum).name)
-        trainer.request_stop()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+        self._requested = True
+        if self._trainer is not None:
+            self._trainer.request_stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,12 +35,14 @@ import torch
 
 from node.config import ConfigError, NodeConfig
 from node.diloco import AveragingOutcome, OuterStepReport, tensor_hash
+from node.join import JOIN_TIMEOUT, Prefetch
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.config import RoundConfig
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
+from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
@@ -127,7 +129,8 @@ class SwarmSession:
     """Averager for a node in a swarm; see the module docstring.
 
     ``joining``: the node was given peers, so before its first inner step it waits (up to
-    ``join_timeout``) to see them and adopts the swarm's state if its own is not canonical.
+    ``join_timeout``) to see them and adopts the swarm's state if its own is not canonical;
+    ``prefetch`` holds that state if it was fetched while the trainer was being built.
     """
 
     def __init__(
@@ -135,10 +138,12 @@ class SwarmSession:
         swarm: SwarmNode,
         *,
         joining: bool,
-        join_timeout: timedelta = timedelta(seconds=30),
+        join_timeout: timedelta = JOIN_TIMEOUT,
         on_round: Callable[[RoundResult], None] | None = None,
+        prefetch: Prefetch | None = None,
     ) -> None:
         self.swarm = swarm
+        self.prefetch = prefetch  # the canonical state fetched while the trainer was being built
         self.joining = joining
         self.join_timeout = join_timeout
         self.on_round = on_round
@@ -160,6 +165,7 @@ class SwarmSession:
         self.publish()
         if not self.joining:
             return
+        ahead = self.prefetch.result() if self.prefetch is not None else None
         view = self.swarm.wait_for_peers(1, self.join_timeout)
         if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
             log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
@@ -168,7 +174,11 @@ class SwarmSession:
         decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
         if decision.in_canonical:
             return
-        state = self._fetch_canonical(decision, why="joining")
+        state = None
+        if ahead is not None and ahead[0].canonical == decision.canonical:
+            state = self._checked(ahead[1])
+        else:
+            state = self._fetch_canonical(decision, why="joining")
         if state is None:
             log.warning("training on our own state until the next round's lineage check")
             return
@@ -310,11 +320,18 @@ class SwarmSession:
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
             return None
+        return self._checked(report)
+
+    def _checked(self, report: FetchReport) -> AdoptedState:
+        """The fetched snapshot checked against this node's model and corpus (ConfigError if it does
+        not fit: another model or corpus, so this node cannot be part of this swarm)."""
+        trainer = self._trainer
+        assert trainer is not None
         try:
             return adopted_state(
                 report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
             )
-        except ValueError as error:  # another model or corpus: this node cannot be part of this swarm
+        except ValueError as error:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
 
     def phase_should_end(self) -> bool:

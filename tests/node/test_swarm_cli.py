@@ -120,3 +120,16 @@ def test_sigterm_leaves_cleanly(tmp_path):
         alone = [r for r in first.records() if r["time"] > left_at + 1]
         assert all(r["peers"] == 1 for r in alone), alone
         assert all(r["seconds_comm"] < 4.0 for r in alone), [r["seconds_comm"] for r in alone]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_start_up_exits_cleanly(tmp_path):
+    """A signal while torch imports, the DHT starts or the model is built is kept, not fatal:
+    the node stops before its first step and exits 0."""
+    with Cluster(tmp_path) as cluster:
+        node = cluster.start(["--min-peers", "1", "--inner-steps", "20"])
+        time.sleep(1.5)  # past the interpreter's start, inside the slow imports and start-up
+        node.signal(signal.SIGTERM)
+        assert node.wait(60) == 0, tail(node)
+        assert "received SIGTERM" in node.log()
+        assert not [r for r in node.records() if "param_hash" in r]  # it never finished a round
