@@ -70,6 +70,10 @@ class RoundDriver:
         self._addresses: dict[str, str] = {}  # peer id -> gRPC address, from views and Accepts
         self.last_seen: dict[str, float] = {}  # peer id -> when a view last listed it (bounded)
         self._sends: set[asyncio.Task[bool]] = set()
+        # Sends to peers no view has listed yet (a leader whose record has not reached our DHT view
+        # proposes to us): sent as soon as a view or a message gives the address, or dropped once
+        # older than a proposal lives (the formation's own timeouts take over then).
+        self._unaddressed: list[tuple[float, Send]] = []
         self.num_messages_in = 0
         self.num_messages_dropped = 0
 
@@ -88,6 +92,7 @@ class RoundDriver:
             self._addresses[record.peer_id] = record.grpc_address
             self.last_seen.pop(record.peer_id, None)
             self.last_seen[record.peer_id] = view.now  # re-inserted: the dict stays in last-seen order
+        self._flush_unaddressed()
         for peer_id in view.left_peer_ids:  # said goodbye: no need to knock again
             self.last_seen.pop(peer_id, None)
         while len(self.last_seen) > MAX_REMEMBERED_PEERS:
@@ -106,6 +111,7 @@ class RoundDriver:
         elif isinstance(message, Begin):
             for member in message.group.members:
                 self._addresses.setdefault(member.peer_id, member.grpc_address)
+        self._flush_unaddressed()
         formation = self._formation
         if formation is not None:
             actions = formation.on_message(sender, message, self.clock())
@@ -132,10 +138,14 @@ class RoundDriver:
     def _send(self, send: Send) -> None:
         address = self._addresses.get(send.to)
         if address is None:
-            self.num_messages_dropped += 1
+            if len(self._unaddressed) >= MAX_PENDING_SENDS:
+                self.num_messages_dropped += 1
+                logger.warning("no address for %s; dropped %s", send.to, type(send.message).__name__)
+                return
             logger.info(
-                "no address for %s yet; dropped %s (its sender retries)", send.to, type(send.message).__name__
+                "no address for %s yet; %s held until a view lists it", send.to, type(send.message).__name__
             )
+            self._unaddressed.append((time.monotonic(), send))
             return
         if len(self._sends) >= MAX_PENDING_SENDS:
             self.num_messages_dropped += 1
@@ -146,6 +156,22 @@ class RoundDriver:
         )
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
+
+    def _flush_unaddressed(self) -> None:
+        """Send the held messages whose address is known now; drop those past the message timeout."""
+        if not self._unaddressed:
+            return
+        hold = max(self.config.message_timeout, self.config.rounds.proposal_timeout)  # a proposal's life
+        oldest = time.monotonic() - hold.total_seconds()
+        held, self._unaddressed = self._unaddressed, []
+        for since, send in held:
+            if since < oldest:
+                self.num_messages_dropped += 1
+                logger.info("no address for %s in time; dropped %s", send.to, type(send.message).__name__)
+            elif send.to in self._addresses:
+                self._send(send)
+            else:
+                self._unaddressed.append((since, send))
 
     # --- one formation ---
 

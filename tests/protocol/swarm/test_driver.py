@@ -1,0 +1,113 @@
+"""RoundDriver's sends to a peer that no DHT view has listed yet (a leader whose record is late).
+
+Real gRPC on loopback: a MembershipServicer stands for the leader and a MembershipClient sends.
+Only the DHT is stood in for, by a registry whose view the test sets: the point is a view that
+lags behind the messages. The reply must not be lost: it is held and delivered as soon as a view
+(or a message) gives the peer's address, and dropped only after a proposal's lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from datetime import timedelta
+
+import pytest
+import uvloop
+
+from protocol.membership.actions import Send
+from protocol.membership.messages import Accept, Message
+from protocol.membership.records import SwarmView
+from protocol.membership.transport import MembershipClient
+from protocol.swarm.config import PROTOCOL_VERSION
+from protocol.swarm.driver import RoundDriver
+from tests.protocol.membership.fake_swarm import make_record
+from tests.protocol.membership.test_transport import serving
+from tests.protocol.swarm.test_swarm_node import node_config
+
+pytestmark = pytest.mark.timeout(30)
+
+LEADER = "leader-peer"
+ME = "member-peer"
+
+
+class LaggingRegistry:
+    """The DHT as the driver reads it: whatever view the test last set."""
+
+    def __init__(self) -> None:
+        self.view = SwarmView(now=time.time(), peers=())
+
+    def fetch(self) -> SwarmView:
+        return self.view
+
+    def publish(self, record: object) -> None:
+        pass  # the driver publishes only while forming; these tests only send
+
+
+def accept(round: int = 1) -> Accept:
+    return Accept(
+        round=round, proposal_id="p1", grpc_address="127.0.0.1:1", num_tokens=10, bandwidth_bytes_per_s=1e6
+    )
+
+
+def make_driver(registry: LaggingRegistry, client: MembershipClient, proposal_timeout: float) -> RoundDriver:
+    config = node_config("driver-test", ())
+    rounds = dataclasses.replace(
+        config.rounds,
+        proposal_timeout=timedelta(seconds=proposal_timeout),
+        begin_timeout=timedelta(seconds=proposal_timeout + 1),
+    )
+    return RoundDriver(
+        config=dataclasses.replace(config, rounds=rounds),
+        peer_id=ME,
+        registry=registry,  # type: ignore[arg-type]
+        client=client,
+        clock=time.time,
+    )
+
+
+async def wait_received(received: list[tuple[str, Message]], count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(received) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def test_a_reply_to_an_unlisted_peer_is_held_until_a_view_lists_it() -> None:
+    async def scenario() -> None:
+        async with serving(protocol_version=PROTOCOL_VERSION) as leader:
+            client = MembershipClient(sender_id=ME, protocol_version=PROTOCOL_VERSION)
+            registry = LaggingRegistry()
+            driver = make_driver(registry, client, proposal_timeout=5.0)
+            driver._execute([Send(to=LEADER, message=accept())])
+            await asyncio.sleep(0.3)
+            assert leader.received == []  # no address for the leader yet
+            port = int(leader.address.rpartition(":")[2])
+            record = dataclasses.replace(make_record(LEADER, port=port), grpc_address=leader.address)
+            registry.view = SwarmView(now=time.time(), peers=(record,))
+            await driver.refresh_view()
+            await wait_received(leader.received, 1, 5.0)
+            assert leader.received == [(ME, accept())]
+            assert driver.num_messages_dropped == 0
+            await client.close()
+
+    uvloop.run(scenario())
+
+
+def test_a_held_reply_is_dropped_after_a_proposal_lifetime() -> None:
+    async def scenario() -> None:
+        async with serving(protocol_version=PROTOCOL_VERSION) as leader:
+            client = MembershipClient(sender_id=ME, protocol_version=PROTOCOL_VERSION)
+            registry = LaggingRegistry()
+            driver = make_driver(registry, client, proposal_timeout=0.5)  # the message timeout is longer
+            driver._execute([Send(to=LEADER, message=accept())])
+            await asyncio.sleep(driver.config.message_timeout.total_seconds() + 0.2)
+            record = dataclasses.replace(make_record(LEADER), grpc_address=leader.address)
+            registry.view = SwarmView(now=time.time(), peers=(record,))
+            await driver.refresh_view()
+            await asyncio.sleep(0.5)
+            assert leader.received == []  # too old: the proposal it answers is over
+            assert driver.num_messages_dropped == 1
+            await client.close()
+
+    uvloop.run(scenario())
