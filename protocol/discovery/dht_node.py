@@ -26,11 +26,13 @@ every TTL by that much).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,6 +53,36 @@ logger = logging.getLogger(__name__)
 
 # How long a stopping DHT process may take to stop its p2p daemon before it is killed.
 _SHUTDOWN_GRACE = timedelta(seconds=3)
+
+
+_PARENT_POLL = timedelta(seconds=1)
+
+
+class _OwnedDHT(DHT):
+    """hivemind's DHT process, tied to the process that started it.
+
+    hivemind forks the DHT into a process of its own, which starts the p2p daemon. If the node
+    dies without shutting it down (SIGKILL, OOM kill, a crash), both would go on serving a dead
+    node's records and holding its ports. A watchdog thread in the DHT process notices the parent
+    is gone (we are re-parented) and stops the daemon and itself.
+    """
+
+    def run(self) -> None:
+        parent = os.getppid()
+        threading.Thread(
+            target=_stop_when_orphaned, args=(parent,), name="dht-parent-watch", daemon=True
+        ).start()
+        super().run()
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """In the DHT process: once ``parent`` is gone, kill our children (the p2p daemon) and exit."""
+    while os.getppid() == parent:  # for the life of the process; one cheap syscall a second
+        time.sleep(_PARENT_POLL.total_seconds())
+    for child in _child_pids(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    os._exit(1)
 
 
 class DhtStartupError(RuntimeError):
@@ -132,7 +164,7 @@ class DhtNode:
         self.config = config
         self._send_lock = threading.Lock()
         self._closed = False
-        self._dht = DHT(
+        self._dht = _OwnedDHT(
             start=True,
             await_ready=False,
             shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -102,3 +106,34 @@ def test_startup_deadline_holds_against_a_peer_that_never_answers() -> None:
     assert address in str(failure.value)
     assert elapsed < 2.0 + 4.0  # the deadline, plus killing the DHT process and its daemon
     assert not no_new_daemons(before)
+
+
+HOLDER = """
+import sys, time
+from protocol.discovery import DhtConfig, DhtNode
+node = DhtNode(DhtConfig(listen="127.0.0.1:0"))
+print(node.pid, flush=True)
+time.sleep(60)  # until the test SIGKILLs us
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_owner_takes_its_dht_process_and_p2pd_with_it() -> None:
+    """Nothing of a crashed node keeps serving: its DHT process and p2p daemon stop within seconds."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert holder.stdout is not None
+        dht_pid = int(holder.stdout.readline())
+        group = live_processes_in_group(holder.pid)  # the holder, its DHT process and its p2pd
+        assert dht_pid in group and live_processes_in_group(holder.pid, name="p2pd")
+        holder.kill()
+        holder.wait(10)
+        left = poll(
+            lambda: live_processes_in_group(holder.pid), lambda alive: not alive, within=timedelta(seconds=10)
+        )
+        assert not left, f"still running after their owner was SIGKILLed: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
