@@ -40,12 +40,17 @@ class MetricsWriter:
         self._handle.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All complete records of a metrics file (a torn last line from a crash is skipped)."""
+def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The complete records of a metrics file (of ``kind`` only, if given), in file order; empty if
+    the file does not exist yet. A torn last line (a crash, or a writer still at it) is skipped."""
+    if not path.exists():
+        return []
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if kind is None or (isinstance(record, dict) and record.get("kind") == kind):
+            records.append(record)
     return records

@@ -15,11 +15,13 @@ The joiner's output is read line by line and each line stamped with the wall clo
 its ``metrics.jsonl`` records carry the joiner's own ``time.time()`` (same machine, same clock).
 Every time below is in seconds from the joiner's process start:
 
-    start -> imports, DHT up, corpus, model -> sees the swarm ("joining: adopting ...") -> fetch ->
-    load ("now at round") -> H inner steps -> round formation, all-reduce, outer step, eval -> record
+    start -> imports, DHT up -> sees the swarm ("joining: adopting ...") -> fetch -> load ("now at
+    round") -> inner steps -> round formation, all-reduce, outer step, eval -> record
+                   (corpus, model: built meanwhile, before the load; see node/join.py)
 
 startup_seconds:        to the "joining: adopting the swarm's state" line (Python/torch import, DHT
-                        start, corpus load, model build, waiting to see the swarm in the DHT).
+                        start, waiting to see the swarm in the DHT; a node with a checkpoint, which
+                        does not fetch ahead, also builds its corpus and model first).
 fetch_seconds:          the state fetch as timed by the fetcher itself (its "fetched Snapshot(...)"
                         log line): manifests, all ranges, verification.
 inner_phase_seconds:    the joiner's H inner steps before its first contributed round: from the
@@ -85,6 +87,8 @@ from types import FrameType
 from typing import IO, Any
 
 from wan_emulator import WanEmulator, unavailable_reason
+
+from node.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 0.2
@@ -183,18 +187,7 @@ def node_argv(settings: Settings, run_dir: Path, address: str, peers: str | None
 
 def read_records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     """The ``kind`` records of a node's metrics.jsonl so far (a half-written last line is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("kind") == kind:
-            records.append(record)
-    return records
+    return read_metrics(run_dir / "metrics.jsonl", kind=kind)
 
 
 def wait_until(

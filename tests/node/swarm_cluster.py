@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node.metrics import read_metrics
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Small and quick: the nano model, short inner phases, short windows and leases.
@@ -38,18 +40,7 @@ class Node:
 
     def records(self, kind: str = "round") -> list[dict[str, Any]]:
         """The node's metrics records of ``kind`` so far (a half-written last line is skipped)."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("kind") == kind:
-                records.append(record)
-        return records
+        return read_metrics(self.run_dir / "metrics.jsonl", kind=kind)
 
     def hashes(self) -> dict[int, str]:
         """round -> param_hash after it, for the rounds this node took part in (not adopted)."""
