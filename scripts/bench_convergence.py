@@ -16,9 +16,11 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD, lr 0.7,
                         momentum 0.9) on the mean pseudo-gradient. Codecs other than none use error
                         feedback, as the swarm does.
-    overlap:H:CODEC     the overlapped / delayed outer update (Streaming DiLoCo, Douillard et al. 2025,
-                        arXiv:2501.18512). PENDING: the node has no ``--overlap`` yet, so it is listed,
-                        announced and skipped.
+    overlap:H:CODEC     the overlapped / delayed outer update of ``dtnode join --overlap`` (Streaming
+                        DiLoCo, Douillard et al. 2025, arXiv:2501.18512): round k's mean lands during
+                        phase k+1, each worker restarts from the newest global params minus its own
+                        last phase; its eval after round k is of the global params then (rounds < k),
+                        with a last point once the last round has landed.
 
 How DiLoCo is run: an in-process simulation of the swarm's arithmetic, not the swarm. The N workers
 live in one process and step one after another; every H steps ``SimulatedAllReduce`` does what the

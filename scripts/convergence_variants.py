@@ -10,6 +10,7 @@ announced but not run yet. The method is described in ``bench_convergence.py``'s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -35,7 +36,7 @@ from protocol.codecs import CODEC_NAMES, get_codec
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest a DDP rank waits in the rendezvous or one all_reduce before gloo raises."""
-PENDING_KINDS = {"overlap": "the node has no --overlap (delayed outer update) yet: issue 5, item 2"}
+PENDING_KINDS: dict[str, str] = {}  # kinds announced but not runnable yet, and why
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,9 +244,26 @@ class _RoundAverager:
         return outcome
 
 
+@torch.no_grad()
+def _global_model(flat: torch.Tensor, into: GPT) -> GPT:
+    """``into`` holding the global params ``flat`` (overlap: the workers' models are mid-phase)."""
+    offset = 0
+    for p in (p for p in into.parameters() if p.requires_grad):
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return into
+
+
 def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
-    """N DiLoCo workers in this process, outer rounds through ``SimulatedAllReduce``."""
+    """N DiLoCo workers in this process, outer rounds through ``SimulatedAllReduce``.
+
+    ``overlap`` variants run the node's delayed outer update (``DiLoCo(overlap=True)``): round k's
+    mean is applied on the averaging thread during phase k+1, and each worker restarts phase k+1
+    from the newest global params minus its own Δ_k. Their eval at round k is of the global params
+    every worker holds then (rounds up to k-1), plus a last point once the last round is applied.
+    """
     start = time.perf_counter()
+    overlap = variant.kind == "overlap"
     num_workers, inner_steps = settings.num_workers, variant.inner_steps
     if settings.steps % inner_steps:
         raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
@@ -259,6 +277,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             outer_lr=settings.outer_lr,
             outer_momentum=settings.outer_momentum,
             nesterov=settings.outer_momentum > 0,  # torch refuses Nesterov without momentum
+            overlap=overlap,
         )
         for w, a in zip(workers, averagers, strict=True)
     ]
@@ -267,8 +286,10 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         error_feedback=variant.error_feedback, chunk_num_elements=settings.chunk_num_elements,
     )  # fmt: skip
     schedule = schedule_of(settings)
+    eval_model = copy.deepcopy(workers[0].model) if overlap else workers[0].model
     history = [(0, 0.0, evaluate(workers[0].model, eval_set))]  # (tokens, bytes per worker, eval loss)
     hashes: list[str] = []
+    global_now = torch.empty(0)
     for step in range(settings.steps):
         lr = schedule.lr(step)
         for worker in workers:  # the inner phase: each worker alone on its shard
@@ -278,7 +299,14 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         round_index = (step + 1) // inner_steps
         # As in the node, a worker's weight is the number of tokens of its round.
         weight = float(inner_steps * settings.batch_size * settings.seq_len)
-        deltas = [o.pseudo_gradient() for o in outer]
+        if overlap:
+            deltas = [o.phase_delta() for o in outer]
+            for o in outer:
+                o.finish_pending()  # round k-1, applied to the global params in the background
+            hashes = [o.param_hash() for o in outer]  # before the threads may step them again
+            global_now = outer[0].global_params.clone()
+        else:
+            deltas = [o.pseudo_gradient() for o in outer]
         sent_before = list(allreduce.bytes_sent)
         averaged = allreduce.reduce(deltas, [weight] * num_workers)
         for m, (o, averager, delta) in enumerate(zip(outer, averagers, deltas, strict=True)):
@@ -286,13 +314,31 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             averager.prepare(
                 delta, AveragingOutcome(averaged=averaged.clone(), num_peers=num_workers, bytes_sent=sent)
             )
-            o.outer_step(round_index=round_index, weight=weight)
-        hashes = [o.param_hash() for o in outer]
+            if overlap:
+                o.submit(delta, round_index=round_index, weight=weight)
+            else:
+                o.outer_step(round_index=round_index, weight=weight)
+        if not overlap:
+            hashes = [o.param_hash() for o in outer]
         assert len(set(hashes)) == 1, "the workers' global params diverged"
         bytes_per_worker = sum(allreduce.bytes_sent) / num_workers
         tokens = (step + 1) * settings.tokens_per_step
-        history.append((tokens, bytes_per_worker, evaluate(workers[0].model, eval_set)))
+        evaluated = _global_model(global_now, eval_model) if overlap else workers[0].model
+        history.append((tokens, bytes_per_worker, evaluate(evaluated, eval_set)))
         _progress(step + 1, settings.steps, history[-1][2])
+    if overlap:  # the last round lands: every worker holds the same, final, global params
+        for o in outer:
+            o.finish_pending()
+            o.close()
+        hashes = [o.param_hash() for o in outer]
+        assert len(set(hashes)) == 1, "the workers' global params diverged"
+        history.append(
+            (
+                history[-1][0],
+                history[-1][1],
+                evaluate(_global_model(outer[0].global_params, eval_model), eval_set),
+            )
+        )
     num_rounds = settings.steps // inner_steps
     payload = payload_bytes(allreduce.codec, outer[0].num_elements, num_workers, settings.chunk_num_elements)
     return {
@@ -367,4 +413,5 @@ def ddp_rank_main(settings: BenchSettings, rank: int, store: Path, result_path: 
 RUNNERS: dict[str, Callable[[BenchSettings, Variant], dict[str, Any]] | None] = {
     "ddp": None,  # multi-process: launched by `_launch`, its ranks run `ddp_rank_main`
     "diloco": run_diloco,
+    "overlap": run_diloco,  # with the delayed outer update, as `dtnode join --overlap`
 }

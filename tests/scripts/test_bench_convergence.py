@@ -133,9 +133,8 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         argv += ["--" + name.replace("_", "-"), str(value)]
     assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("note: overlap-H2-int4-ef is pending") for line in lines)
     printed = {r["variant"]: r for r in (json.loads(line) for line in lines if line.startswith("{"))}
-    assert list(printed) == ["ddp", "diloco-H2-none", "diloco-H2-int4-ef"]
+    assert list(printed) == ["ddp", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef"]
     assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
     results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
     records = {r["variant"]: r for r in results["variants"]}
@@ -153,10 +152,20 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ddp_bytes = 4 * 2 * (2 - 1) / 2 * 4 * num_params  # steps x ring all-reduce of fp32 grads
     assert ddp["bytes_sent_per_worker"] == pytest.approx(ddp_bytes) and ddp["reduction_vs_ddp"] == 1.0
     assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash()
-    for name, codec_name in (("diloco-H2-none", "none"), ("diloco-H2-int4-ef", "int4")):
+    for name, codec_name in (
+        ("diloco-H2-none", "none"),
+        ("diloco-H2-int4-ef", "int4"),
+        ("overlap-H2-int4-ef", "int4"),
+    ):
         record = printed[name]
         parts = _part_payloads(codec_name, num_params, 2, AllReduceConfig().chunk_num_elements)
         expected = 2 * 2 * (2 - 1) / 2 * sum(parts)  # 2 rounds x 2 (N - 1) / N x payload
         assert record["bytes_sent_per_worker"] == pytest.approx(expected)
         assert record["reduction_vs_ddp"] == pytest.approx(ddp_bytes / expected)
     assert printed["diloco-H2-none"]["reduction_vs_ddp"] == pytest.approx(2.0)  # H = 2, both fp32
+    # The delayed update: round 1's eval is of the initial params (round 1 lands during phase 2), and
+    # a last point, at the same tokens, once round 2 has landed; the synchronous run's round-1 eval
+    # has round 1 applied, so the two differ there.
+    delayed, synchronous = records["overlap-H2-int4-ef"]["history"], records["diloco-H2-int4-ef"]["history"]
+    assert len(delayed) == len(synchronous) + 1 and delayed[-1][0] == delayed[-2][0]
+    assert delayed[1][2] == delayed[0][2] != synchronous[1][2]
