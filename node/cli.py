@@ -1,7 +1,9 @@
 """The ``dtnode`` command line.
 
-``dtnode join`` starts a node. One flag per :class:`~node.config.NodeConfig` field is generated from
-the dataclass, so ``--help`` documents every setting; a flag given on the command line wins over
+``dtnode join`` starts a node; ``dtnode plan`` prints the dp x tp x pp layout the planner
+(``node.parallel.plan``) chooses for K devices, with its memory estimate and reasons. For ``join``, one
+flag per :class:`~node.config.NodeConfig` field is generated from the dataclass, so ``--help`` documents
+every setting; a flag given on the command line wins over
 ``DTNODE_*`` environment variables, which win over ``--config node.toml``, which wins over defaults.
 
 User mistakes end with one line on stderr and exit code 2; SIGINT/SIGTERM stop the node after the
@@ -101,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="swarm directory: node i runs in RUN_DIR/node-<i>, logs and report.{json,md} beside [default: runs/<name>]",
     )
+    plan = commands.add_parser(
+        "plan",
+        help="choose a dp x tp x pp layout for K devices and print why",
+        description="Estimate memory per device for every dp x tp x pp layout of K devices and print the "
+        "chosen one (rules and formulas: node/parallel/plan.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    plan.add_argument("--model", required=True, help="model preset (tiny, small, 350m, 1b, 7b, ...)")
+    plan.add_argument("--gpus", dest="num_devices", type=int, required=True, help="devices in the node")
+    plan.add_argument("--gpu-mem", dest="device_memory_gib", type=float, required=True, help="GiB per device")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (None = the preset's)")
+    plan.add_argument("--batch-size", type=int, default=16, help="sequences per inner step on this node")
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory left unplanned")
     return parser
 
 
@@ -139,6 +154,28 @@ def run_join(args: argparse.Namespace) -> int:
     finally:
         swarm.leave()
         swarm.close()
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the planner's choice; a model or memory that cannot work is a user mistake (exit 2)."""
+    from node.model import model_config
+    from node.parallel.plan import plan_layout, render_plan
+
+    try:
+        config = model_config(args.model)
+        plan = plan_layout(
+            config,
+            num_devices=args.num_devices,
+            device_memory_bytes=int(args.device_memory_gib * 2**30),
+            seq_len=config.seq_len if args.seq_len is None else args.seq_len,
+            batch_size=args.batch_size,
+            headroom=args.headroom,
+        )
+    except ValueError as error:
+        print(f"dtnode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(render_plan(plan))
     return 0
 
 
@@ -199,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_join(args)
         if args.command == "swarm":
             return run_swarm(args)
+        if args.command == "plan":
+            return run_plan(args)
     except ConfigError as error:
         print(f"dtnode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
