@@ -20,7 +20,8 @@ import pytest
 
 from node.cli import build_parser
 from node.config import ConfigError
-from node.launcher import MetricsTail, flags_to_argv, hash_agreement, launch_config, node_argv
+from node.launcher import flags_to_argv, launch_config, node_argv
+from node.swarm_report import MetricsTail, hash_agreement
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
 
