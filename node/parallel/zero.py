@@ -75,6 +75,7 @@ def build_zero_optimizer(
     )
 
 
+@torch.no_grad()
 def average_gradients(
     model: nn.Module,
     process_group: dist.ProcessGroup | None = None,
@@ -87,7 +88,14 @@ def average_gradients(
     one flat buffer: one collective instead of one per parameter. Gloo has no AVG reduction, hence
     SUM and a division. Raises ``RuntimeError`` if the all-reduce does not finish within ``timeout``.
     """
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    # A tensor-parallel model (``apply_tensor_parallel`` on the tp axis of a 2-D mesh) has ``DTensor``
+    # gradients; averaging over dp acts on each rank's local shard, which is what the dp peers with the same
+    # tp coordinate hold too. ``to_local`` shares storage, so the copy below writes the DTensor gradient.
+    grads = [
+        grad.to_local() if isinstance(grad, DTensor) else grad
+        for grad in (param.grad for param in model.parameters())
+        if grad is not None
+    ]
     if not grads:
         raise ValueError("no gradients to average: call backward first")
     flat = torch.cat([grad.flatten() for grad in grads])  # (N,)
