@@ -1,0 +1,99 @@
+"""scripts/bench_intranode.py: bubble formulas and verdict on hand-made records, then one tiny real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+
+bench = load_script("bench_intranode")
+
+SETTINGS = bench.Settings(
+    model="nano",
+    seq_len=16,
+    batch_size=4,
+    num_steps=2,
+    num_warmup_steps=1,
+    num_microbatches=2,
+    bubble_microbatches=(2, 4),
+    reference_threads=1,
+    timeout=bench.timedelta(seconds=60),
+)
+
+
+def test_theory_bubble_is_p_minus_one_over_m_plus_p_minus_one() -> None:
+    assert bench.theory_bubble(2, 2) == pytest.approx(1 / 3)
+    assert bench.theory_bubble(2, 8) == pytest.approx(1 / 9)
+    assert bench.theory_bubble(4, 4) == pytest.approx(3 / 7)
+    assert bench.theory_bubble(1, 4) == 0.0
+
+
+def test_measured_bubble_uses_the_slowest_stage() -> None:
+    # m = 4 micro-batches, slowest stage 0.2 s each: 0.8 s busy in a 1.2 s step -> 1/3 idle.
+    assert bench.measured_bubble(1.2, [0.1, 0.2], 4) == pytest.approx(1 / 3)
+    assert bench.measured_bubble(0.8, [0.2, 0.2], 4) == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        bench.measured_bubble(0.0, [0.1], 2)
+
+
+def test_settings_reject_a_microbatch_count_that_does_not_divide_the_batch() -> None:
+    with pytest.raises(ValueError):
+        bench.Settings(**{**vars(SETTINGS), "bubble_microbatches": (3,)})
+
+
+def _ranks(step_seconds: list[float], state_bytes: list[int]) -> list[dict[str, Any]]:
+    return [
+        {"step_seconds": seconds, "optimizer_state_bytes": size}
+        for seconds, size in zip(step_seconds, state_bytes, strict=True)
+    ]
+
+
+def test_layout_record_takes_the_slowest_rank_and_the_ratio_to_the_reference() -> None:
+    record = bench.layout_record("dp2-zero1", SETTINGS, _ranks([0.1, 0.2], [600, 400]), 1000)
+    assert record["step_seconds_median"] == 0.2
+    assert record["tokens_per_second"] == 4 * 16 / 0.2
+    assert record["optimizer_state_ratio_per_rank"] == [0.6, 0.4]
+
+
+def test_verdict_fails_when_zero_does_not_shard_or_a_layout_fails() -> None:
+    single = bench.layout_record("single", SETTINGS, _ranks([1.0], [1000]), 1000)
+    zero = bench.layout_record("dp2-zero1", SETTINGS, _ranks([0.5, 0.5], [510, 490]), 1000)
+    fsdp_unsharded = bench.layout_record("dp2-fsdp", SETTINGS, _ranks([0.5, 0.5], [1000, 1000]), 1000)
+    assert bench.summary_object([single, zero], 0.6)["ok"]
+    summary = bench.summary_object([single, zero, fsdp_unsharded], 0.6)
+    assert not summary["ok"]
+    assert summary["max_state_ratio"]["dp2-fsdp"] == 1.0
+    failed = bench.summary_object([single, zero, {"layout": "tp2", "error": "boom"}], 0.6)
+    assert not failed["ok"] and failed["failed"] == ["tp2"]
+    assert bench.summary_line(failed).startswith("FAIL:") and "tp2 FAILED" in bench.summary_line(failed)
+
+
+@pytest.mark.timeout(90)
+def test_tiny_run_shards_the_optimizer_state_and_measures_the_bubble() -> None:
+    argv = [
+        sys.executable, str(SCRIPTS_DIR / "bench_intranode.py"), "--layouts", "pp2-1f1b", "dp2-zero1",
+        "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--warmup-steps", "1", "--microbatches", "2",
+        "--bubble-microbatches", "2", "--reference-threads", "1", "--timeout", "60",
+    ]  # fmt: skip
+    completed = subprocess.run(argv, capture_output=True, text=True, timeout=80, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    records = [json.loads(line) for line in lines[:-1]]
+    assert [record.get("layout") for record in records[:-1]] == ["single", "pp2-1f1b", "dp2-zero1"]
+    single, pipeline, zero = records[:3]
+    # ZeRO-1 and the pipeline each hold about half the AdamW moments (whole parameters per rank/stage).
+    for record in (pipeline, zero):
+        ratios = record["optimizer_state_ratio_per_rank"]
+        assert sum(ratios) == pytest.approx(1.0, abs=1e-3)
+        assert max(ratios) < 0.6
+    assert single["optimizer_state_bytes_per_rank"][0] > 0
+    (bubble,) = pipeline["bubble"]
+    assert bubble["theory_bubble"] == pytest.approx(1 / 3, abs=1e-4)
+    assert bubble["measured_bubble"] < 1.0 and bubble["step_seconds"] > 0
+    assert records[-1]["ok"] is True
+    assert lines[-1].startswith("OK:")
