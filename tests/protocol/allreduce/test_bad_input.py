@@ -237,7 +237,12 @@ def test_bad_request_is_refused_and_the_round_completes(
         assert result.contributors == results[0].contributors
     contributors, producers = results[0].contributors, results[0].producers
     everyone = ["p0", "p1", "p2"]
-    assert contributors[0] == (["p0", "p1"] if outcome == EXCLUDED else everyone)
+    if outcome == MOVED:
+        # The backup p1 reduces part 0 anew; the honest p2, started only after the bad request,
+        # is in it if its resend reached p1 before p1's own deadline for the part (timing).
+        assert contributors[0] in (everyone, ["p0", "p1"]), contributors[0]
+    else:
+        assert contributors[0] == (["p0", "p1"] if outcome == EXCLUDED else everyone)
     assert producers[0] == ("p1" if outcome == MOVED else "p0")
     assert contributors[1] == contributors[2] == everyone
     exact = exact_mean(vectors, [1.0] * 3, group, contributors)
