@@ -1,7 +1,10 @@
 """The ``dtnode`` command line.
 
 ``dtnode join`` starts a node; ``dtnode plan`` prints the dp x tp x pp layout the planner
-(``node.parallel.plan``) chooses for K devices, with its memory estimate and reasons. For ``join``, one
+(``node.parallel.plan``) chooses for K devices, with its memory estimate and reasons; ``dtnode report``
+plots runs' metrics (``node/report.py``) and ``dtnode sample`` generates text with a run's exported
+model (``node/sample.py``); ``dtnode status`` shows a running node's view of the swarm
+(``node/status.py``). For ``join``, one
 flag per :class:`~node.config.NodeConfig` field is generated from the dataclass, so ``--help`` documents
 every setting; a flag given on the command line wins over
 ``DTNODE_*`` environment variables, which win over ``--config node.toml``, which wins over defaults.
@@ -23,6 +26,7 @@ from typing import Any, NoReturn
 
 from node import __version__
 from node.config import ConfigError, NodeConfig, field_types, load_config
+from node.logs import configure_logging
 
 log = logging.getLogger("dtnode")
 
@@ -116,19 +120,58 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (None = the preset's)")
     plan.add_argument("--batch-size", type=int, default=16, help="sequences per inner step on this node")
     plan.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory left unplanned")
+    status = commands.add_parser(
+        "status",
+        help="show a running node's view of the swarm: its phase, peers, rounds and param hashes",
+        description="Ask a running node (its gRPC HOST:PORT, or the one in RUN_DIR/node.json) for its "
+        "phase and the peers it sees, with their round, param_hash, bandwidth and last heartbeat "
+        "(see node/status.py). Exit 1 if it does not answer within --timeout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    status.add_argument("address", nargs="?", default=None, metavar="ADDR", help="the node's gRPC HOST:PORT")
+    status.add_argument("--json", dest="as_json", action="store_true", help="print the full status as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node's answer")
+    status.add_argument("--name", default=None, help="run name, for the default run dir runs/<name>")
+    status.add_argument("--run-dir", dest="run_dir", default=None, help="run dir (None: as join resolves it)")
+    status.add_argument("--config", dest="config_file", default=None, help="TOML file the node started with")
+    report = commands.add_parser(
+        "report",
+        help="plot runs' loss, bytes, peers and utilization; write report.md",
+        description="Read the metrics.jsonl of node run dirs or dtnode swarm dirs (node-<i>/) and write "
+        "loss.png, bytes.png, peers.png, utilization.png and report.md (see node/report.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a node's or a swarm's run directory")
+    report.add_argument("--out", default=None, help="where to write the report (default: the first RUN_DIR)")
+    sample = commands.add_parser(
+        "sample",
+        help="generate text with a run's exported model",
+        description="Load RUN_DIR/model.safetensors (or a swarm dir's node) and continue the prompt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="a node's or a swarm's run directory")
+    sample.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    sample.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to generate at most")
+    sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    sample.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens; 0 = all")
+    sample.add_argument("--seed", type=int, default=0, help="seed of the sampler: same seed, same text")
+    sample.add_argument("--device", default="cpu", help="device to run the model on")
     return parser
 
 
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
-    )
+def setup_logging(log_format: str = "text") -> None:
+    """Log at INFO on stderr: plain or terminal lines (``text``) or JSON objects (``json``; see
+    ``node/logs.py``). Called with ``text`` before the flags are read, and again by ``join`` if its
+    config asks for ``json``."""
+    configure_logging(log_format)
 
 
 def run_join(args: argparse.Namespace) -> int:
     stop = _StopOnSignals()  # first: a signal during the slow start-up still ends in a clean exit
     flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
     config = load_config(config_file=args.config_file, flags=flags)
+    if config.log_format != "text":
+        setup_logging(config.log_format)
     log.info("config: %s", " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)))
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.trainer import Trainer
@@ -177,6 +220,61 @@ def run_plan(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(render_plan(plan))
     return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Write the plots and report.md; a RUN_DIR without metrics is a user mistake (exit 2)."""
+    from pathlib import Path
+
+    from node.report import write_report
+
+    try:
+        out = None if args.out is None else Path(args.out)
+        path = write_report([Path(d) for d in args.run_dirs], out=out)
+    except ValueError as error:
+        print(f"dtnode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(path)
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """Print the prompt and the model's continuation; no export or a bad setting is exit 2."""
+    from node.sample import sample_text
+
+    try:
+        text = sample_text(
+            args.run_dir,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            device=args.device,
+        )
+    except ValueError as error:
+        print(f"dtnode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(args.prompt + text)
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print a node's status; the run dir (for ADDR's default) is resolved as ``join`` resolves it."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    from node.status import run_status as print_status
+
+    if not args.timeout > 0:
+        print("dtnode: error: --timeout must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = Path(".")
+    if args.address is None:
+        flags = {key: getattr(args, key) for key in ("name", "run_dir") if getattr(args, key) is not None}
+        run_dir = load_config(config_file=args.config_file, flags=flags).resolved_run_dir
+    timeout = timedelta(seconds=args.timeout)
+    return print_status(address=args.address, run_dir=run_dir, as_json=args.as_json, timeout=timeout)
 
 
 def run_swarm(args: argparse.Namespace) -> int:
@@ -238,6 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_swarm(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "status":
+            return run_status(args)
+        if args.command == "report":
+            return run_report(args)
+        if args.command == "sample":
+            return run_sample(args)
     except ConfigError as error:
         print(f"dtnode: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,6 +25,7 @@ RESERVED_ENV = frozenset({"DTNODE_CONFIG"})
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,20 @@ class NodeConfig:
     device: str = field(default="auto", metadata=_help("Device: auto (cuda if available), cpu or cuda."))
     threads: int = field(default=0, metadata=_help("torch intra-op threads (0 = torch's default)."))
     log_every: int = field(default=10, metadata=_help("Print a progress line every N inner steps."))
+    log_format: str = field(
+        default="text",
+        metadata=_help(
+            "Log lines on stderr: text (a live display of steps and rounds on a terminal, plain lines "
+            "otherwise) or json (one JSON object per line: time, level, logger, message, extra fields)."
+        ),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=_help(
+            "Serve Prometheus metrics at http://HOST:PORT/metrics, HOST being the --listen host "
+            "(0.0.0.0, every interface, by default); 0 = no metrics endpoint."
+        ),
+    )
 
     # --- model ---
     model: str = field(
@@ -210,6 +225,10 @@ class NodeConfig:
             )
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in [0, 65535] (0 = off), got {self.metrics_port}")
         if self.data and not Path(self.data).exists():
             raise ConfigError(f"data path does not exist: {self.data}")
         for key in (

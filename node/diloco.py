@@ -50,6 +50,12 @@ class AveragingOutcome:
     """The swarm's global state to load instead of stepping (this node was off the swarm's lineage
     or missed the round); the averager's own type, loaded by the trainer on its own thread."""
     members: tuple[str, ...] = ()  # the round's group (peer ids), for resharding the data
+    failures_by_kind: dict[str, int] = field(default_factory=dict)  # node/metrics.py FAILURE_KINDS
+    codec_error: float | None = None  # ‖error-feedback residual‖ / ‖Δ‖; None if nothing was encoded
+    bytes_recv_state_sync: int = 0  # the swarm's state fetched since the previous round
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    """bytes_sent / bytes_recv split by all-reduce phase: {"sent_reduce_scatter", "sent_all_gather",
+    "recv_reduce_scatter", "recv_all_gather"} (empty if nothing went over the wire)."""
 
 
 class Averager(Protocol):
@@ -81,6 +87,10 @@ class OuterStepReport:
     adopted_state: object | None = None  # the swarm's state to load instead (no outer step was applied)
     members: tuple[str, ...] = ()
     seconds_waited: float = 0.0  # how long the training thread was blocked on the swarm for this round
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+    codec_error: float | None = None
+    bytes_recv_state_sync: int = 0
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)
 
     @property
     def adopted(self) -> bool:
@@ -195,6 +205,10 @@ class DiLoCo:
             adopted_state=outcome.adopted_state,
             members=outcome.members,
             seconds_waited=seconds_waited,
+            failures_by_kind=outcome.failures_by_kind,
+            codec_error=outcome.codec_error,
+            bytes_recv_state_sync=outcome.bytes_recv_state_sync,
+            bytes_by_phase=outcome.bytes_by_phase,
         )
 
     # --- overlapped rounds: the outer update reaches the model one round late ---

@@ -15,7 +15,9 @@ The N nodes are separate processes, as on N machines; the launcher never talks t
    leaves the swarm), a bounded wait, then SIGKILL for what is left; a second signal kills at once.
 4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, eval losses and bytes
    sent; whether every node held the same ``param_hash`` after every round they all recorded
-   (DiLoCo's outer step leaves all members of a round with identical global params); wall time.
+   (DiLoCo's outer step leaves all members of a round with identical global params); wall time;
+   then the plots and per-node table of ``dtnode report`` (``node/report.py``). Each node has
+   exported the swarm's model to ``node-<i>/model.safetensors`` (``dtnode sample RUN_DIR``).
 
 Left unset by the user, the launcher picks ``--threads max(1, cores // N)`` (one machine is
 shared), ``--shard-index i --num-shards N`` (round 1 already reads disjoint data; the swarm
@@ -162,6 +164,8 @@ def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None)
         extra["dht_listen"] = f"{host}:0"
         if not _user_set(config, "bandwidth_mbit"):
             extra["bandwidth_mbit"] = config.link_mbit
+    if config.base.metrics_port:  # one Prometheus port per node: the user's, then the next ones
+        extra["metrics_port"] = config.base.metrics_port + index
     all_peers = ",".join(address for address in (config.base.peers, peers) if address)
     if all_peers:
         extra["peers"] = all_peers
@@ -264,6 +268,7 @@ class SwarmLauncher:
         }
         (config.root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (config.root / "report.md").write_text(report_markdown(report))
+        write_plots_report(config.root)
         hashes = f"agreed in {len(agreement['common_rounds'])} common round(s)"
         if agreement["disagreeing_rounds"]:
             hashes = f"differs in rounds {agreement['disagreeing_rounds']} of {agreement['common_rounds']}"
@@ -401,6 +406,19 @@ class SwarmLauncher:
                     node.process.wait(timeout=KILL_WAIT.total_seconds())
                 except subprocess.TimeoutExpired:
                     log.error("%s (pid %d) survived SIGKILL for %s", node.name, node.process.pid, KILL_WAIT)
+
+
+def write_plots_report(root: Path) -> None:
+    """Replace ``report.md`` by the full report (``node/report.py``): plots and per-node numbers.
+
+    A report that cannot be made (no node wrote a record) leaves the launcher's summary in place.
+    """
+    from node.report import write_report  # matplotlib is slow to import: only when the run is over
+
+    try:
+        write_report([root])
+    except ValueError as error:
+        log.warning("no plots: %s", error)
 
 
 def load_wan_emulator() -> ModuleType:

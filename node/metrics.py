@@ -11,22 +11,60 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   contributions the round's mean holds, ``fell_back`` that this node stepped on its own Δ (the
   swarm round failed), ``adopted`` that it replaced its state by the swarm's instead of stepping
   (then ``round`` is the swarm's), ``shard`` the ``[index, count]`` it reads in the next phase.
+  Also in every round record:
+
+  - ``seconds_blocked``: how long the training thread waited for the swarm; ``utilization`` the share
+    of the phase spent on inner steps, ``seconds_compute / (seconds_compute + seconds_blocked)``
+    (null when no phase ran alongside the round).
+  - ``bytes_sent`` / ``bytes_recv``: wire bytes of the round's all-reduce (reduce-scatter and
+    all-gather together), split in ``bytes_by_phase`` (``sent_reduce_scatter``, ``sent_all_gather``,
+    ``recv_reduce_scatter``, ``recv_all_gather``: contributions vs averages and replicas; empty when
+    nothing went over the wire); ``bytes_recv_state_sync``: verified bytes of the swarm's state this node
+    fetched (joining, or re-syncing after a missed round) since the previous round record.
+  - ``codec_error``: ``‖residual‖ / ‖Δ‖`` after an averaged round, the error-feedback residual (what
+    the wire codec lost of this round's contribution and of the parts it broadcast) relative to the
+    pseudo-gradient; 0 with the lossless codec ``none``, null when nothing was encoded (a swarm of
+    one, a failed or missed round).
+  - ``failures_by_kind``: ``{kind: count}`` of what went wrong in the round (``node/swarm.py``):
+    ``peer`` (one per peer lost, contribution left out, part moved or refused in the round's
+    all-reduce), ``fell_back`` (the all-reduce could not finish: own Δ), ``round_failed`` (no group
+    formed in time), ``timeout`` (the swarm missed its own deadline), ``missed`` (a group formed
+    without us), ``resync`` (off the swarm's lineage), ``state_sync`` (no source delivered the
+    swarm's state, also counted when joining). Empty for a clean round.
 
 Lines are flushed as written, so a crash loses at most the line being written; a resumed run appends.
+
+Every record also goes, in order, to the writer's *sinks* (:class:`MetricsSink`): the Prometheus
+exporter (``node/prometheus.py``) and the progress display (``node/progress.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
+
+# The kinds of ``failures_by_kind`` (see above), in the order a round can meet them.
+FAILURE_KINDS = ("peer", "fell_back", "round_failed", "timeout", "missed", "resync", "state_sync")
+
+
+class MetricsSink(Protocol):
+    """Something else that reads every record as it is written (a metrics endpoint, a display)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsWriter:
-    def __init__(self, path: Path) -> None:
+    """Appends records to ``path`` and hands each one to ``sinks``; :meth:`close` closes them too."""
+
+    def __init__(self, path: Path, *, sinks: Sequence[MetricsSink] = ()) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.sinks = tuple(sinks)
         self._handle: IO[str] = open(path, "a", buffering=1)  # line-buffered
 
     def write(self, record: dict[str, Any]) -> None:
@@ -35,9 +73,13 @@ class MetricsWriter:
         # JSON has no NaN/Inf: a diverged loss is written as null rather than breaking readers.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._handle.write(json.dumps(clean, separators=(",", ":")) + "\n")
+        for sink in self.sinks:  # the raw record: a sink may show a non-finite loss as it is
+            sink.write(record)
 
     def close(self) -> None:
         self._handle.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -23,9 +23,11 @@ since the last round are discarded, since their Δ was computed against other pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -153,6 +155,10 @@ class SwarmSession:
         self.catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
         self._adopted_lineage: tuple[int, str] = (0, "")
         self._trainer: Trainer | None = None
+        # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
+        # the next round's outcome (node/metrics.py).
+        self._bytes_state_sync = 0
+        self._state_sync_failures = 0
 
     # --- lifecycle ---
 
@@ -222,6 +228,30 @@ class SwarmSession:
     # --- the Averager ---
 
     def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        """The round's outcome (:meth:`_average`) with its metrics: codec error, state-sync bytes and
+        failures since the previous round."""
+        outcome = self._average(vector, round_index=round_index, weight=weight)
+        failures = Counter(outcome.failures_by_kind)
+        if self._state_sync_failures:
+            failures["state_sync"] += self._state_sync_failures
+        codec_error = None
+        if self.last_result is not None and self.last_result.kind == "averaged":
+            # The residual is what the codec failed to deliver of this round's Δ (plus the carry);
+            # the lossless codec "none" runs without one.
+            codec_error = 0.0
+            if self.error_feedback is not None:
+                delta_norm = float(torch.linalg.vector_norm(vector))
+                codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
+        outcome = dataclasses.replace(
+            outcome,
+            failures_by_kind=dict(failures),
+            codec_error=codec_error,
+            bytes_recv_state_sync=self._bytes_state_sync,
+        )
+        self._bytes_state_sync = self._state_sync_failures = 0
+        return outcome
+
+    def _average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
         trainer = self._trainer
         assert trainer is not None, "start() the session first"
         try:
@@ -236,6 +266,9 @@ class SwarmSession:
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
             log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)
             result = RoundResult(kind="failed", round=round_index, reason=f"timeout: {error}")
+            failure_kind = "timeout"
+        else:
+            failure_kind = "round_failed" if result.kind == "failed" else result.kind  # missed, resync
         self.last_result = result
         if self.on_round is not None:
             self.on_round(result)
@@ -247,18 +280,32 @@ class SwarmSession:
                     "round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3])
                 )
             contributors = {peer for part in outcome.contributors for peer in part}
+            kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
+            if outcome.fell_back:
+                kinds["fell_back"] = 1
             return AveragingOutcome(
                 averaged=outcome.averaged,
                 num_peers=1 if outcome.fell_back else max(len(contributors), 1),
                 bytes_sent=outcome.bytes_sent,
                 bytes_recv=outcome.bytes_recv,
+                bytes_by_phase={
+                    **{f"sent_{phase}": n for phase, n in outcome.bytes_sent_by_phase.items()},
+                    **{f"recv_{phase}": n for phase, n in outcome.bytes_recv_by_phase.items()},
+                },
                 fell_back=outcome.fell_back,
                 failures=tuple(outcome.failures),
                 members=result.group.member_ids,
+                failures_by_kind=kinds,
             )
         if result.kind == "failed":
             log.warning("round %d: %s; stepping on our own Δ", round_index, result.reason)
-            return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.reason,))
+            return AveragingOutcome(
+                averaged=vector,
+                num_peers=1,
+                fell_back=True,
+                failures=(result.reason,),
+                failures_by_kind={failure_kind: 1},
+            )
         decision = result.resync
         if result.kind == "missed":
             decision = self._wait_for_canonical_past(round_index - 1)
@@ -266,13 +313,29 @@ class SwarmSession:
             state = self._fetch_canonical(decision, why=f"round {round_index} {result.kind}")
             if state is not None:  # the trainer loads it on its own thread
                 return AveragingOutcome(
-                    averaged=vector, num_peers=0, adopted_state=state, failures=(result.kind,)
+                    averaged=vector,
+                    num_peers=0,
+                    adopted_state=state,
+                    failures=(result.kind,),
+                    failures_by_kind={failure_kind: 1},
                 )
-            return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
+            return AveragingOutcome(
+                averaged=vector,
+                num_peers=1,
+                fell_back=True,
+                failures=(result.kind,),
+                failures_by_kind={failure_kind: 1},
+            )
         log.warning(
             "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
         )
-        return AveragingOutcome(averaged=vector, num_peers=1, fell_back=True, failures=(result.kind,))
+        return AveragingOutcome(
+            averaged=vector,
+            num_peers=1,
+            fell_back=True,
+            failures=(result.kind,),
+            failures_by_kind={failure_kind: 1},
+        )
 
     def after_round(self, report: OuterStepReport) -> None:
         """After the outer step (or adopting the swarm's state): take the round's data shard and
@@ -319,6 +382,7 @@ class SwarmSession:
             report = self.swarm.fetch_state(decision)
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
+            self._state_sync_failures += 1
             return None
         return self._checked(report)
 
@@ -327,6 +391,7 @@ class SwarmSession:
         not fit: another model or corpus, so this node cannot be part of this swarm)."""
         trainer = self._trainer
         assert trainer is not None
+        self._bytes_state_sync += sum(report.bytes_by_source.values())
         try:
             return adopted_state(
                 report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256

@@ -30,8 +30,11 @@ from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches, load_corpus
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
-from node.metrics import MetricsWriter
+from node.export import export_model, tokenizer_info
+from node.metrics import MetricsSink, MetricsWriter
 from node.model import GPT, cross_entropy_loss, model_config
+from node.progress import progress_sink
+from node.prometheus import PrometheusExporter
 from node.schedule import LRSchedule
 
 if TYPE_CHECKING:
@@ -127,7 +130,22 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
         self._prepare_run_dir()
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", sinks=self._metrics_sinks())
+
+    def _metrics_sinks(self) -> list[MetricsSink]:
+        """The progress display, and the Prometheus endpoint on the --listen host if --metrics-port."""
+        config = self.config
+        sinks: list[MetricsSink] = [progress_sink(config)]
+        if config.metrics_port:
+            exporter = PrometheusExporter()
+            host = config.listen.rpartition(":")[0] or "0.0.0.0"
+            try:
+                exporter.serve(host, config.metrics_port)
+            except OSError as error:
+                raise ConfigError(f"cannot serve metrics on {host}:{config.metrics_port}: {error}") from None
+            log.info("Prometheus metrics at http://%s:%d/metrics", host, config.metrics_port)
+            sinks.append(exporter)
+        return sinks
 
     # --- run directory and checkpoints ---
     def _prepare_run_dir(self) -> None:
@@ -359,6 +377,10 @@ class Trainer:
             "fell_back": report.fell_back,
             "adopted": report.adopted,
             "shard": [self.batches.shard_index, self.batches.num_shards],
+            "bytes_recv_state_sync": report.bytes_recv_state_sync,
+            "bytes_by_phase": report.bytes_by_phase,
+            "codec_error": report.codec_error,
+            "failures_by_kind": report.failures_by_kind,
             "time": time.time(),
         }
 
@@ -378,15 +400,11 @@ class Trainer:
         self.diloco.close()
 
     def _log_round(self, record: dict[str, Any]) -> None:
-        self.metrics.write(record)
-        log.info(
-            "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs (blocked %.2fs) | param_hash %s",
-            record["round"], record["eval_loss"], record["peers"], record["seconds_compute"],
-            record["seconds_comm"], record["seconds_blocked"], record["param_hash"][:12],
-        )  # fmt: skip
+        self.metrics.write(record)  # its sinks log the round line (node/progress.py) and export it
 
     def run(self) -> None:
-        """Train until a limit is reached or :meth:`request_stop` is called; checkpoint on the way out."""
+        """Train until a limit is reached or :meth:`request_stop` is called; checkpoint and export the
+        model on the way out."""
         config = self.config
         if self._done():
             log.info(
@@ -403,16 +421,9 @@ class Trainer:
                 self.swarm.start(self)
             while not self._done() and not self._stop.is_set():
                 record = self.inner_step()
-                self.metrics.write(record)
+                self.metrics.write(record)  # its sinks log every log_every-th step and export it
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
-                if record["step"] % config.log_every == 0:
-                    in_round = (record["step"] - 1) % config.inner_steps + 1
-                    log.info(
-                        "round %d | step %d (%d/%d) | loss %.4f | lr %.2e | %s tok/s",
-                        record["round"], record["step"], in_round, config.inner_steps,
-                        record["loss"], record["lr"], f"{record['tokens_per_s']:,.0f}",
-                    )  # fmt: skip
                 if self.progress.step % config.inner_steps == 0:
                     self.outer_round()
                 elif self.swarm is not None and self.swarm.phase_should_end():
@@ -431,3 +442,20 @@ class Trainer:
         finally:
             self.metrics.close()
         self.save()
+        self.export()
+
+    def export(self) -> Path:
+        """Write the global params, the swarm's model, as ``RUN_DIR/model.safetensors`` (node/export.py)."""
+        progress = self.progress
+        path = export_model(
+            self.run_dir,
+            self.model,
+            self.diloco.global_params,  # the averaging thread is closed: nothing steps it now
+            preset=self.config.model,
+            tokenizer=tokenizer_info(self.config.data, self.corpus.vocab_size),
+            round_index=progress.round,
+            step=progress.step,
+            tokens=progress.tokens,
+        )
+        log.info("exported the global params of round %d to %s", progress.round, path)
+        return path

@@ -38,6 +38,8 @@ class Setup:
     link_mbit: float | None
     num_rounds: int
     seed: int
+    chunk_num_elements: int | None = None
+    """Numbers per streamed chunk; None = the all-reduce's default for the codec."""
 
     @property
     def vector_bytes(self) -> int:

@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-dir", type=Path, default=None, help="save each round's result as .pt here")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--log-level", default="WARNING", help="logging level (stderr)")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every peer enters each round together, and checks its result only once all are done",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.num_peers:
         parser.error("--index must be in [0, --num-peers)")
@@ -229,6 +234,26 @@ def is_listening(address: str) -> bool:
         return False
 
 
+def barrier(args: argparse.Namespace, name: str) -> bool:
+    """Wait (bounded by the round deadline) until every peer reached `name`; False if one never did.
+
+    With --lockstep the benchmark times the all-reduce alone: no peer is still generating its vector
+    or checking the previous result (CPU-heavy work of the benchmark, not of the all-reduce) while
+    the others run the round on the same cores.
+    """
+    (args.rendezvous / f"{name}-{args.index}").touch()
+    give_up = time.monotonic() + args.deadline_seconds
+    paths = [args.rendezvous / f"{name}-{i}" for i in range(args.num_peers)]
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > give_up:
+            logging.warning(
+                "barrier %s: gave up waiting for %s", name, [p.name for p in paths if not p.exists()]
+            )
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def wait_for_others(args: argparse.Namespace, peers: list[dict[str, object]]) -> None:
     """Say we are done; until the others are done or gone (bounded), keep serving our parts to them."""
     (args.rendezvous / f"done-{args.index}").touch()
@@ -267,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             group = GroupSpec.build(
                 round_id=round_id, members=members, num_elements=args.elements, bandwidths=bandwidths
             )
+            if args.lockstep:
+                barrier(args, f"start-r{round_id}")
             cpu_start = time.process_time()
             result = peer.allreduce(
                 vector,
@@ -278,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 deadline=timedelta(seconds=args.deadline_seconds),
             )
             cpu_seconds = time.process_time() - cpu_start
+            if args.lockstep:
+                barrier(args, f"end-r{round_id}")
             peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             round_peak_rss_bytes = peak_rss_since_reset() if round_hwm_reset else peak_rss_bytes
             if args.save_dir is not None:

@@ -13,12 +13,12 @@ else exit 2); without it, on loopback 127.0.0.1. The two never run at the same t
 
 Fields of the JSON object printed per configuration (a one-line summary follows it):
 
-seconds: a worker reports the wall time of its ``allreduce()`` call. Peers do not enter a round in
-    lock-step (each first generates its vector, and after a round runs an exact-mean check whose
-    duration varies with the load), so an early peer's time includes waiting for the last one. The
-    last to enter has the shortest call, running from the moment all peers are present until it
-    holds the full average: a round's time is the MINIMUM over peers (``seconds_max_peer_per_round``
-    keeps the maximum, skew included). ``seconds`` is the steady state: the median over rounds 1..,
+seconds: a worker reports the wall time of its ``allreduce()`` call. The workers run in lock-step
+    (``--lockstep``): all enter a round at a file barrier (polled every 2 ms), and none checks its
+    result or builds its next vector until every peer's call returned, so the benchmark's own
+    CPU-heavy work never shares the cores with a round in progress. A round's time is the MINIMUM
+    over peers, the first peer to hold the full average, as for hivemind (``seconds_max_peer_per_round``
+    keeps the maximum, the last peer to hold it). ``seconds`` is the steady state: the median over rounds 1..,
     as a long-running node keeps its connections open from round to round (round 0 itself if
     ``--rounds 1``; ``seconds_statistic`` says which). Round 0 also opens every connection and warms
     the allocators: it is reported on its own as ``first_round_seconds`` (and
@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--link-mbit", type=float, default=None, help="uplink cap; omit for loopback")
     parser.add_argument("--rounds", type=int, default=3, help="dtnode rounds (the first warms up)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the vectors (both implementations)")
+    parser.add_argument(
+        "--chunk-elements", type=int, default=None, help="numbers per streamed chunk (default: per codec)"
+    )
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
     parser.add_argument("--json-out", type=Path, default=None, help="also write all records here")
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep every peer's stdout/stderr here")
@@ -161,6 +164,8 @@ def dtnode_argv(setup: Setup, index: int, address: str, rendezvous: Path) -> lis
         *["--rounds", str(setup.num_rounds), "--seed", str(setup.seed)],
         *["--deadline-seconds", str(setup.round_deadline_seconds)],
         *["--rendezvous-timeout-seconds", str(RENDEZVOUS_SECONDS)],
+        "--lockstep",
+        *([] if setup.chunk_num_elements is None else ["--chunk-elements", str(setup.chunk_num_elements)]),
     ]
 
 
@@ -229,7 +234,12 @@ def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    common = {"link_mbit": args.link_mbit, "num_rounds": args.rounds, "seed": args.seed}
+    common = {
+        "link_mbit": args.link_mbit,
+        "num_rounds": args.rounds,
+        "seed": args.seed,
+        "chunk_num_elements": args.chunk_elements,
+    }
     setups = [
         Setup(num_peers=n, num_elements=e, codec=c, **common)  # type: ignore[arg-type]
         for n, e, c in itertools.product(args.peers, args.elements, args.codec)

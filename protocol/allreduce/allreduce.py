@@ -50,6 +50,10 @@ class AllReduceResult:
     """Wire bytes (serialized messages) this member sent for the round, as of returning."""
     bytes_recv: int
     """Wire bytes this member received for the round, as of returning."""
+    bytes_sent_by_phase: dict[str, int]
+    """bytes_sent split into "reduce_scatter" (contributions) and "all_gather" (averages, replicas)."""
+    bytes_recv_by_phase: dict[str, int]
+    """bytes_recv split the same way."""
     seconds: float
     """Wall-clock duration of the call."""
 
@@ -221,6 +225,14 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
             failures=list(state.failures),
             bytes_sent=state.bytes_sent,
             bytes_recv=state.bytes_recv,
+            bytes_sent_by_phase={
+                "reduce_scatter": state.bytes_sent_reduce_scatter,
+                "all_gather": state.bytes_sent - state.bytes_sent_reduce_scatter,
+            },
+            bytes_recv_by_phase={
+                "reduce_scatter": state.bytes_recv_reduce_scatter,
+                "all_gather": state.bytes_recv - state.bytes_recv_reduce_scatter,
+            },
             seconds=time.monotonic() - state.started,
         )
     finally:

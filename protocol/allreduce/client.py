@@ -204,7 +204,7 @@ async def push_contribution(
     try:
         message = pb.ContributionMessage(header=header)
         await _write(call, message, deadline, stall)
-        state.bytes_sent += message.ByteSize()
+        state.count_contribution_bytes(sent=message.ByteSize())
         answer = await _read_reply(call, deadline, stall)
         if answer == "already_decided":
             await call.done_writing()
@@ -219,7 +219,7 @@ async def push_contribution(
                 chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
             )
             await _write(call, message, deadline, stall)
-            state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
+            state.count_contribution_bytes(sent=chunk_message_num_bytes(offset, size, len(payload)))
             offset += size
             check_fault(state.fault_plan, "push_chunk", state.group.round_id, chunk_index)
         await call.done_writing()

@@ -74,8 +74,10 @@ class RoundCore:
         self.parts = [PartState() for _ in group.members]
         self.failed: set[int] = set()
         self.failures: list[str] = []
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # all wire bytes of the round, both phases
         self.bytes_recv = 0
+        self.bytes_sent_reduce_scatter = 0  # the part of them that carried contributions
+        self.bytes_recv_reduce_scatter = 0
         self.local_done = False
         self.output: torch.Tensor | None = None  # (E,) our result while allreduce() runs
         self.pulse = Pulse()
@@ -104,6 +106,14 @@ class RoundCore:
             sender_index=self.my_index,
             sender_peer_id=me.peer_id,
         )
+
+    def count_contribution_bytes(self, *, sent: int = 0, received: int = 0) -> None:
+        """Wire bytes of a contribution stream (reduce-scatter), pushed or received; everything else
+        counted in bytes_sent/bytes_recv alone (averages pulled and served, replicas) is all-gather."""
+        self.bytes_sent += sent
+        self.bytes_recv += received
+        self.bytes_sent_reduce_scatter += sent
+        self.bytes_recv_reduce_scatter += received
 
     def record_failure(self, message: str) -> None:
         self.failures.append(message)

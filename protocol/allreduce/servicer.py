@@ -233,7 +233,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             )
             state = round_state
             part_index = header.part_index
-            round_state.bytes_recv += first.ByteSize()
+            round_state.count_contribution_bytes(received=first.ByteSize())
             if header.codec != round_state.codec.spec():
                 raise invalid(f"codec {header.codec} is not the round's codec {round_state.codec.spec()}")
             if header.num_elements != round_state.group.part_num_elements(part_index):
@@ -254,8 +254,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                     raise invalid("after the header a contribution holds only chunks")
                 chunk = message.chunk
                 payload = chunk.payload  # each read of a bytes field copies it
-                round_state.bytes_recv += chunk_message_num_bytes(
-                    chunk.offset, chunk.num_elements, len(payload)
+                round_state.count_contribution_bytes(
+                    received=chunk_message_num_bytes(chunk.offset, chunk.num_elements, len(payload))
                 )
                 reducer.add_chunk(sender, chunk.offset, chunk.num_elements, payload)
                 round_state.pulse.notify()  # the reducer may fold it now
@@ -266,7 +266,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 receipt=pb.ContributionReceipt(num_elements_received=header.num_elements)
             )
             num_bytes = await self._write(context, reply)  # not `+= await`: other tasks add meanwhile
-            round_state.bytes_sent += num_bytes
+            round_state.count_contribution_bytes(sent=num_bytes)
         except ProtocolError as error:
             drain_bytes = None
             if state is not None and opened:

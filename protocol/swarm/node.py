@@ -20,6 +20,9 @@ params are not the swarm's: fetch the canonical state).
 Threads: a uvloop event loop on a daemon thread runs the gRPC server, the formation driver and
 the all-reduce; hivemind's DHT runs in its own process; the caller's thread only blocks in these
 methods, each bounded by a deadline.
+
+Status: the node tracks its phase (starting, training, forming, all-reduce, syncing) as these
+methods run, and answers ``dtnode status`` from it and its last view (``status.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
 from protocol.swarm.driver import RoundDriver
 from protocol.swarm.server import NodeServer
+from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +93,12 @@ class SwarmNode:
         self.dht = DhtNode(config.dht)  # DhtStartupError (clear message) if it cannot start or join
         self._loop: BackgroundLoop | None = None
         self.registry: SwarmRegistry | None = None
+        # Read by status() on the loop as soon as the server runs, so set before it starts.
+        self.grpc_address = ""  # the advertised address, known once the server is bound
+        self.rounds_formed = 0
+        self._last_group: GroupSpec | None = None  # the group of our last round
+        self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
+        self._phase = PhaseState(NodePhase.STARTING, 0, time.monotonic())
         try:
             self.peer_id = self.dht.peer_id
             self.registry = SwarmRegistry(
@@ -111,7 +121,9 @@ class SwarmNode:
             self.driver = RoundDriver(
                 config=config, peer_id=self.peer_id, registry=self.registry, client=client, clock=get_dht_time
             )
-            self.server = self._loop.run(NodeServer.start(config, self.driver.on_message), start_timeout)
+            self.server = self._loop.run(
+                NodeServer.start(config, self.driver.on_message, status=self.status), start_timeout
+            )
         except BaseException:
             self._shutdown()
             raise
@@ -122,8 +134,6 @@ class SwarmNode:
             host = routable_host(self.dht.visible_multiaddrs())
             if host is not None:
                 self.grpc_address = f"{host}:{self.server.port}"
-        self.rounds_formed = 0
-        self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
 
     # --- identity ---
 
@@ -146,6 +156,43 @@ class SwarmNode:
         self.driver.record = record
         assert self.registry is not None
         self.registry.publish(record)
+        if self._phase.phase is NodePhase.STARTING:
+            self.set_phase(NodePhase.TRAINING)
+
+    def set_phase(self, phase: NodePhase, *, round: int = 0) -> PhaseState:
+        """Say what the node does now (``status.py``); returns the new state.
+
+        The node's own methods keep this current (``run_round``, ``fetch_state``, ``publish``); a
+        caller sets it only for what they cannot see. ``round``: the round formed or fetched.
+        """
+        state = PhaseState(phase, round, time.monotonic())
+        self._phase = state  # one reference swap: readers on the loop see the old or the new state
+        return state
+
+    def _end_phase(self, state: PhaseState, then: PhaseState) -> None:
+        """Leave ``state`` for ``then``, unless another phase was set meanwhile (that one stays)."""
+        if self._phase is state:
+            self._phase = then
+
+    def status(self) -> NodeStatus:
+        """The node's view of the swarm for ``dtnode status``: from memory, never blocking (runs on
+        the loop, which owns the view; the phase is swapped in from the caller's thread)."""
+        config = self.config
+        return build_status(
+            run_name=config.run_name,
+            protocol_version=PROTOCOL_VERSION,
+            peer_id=self.peer_id,
+            grpc_address=self.grpc_address,
+            local=self.driver.record,
+            phase=self._phase,
+            group=self._last_group,
+            rounds_formed=self.rounds_formed,
+            view=self.driver.view,
+            last_seen=self.driver.last_seen,
+            record_ttl=config.record_ttl,
+            now=get_dht_time(),
+            monotonic_now=time.monotonic(),
+        )
 
     def view(self) -> SwarmView:
         """The live peers of the run, read now (DhtCallTimeout if the DHT does not answer in time)."""
@@ -206,7 +253,12 @@ class SwarmNode:
         coroutine = fetch_state_with_report(
             addresses, expected_state_id=decision.canonical.param_hash, deadline=deadline
         )
-        return self._run(coroutine, deadline)
+        before = self._phase
+        syncing = self.set_phase(NodePhase.SYNCING, round=decision.canonical.round)
+        try:
+            return self._run(coroutine, deadline)
+        finally:
+            self._end_phase(syncing, before)
 
     # --- rounds ---
 
@@ -225,6 +277,31 @@ class SwarmNode:
 
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
+        forming = self.set_phase(NodePhase.FORMING, round=round + 1)
+        try:
+            return self._run_round(
+                vector,
+                round=round,
+                param_hash=param_hash,
+                num_tokens=num_tokens,
+                tokens_per_s=tokens_per_s,
+                error_feedback=error_feedback,
+            )
+        finally:
+            # Back to training, unless a phase this round did not set (a fetch) replaced ours meanwhile.
+            if self._phase is forming or self._phase.phase is NodePhase.ALLREDUCE:
+                self.set_phase(NodePhase.TRAINING)
+
+    def _run_round(
+        self,
+        vector: torch.Tensor,
+        *,
+        round: int,
+        param_hash: str,
+        num_tokens: int,
+        tokens_per_s: float,
+        error_feedback: ErrorFeedback | None,
+    ) -> RoundResult:
         self._await_group_published(round)
         local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
         started = time.monotonic()
@@ -255,6 +332,9 @@ class SwarmNode:
         assert isinstance(outcome, StartAllReduce)
         group = outcome.group
         self.rounds_formed += 1
+        self._last_group = group
+        if self._phase.phase is NodePhase.FORMING:
+            self.set_phase(NodePhase.ALLREDUCE, round=group.round)
         self._last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
         logger.info(
             "round %d: group %s of %d (%s), formed in %.2fs",

@@ -1,10 +1,11 @@
-"""One gRPC server per node: all-reduce, state sync, membership and the standard health service.
+"""One gRPC server per node: all-reduce, state sync, membership, status and the standard health service.
 
 Every protocol piece is a servicer that can live on any ``grpc.aio`` server; the daemon puts them
 all on one port, so a peer needs one address per node (the ``grpc_address`` of its DHT record),
 one firewall rule, and one channel to each other peer per service. The server's message limit is
 the largest any service needs (state-sync chunks, all-reduce chunks); each service still checks
-its own, smaller limits on what it accepts.
+its own, smaller limits on what it accepts. The status service (``status.py``) is for operators
+(``dtnode status``), not peers, so it is listed apart from ``SERVICES``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from protocol.membership.transport import MembershipServicer, add_membership_to_
 from protocol.statesync.provider import SERVICE_NAME as STATESYNC_SERVICE
 from protocol.statesync.provider import StateProvider, add_state_sync_to_server
 from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
+from protocol.swarm.status import SERVICE_NAME as STATUS_SERVICE
+from protocol.swarm.status import NodeStatus, StatusServicer, add_status_to_server
 
 logger = logging.getLogger(__name__)
 
 SERVICES = (ALLREDUCE_SERVICE, STATESYNC_SERVICE, MEMBERSHIP_SERVICE)
+OPERATOR_SERVICES = (STATUS_SERVICE,)
 
 
 _MESSAGE_LIMITS = frozenset({"grpc.max_send_message_length", "grpc.max_receive_message_length"})
@@ -48,19 +52,36 @@ def _merged_options(*option_lists: list[tuple[str, int]]) -> list[tuple[str, int
 class NodeServer:
     """The node's grpc.aio server and the services on it; build with :meth:`start` on an event loop."""
 
-    def __init__(self, config: SwarmConfig, on_message: Callable[[str, Message], None]) -> None:
+    def __init__(
+        self,
+        config: SwarmConfig,
+        on_message: Callable[[str, Message], None],
+        *,
+        status: Callable[[], NodeStatus] | None = None,
+    ) -> None:
         self.config = config
         self.allreduce = AllReducePeer(config=config.allreduce, fault_plan=None)
         self.state_provider = StateProvider(config.statesync)
         self.membership = MembershipServicer(on_message, protocol_version=PROTOCOL_VERSION)
+        self.status = StatusServicer(status) if status is not None else None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port = 0
 
     @classmethod
-    async def start(cls, config: SwarmConfig, on_message: Callable[[str, Message], None]) -> NodeServer:
-        """Bind ``config.listen`` and serve every service; OSError if the address cannot be bound."""
-        node = cls(config, on_message)
+    async def start(
+        cls,
+        config: SwarmConfig,
+        on_message: Callable[[str, Message], None],
+        *,
+        status: Callable[[], NodeStatus] | None = None,
+    ) -> NodeServer:
+        """Bind ``config.listen`` and serve every service; OSError if the address cannot be bound.
+
+        ``status`` builds the answer to ``Status.GetStatus`` on the loop (it must not block); without
+        it the status service is not served.
+        """
+        node = cls(config, on_message, status=status)
         options = _merged_options(
             config.allreduce.grpc_options(server=True), config.statesync.server_options()
         )
@@ -68,15 +89,18 @@ class NodeServer:
         node.allreduce.add_to_server(server)
         add_state_sync_to_server(server, node.state_provider)
         add_membership_to_server(server, node.membership)
+        if node.status is not None:
+            add_status_to_server(server, node.status)
         health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
         port = server.add_insecure_port(config.listen)
         if port == 0:
             raise OSError(f"could not bind the gRPC server to {config.listen}")
         await server.start()
-        for service in ("", *SERVICES):
+        served = (*SERVICES, *(OPERATOR_SERVICES if node.status is not None else ()))
+        for service in ("", *served):
             await node.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         node._server, node.port = server, port
-        logger.info("gRPC server on %s (port %d): %s", config.listen, port, ", ".join(SERVICES))
+        logger.info("gRPC server on %s (port %d): %s", config.listen, port, ", ".join(served))
         return node
 
     @property

@@ -100,6 +100,17 @@ def test_node_argv_fills_only_what_the_user_left_unset():
     assert first["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y"
 
 
+def test_each_node_gets_its_own_metrics_port():
+    config = launch_config(num_nodes=3, node_flags={"metrics_port": 9400})
+    ports = [
+        build_parser().parse_args(node_argv(config, i, peers="", host=None)[3:]).metrics_port
+        for i in range(3)
+    ]
+    assert ports == [9400, 9401, 9402]
+    unset = launch_config(num_nodes=2, node_flags={})
+    assert "metrics_port" not in vars(build_parser().parse_args(node_argv(unset, 1, peers="", host=None)[3:]))
+
+
 def test_node_argv_on_an_emulated_host_listens_there_at_the_link_rate():
     config = dataclasses.replace(launch_config(num_nodes=2, node_flags={}), link_mbit=20.0)
     parsed = vars(

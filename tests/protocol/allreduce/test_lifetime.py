@@ -97,6 +97,12 @@ def test_a_replica_holder_is_not_sent_the_part_again() -> None:
         # Our contribution to the other part out and its replica out; theirs in and its replica in.
         assert 2 * part_bytes < result.bytes_recv < 2.1 * part_bytes
         assert 2 * part_bytes < result.bytes_sent < 2.1 * part_bytes
+        # By phase: one part's contribution each way (reduce-scatter), one replica each way (all-gather).
+        for by_phase, total in ((result.bytes_sent_by_phase, result.bytes_sent),
+                                (result.bytes_recv_by_phase, result.bytes_recv)):  # fmt: skip
+            assert sum(by_phase.values()) == total
+            assert part_bytes < by_phase["reduce_scatter"] < 1.05 * part_bytes
+            assert part_bytes < by_phase["all_gather"] < 1.05 * part_bytes
 
 
 def round_state_owning_part_0(num_members: int) -> RoundState:

@@ -1,0 +1,280 @@
+"""The Prometheus endpoint: fetched over real HTTP, parsed with prometheus_client's own parser.
+
+The reference for every value is the record it came from: hand-written records for the exporter
+alone, and ``metrics.jsonl`` (the file the same records went to) for a real trainer. The round
+record's swarm fields (failures by kind, codec error, state-sync bytes) are checked against a
+hand-built round result and the codec's own encode/decode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.config import ConfigError, NodeConfig
+from node.metrics import FAILURE_KINDS, read_metrics
+from node.prometheus import PrometheusExporter
+from node.swarm import SwarmSession
+from node.trainer import Trainer
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.codecs import get_codec
+from protocol.error_feedback import ErrorFeedback
+from protocol.swarm.node import RoundResult
+
+HTTP_TIMEOUT_S = 10
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> tuple[Samples, dict[str, str]]:
+    """Every sample of ``/metrics`` as {(name, sorted labels): value}, and each family's type."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HTTP_TIMEOUT_S) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    types = {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples, types
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture
+def exporter() -> Iterator[PrometheusExporter]:
+    exporter = PrometheusExporter()
+    yield exporter
+    exporter.close()
+
+
+def step_record(step: int, loss: float, **fields: Any) -> dict[str, Any]:
+    return {"kind": "step", "round": 1, "step": step, "loss": loss, "lr": 1e-3, "tokens": 128 * step,
+            "tokens_per_s": 1000.0 + step, "time": 0.0, **fields}  # fmt: skip
+
+
+def round_record(round: int, **fields: Any) -> dict[str, Any]:
+    record = {
+        "kind": "round", "round": round, "step": 3 * round, "eval_loss": 2.5, "peers": 3,
+        "bytes_sent": 1000, "bytes_recv": 2000, "seconds_compute": 4.0, "seconds_comm": 1.5,
+        "seconds_blocked": 1.0, "utilization": 0.8, "param_hash": "ab" * 32, "pseudo_gradient_norm": 0.25,
+        "tokens": 384 * round, "fell_back": False, "adopted": False, "shard": [0, 3],
+        "bytes_recv_state_sync": 0, "codec_error": 0.004, "failures_by_kind": {}, "time": 0.0,
+        "bytes_by_phase": {"sent_reduce_scatter": 600, "sent_all_gather": 400,
+                           "recv_reduce_scatter": 1500, "recv_all_gather": 500},
+    }  # fmt: skip
+    record.update(fields)
+    return record
+
+
+@pytest.mark.timeout(30)
+def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter) -> None:
+    port = exporter.serve("127.0.0.1", 0)
+    assert port > 0 and exporter.port == port
+    samples, types = scrape(port)
+    # Before any record: the labelled series exist at 0, the gauges with nothing measured are NaN.
+    assert value(samples, "dtnode_failures_total", kind="peer") == 0
+    assert value(samples, "dtnode_bytes_received_total", phase="state_sync") == 0
+    assert math.isnan(value(samples, "dtnode_codec_error"))
+
+    exporter.write(step_record(1, 3.5))
+    exporter.write(step_record(2, 3.25))
+    exporter.write(round_record(1, failures_by_kind={"peer": 2}))
+    exporter.write(step_record(3, 3.0))
+    exporter.write(
+        round_record(2, peers=1, fell_back=True, bytes_sent=10, bytes_recv=20, bytes_recv_state_sync=4096,
+                     bytes_by_phase={"sent_reduce_scatter": 7, "sent_all_gather": 3,
+                                     "recv_reduce_scatter": 15, "recv_all_gather": 5},
+                     codec_error=None, utilization=None, seconds_compute=100.0, seconds_comm=30.0,
+                     seconds_blocked=30.0, failures_by_kind={"peer": 1, "fell_back": 1}, eval_loss=2.25)
+    )  # fmt: skip
+    samples, types = scrape(port)
+
+    assert types["dtnode_loss"] == "gauge" and types["dtnode_bytes_sent"] == "counter"
+    assert types["dtnode_round_duration_seconds"] == "histogram"
+    # The latest step.
+    assert value(samples, "dtnode_loss") == 3.0
+    assert value(samples, "dtnode_tokens_per_second") == 1003.0
+    assert value(samples, "dtnode_learning_rate") == 1e-3
+    assert value(samples, "dtnode_inner_step") == 3
+    # The latest round.
+    assert value(samples, "dtnode_outer_round") == 2
+    assert value(samples, "dtnode_eval_loss") == 2.25
+    assert value(samples, "dtnode_peers") == 1
+    assert math.isnan(value(samples, "dtnode_codec_error")) and math.isnan(
+        value(samples, "dtnode_utilization")
+    )
+    assert value(samples, "dtnode_round_seconds", part="compute") == 100.0
+    assert value(samples, "dtnode_round_seconds", part="comm") == 30.0
+    assert value(samples, "dtnode_round_seconds", part="blocked") == 30.0
+    assert value(samples, "dtnode_training_tokens") == 768  # the round record's, written last
+    # Summed over both rounds.
+    assert value(samples, "dtnode_bytes_sent_total", phase="reduce_scatter") == 607
+    assert value(samples, "dtnode_bytes_sent_total", phase="all_gather") == 403
+    assert value(samples, "dtnode_bytes_received_total", phase="reduce_scatter") == 1515
+    assert value(samples, "dtnode_bytes_received_total", phase="all_gather") == 505
+    assert value(samples, "dtnode_bytes_received_total", phase="state_sync") == 4096
+    assert value(samples, "dtnode_failures_total", kind="peer") == 3
+    assert value(samples, "dtnode_failures_total", kind="fell_back") == 1
+    assert value(samples, "dtnode_failures_total", kind="timeout") == 0
+    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
+    assert value(samples, "dtnode_rounds_total", outcome="fell_back") == 1
+    assert value(samples, "dtnode_rounds_total", outcome="adopted") == 0
+    # Round durations 4 + 1 = 5 s and 100 + 30 = 130 s.
+    assert value(samples, "dtnode_round_duration_seconds_count") == 2
+    assert value(samples, "dtnode_round_duration_seconds_sum") == 135.0
+    assert value(samples, "dtnode_round_duration_seconds_bucket", le="5.0") == 1
+    assert value(samples, "dtnode_round_duration_seconds_bucket", le="120.0") == 1
+    assert value(samples, "dtnode_round_duration_seconds_bucket", le="300.0") == 2
+
+    exporter.close()
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+
+
+def test_a_taken_port_is_an_error(exporter: PrometheusExporter) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            exporter.serve("127.0.0.1", taken.getsockname()[1])
+
+
+def test_metrics_port_is_validated() -> None:
+    with pytest.raises(ConfigError, match="metrics_port"):
+        NodeConfig(metrics_port=70000)
+    assert NodeConfig().metrics_port == 0  # off unless asked for
+
+
+def free_port() -> int:
+    """A port free right now (the OS's choice for port 0); the trainer binds it a moment later."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(inspect.getsource(inspect))
+    port = free_port()
+    config = NodeConfig(
+        model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2, total_steps=30,
+        data=str(corpus), run_dir=str(tmp_path / "run"), log_every=100, listen="127.0.0.1:0", metrics_port=port,
+    )  # fmt: skip
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    trainer = Trainer(config)
+    try:
+        for _ in range(config.inner_steps):  # what Trainer.run does, stopped before it closes the endpoint
+            trainer.metrics.write(trainer.inner_step())
+        trainer.outer_round()
+        samples, _ = scrape(port)
+    finally:
+        trainer.metrics.close()
+        trainer.diloco.close()
+        torch.set_num_threads(previous_threads)
+    steps = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="step")
+    (round_,) = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="round")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert value(samples, "dtnode_loss") == steps[-1]["loss"]
+    assert value(samples, "dtnode_tokens_per_second") == steps[-1]["tokens_per_s"]
+    assert value(samples, "dtnode_inner_step") == 3
+    assert value(samples, "dtnode_outer_round") == round_["round"] == 1
+    assert value(samples, "dtnode_eval_loss") == round_["eval_loss"]
+    assert value(samples, "dtnode_peers") == 1  # a swarm of one
+    assert value(samples, "dtnode_utilization") == round_["utilization"]
+    assert value(samples, "dtnode_round_seconds", part="compute") == round_["seconds_compute"]
+    assert value(samples, "dtnode_bytes_sent_total", phase="reduce_scatter") == 0
+    assert math.isnan(value(samples, "dtnode_codec_error")) and round_["codec_error"] is None
+    assert round_["failures_by_kind"] == {} and round_["bytes_recv_state_sync"] == 0
+    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
+    with pytest.raises(urllib.error.URLError):  # closed with the metrics writer
+        scrape(port)
+
+
+class FakeSwarm:
+    """Just enough of SwarmNode for SwarmSession.average: run_round returns a prepared result, and
+    like the real all-reduce encodes the vector through the error feedback."""
+
+    def __init__(self, result: RoundResult | Exception) -> None:
+        self.result = result
+        self.codec = get_codec("int8")
+
+    def run_round(
+        self, vector: torch.Tensor, *, error_feedback: ErrorFeedback | None, **_: Any
+    ) -> RoundResult:
+        if isinstance(self.result, Exception):
+            raise self.result
+        assert error_feedback is not None
+        error_feedback.encode(self.codec, vector, 0)
+        return self.result
+
+
+def session_with(result: RoundResult | Exception, num_elements: int) -> SwarmSession:
+    session = SwarmSession(FakeSwarm(result), joining=False)  # type: ignore[arg-type]
+    session._trainer = SimpleNamespace(  # type: ignore[assignment]
+        diloco=SimpleNamespace(param_hash=lambda: "00" * 32), tokens_per_s=lambda: 1.0
+    )
+    session.error_feedback = ErrorFeedback(num_elements)
+    return session
+
+
+def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes() -> None:
+    vector = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    allreduce = AllReduceResult(
+        averaged=vector * 0.5, contributors=[["a", "b"]], producers=["a"], fell_back=False,
+        failures=["peer c failed: gone", "contribution of d left out"], bytes_sent=111, bytes_recv=222, seconds=0.1,
+        bytes_sent_by_phase={"reduce_scatter": 100, "all_gather": 11},
+        bytes_recv_by_phase={"reduce_scatter": 200, "all_gather": 22},
+    )  # fmt: skip
+    result = RoundResult(
+        kind="averaged", round=1, group=SimpleNamespace(member_ids=("a", "b")), allreduce=allreduce
+    )  # type: ignore[arg-type]
+    session = session_with(result, vector.numel())
+    session._bytes_state_sync, session._state_sync_failures = 5000, 1  # a fetch while joining, one failed
+    outcome = session.average(vector, round_index=1, weight=10.0)
+
+    codec = get_codec("int8")  # reference: what int8 loses of the vector, by the codec alone
+    decoded = codec.decode_into(codec.encode(vector.clone()), torch.empty_like(vector))
+    expected = float(torch.linalg.vector_norm(vector - decoded) / torch.linalg.vector_norm(vector))
+    assert outcome.codec_error == pytest.approx(expected, rel=1e-6) and 0 < expected < 0.01
+    assert outcome.failures_by_kind == {"peer": 2, "state_sync": 1}
+    assert (outcome.bytes_sent, outcome.bytes_recv, outcome.bytes_recv_state_sync) == (111, 222, 5000)
+    assert outcome.bytes_by_phase == {
+        "sent_reduce_scatter": 100, "sent_all_gather": 11, "recv_reduce_scatter": 200, "recv_all_gather": 22
+    }  # fmt: skip
+    assert outcome.num_peers == 2 and not outcome.fell_back
+    # Reported once: the next round starts from zero.
+    assert session._bytes_state_sync == 0 and session._state_sync_failures == 0
+    assert set(outcome.failures_by_kind) <= set(FAILURE_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("result", "kind"),
+    [
+        (RoundResult(kind="failed", round=1, reason="only 1 peer ready"), "round_failed"),
+        (TimeoutError("swarm loop"), "timeout"),
+    ],
+)
+def test_a_failed_round_counts_its_kind_and_has_no_codec_error(
+    result: RoundResult | Exception, kind: str
+) -> None:
+    vector = torch.ones(10)
+    outcome = session_with(result, vector.numel()).average(vector, round_index=1, weight=1.0)
+    assert outcome.failures_by_kind == {kind: 1}
+    assert outcome.fell_back and outcome.codec_error is None
+    torch.testing.assert_close(outcome.averaged, vector)  # its own Δ

@@ -1,0 +1,170 @@
+"""`dtnode report`: valid PNGs and a report.md whose numbers are the metrics' own, for a node's run
+dir (a real short training) and for a swarm dir (hand-written records with hand-computed totals)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from node.cli import main
+from node.launcher import write_plots_report
+from node.metrics import read_metrics
+from node.report import PLOT_FILES, REPORT_FILE, round_utilization, running_mean
+from node.trainer import Trainer
+from tests.node.test_trainer import small_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps on a shared machine: one thread is faster
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real node run: two rounds of H=3 on the nano preset."""
+    corpus = tmp_path_factory.mktemp("corpus") / "text.txt"
+    corpus.write_text(inspect.getsource(inspect) * 2)
+    path = tmp_path_factory.mktemp("run")
+    Trainer(small_config(corpus, path, max_rounds=2, swarm=False)).run()
+    return path
+
+
+def assert_valid_pngs(directory: Path) -> None:
+    for name in PLOT_FILES:
+        path = directory / name
+        assert path.read_bytes()[:8] == PNG_MAGIC, name
+        pixels = matplotlib.image.imread(path)  # decodes the whole image
+        assert pixels.ndim == 3 and pixels.shape[0] >= 300 and pixels.shape[1] >= 500, (name, pixels.shape)
+        assert float(pixels[..., :3].std()) > 0.01, f"{name} is blank"
+
+
+def table_row(report: str, node_name: str) -> list[str]:
+    (line,) = [line for line in report.splitlines() if line.startswith(f"| {node_name} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+@pytest.mark.timeout(90)
+def test_report_of_a_node_run(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == str(run_dir / REPORT_FILE)
+    assert_valid_pngs(run_dir)
+    report = (run_dir / REPORT_FILE).read_text()
+    for name in PLOT_FILES:
+        assert f"]({name})" in report
+    rounds = read_metrics(run_dir / "metrics.jsonl", "round")
+    steps = read_metrics(run_dir / "metrics.jsonl", "step")
+    row = table_row(report, run_dir.name)
+    assert row[1:4] == ["6", "2", f"{steps[-1]['tokens']:,}"]
+    assert row[4] == f"{np.mean([s['loss'] for s in steps[-10:]]):.4f}"
+    assert row[5] == f"{rounds[-1]['eval_loss']:.4f}"
+    assert row[6] == f"{min(r['eval_loss'] for r in rounds):.4f}"
+    assert row[12] == rounds[-1]["param_hash"][:12] and row[13] == "yes"  # the run exported its model
+
+
+def step_record(step: int, time: float, loss: float | None) -> dict[str, Any]:
+    return {"kind": "step", "round": 1, "step": step, "loss": loss, "lr": 1e-3, "tokens": 100 * step,
+            "tokens_per_s": 1000.0, "time": time}  # fmt: skip
+
+
+def round_record(
+    round_index: int, time: float, *, sent: int, param_hash: str, **extra: Any
+) -> dict[str, Any]:
+    return {"kind": "round", "round": round_index, "step": 2 * round_index, "eval_loss": 3.0 / round_index,
+            "peers": 2, "bytes_sent": sent, "bytes_recv": sent + 1000, "seconds_compute": 3.0,
+            "seconds_comm": 1.0, "seconds_blocked": 1.0, "param_hash": param_hash, "tokens": 200 * round_index,
+            "time": time, **extra}  # fmt: skip
+
+
+def write_swarm(root: Path, node_hashes: list[list[str]]) -> None:
+    """node-<i>/metrics.jsonl with two steps then one round per hash; a diverged (null) step loss."""
+    for index, hashes in enumerate(node_hashes):
+        records = [step_record(1, 1000.0 + index, 5.0), step_record(2, 1001.0 + index, None)]
+        records += [
+            round_record(r + 1, 1002.0 + 10 * r, sent=1_500_000 * (index + 1), param_hash=h)
+            for r, h in enumerate(hashes)
+        ]
+        (root / f"node-{index}").mkdir(parents=True)
+        (root / f"node-{index}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.timeout(60)
+def test_report_of_a_swarm_dir(tmp_path: Path) -> None:
+    root, out = tmp_path / "swarm", tmp_path / "out"
+    write_swarm(root, [["aaaa", "bbbb"], ["aaaa", "bbbb"]])
+    assert main(["report", str(root), "--out", str(out)]) == 0
+    assert_valid_pngs(out)
+    report = (out / REPORT_FILE).read_text()
+    # node-1 sent 3.0 MB in each of its 2 rounds and received 1000 B more each time.
+    assert table_row(report, "node-1")[7:9] == ["6.00", "6.00"]
+    assert table_row(report, "node-0")[7:9] == ["3.00", "3.00"]
+    # Utilization 3 s compute / (3 s + 1 s blocked); the null loss is skipped in the mean of the last steps.
+    assert table_row(report, "node-0")[9] == "0.750" and table_row(report, "node-0")[4] == "5.0000"
+    assert "identical on every node after each of the 2 common round(s)" in report
+    assert table_row(report, "node-0")[13] == "no"  # no model.safetensors in these dirs
+
+
+@pytest.mark.timeout(60)
+def test_report_flags_disagreeing_hashes_and_compares_runs(tmp_path: Path) -> None:
+    write_swarm(tmp_path / "a", [["aaaa", "bbbb"], ["aaaa", "cccc"]])
+    write_swarm(tmp_path / "b", [["aaaa"], ["aaaa"], ["aaaa"]])
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    report = (tmp_path / "a" / REPORT_FILE).read_text()
+    assert "**differs between nodes in round(s) [2]**" in report
+    assert all(f"| b/node-{i} |" in report for i in range(3)) and "| a/node-1 |" in report
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_report_opens_the_swarm_report(tmp_path: Path) -> None:
+    write_swarm(tmp_path, [["aaaa"], ["aaaa"]])
+    node = {"name": "node-0", "exit_code": 0, "num_rounds": 1, "eval_losses": [3.0], "bytes_sent": 1,
+            "bytes_recv": 1, "fell_back_rounds": [], "adopted_rounds": []}  # fmt: skip
+    launcher_report = {
+        "num_nodes": 2, "link_mbit": None, "stopped_by": "finished", "wall_seconds": 12.0,
+        "param_hash": {"common_rounds": [1], "disagreeing_rounds": [], "all_agree": True},
+        "nodes": [node, {**node, "name": "node-1"}],
+    }  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(launcher_report))
+    write_plots_report(tmp_path)
+    report = (tmp_path / REPORT_FILE).read_text()
+    assert report.startswith("# dtnode report") and "## Swarm" in report
+    assert "every node held the same param_hash" in report and "![loss](loss.png)" in report
+    assert_valid_pngs(tmp_path)
+    write_plots_report(tmp_path / "empty")  # nothing to plot: a warning, not an error
+
+
+@pytest.mark.timeout(60)
+def test_a_dir_without_metrics_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no metrics.jsonl" in err and len(err.strip().splitlines()) == 1
+
+
+def test_running_mean_matches_a_naive_loop() -> None:
+    values = np.array([1.0, math.nan, 3.0, 4.0, 10.0, math.nan, math.nan, 2.0])
+    window = 3
+    expected = []
+    for end in range(1, len(values) + 1):
+        kept = [v for v in values[max(0, end - window) : end] if not math.isnan(v)]
+        expected.append(sum(kept) / len(kept) if kept else math.nan)
+    np.testing.assert_allclose(running_mean(values, window), expected, rtol=1e-12)
+
+
+def test_utilization_of_older_records_is_computed() -> None:
+    assert round_utilization({"utilization": 0.4}) == 0.4
+    assert math.isnan(round_utilization({"utilization": None, "seconds_compute": 3.0}))
+    assert round_utilization({"seconds_compute": 3.0, "seconds_comm": 1.0}) == 0.75  # before seconds_blocked
+    assert math.isnan(round_utilization({"seconds_compute": 0.0, "seconds_comm": 1.0}))
