@@ -299,13 +299,7 @@ class SwarmSession:
             )
         if result.kind == "failed":
             log.warning("round %d: %s; stepping on our own Δ", round_index, result.reason)
-            return AveragingOutcome(
-                averaged=vector,
-                num_peers=1,
-                fell_back=True,
-                failures=(result.reason,),
-                failures_by_kind={failure_kind: 1},
-            )
+            return _own_delta(vector, result.reason, failure_kind)
         decision = result.resync
         if result.kind == "missed":
             decision = self._wait_for_canonical_past(round_index - 1)
@@ -319,23 +313,11 @@ class SwarmSession:
                     failures=(result.kind,),
                     failures_by_kind={failure_kind: 1},
                 )
-            return AveragingOutcome(
-                averaged=vector,
-                num_peers=1,
-                fell_back=True,
-                failures=(result.kind,),
-                failures_by_kind={failure_kind: 1},
-            )
+            return _own_delta(vector, result.kind, failure_kind)
         log.warning(
             "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
         )
-        return AveragingOutcome(
-            averaged=vector,
-            num_peers=1,
-            fell_back=True,
-            failures=(result.kind,),
-            failures_by_kind={failure_kind: 1},
-        )
+        return _own_delta(vector, result.kind, failure_kind)
 
     def after_round(self, report: OuterStepReport) -> None:
         """After the outer step (or adopting the swarm's state): take the round's data shard and
@@ -429,6 +411,13 @@ class SwarmSession:
             self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)  # residuals of other params
         self.num_adoptions += 1
         self.publish()
+
+
+def _own_delta(vector: torch.Tensor, reason: str, failure_kind: str) -> AveragingOutcome:
+    """The outcome of a round this node steps through on its own Δ (``failure_kind``: metrics.py)."""
+    return AveragingOutcome(
+        averaged=vector, num_peers=1, fell_back=True, failures=(reason,), failures_by_kind={failure_kind: 1}
+    )
 
 
 def swarm_config(config: NodeConfig) -> SwarmConfig:

@@ -28,9 +28,10 @@ methods run, and answers ``dtnode status`` from it and its last view (``status.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -262,6 +263,17 @@ class SwarmNode:
 
     # --- rounds ---
 
+    @contextlib.contextmanager
+    def _round_phase(self, round: int) -> Iterator[None]:
+        """FORMING round ``round`` (ALLREDUCE once its group runs), then back to TRAINING."""
+        forming = self.set_phase(NodePhase.FORMING, round=round)
+        try:
+            yield
+        finally:
+            # Back to training, unless a phase this round did not set (a fetch) replaced ours meanwhile.
+            if self._phase is forming or self._phase.phase is NodePhase.ALLREDUCE:
+                self.set_phase(NodePhase.TRAINING)
+
     def run_round(
         self,
         vector: torch.Tensor,
@@ -277,90 +289,77 @@ class SwarmNode:
 
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
-        forming = self.set_phase(NodePhase.FORMING, round=round + 1)
-        try:
-            return self._run_round(
-                vector,
-                round=round,
-                param_hash=param_hash,
-                num_tokens=num_tokens,
-                tokens_per_s=tokens_per_s,
-                error_feedback=error_feedback,
+        with self._round_phase(round + 1):
+            self._await_group_published(round)
+            local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
+            started = time.monotonic()
+            formation_budget = self.config.rounds.max_wait + 2 * self.config.dht_call_timeout
+            outcome = self._run(
+                self.driver.form(local, num_tokens=max(num_tokens, 1), vector_length=vector.numel()),
+                formation_budget,
             )
-        finally:
-            # Back to training, unless a phase this round did not set (a fetch) replaced ours meanwhile.
-            if self._phase is forming or self._phase.phase is NodePhase.ALLREDUCE:
-                self.set_phase(NodePhase.TRAINING)
-
-    def _run_round(
-        self,
-        vector: torch.Tensor,
-        *,
-        round: int,
-        param_hash: str,
-        num_tokens: int,
-        tokens_per_s: float,
-        error_feedback: ErrorFeedback | None,
-    ) -> RoundResult:
-        self._await_group_published(round)
-        local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
-        started = time.monotonic()
-        formation_budget = self.config.rounds.max_wait + 2 * self.config.dht_call_timeout
-        outcome = self._run(
-            self.driver.form(local, num_tokens=max(num_tokens, 1), vector_length=vector.numel()),
-            formation_budget,
-        )
-        seconds_forming = time.monotonic() - started
-        next_round = round + 1
-        if isinstance(outcome, Resync):
-            decision = decide_lineage(self.driver.view.peers, local)
+            seconds_forming = time.monotonic() - started
+            next_round = round + 1
+            if isinstance(outcome, Resync):
+                decision = decide_lineage(self.driver.view.peers, local)
+                return RoundResult(
+                    kind="resync",
+                    round=next_round,
+                    resync=decision,
+                    reason="lineage",
+                    seconds_forming=seconds_forming,
+                )
+            if isinstance(outcome, MissedRound):
+                return RoundResult(
+                    kind="missed",
+                    round=next_round,
+                    reason=str(outcome.reason),
+                    seconds_forming=seconds_forming,
+                )
+            if isinstance(outcome, RoundFailed):
+                return RoundResult(
+                    kind="failed",
+                    round=next_round,
+                    reason=str(outcome.reason),
+                    seconds_forming=seconds_forming,
+                )
+            assert isinstance(outcome, StartAllReduce)
+            group = outcome.group
+            self.rounds_formed += 1
+            self._last_group = group
+            if self._phase.phase is NodePhase.FORMING:
+                self.set_phase(NodePhase.ALLREDUCE, round=group.round)
+            self._last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
+            logger.info(
+                "round %d: group %s of %d (%s), formed in %.2fs",
+                group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
+                seconds_forming,
+            )  # fmt: skip
+            registry = self.server.allreduce.registry
+            # We moved to a lineage whose rounds are numbered lower.
+            if group.round <= registry.highest_opened:
+                self._run(_call(registry.rewind), timedelta(seconds=5))
+            result = self._run(
+                self.server.allreduce.allreduce(
+                    vector,
+                    group=to_allreduce_group(group),
+                    my_peer_id=self.peer_id,
+                    weight=float(group.members[group.index_of(self.peer_id)].num_tokens),
+                    codec=self.codec,
+                    error_feedback=error_feedback,
+                    deadline=self.config.round_deadline,
+                ),
+                self.config.round_deadline,
+            )
             return RoundResult(
-                kind="resync",
+                kind="averaged",
                 round=next_round,
-                resync=decision,
-                reason="lineage",
+                group=group,
+                allreduce=result,
                 seconds_forming=seconds_forming,
             )
-        if isinstance(outcome, MissedRound):
-            return RoundResult(
-                kind="missed", round=next_round, reason=str(outcome.reason), seconds_forming=seconds_forming
-            )
-        if isinstance(outcome, RoundFailed):
-            return RoundResult(
-                kind="failed", round=next_round, reason=str(outcome.reason), seconds_forming=seconds_forming
-            )
-        assert isinstance(outcome, StartAllReduce)
-        group = outcome.group
-        self.rounds_formed += 1
-        self._last_group = group
-        if self._phase.phase is NodePhase.FORMING:
-            self.set_phase(NodePhase.ALLREDUCE, round=group.round)
-        self._last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
-        logger.info(
-            "round %d: group %s of %d (%s), formed in %.2fs",
-            group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
-            seconds_forming,
-        )  # fmt: skip
-        registry = self.server.allreduce.registry
-        if group.round <= registry.highest_opened:  # we moved to a lineage whose rounds are numbered lower
-            self._run(_call(registry.rewind), timedelta(seconds=5))
-        result = self._run(
-            self.server.allreduce.allreduce(
-                vector,
-                group=to_allreduce_group(group),
-                my_peer_id=self.peer_id,
-                weight=float(group.members[group.index_of(self.peer_id)].num_tokens),
-                codec=self.codec,
-                error_feedback=error_feedback,
-                deadline=self.config.round_deadline,
-            ),
-            self.config.round_deadline,
-        )
-        return RoundResult(
-            kind="averaged", round=next_round, group=group, allreduce=result, seconds_forming=seconds_forming
-        )
 
-    # --- keeping the DHT whole ---
+        # --- keeping the DHT whole ---
 
     async def _watch_swarm(self) -> None:
         """Every ``view_refresh`` x 5 (x 2 while some are lost): read the view, knock on peers we lost.

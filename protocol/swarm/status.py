@@ -214,38 +214,29 @@ def _phase_from_proto(value: int) -> NodePhase:
         raise ValueError(f"the node reported {name} ({value})") from None
 
 
+# NodeStatus fields that are the same plain value in the message.
+_SCALAR_FIELDS = (
+    "run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash",
+    "phase_round", "seconds_in_phase", "rounds_formed", "view_age_seconds", "record_ttl_seconds",
+)  # fmt: skip
+_PEER_SCALAR_FIELDS = (
+    "peer_id", "grpc_address", "round", "param_hash", "tokens_per_s", "bandwidth_bytes_per_s",
+    "seconds_since_heartbeat", "seconds_until_expiry", "in_group", "is_self",
+)  # fmt: skip
+
+
 def to_proto(status: NodeStatus) -> pb.NodeStatus:
     reply = pb.NodeStatus(
-        run_name=status.run_name,
-        protocol_version=status.protocol_version,
-        peer_id=status.peer_id,
-        grpc_address=status.grpc_address,
-        published=status.published,
-        round=status.round,
-        param_hash=status.param_hash,
+        **{name: getattr(status, name) for name in _SCALAR_FIELDS},
         phase=_phase_to_proto(status.phase),
-        phase_round=status.phase_round,
-        seconds_in_phase=status.seconds_in_phase,
-        rounds_formed=status.rounds_formed,
-        view_age_seconds=status.view_age_seconds,
-        record_ttl_seconds=status.record_ttl_seconds,
         lost_peers=[
             pb.LostPeer(peer_id=p.peer_id, seconds_since_seen=p.seconds_since_seen) for p in status.lost_peers
         ],
     )
     for peer in status.peers:
         reply.peers.add(
-            peer_id=peer.peer_id,
-            grpc_address=peer.grpc_address,
-            round=peer.round,
-            param_hash=peer.param_hash,
+            **{name: getattr(peer, name) for name in _PEER_SCALAR_FIELDS},
             ready_for_round=peer.ready_for_round or 0,
-            tokens_per_s=peer.tokens_per_s,
-            bandwidth_bytes_per_s=peer.bandwidth_bytes_per_s,
-            seconds_since_heartbeat=peer.seconds_since_heartbeat,
-            seconds_until_expiry=peer.seconds_until_expiry,
-            in_group=peer.in_group,
-            is_self=peer.is_self,
         )
     if status.group is not None:
         group = status.group
@@ -272,39 +263,19 @@ def from_proto(reply: pb.NodeStatus) -> NodeStatus:
         )
     peers = tuple(
         PeerStatus(
-            peer_id=p.peer_id,
-            grpc_address=p.grpc_address,
-            round=p.round,
-            param_hash=p.param_hash,
+            **{name: getattr(p, name) for name in _PEER_SCALAR_FIELDS},
             ready_for_round=p.ready_for_round or None,
-            tokens_per_s=p.tokens_per_s,
-            bandwidth_bytes_per_s=p.bandwidth_bytes_per_s,
-            seconds_since_heartbeat=p.seconds_since_heartbeat,
-            seconds_until_expiry=p.seconds_until_expiry,
-            in_group=p.in_group,
-            is_self=p.is_self,
         )
         for p in reply.peers
     )
     return NodeStatus(
-        run_name=reply.run_name,
-        protocol_version=reply.protocol_version,
-        peer_id=reply.peer_id,
-        grpc_address=reply.grpc_address,
-        published=reply.published,
-        round=reply.round,
-        param_hash=reply.param_hash,
+        **{name: getattr(reply, name) for name in _SCALAR_FIELDS},
         phase=_phase_from_proto(reply.phase),
-        phase_round=reply.phase_round,
-        seconds_in_phase=reply.seconds_in_phase,
-        rounds_formed=reply.rounds_formed,
         group=group,
         peers=peers,
         lost_peers=tuple(
             LostPeer(peer_id=p.peer_id, seconds_since_seen=p.seconds_since_seen) for p in reply.lost_peers
         ),
-        view_age_seconds=reply.view_age_seconds,
-        record_ttl_seconds=reply.record_ttl_seconds,
     )
 
 
