@@ -377,6 +377,7 @@ class Trainer:
             "fell_back": report.fell_back,
             "adopted": report.adopted,
             "shard": [self.batches.shard_index, self.batches.num_shards],
+            "members": list(report.members),
             "bytes_recv_state_sync": report.bytes_recv_state_sync,
             "bytes_by_phase": report.bytes_by_phase,
             "codec_error": report.codec_error,

@@ -21,7 +21,7 @@ from typing import IO
 
 from allreduce_summary import PeerRun
 from hivemind_worker import descendant_pids
-from wan_emulator import WanEmulator
+from wan_emulator import WanEmulator, stop_process_groups
 
 STOP_GRACE = datetime.timedelta(seconds=5)
 # Once a peer failed, the others get this long to finish (or fail) on their own before being stopped.
@@ -68,15 +68,7 @@ class PeerHosts:
         descendants too (hivemind's p2pd may leave the group)."""
         running = [process for process in processes if process.poll() is None]
         descendants = [pid for process in running for pid in descendant_pids(process.pid)]
-        for process in running:
-            _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE.total_seconds()
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait(timeout=STOP_GRACE.total_seconds())
+        stop_process_groups(running, STOP_GRACE)
         for pid in descendants:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -94,13 +86,6 @@ class PeerHosts:
         finally:
             if self.emulator is not None:
                 self.emulator.close()
-
-
-def _signal_group(process_group: int, signum: int) -> None:
-    try:
-        os.killpg(process_group, signum)
-    except ProcessLookupError:
-        return  # the whole group already exited
 
 
 def run_peers(

@@ -289,7 +289,7 @@ class WanEmulator:
         if self._closed:
             return
         self._closed = True
-        _stop_process_groups(self._processes, grace)
+        stop_process_groups(self._processes, grace)
         for namespace in [*self.host_namespaces, self.switch_namespace]:
             if namespace not in _list_namespaces():
                 continue  # never created (failed build)
@@ -315,7 +315,12 @@ class WanEmulator:
             raise RuntimeError("the WAN emulator is closed")
 
 
-def _stop_process_groups(processes: Sequence[subprocess.Popen], grace: datetime.timedelta) -> None:
+def stop_process_groups(processes: Sequence[subprocess.Popen], grace: datetime.timedelta) -> None:
+    """SIGTERM the process group of each process still running, and SIGKILL those not gone after ``grace``.
+
+    Each process must lead its own group (``start_new_session=True``). The groups share one ``grace``,
+    so stopping N of them takes at most ``grace`` plus the SIGKILL reaping, not N times ``grace``.
+    """
     running = [process for process in processes if process.poll() is None]
     for process in running:
         _signal_group(process.pid, signal.SIGTERM)

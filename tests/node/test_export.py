@@ -3,7 +3,6 @@ sampling is deterministic under a seed and greedy sampling is the argmax of the 
 
 from __future__ import annotations
 
-import inspect
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,32 +20,27 @@ from node.metrics import read_metrics
 from node.model import GPT, model_config
 from node.sample import generate, sample_text
 from node.trainer import Trainer
+from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
 from tests.node.test_trainer import small_config
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """Token-by-token sampling is many tiny forwards: one thread is faster, and kinder to a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(inspect.getsource(inspect) * 2)
-    return path
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
 def trained(corpus_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Path]:
     """Two rounds of H=3 on the nano preset (a few seconds)."""
     run_dir = tmp_path_factory.mktemp("run")
-    trainer = Trainer(small_config(corpus_file, run_dir, max_rounds=2, swarm=False))
-    trainer.run()
-    return trainer, run_dir
+    return train_short_run(corpus_file, run_dir), run_dir
 
 
 def params_of(model: torch.nn.Module) -> torch.Tensor:

@@ -20,9 +20,6 @@ errors of order 1. The measured errors are printed (``pytest -s``).
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.process
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TypedDict
@@ -33,18 +30,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model import GPT, cross_entropy_loss
 from node.parallel.mesh import build_mesh, validate_mesh_shape
 from node.parallel.pipeline import PipelineRunner, build_stage
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, full_parameters
 from node.parallel.zero import average_gradients
 from node.trainer import build_inner_optimizer
+from tests.node.parallel_support import (
+    build_model,
+    fixed_batches,
+    relative_error,
+    spawned_workers,
+    worker_process_group,
+)
 
 NUM_RANKS = 4
-NUM_STEPS = 10
-SEQ_LEN = 32
-BATCH_SIZE = 4
-SEED = 1234
 LOSS_TOLERANCE = 1e-5
 TRAINED_PARAMS_TOLERANCE = 1e-4
 WORKER_DEADLINE = timedelta(seconds=120)
@@ -55,29 +55,17 @@ class TrainResult(TypedDict):
     params: dict[str, torch.Tensor]  # full (unsharded) parameters after the last step, by name
 
 
-def _fixed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(SEED + 1)
-    config = model_config("nano", seq_len=SEQ_LEN)
-    tokens = torch.randint(0, config.vocab_size, (NUM_STEPS, BATCH_SIZE, SEQ_LEN + 1), generator=generator)
-    return [(batch[:, :-1], batch[:, 1:]) for batch in tokens]  # each (B, T), (B, T)
-
-
-def _build_model() -> GPT:
-    torch.manual_seed(SEED)
-    return GPT(model_config("nano", seq_len=SEQ_LEN))
-
-
 def _named_full_parameters(model: GPT) -> dict[str, torch.Tensor]:
     names = [name for name, _ in model.named_parameters()]
     return dict(zip(names, full_parameters(model), strict=True))  # a collective over the tp axis
 
 
 def _train_reference(*, clip: bool) -> TrainResult:
-    model = _build_model()
+    model = build_model()
     config = NodeConfig()
     optimizer = build_inner_optimizer(model, config)
     losses = []
-    for inputs, targets in _fixed_batches():
+    for inputs, targets in fixed_batches():
         loss = cross_entropy_loss(model(inputs), targets)
         loss.backward()
         if clip:
@@ -92,11 +80,11 @@ def _train_data_and_tensor_parallel(mesh: DeviceMesh) -> TrainResult:
     """dp=2 x tp=2: tensor parallel inside each replica, gradients averaged over dp, each dp rank on half."""
     dp_group = mesh["dp"].get_group()
     dp_rank, num_dp_ranks = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = apply_tensor_parallel(_build_model(), mesh["tp"])
+    model = apply_tensor_parallel(build_model(), mesh["tp"])
     config = NodeConfig()
     optimizer = build_inner_optimizer(model, config)
     losses = []
-    for inputs, targets in _fixed_batches():
+    for inputs, targets in fixed_batches():
         local_inputs = inputs.chunk(num_dp_ranks)[dp_rank]  # (B / dp, T)
         local_targets = targets.chunk(num_dp_ranks)[dp_rank]
         loss = cross_entropy_loss(model(local_inputs), local_targets)
@@ -114,7 +102,7 @@ def _train_data_and_tensor_parallel(mesh: DeviceMesh) -> TrainResult:
 def _train_tensor_and_pipeline_parallel(mesh: DeviceMesh) -> TrainResult:
     """tp=2 x pp=2: each pipeline stage tensor-parallel over its tp pair, 1F1B over the pp axis."""
     stage_index, num_stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    stage_model = apply_tensor_parallel(build_stage(_build_model(), stage_index, num_stages), mesh["tp"])
+    stage_model = apply_tensor_parallel(build_stage(build_model(), stage_index, num_stages), mesh["tp"])
     runner = PipelineRunner(
         stage_model,
         stage_index=stage_index,
@@ -126,7 +114,7 @@ def _train_tensor_and_pipeline_parallel(mesh: DeviceMesh) -> TrainResult:
     )
     optimizer = build_inner_optimizer(stage_model, NodeConfig())
     losses = []
-    for inputs, targets in _fixed_batches():
+    for inputs, targets in fixed_batches():
         loss = runner.forward_backward(inputs, targets)
         optimizer.step()
         optimizer.zero_grad()
@@ -135,45 +123,21 @@ def _train_tensor_and_pipeline_parallel(mesh: DeviceMesh) -> TrainResult:
 
 
 def _layout_worker(rank: int, layout: str, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)  # 4 ranks on 2 cores: extra intra-op threads only oversubscribe
-    store = dist.FileStore(store_path, NUM_RANKS)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=NUM_RANKS, timeout=timedelta(seconds=60)
-    )
-    try:
+    with worker_process_group(rank, NUM_RANKS, store_path, backend="gloo", timeout=timedelta(seconds=60)):
         if layout == "dp2_tp2":
             result = _train_data_and_tensor_parallel(build_mesh(dp=2, tp=2))
         else:
             assert layout == "tp2_pp2", layout
             result = _train_tensor_and_pipeline_parallel(build_mesh(tp=2, pp=2))
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
-def _run_workers(layout: str, tmp_path: Path) -> list[TrainResult]:
-    context = multiprocessing.get_context("spawn")
-    workers: list[multiprocessing.process.BaseProcess] = [
-        context.Process(target=_layout_worker, args=(rank, layout, str(tmp_path / "store"), str(tmp_path)))
-        for rank in range(NUM_RANKS)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        deadline = time.monotonic() + WORKER_DEADLINE.total_seconds()
-        for worker in workers:
-            worker.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert [worker.exitcode for worker in workers] == [0] * NUM_RANKS
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(NUM_RANKS)]
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
+def _run_workers(layout: str, tmp_path: Path, *, clip: bool) -> tuple[list[TrainResult], TrainResult]:
+    """Every rank's result for ``layout``, and the single-process reference (trained while they start)."""
+    worker_args = [(rank, layout, str(tmp_path / "store"), str(tmp_path)) for rank in range(NUM_RANKS)]
+    with spawned_workers(_layout_worker, worker_args, WORKER_DEADLINE):
+        reference = _train_reference(clip=clip)
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(NUM_RANKS)], reference
 
 
 def _assert_matches_reference(results: list[TrainResult], reference: TrainResult) -> None:
@@ -190,26 +154,26 @@ def _assert_matches_reference(results: list[TrainResult], reference: TrainResult
                 torch.testing.assert_close(param, params[name], rtol=0, atol=0)
             params[name] = param
     assert sorted(params) == sorted(reference["params"])
-    worst_param = max(_relative_error(params[name], want) for name, want in reference["params"].items())
+    worst_param = max(relative_error(params[name], want) for name, want in reference["params"].items())
     print(f"worst relative error: loss {worst_loss:.2e}, parameter {worst_param:.2e}")
     assert worst_loss < LOSS_TOLERANCE
     assert worst_param < TRAINED_PARAMS_TOLERANCE
     # Training moved the weights far more than the tolerance: "equal" does not mean "nothing happened".
-    initial = _named_full_parameters(_build_model())
+    initial = _named_full_parameters(build_model())
     name = "tok_embeddings.weight"
-    assert _relative_error(reference["params"][name], initial[name]) > 100 * TRAINED_PARAMS_TOLERANCE
+    assert relative_error(reference["params"][name], initial[name]) > 100 * TRAINED_PARAMS_TOLERANCE
 
 
 @pytest.mark.timeout(180)
 def test_data_parallel_by_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
-    results = _run_workers("dp2_tp2", tmp_path)
-    _assert_matches_reference(results, _train_reference(clip=True))
+    results, reference = _run_workers("dp2_tp2", tmp_path, clip=True)
+    _assert_matches_reference(results, reference)
 
 
 @pytest.mark.timeout(180)
 def test_tensor_parallel_by_pipeline_parallel_matches_single_process(tmp_path: Path) -> None:
-    results = _run_workers("tp2_pp2", tmp_path)
-    _assert_matches_reference(results, _train_reference(clip=False))
+    results, reference = _run_workers("tp2_pp2", tmp_path, clip=False)
+    _assert_matches_reference(results, reference)
 
 
 def test_mesh_shape_must_match_world_size() -> None:

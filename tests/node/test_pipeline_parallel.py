@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import datetime
 import itertools
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from node.model import GPT, cross_entropy_loss, model_config
 from node.parallel.pipeline import PipelineRunner, build_stage, split_stages
+from tests.node.parallel_support import (
+    BATCH_SIZE,
+    NUM_STEPS,
+    SEQ_LEN,
+    build_model,
+    relative_error,
+    worker_process_group,
+)
 
-SEQ_LEN = 32
-BATCH_SIZE = 4
-NUM_STEPS = 10
-SEED = 1234
 NUM_STAGES = 2
 LEARNING_RATE = 3e-3
 WEIGHT_DECAY = 0.1
-
-
-def _nano_model() -> GPT:
-    torch.manual_seed(SEED)
-    return GPT(model_config("nano", seq_len=SEQ_LEN))
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,7 +47,7 @@ def _reference(num_microbatches: int | None = None) -> tuple[list[float], dict[s
     With ``num_microbatches``: gradient accumulation over equal chunks of the batch, then divided by the
     chunk count; the same mean mathematically, summed in the pipeline's order in floating point.
     """
-    model = _nano_model()
+    model = build_model()
     optimizer = _optimizer(model)
     losses = []
     for tokens, targets in _batches():
@@ -78,18 +76,9 @@ def _flat(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([parameters[name].flatten() for name in sorted(parameters)])
 
 
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm()).item()
-
-
 def _pipeline_worker(rank: int, store_path: str, out_dir: str, schedule: str, num_microbatches: int) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, NUM_STAGES)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=NUM_STAGES, timeout=datetime.timedelta(seconds=30)
-    )
-    try:
-        stage_model = build_stage(_nano_model(), rank, NUM_STAGES)
+    with worker_process_group(rank, NUM_STAGES, store_path, backend="gloo", timeout=timedelta(seconds=30)):
+        stage_model = build_stage(build_model(), rank, NUM_STAGES)
         runner = PipelineRunner(
             stage_model,
             stage_index=rank,
@@ -107,8 +96,6 @@ def _pipeline_worker(rank: int, store_path: str, out_dir: str, schedule: str, nu
             losses.append(loss.item())
         parameters = {name: p.detach().clone() for name, p in stage_model.named_parameters()}
         torch.save({"losses": losses, "parameters": parameters}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_split_stages_balanced_and_complete() -> None:
@@ -186,10 +173,10 @@ def test_pipeline_training_matches_single_process(
     pipeline_flat, reference_flat = _flat(pipeline_parameters), _flat(reference_parameters)
     # Against whole-batch training the only difference is fp32 summation order, which AdamW's division by
     # sqrt(v) amplifies over 10 steps to a few 1e-6.
-    assert _relative_error(pipeline_flat, reference_flat) < 1e-5
+    assert relative_error(pipeline_flat, reference_flat) < 1e-5
     # Against gradient accumulation over the same micro-batches the arithmetic is the same: much tighter.
     _, accumulated_parameters = _reference(num_microbatches)
-    assert _relative_error(pipeline_flat, _flat(accumulated_parameters)) < 1e-7
+    assert relative_error(pipeline_flat, _flat(accumulated_parameters)) < 1e-7
     # The parameters really moved: the comparison is not between two untouched initialisations.
-    initial_flat = _flat({name: p.detach() for name, p in _nano_model().named_parameters()})
-    assert _relative_error(reference_flat, initial_flat) > 1e-2
+    initial_flat = _flat({name: p.detach() for name, p in build_model().named_parameters()})
+    assert relative_error(reference_flat, initial_flat) > 1e-2

@@ -3,7 +3,6 @@ dir (a real short training) and for a swarm dir (hand-written records with hand-
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from collections.abc import Iterator
@@ -13,33 +12,27 @@ from typing import Any
 import matplotlib.image
 import numpy as np
 import pytest
-import torch
 
 from node.cli import main
 from node.launcher import write_plots_report
 from node.metrics import read_metrics
 from node.report import PLOT_FILES, REPORT_FILE, round_utilization, running_mean
-from node.trainer import Trainer
-from tests.node.test_trainer import small_config
+from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps on a shared machine: one thread is faster
-    yield
-    torch.set_num_threads(previous)
+    with one_torch_thread():  # tiny steps on a shared machine: one thread is faster
+        yield
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real node run: two rounds of H=3 on the nano preset."""
-    corpus = tmp_path_factory.mktemp("corpus") / "text.txt"
-    corpus.write_text(inspect.getsource(inspect) * 2)
     path = tmp_path_factory.mktemp("run")
-    Trainer(small_config(corpus, path, max_rounds=2, swarm=False)).run()
+    train_short_run(write_corpus(tmp_path_factory.mktemp("corpus")), path)
     return path
 
 

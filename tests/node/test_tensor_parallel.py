@@ -16,8 +16,6 @@ bug (a missing all-reduce, heads split wrongly) gives errors of order 1.
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.process
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -40,26 +38,18 @@ from node.parallel.tensor import (
     validate_tensor_parallel_size,
 )
 from node.trainer import build_inner_optimizer
+from tests.node.parallel_support import (
+    SEQ_LEN,
+    build_model,
+    fixed_batches,
+    relative_error,
+    spawned_workers,
+    worker_process_group,
+)
 
 NUM_RANKS = 2
-NUM_STEPS = 10
-SEQ_LEN = 32
-BATCH_SIZE = 4
-SEED = 1234
 STEP_TOLERANCE = 1e-5  # losses and first-step gradients
-TRAINED_PARAMS_TOLERANCE = 1e-4  # after NUM_STEPS AdamW steps; see the module docstring
-
-
-def _fixed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(SEED + 1)
-    config = model_config("nano", seq_len=SEQ_LEN)
-    tokens = torch.randint(0, config.vocab_size, (NUM_STEPS, BATCH_SIZE, SEQ_LEN + 1), generator=generator)
-    return [(batch[:, :-1], batch[:, 1:]) for batch in tokens]  # each (B, T), (B, T)
-
-
-def _build_model() -> GPT:
-    torch.manual_seed(SEED)
-    return GPT(model_config("nano", seq_len=SEQ_LEN))
+TRAINED_PARAMS_TOLERANCE = 1e-4  # after the 10 AdamW steps; see the module docstring
 
 
 class TrainResult(TypedDict):
@@ -73,7 +63,7 @@ ClipGradNorm = Callable[[Iterable[torch.nn.Parameter], float], torch.Tensor]
 
 
 def _train(model: GPT, clip: ClipGradNorm) -> TrainResult:
-    """NUM_STEPS steps of the trainer's inner loop (forward, backward, clip, AdamW), on fixed batches.
+    """One step of the trainer's inner loop (forward, backward, clip, AdamW) per fixed batch.
 
     Returns each step's loss and gradient norm (before clipping), the full gradients of step 1 (before
     clipping) and the full parameters after the last step.
@@ -83,7 +73,7 @@ def _train(model: GPT, clip: ClipGradNorm) -> TrainResult:
     losses: list[float] = []
     grad_norms: list[float] = []
     first_grads: list[torch.Tensor] = []
-    for inputs, targets in _fixed_batches():
+    for inputs, targets in fixed_batches():
         loss = cross_entropy_loss(model(inputs), targets)
         loss.backward()
         if not first_grads:
@@ -101,18 +91,13 @@ def _train(model: GPT, clip: ClipGradNorm) -> TrainResult:
 
 
 def _tensor_parallel_worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: oversubscribed intra-op threads only slow us down
-    store = dist.FileStore(store_path, NUM_RANKS)
-    dist.init_process_group(
-        distributed_backend(), store=store, rank=rank, world_size=NUM_RANKS, timeout=timedelta(seconds=60)
-    )
-    try:
-        model = apply_tensor_parallel(_build_model(), build_tensor_parallel_mesh(NUM_RANKS))
+    with worker_process_group(
+        rank, NUM_RANKS, store_path, backend=distributed_backend(), timeout=timedelta(seconds=60)
+    ):
+        model = apply_tensor_parallel(build_model(), build_tensor_parallel_mesh(NUM_RANKS))
         sharded = [name for name, param in model.named_parameters() if isinstance(param, dist.tensor.DTensor)]
         assert len(sharded) == 7 * model.config.num_layers, sharded  # wq wk wv wo w1 w3 w2 per block
         torch.save(_train(model, clip_grad_norm), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _assert_relatively_close(
@@ -120,34 +105,19 @@ def _assert_relatively_close(
 ) -> None:
     assert [tensor.shape for tensor in actual] == [tensor.shape for tensor in expected]
     for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
-        relative_error = float((got - want).norm() / want.norm())
-        assert relative_error < tolerance, f"parameter {index}: relative error {relative_error:.2e}"
+        error = relative_error(got, want)
+        assert error < tolerance, f"parameter {index}: relative error {error:.2e}"
 
 
 @pytest.mark.timeout(120)
 def test_two_rank_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    workers: list[multiprocessing.process.BaseProcess] = [
-        context.Process(target=_tensor_parallel_worker, args=(rank, str(tmp_path / "store"), str(tmp_path)))
-        for rank in range(NUM_RANKS)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        reference = _train(
-            _build_model(), torch.nn.utils.clip_grad_norm_
-        )  # overlaps with the workers' start-up
-        for worker in workers:
-            worker.join(timeout=90)
-        assert [worker.exitcode for worker in workers] == [0] * NUM_RANKS
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
+    worker_args = [(rank, str(tmp_path / "store"), str(tmp_path)) for rank in range(NUM_RANKS)]
+    with spawned_workers(_tensor_parallel_worker, worker_args, deadline=timedelta(seconds=90)):
+        # Overlaps with the workers' start-up.
+        reference = _train(build_model(), torch.nn.utils.clip_grad_norm_)
 
     # Training moved the weights far more than the tolerance: "equal" does not mean "nothing happened".
-    initial_params = full_parameters(_build_model())
+    initial_params = full_parameters(build_model())
     moved = (reference["params"][0] - initial_params[0]).norm() / initial_params[0].norm()
     assert moved > 100 * TRAINED_PARAMS_TOLERANCE
     for rank in range(NUM_RANKS):

@@ -16,19 +16,16 @@ ZeRO-1's gradient averaging the losses are off by 2e-3 and the parameters by 0.4
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.process
 from datetime import timedelta
 from pathlib import Path
 from typing import TypedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model import GPT, cross_entropy_loss
 from node.parallel.tensor import device_type, distributed_backend, full_parameters
 from node.parallel.zero import (
     apply_fully_shard,
@@ -37,26 +34,18 @@ from node.parallel.zero import (
     optimizer_state_bytes,
 )
 from node.trainer import build_inner_optimizer
+from tests.node.parallel_support import (
+    BATCH_SIZE,
+    build_model,
+    fixed_batches,
+    relative_error,
+    spawned_workers,
+    worker_process_group,
+)
 
-NUM_RANKS = 2
-NUM_STEPS = 10
-SEQ_LEN = 32
-BATCH_SIZE = 4  # BATCH_SIZE // NUM_RANKS sequences per rank
-SEED = 1234
+NUM_RANKS = 2  # BATCH_SIZE // NUM_RANKS sequences per rank
 STEP_TOLERANCE = 1e-5  # mean loss per step
-TRAINED_PARAMS_TOLERANCE = 1e-4  # after NUM_STEPS AdamW steps; see the module docstring
-
-
-def _fixed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(SEED + 1)
-    config = model_config("nano", seq_len=SEQ_LEN)
-    tokens = torch.randint(0, config.vocab_size, (NUM_STEPS, BATCH_SIZE, SEQ_LEN + 1), generator=generator)
-    return [(batch[:, :-1], batch[:, 1:]) for batch in tokens]  # each (B, T), (B, T)
-
-
-def _build_model() -> GPT:
-    torch.manual_seed(SEED)
-    return GPT(model_config("nano", seq_len=SEQ_LEN))
+TRAINED_PARAMS_TOLERANCE = 1e-4  # after the 10 AdamW steps; see the module docstring
 
 
 class TrainResult(TypedDict):
@@ -66,11 +55,11 @@ class TrainResult(TypedDict):
 
 
 def _train(model: GPT, optimizer: torch.optim.Optimizer, rank: int | None, stage: int) -> TrainResult:
-    """NUM_STEPS inner steps; ``rank=None`` is the reference (whole batch), else that rank's half."""
+    """One inner step per fixed batch; ``rank=None`` is the reference (whole batch), else that rank's half."""
     config = NodeConfig()
     per_rank = BATCH_SIZE // NUM_RANKS
     losses: list[float] = []
-    for inputs, targets in _fixed_batches():
+    for inputs, targets in fixed_batches():
         if rank is not None:
             inputs = inputs[rank * per_rank : (rank + 1) * per_rank]  # (B / dp, T)
             targets = targets[rank * per_rank : (rank + 1) * per_rank]  # (B / dp, T)
@@ -90,13 +79,10 @@ def _train(model: GPT, optimizer: torch.optim.Optimizer, rank: int | None, stage
 
 
 def _zero_worker(rank: int, stage: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: oversubscribed intra-op threads only slow us down
-    store = dist.FileStore(store_path, NUM_RANKS)
-    dist.init_process_group(
-        distributed_backend(), store=store, rank=rank, world_size=NUM_RANKS, timeout=timedelta(seconds=60)
-    )
-    try:
-        model = _build_model()
+    with worker_process_group(
+        rank, NUM_RANKS, store_path, backend=distributed_backend(), timeout=timedelta(seconds=60)
+    ):
+        model = build_model()
         optimizer: torch.optim.Optimizer
         if stage == 1:
             optimizer = build_zero_optimizer(model, NodeConfig())
@@ -104,47 +90,26 @@ def _zero_worker(rank: int, stage: int, store_path: str, out_dir: str) -> None:
             apply_fully_shard(model, init_device_mesh(device_type(), (NUM_RANKS,), mesh_dim_names=("dp",)))
             optimizer = build_inner_optimizer(model, NodeConfig())
         torch.save(_train(model, optimizer, rank, stage), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_two_rank_zero_matches_single_process_with_half_the_state(stage: int, tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    workers: list[multiprocessing.process.BaseProcess] = [
-        context.Process(target=_zero_worker, args=(rank, stage, str(tmp_path / "store"), str(tmp_path)))
-        for rank in range(NUM_RANKS)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        reference_model = _build_model()  # overlaps with the workers' start-up
+    worker_args = [(rank, stage, str(tmp_path / "store"), str(tmp_path)) for rank in range(NUM_RANKS)]
+    with spawned_workers(_zero_worker, worker_args, deadline=timedelta(seconds=90)):
+        reference_model = build_model()  # overlaps with the workers' start-up
         reference_optimizer = build_inner_optimizer(reference_model, NodeConfig())
         reference = _train(reference_model, reference_optimizer, None, stage)
-        for worker in workers:
-            worker.join(timeout=90)
-        assert [worker.exitcode for worker in workers] == [0] * NUM_RANKS
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
 
     results: list[TrainResult] = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(NUM_RANKS)]
-    mean_losses = torch.tensor([result["losses"] for result in results]).mean(dim=0)  # (NUM_STEPS,)
+    mean_losses = torch.tensor([result["losses"] for result in results]).mean(dim=0)  # (num_steps,)
     torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"]), rtol=STEP_TOLERANCE, atol=0.0)
     # Training moved the weights far more than the tolerance: "equal" does not mean "nothing happened".
-    initial_params = full_parameters(_build_model())
-    assert _relative_error(reference["params"][0], initial_params[0]) > 100 * TRAINED_PARAMS_TOLERANCE
+    initial_params = full_parameters(build_model())
+    assert relative_error(reference["params"][0], initial_params[0]) > 100 * TRAINED_PARAMS_TOLERANCE
     for rank, result in enumerate(results):
         errors = [
-            _relative_error(got, want)
-            for got, want in zip(result["params"], reference["params"], strict=True)
+            relative_error(got, want) for got, want in zip(result["params"], reference["params"], strict=True)
         ]
         assert max(errors) < TRAINED_PARAMS_TOLERANCE, f"rank {rank}: parameter relative errors {errors}"
         share = result["state_bytes"] / reference["state_bytes"]

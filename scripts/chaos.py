@@ -1,0 +1,415 @@
+"""Chaos benchmark: a swarm in the WAN emulator under random faults, then checks that nothing broke.
+
+Issue 7's benchmark. ``--nodes`` ``dtnode join`` nodes (nano preset, short phases) run on the hosts
+of ``scripts/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``). Once
+all of them finished a round together, ``--trials`` times a fault is drawn at random (seeded):
+
+    kill          SIGKILL a node's process group (daemon, DHT process, p2pd); the others go on
+                  without it. It is restarted (same run dir: it resumes from its checkpoint and
+                  re-syncs) once the survivors recovered, so the swarm keeps its size.
+    stop          SIGSTOP a node for a while (a frozen machine), then SIGCONT.
+    restart       SIGKILL a node and start it again at once.
+    partition     split the hosts 2-vs-(N-2) (every packet between the sides dropped), then heal.
+    slow_link     cap one host's uplink at 1 Mbit/s for a while, then restore it.
+
+Each fault lasts a random ``--fault-seconds`` span and starts at a random moment of the swarm's phase
+(a random delay first). After it is undone, the trial waits (``--recovery-timeout``) until every
+node alive has written a round record after the undo and the live nodes agree on the param_hash of
+a round all of them reached since: that wait is the trial's recovery time.
+
+Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/metrics.py``):
+
+    hangs         a trial whose live nodes did not all write a new round within the recovery
+                  timeout, plus rounds whose all-reduce outlasted ``--round-deadline`` (+ 10 s);
+    divergences   two records of the same round and the same agreed group (``members``) with
+                  different param_hash (fell-back and adopted records excepted: they are not the
+                  group's result). A 2-vs-4 partition gives two groups per round, not a divergence;
+    non_finite    a step loss or eval loss that is NaN/Inf (written as null);
+    rejoined      every killed or restarted node contributed to an averaged round again and matched
+                  the others' param_hash there;
+    loss_fell     the swarm's mean eval loss over its last 3 rounds is below that of its first 3.
+
+Output: one JSON object (trials, faults by kind, rounds, hangs, divergences, non_finite, rejoined,
+recovery seconds p50/p90/max, eval loss first/last, wall seconds) and a one-line summary.
+
+    python scripts/chaos.py                                     # 6 nodes, 50 trials, 100 Mbit/s
+    python scripts/chaos.py --nodes 4 --trials 3 --kinds kill,stop,partition   # a quick look
+
+Exit code: 0 if every check passed, 1 if one failed, 2 if the emulator cannot run here (needs root
+and iproute2), 130 on Ctrl-C or SIGTERM (every node is stopped and the namespaces removed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
+
+from node.metrics import read_metrics
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FAULT_KINDS = ("kill", "stop", "restart", "partition", "slow_link")
+SLOW_LINK_MBIT = 1.0
+NAME_PREFIX = "dtchaos"
+POLL_SECONDS = 0.5
+
+
+@dataclass
+class ChaosNode:
+    index: int
+    run_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    stopped: bool = False  # SIGSTOPped right now
+    starts: list[float] = field(default_factory=list)  # wall-clock time of every (re)start
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        return read_metrics(self.run_dir / "metrics.jsonl", kind="round")
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            assert self.process is not None
+            os.killpg(self.process.pid, signum)
+
+    def multiaddrs(self) -> list[str]:
+        try:
+            return list(json.loads((self.run_dir / "node.json").read_text())["multiaddrs"])
+        except (OSError, ValueError, KeyError):
+            return []
+
+
+class Swarm:
+    """The nodes on the emulator's hosts: start, kill, restart, pause; every wait is bounded."""
+
+    def __init__(self, wan: WanEmulator, root: Path, args: argparse.Namespace) -> None:
+        self.wan, self.args = wan, args
+        self.nodes = [ChaosNode(i, root / f"node-{i}", root / f"node-{i}.log") for i in range(args.nodes)]
+
+    def argv(self, node: ChaosNode, peers: Sequence[str]) -> list[str]:
+        address = self.wan.address(node.index)
+        args = self.args
+        argv = [sys.executable, "-m", "node.cli", "join", "--name", "chaos", "--run-dir", str(node.run_dir)]
+        argv += ["--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--threads", "1"]
+        argv += ["--inner-steps", str(args.inner_steps), "--log-every", "1000", "--min-peers", "2"]
+        argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
+        argv += ["--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "1"]
+        argv += [
+            "--listen",
+            f"{address}:0",
+            "--dht-listen",
+            f"{address}:0",
+            "--bandwidth-mbit",
+            str(args.link_mbit),
+        ]
+        if peers:
+            argv += ["--peers", ",".join(peers)]
+        return argv
+
+    def start(self, node: ChaosNode) -> None:
+        """(Re)start ``node``, joining through every other live node's multiaddr."""
+        peers = [
+            a for other in self.nodes if other is not node and other.alive for a in other.multiaddrs()[:1]
+        ]
+        (node.run_dir / "node.json").unlink(missing_ok=True)
+        with node.log_path.open("ab") as log:
+            node.process = self.wan.popen(
+                node.index,
+                self.argv(node, peers),
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        node.stopped = False
+        node.starts.append(time.time())
+        wait_until(lambda: bool(node.multiaddrs()), 90, f"node {node.index} to come up", lambda: node.alive)
+
+    def kill(self, node: ChaosNode) -> None:
+        node.signal(signal.SIGKILL)
+        if node.process is not None:
+            node.process.wait(timeout=30)
+        node.stopped = False
+
+    def stop_all(self) -> None:
+        for node in self.nodes:
+            if node.stopped:
+                node.signal(signal.SIGCONT)
+            node.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for node in self.nodes:
+            if node.process is not None:
+                try:
+                    node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    node.signal(signal.SIGKILL)
+                    node.process.wait(timeout=30)
+
+    def live(self) -> list[ChaosNode]:
+        return [n for n in self.nodes if n.alive and not n.stopped]
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout: float, what: str, still: Callable[[], bool] = lambda: True
+) -> bool:
+    """Poll until ``condition()``; False after ``timeout`` s; RuntimeError if ``still()`` turns false."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if not still():
+            raise RuntimeError(f"gave up waiting for {what}: the process exited")
+        time.sleep(POLL_SECONDS)
+    return False
+
+
+def recovered_since(nodes: Sequence[ChaosNode], moment: float) -> bool:
+    """Every node wrote a round after ``moment``, and all agree on the hash of a round they all reached."""
+    later = [[r for r in n.rounds() if r["time"] > moment] for n in nodes]
+    if not nodes or any(not rounds for rounds in later):
+        return False
+    hashes = [{r["round"]: r["param_hash"] for r in rounds if not r["fell_back"]} for rounds in later]
+    shared = set.intersection(*(set(h) for h in hashes))
+    return any(len({h[r] for h in hashes}) == 1 for r in shared)
+
+
+def run_trial(swarm: Swarm, kind: str, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
+    """Inject one fault of ``kind``, undo it, wait for recovery; the trial's record."""
+    nodes = swarm.nodes
+    time.sleep(rng.uniform(0, args.max_delay))  # a random moment of the phase
+    victim = rng.choice(swarm.live())
+    hold = rng.uniform(*args.fault_seconds)
+    record: dict[str, Any] = {"kind": kind, "node": victim.index, "hold_seconds": round(hold, 1)}
+    restart_after: ChaosNode | None = None
+    if kind == "kill":
+        swarm.kill(victim)
+        time.sleep(hold)
+        restart_after = victim
+    elif kind == "restart":
+        swarm.kill(victim)
+        swarm.start(victim)
+    elif kind == "stop":
+        victim.signal(signal.SIGSTOP)
+        victim.stopped = True
+        time.sleep(hold)
+        victim.signal(signal.SIGCONT)
+        victim.stopped = False
+    elif kind == "partition":
+        side = rng.sample(range(len(nodes)), 2)
+        record["node"] = sorted(side)
+        swarm.wan.isolate(side, [i for i in range(len(nodes)) if i not in side])
+        time.sleep(hold)
+        swarm.wan.heal()
+    elif kind == "slow_link":
+        swarm.wan.set_link_mbit(victim.index, SLOW_LINK_MBIT)
+        time.sleep(hold)
+        swarm.wan.set_link_mbit(victim.index, args.link_mbit)
+    else:
+        raise ValueError(f"unknown fault kind {kind!r}")
+    undone = time.time()
+    live = swarm.live()
+    record["recovered"] = wait_until(lambda: recovered_since(live, undone), args.recovery_timeout, "recovery")
+    record["recovery_seconds"] = round(time.time() - undone, 1) if record["recovered"] else None
+    record["silent_nodes"] = [n.index for n in live if not any(r["time"] > undone for r in n.rounds())]
+    if restart_after is not None:
+        swarm.start(restart_after)
+    record["dead_nodes"] = [n.index for n in nodes if not n.alive]
+    return record
+
+
+def check(swarm: Swarm, trials: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The end-of-run checks over every node's records (see the module docstring)."""
+    all_rounds = [(n.index, r) for n in swarm.nodes for r in n.rounds()]
+    by_group: dict[tuple[int, tuple[str, ...]], set[str]] = {}
+    for _, r in all_rounds:
+        if r["adopted"] or r["fell_back"] or not r.get("members"):
+            continue
+        by_group.setdefault((r["round"], tuple(sorted(r["members"]))), set()).add(r["param_hash"])
+    divergences = [
+        {"round": round, "members": len(members), "hashes": sorted(h)}
+        for (round, members), h in by_group.items()
+        if len(h) > 1
+    ]
+    slow_rounds = [
+        {"node": i, "round": r["round"], "seconds_comm": r["seconds_comm"]}
+        for i, r in all_rounds
+        if r["seconds_comm"] > args.round_deadline + 10
+    ]
+    steps = [s for n in swarm.nodes for s in read_metrics(n.run_dir / "metrics.jsonl", kind="step")]
+    non_finite = sum(1 for s in steps if s["loss"] is None) + sum(
+        1 for _, r in all_rounds if r["eval_loss"] is None
+    )
+    rejoined = []
+    for node in swarm.nodes:
+        if len(node.starts) < 2:
+            continue
+        later = [
+            r for r in node.rounds() if r["time"] > node.starts[-1] and not r["adopted"] and r["peers"] >= 2
+        ]
+        others = {(r["round"], r["param_hash"]) for n in swarm.nodes if n is not node for r in n.rounds()}
+        rejoined.append(any((r["round"], r["param_hash"]) in others for r in later))
+    evals = sorted(
+        (
+            (r["round"], r["eval_loss"])
+            for _, r in all_rounds
+            if r["eval_loss"] is not None and not r["adopted"]
+        ),
+    )
+    per_round: dict[int, list[float]] = {}
+    for round, loss in evals:
+        per_round.setdefault(round, []).append(loss)
+    ordered = [statistics.fmean(per_round[r]) for r in sorted(per_round)]
+    first, last = (statistics.fmean(ordered[:3]), statistics.fmean(ordered[-3:])) if ordered else (None, None)
+    hangs = sum(1 for t in trials if not t["recovered"] and t["silent_nodes"]) + len(slow_rounds)
+    recoveries = sorted(t["recovery_seconds"] for t in trials if t["recovery_seconds"] is not None)
+
+    def percentile(q: float) -> float | None:
+        return recoveries[min(len(recoveries) - 1, int(q * len(recoveries)))] if recoveries else None
+
+    return {
+        "rounds": max((r["round"] for _, r in all_rounds), default=0),
+        "hangs": hangs,
+        "not_recovered": sum(1 for t in trials if not t["recovered"]),
+        "slow_rounds": slow_rounds,
+        "divergences": len(divergences),
+        "divergence_details": divergences[:10],
+        "non_finite": non_finite,
+        "restarted_nodes": len(rejoined),
+        "rejoined": sum(rejoined),
+        "recovery_seconds_p50": percentile(0.5),
+        "recovery_seconds_p90": percentile(0.9),
+        "recovery_seconds_max": recoveries[-1] if recoveries else None,
+        "eval_loss_first": first,
+        "eval_loss_last": last,
+        "loss_fell": first is not None and last is not None and last < first,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=6, help="swarm size (>= 4 for a 2-vs-rest partition)")
+    parser.add_argument("--trials", type=int, default=50, help="faults to inject, one after the other")
+    parser.add_argument(
+        "--kinds", default=",".join(FAULT_KINDS), help=f"fault kinds: {', '.join(FAULT_KINDS)}"
+    )
+    parser.add_argument("--in-turn", action="store_true", help="take the kinds in turn, not at random")
+    parser.add_argument("--link-mbit", type=float, default=100.0, help="every host's uplink cap")
+    parser.add_argument("--inner-steps", type=int, default=20, help="H of every node (nano: ~2-5 s)")
+    parser.add_argument("--round-deadline", type=float, default=60.0, help="the nodes' --round-deadline")
+    parser.add_argument(
+        "--fault-seconds", type=float, nargs=2, default=(4.0, 15.0), help="how long a fault holds"
+    )
+    parser.add_argument("--max-delay", type=float, default=5.0, help="random wait before each fault")
+    parser.add_argument("--recovery-timeout", type=float, default=180.0, help="seconds to wait for recovery")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the result here")
+    parser.add_argument(
+        "--keep-logs", type=Path, default=None, metavar="DIR", help="keep run dirs and logs here"
+    )
+    args = parser.parse_args(argv)
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if unknown := [k for k in args.kinds if k not in FAULT_KINDS]:
+        parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(FAULT_KINDS)}")
+    if args.nodes < 3 or ("partition" in args.kinds and args.nodes < 4):
+        parser.error("--nodes must be >= 3 (>= 4 with partition faults)")
+    if args.trials < 1 or args.inner_steps < 1:
+        parser.error("--trials and --inner-steps must be >= 1")
+    return args
+
+
+def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds the `with WanEmulator`, which stops every node
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if (reason := unavailable_reason()) is not None:
+        print(f"chaos: cannot run the WAN emulator: {reason}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    cleanup_leftovers(NAME_PREFIX)
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    root_holder = tempfile.TemporaryDirectory(prefix="chaos-") if args.keep_logs is None else None
+    root = Path(root_holder.name) if root_holder is not None else args.keep_logs
+    root.mkdir(parents=True, exist_ok=True)
+    trials: list[dict[str, Any]] = []
+    try:
+        with WanEmulator(args.nodes, args.link_mbit, name_prefix=NAME_PREFIX) as wan:
+            swarm = Swarm(wan, root, args)
+            try:
+                for node in swarm.nodes:
+                    swarm.start(node)
+                up = time.time()
+                if not wait_until(
+                    lambda: recovered_since(swarm.nodes, up), args.recovery_timeout, "a first round"
+                ):
+                    print("chaos: the swarm never completed a first round", file=sys.stderr)
+                    return 1
+                for index in range(args.trials):
+                    kind = args.kinds[index % len(args.kinds)] if args.in_turn else rng.choice(args.kinds)
+                    trial = run_trial(swarm, kind, rng, args)
+                    trials.append(trial)
+                    print(json.dumps({"trial": index, **trial}), file=sys.stderr, flush=True)
+                # A node restarted by the last trial gets the same chance to rejoin as the others.
+                settled = time.time()
+                wait_until(lambda: recovered_since(swarm.live(), settled), args.recovery_timeout, "the end")
+                result = check(swarm, trials, args)
+            finally:
+                swarm.stop_all()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if root_holder is not None:
+            root_holder.cleanup()
+    kinds = {k: sum(1 for t in trials if t["kind"] == k) for k in args.kinds}
+    summary = {
+        "nodes": args.nodes,
+        "trials": len(trials),
+        "faults": kinds,
+        **result,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "seed": args.seed,
+    }
+    passed = (
+        summary["hangs"] == 0
+        and summary["divergences"] == 0
+        and summary["non_finite"] == 0
+        and summary["rejoined"] == summary["restarted_nodes"]
+        and summary["loss_fell"]
+    )
+    summary["passed"] = passed
+    print(json.dumps(summary))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({"summary": summary, "trials": trials}, indent=2) + "\n")
+    print(
+        f"chaos: {len(trials)} trials on {args.nodes} nodes, {summary['rounds']} rounds: "
+        f"{summary['hangs']} hangs, {summary['divergences']} divergences, {summary['non_finite']} non-finite, "
+        f"{summary['rejoined']}/{summary['restarted_nodes']} restarted nodes rejoined, recovery p50 "
+        f"{summary['recovery_seconds_p50']} s / p90 {summary['recovery_seconds_p90']} s, eval loss "
+        f"{summary['eval_loss_first']} -> {summary['eval_loss_last']}: {'PASS' if passed else 'FAIL'}"
+    )
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
