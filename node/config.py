@@ -21,7 +21,8 @@ from typing import Any, get_type_hints
 
 ENV_PREFIX = "DTNODE_"
 # Environment variables with the prefix that are not config fields.
-RESERVED_ENV = frozenset({"DTNODE_CONFIG"})
+# Not settings: DTNODE_CONFIG names the TOML file; the others are read by scripts/setup.sh.
+RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV"})
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -163,6 +164,20 @@ class NodeConfig:
     codec: str = field(
         default="int8", metadata=_help("Pseudo-gradient wire codec: none, fp16, bf16, int8 or int4.")
     )
+    aggregation: str = field(
+        default="mean",
+        metadata=_help(
+            "How each part of the pseudo-gradient is combined: mean, clipped (each node's norm clipped "
+            "to --clip-factor x the median) or trimmed (per number, drop the --trim largest and smallest); "
+            "every node of the swarm must use the same."
+        ),
+    )
+    clip_factor: float = field(
+        default=2.0, metadata=_help("--aggregation clipped: clip norms to this many times the median norm.")
+    )
+    trim: int = field(
+        default=1, metadata=_help("--aggregation trimmed: values dropped per number on each side.")
+    )
     min_peers: int = field(default=1, metadata=_help("Fewest nodes an outer round may have."))
     join_window: float = field(
         default=15.0, metadata=_help("Seconds a round's leader waits for the other nodes to be ready.")
@@ -182,6 +197,20 @@ class NodeConfig:
     heartbeat: float = field(default=2.0, metadata=_help("Seconds between DHT record refreshes."))
     record_ttl: float = field(
         default=20.0, metadata=_help("Seconds a crashed node's record outlives its last heartbeat.")
+    )
+    swarm_key_file: str = field(
+        default="",
+        metadata=_help(
+            "File with the swarm's shared key (make one with `dtnode keygen PATH`, mode 0600): only "
+            "nodes with the key can join, send or fetch. Empty = an open swarm (a warning says so)."
+        ),
+    )
+    tls: bool = field(
+        default=False,
+        metadata=_help(
+            "Encrypt gRPC with mutual TLS, certificates from a CA derived from the swarm key (needs "
+            "--swarm-key-file; every node of the swarm must use it)."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -260,10 +289,22 @@ class NodeConfig:
             )
         if self.announce and self.swarm and (not self.dht_listen or self.dht_listen.endswith(":0")):
             raise ConfigError("--announce needs a fixed DHT port: set --dht-listen HOST:PORT")
+        if self.tls and not self.swarm_key_file:
+            raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
         from protocol.codecs import CODEC_NAMES
 
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
+        from protocol.allreduce.robust import AggregationRule
+
+        try:
+            AggregationRule(
+                kind=self.aggregation,  # type: ignore[arg-type]  # the rule checks it
+                clip_factor=self.clip_factor,
+                trim_per_side=self.trim,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         # Import here: the model module is heavy and config must stay importable on its own.
         from node.model import MODEL_PRESETS
 

@@ -39,6 +39,11 @@ def test_config_file_from_env_and_bool_parsing(tmp_path: Path) -> None:
     assert config.outer_offload is True and config.outer_nesterov is False
 
 
+def test_the_setup_scripts_variables_are_not_settings() -> None:
+    environ = {"DTNODE_TORCH_PIP_ARGS": "--index-url http://x", "DTNODE_VENV": "/opt/venv"}
+    assert load_config(environ=environ) == load_config(environ={})
+
+
 def test_to_toml_round_trips(tmp_path: Path) -> None:
     config = NodeConfig(model="nano", inner_steps=3, name='we"ird', outer_offload=True)
     path = write_toml(tmp_path, config.to_toml())

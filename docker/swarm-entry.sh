@@ -1,0 +1,66 @@
+#!/bin/sh
+# One node of the docker-compose swarm (docker/docker-compose.yml); installed in the image as
+# dtnode-swarm-entry.
+#
+#   dtnode-swarm-entry bootstrap [dtnode join flags...]
+#   dtnode-swarm-entry worker [dtnode join flags...]
+#
+# A worker joins through the bootstrap node's multiaddr, which ends in the bootstrap's libp2p peer
+# id, and that id is random at every start. So the nodes share one volume, $SWARM_RUNS (/runs):
+#
+# - bootstrap: removes its stale node.json, then runs `dtnode join` on fixed ports announcing its
+#   host name, which writes $SWARM_RUNS/bootstrap/node.json (peer id, multiaddrs) once the swarm
+#   side is up.
+# - worker: waits for that file (at most $SWARM_WAIT_SECONDS), then runs `dtnode join --peers`
+#   with the multiaddrs in it, announcing its own container address. If it read a stale file
+#   (the bootstrap restarted and has not rewritten it yet) the join fails and exits non-zero; the
+#   compose file restarts it.
+#
+# Every node's run directory (metrics.jsonl, checkpoints) is $SWARM_RUNS/<container host name>.
+# The training settings come from DTNODE_* variables (see `dtnode join --help`).
+set -eu
+
+usage="usage: dtnode-swarm-entry bootstrap|worker [dtnode join flags...]"
+role="${1:?$usage}"
+shift
+runs="${SWARM_RUNS:-/runs}"
+wait_seconds="${SWARM_WAIT_SECONDS:-180}"
+grpc_port=7000
+dht_port=7001
+host_name="$(cat /etc/hostname)"
+bootstrap_json="$runs/bootstrap/node.json"
+
+case "$role" in
+  bootstrap)
+    rm -f "$bootstrap_json"
+    exec dtnode join --run-dir "$runs/bootstrap" --listen "0.0.0.0:$grpc_port" \
+      --dht-listen "0.0.0.0:$dht_port" --announce "$host_name" "$@"
+    ;;
+  worker)
+    waited=0
+    while [ ! -s "$bootstrap_json" ]; do
+      if [ "$waited" -ge "$wait_seconds" ]; then
+        echo "dtnode-swarm-entry: $bootstrap_json did not appear within ${wait_seconds}s" >&2
+        exit 1
+      fi
+      sleep 1
+      waited=$((waited + 1))
+    done
+    # The file is written in one call, but may be caught mid-write: parse it, retrying briefly.
+    peers=""
+    for _ in 1 2 3 4 5; do
+      peers="$(python3 -c 'import json, sys; print(",".join(json.load(open(sys.argv[1]))["multiaddrs"]))' \
+        "$bootstrap_json" 2>/dev/null)" && break
+      sleep 1
+    done
+    [ -n "$peers" ] || { echo "dtnode-swarm-entry: no multiaddrs in $bootstrap_json" >&2; exit 1; }
+    # The address other containers reach this one at (its entry in the compose network's DNS).
+    address="$(python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))')"
+    exec dtnode join --run-dir "$runs/$host_name" --listen "0.0.0.0:$grpc_port" \
+      --dht-listen "0.0.0.0:$dht_port" --announce "$address" --peers "$peers" "$@"
+    ;;
+  *)
+    echo "dtnode-swarm-entry: unknown role '$role'; $usage" >&2
+    exit 2
+    ;;
+esac
