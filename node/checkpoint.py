@@ -10,7 +10,9 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-<S>/`` with
 Atomicity: both files are written into ``step-<S>.tmp-<pid>``, fsynced, and the directory is renamed
 into place (``rename`` is atomic on POSIX); then ``LATEST`` is replaced atomically with the new
 name. A crash at any point leaves the previous ``LATEST`` and the checkpoint it names intact;
-half-written ``.tmp-*`` directories are removed at the next save. Loading reads ``LATEST`` and
+half-written ``.tmp-*`` directories are removed at the next save. A save under a name already on
+disk writes nothing if that checkpoint's meta (but its ``time``) is the same, and replaces it
+otherwise (a crash before ``LATEST`` moved can leave such a directory behind). Loading reads ``LATEST`` and
 verifies that every referenced tensor is present.
 """
 
@@ -103,8 +105,10 @@ def save_checkpoint(root: Path, name: str, state: dict[str, Any], meta: dict[str
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
     final = root / name
-    if (final / "state.json").is_file():
-        # Checkpoints are named by inner step: the same name means the same state, already on disk.
+    if (final / "state.json").is_file() and _identity(_stored_meta(final)) == _identity(meta):
+        # Checkpoints are named by inner step; the same name and meta (round, param_hash…) means
+        # the same state, already on disk. (A complete directory with other meta is one a crash
+        # left before LATEST named it; a swarm may have averaged that round differently since.)
         _point_latest(root, name)
         return final
     json_tree, tensors = split_state(state)
@@ -122,12 +126,27 @@ def save_checkpoint(root: Path, name: str, state: dict[str, Any], meta: dict[str
         os.fsync(handle.fileno())
     _write_durable(tmp / "state.json", json.dumps({"meta": meta, "state": json_tree}).encode())
     _fsync_dir(tmp)
-    if final.exists():  # an incomplete directory of that name (no state.json): never LATEST
-        shutil.rmtree(final)
+    if final.exists():  # incomplete, or another state under this name: LATEST never names it
+        stale = root / f"{name}.tmp-stale-{os.getpid()}"  # a leftover if we die before removing it
+        os.rename(final, stale)
+        shutil.rmtree(stale)
     os.rename(tmp, final)
     _point_latest(root, name)
     _prune(root, keep=keep, current=name)
     return final
+
+
+def _identity(meta: Any) -> Any:
+    """What names a state in a checkpoint's meta: all of it but the wall-clock ``time`` it was written."""
+    return {k: v for k, v in meta.items() if k != "time"} if isinstance(meta, dict) else meta
+
+
+def _stored_meta(directory: Path) -> Any:
+    """The ``meta`` of a complete checkpoint directory (None if its state.json cannot be read)."""
+    try:
+        return json.loads((directory / "state.json").read_text())["meta"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _point_latest(root: Path, name: str) -> None:

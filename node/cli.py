@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens; 0 = all")
     sample.add_argument("--seed", type=int, default=0, help="seed of the sampler: same seed, same text")
     sample.add_argument("--device", default="cpu", help="device to run the model on")
+    keygen = commands.add_parser(
+        "keygen",
+        help="write a new swarm key file (mode 0600) for --swarm-key-file",
+        description="Write 32 random bytes as hex to a new file PATH, readable by you only. Give every "
+        "node of the swarm a copy (over a secure channel) and start each with --swarm-key-file PATH.",
+    )
+    keygen.add_argument(
+        "path", metavar="PATH", help="the key file to create (an existing file is not overwritten)"
+    )
     return parser
 
 
@@ -259,6 +268,23 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_keygen(args: argparse.Namespace) -> int:
+    """Write a fresh swarm key to a new file; an existing file is a user mistake (exit 2)."""
+    from pathlib import Path
+
+    from protocol.auth import SwarmKey
+
+    key = SwarmKey.generate()
+    try:
+        key.write(Path(args.path))
+    except OSError as error:  # FileExistsError included: never overwrite a key others may hold
+        print(f"dtnode: error: cannot create {args.path}: {error.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote a swarm key to {args.path} (fingerprint {key.fingerprint}); start every node with "
+          f"--swarm-key-file {args.path}")  # fmt: skip
+    return 0
+
+
 def run_status(args: argparse.Namespace) -> int:
     """Print a node's status; the run dir (for ADDR's default) is resolved as ``join`` resolves it."""
     from datetime import timedelta
@@ -342,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_report(args)
         if args.command == "sample":
             return run_sample(args)
+        if args.command == "keygen":
+            return run_keygen(args)
     except ConfigError as error:
         print(f"dtnode: error: {error}", file=sys.stderr)
         return EXIT_USAGE

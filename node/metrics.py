@@ -11,7 +11,8 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   contributions the round's mean holds, ``fell_back`` that this node stepped on its own Δ (the
   swarm round failed), ``adopted`` that it replaced its state by the swarm's instead of stepping
   (then ``round`` is the swarm's), ``shard`` the ``[index, count]`` it reads in the next phase,
-  ``members`` the peer ids of the round's agreed group (empty without one: solo, failed, adopted).
+  ``members`` the peer ids of the round's agreed group (empty without one: solo, failed, adopted),
+  ``rss_bytes`` the node's resident memory when the record was written (null off Linux).
   Also in every round record:
 
   - ``seconds_blocked``: how long the training thread waited for the swarm; ``utilization`` the share
@@ -81,6 +82,18 @@ class MetricsWriter:
         self._handle.close()
         for sink in self.sinks:
             sink.close()
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc/self/status`` VmRSS); None elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:

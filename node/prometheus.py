@@ -30,6 +30,8 @@ metric                                     type       from
 ``dtnode_rounds_total{outcome}``           counter    ``averaged``, ``fell_back`` or ``adopted``
 ``dtnode_utilization``                     gauge      ``utilization`` (NaN when not measured)
 ``dtnode_pseudo_gradient_norm``            gauge      ``pseudo_gradient_norm`` (of the mean applied)
+``process_*``                              (several)  prometheus_client's process collector: resident
+                                                      memory, CPU seconds, open file descriptors
 =========================================  =========  ===============================================
 
 Counts over the whole run (steps, tokens, rounds) are gauges: a resumed run continues them from its
@@ -44,7 +46,14 @@ import threading
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 from node.metrics import FAILURE_KINDS
 
@@ -67,6 +76,7 @@ class PrometheusExporter:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, CPU seconds, open fds
         self.loss = Gauge("dtnode_loss", "Training loss of the latest inner step.", registry=registry)
         self.learning_rate = Gauge(
             "dtnode_learning_rate", "Inner AdamW learning rate of the latest step.", registry=registry

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,9 @@ import torch
 from node.config import ConfigError, NodeConfig
 from node.diloco import AveragingOutcome, OuterStepReport, tensor_hash
 from node.join import JOIN_TIMEOUT, Prefetch
+from protocol.allreduce.config import AllReduceConfig
+from protocol.auth.channels import SwarmAuth
+from protocol.auth.key import SwarmKey
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.config import RoundConfig
@@ -441,20 +445,29 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             proposal_timeout=min(timedelta(seconds=5), join_window),
             begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
         )
+        auth = None
+        if config.swarm_key_file:
+            auth = SwarmAuth(SwarmKey.from_file(Path(config.swarm_key_file)), tls=config.tls)
         return SwarmConfig(
             run_name=config.name,
             listen=config.listen,
             announce_host=announce,
             dht=dht,
             rounds=rounds,
+            allreduce=AllReduceConfig(
+                aggregation=config.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
+                clip_factor=config.clip_factor,
+                trim_per_side=config.trim,
+            ),
             codec=config.codec,
             round_deadline=timedelta(seconds=config.round_deadline),
             sync_deadline=timedelta(seconds=config.sync_deadline),
             bandwidth_bytes_per_s=config.bandwidth_mbit * 1e6 / 8,
             heartbeat=timedelta(seconds=config.heartbeat),
             record_ttl=timedelta(seconds=config.record_ttl),
+            auth=auth,
         )
-    except ValueError as error:
+    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
         raise ConfigError(str(error)) from None
 
 

@@ -31,7 +31,7 @@ from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches, load_corpus
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.export import export_model, tokenizer_info
-from node.metrics import MetricsSink, MetricsWriter
+from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes
 from node.model import GPT, cross_entropy_loss, model_config
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
@@ -378,6 +378,7 @@ class Trainer:
             "adopted": report.adopted,
             "shard": [self.batches.shard_index, self.batches.num_shards],
             "members": list(report.members),
+            "rss_bytes": current_rss_bytes(),
             "bytes_recv_state_sync": report.bytes_recv_state_sync,
             "bytes_by_phase": report.bytes_by_phase,
             "codec_error": report.codec_error,

@@ -12,6 +12,7 @@ import torch
 
 from protocol.allreduce.group import split_by_weight
 from protocol.allreduce.reducer import PartReducer, chunk_sizes
+from protocol.allreduce.robust import AggregationRule
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 
@@ -56,8 +57,12 @@ class SimulatedAllReduce:
         codec: Codec,
         error_feedback: bool,
         chunk_num_elements: int,
+        rule: AggregationRule | None = None,
     ) -> None:
+        """``rule``: the owners' aggregation rule (``protocol.allreduce.robust``; None = the weighted mean)."""
         self.num_members = num_members
+        self.rule = rule
+        self.adjustments: list[str] = []  # every "member m ... clipped / trimmed" the owners reported
         self.codec = codec
         self.chunk_num_elements = chunk_num_elements
         self.bounds = split_by_weight(num_elements, [1.0] * num_members)
@@ -78,7 +83,7 @@ class SimulatedAllReduce:
             low, high = self.bounds[part], self.bounds[part + 1]
             reducer = PartReducer(
                 part_index=part, producer_index=part, num_elements=high - low, num_members=self.num_members,
-                codec=self.codec, chunk_num_elements=self.chunk_num_elements,
+                codec=self.codec, chunk_num_elements=self.chunk_num_elements, rule=self.rule,
             )  # fmt: skip
             # Phase 1: the owner's slice stays fp32; every other member's crosses the wire encoded.
             for member, (vector, weight) in enumerate(zip(vectors, weights, strict=True)):
@@ -98,6 +103,7 @@ class SimulatedAllReduce:
             reducer.run_folds(jobs)
             reducer.folds_done(jobs)
             assert reducer.is_done() and len(reducer.contributors) == self.num_members
+            self.adjustments += [f"part {part}: member {m} {note}" for m, note in reducer.adjustments.items()]
             owner_feedback = None if self.feedback is None else self.feedback[part]
             reduced = reducer.encode_average(error_feedback=owner_feedback, part_offset=low)
             # Phase 2: the owner serves its encoded mean to the N - 1 others; all decode the same bytes.

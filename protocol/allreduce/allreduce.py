@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,9 @@ class AllReduceResult:
     """bytes_recv split the same way."""
     seconds: float
     """Wall-clock duration of the call."""
+    adjustments: list[str] = field(default_factory=list)
+    """Contributions the aggregation rule (AllReduceConfig.aggregation) clipped or trimmed in the parts
+    this member decided, e.g. "part 3: p5 norm 812 clipped to 16.2 (clipped)"; empty for "mean"."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,7 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
                 "all_gather": state.bytes_recv - state.bytes_recv_reduce_scatter,
             },
             seconds=time.monotonic() - state.started,
+            adjustments=list(state.adjustments),
         )
     finally:
         registry.finished(state)

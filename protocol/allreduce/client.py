@@ -21,6 +21,7 @@ import grpc.aio
 from protocol.allreduce.faults import check_fault
 from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
+from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.codecs import CodecError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
@@ -34,6 +35,7 @@ _REFUSALS = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,  # we lack the swarm key (or our clock is off): every member says so
 }
 
 
@@ -92,13 +94,14 @@ class PeerClient:
     Channels live as long as the peer, so connections made in one round serve the next ones.
     """
 
-    def __init__(self, options: list[tuple[str, int]]) -> None:
+    def __init__(self, options: list[tuple[str, int]], *, auth: SwarmAuth | None = None) -> None:
         self._options = options
+        self._auth = auth  # a closed swarm: every call is signed (and TLS if auth.tls)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = open_channel(address, options=self._options, auth=self._auth)
         return self._channels[address]
 
     def stub(self, address: str) -> pb_grpc.AllReduceStub:

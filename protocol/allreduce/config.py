@@ -1,9 +1,11 @@
-"""Knobs of the all-reduce: chunking, message limits, timeouts and memory bounds."""
+"""Knobs of the all-reduce: chunking, message limits, timeouts, memory bounds and the aggregation rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+
+from protocol.allreduce.robust import Aggregation, AggregationRule
 
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
 """Room for a chunk's protobuf framing on top of its payload."""
@@ -52,6 +54,17 @@ class AllReduceConfig:
     starts and sends a member nothing until its connection is up or has failed, at most this long."""
     server_grace: timedelta = timedelta(seconds=2)
     """On stop, in-flight RPCs get this long to finish."""
+    aggregation: Aggregation = "mean"
+    """How an owner combines the contributions to its part: "mean" (weighted mean), "clipped" (each
+    contribution's norm clipped to clip_factor x the median norm) or "trimmed" (coordinate-wise trimmed
+    mean); see protocol/allreduce/robust.py. Every member of a swarm must use the same rule and the
+    same chunk_num_elements. The robust rules hold every contribution to a part, encoded, until all
+    arrived (about the whole vector's encoded size per owner instead of max_chunks_ahead chunks per
+    sender) and refuse chunks off the owner's chunk grid."""
+    clip_factor: float = 2.0
+    """aggregation="clipped": a contribution's norm is clipped to this many times the median norm."""
+    trim_per_side: int = 1
+    """aggregation="trimmed": values dropped per element on each side (the b largest and b smallest)."""
 
     def __post_init__(self) -> None:
         if self.chunk_num_elements <= 0:
@@ -77,6 +90,13 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be in (0, 1)")
         if self.max_rounds_kept < 1 or self.max_waiting_requests < 1 or self.max_chunks_ahead < 1:
             raise ValueError("max_rounds_kept, max_waiting_requests and max_chunks_ahead must be >= 1")
+        _ = self.aggregation_rule  # raises ValueError for a bad rule
+
+    @property
+    def aggregation_rule(self) -> AggregationRule:
+        return AggregationRule(
+            kind=self.aggregation, clip_factor=self.clip_factor, trim_per_side=self.trim_per_side
+        )
 
     def grpc_options(self, *, server: bool) -> list[tuple[str, int]]:
         """Explicit message limits on both sides, keepalive that catches frozen peers, no hidden retries.

@@ -50,6 +50,7 @@ class PartDecider(RoundCore):
             codec=self.codec,
             chunk_num_elements=self.config.chunk_num_elements,
             accumulator=accumulator,
+            rule=self.config.aggregation_rule,
         )
         for member in self.failed:
             reducer.give_up_on(member, "unreachable earlier in this round")
@@ -128,9 +129,9 @@ class PartDecider(RoundCore):
     async def hold_back(self, reducer: PartReducer, member: int) -> None:
         """Before reading more of `member`'s contribution, wait while `max_chunks_ahead` of its chunks
         wait to be summed, at most half the stall timeout (the sender's writes then block, but not long
-        enough for it to take us for stalled)."""
+        enough for it to take us for stalled). A robust rule needs every contribution whole: never held."""
         limit = self.config.max_chunks_ahead
-        if reducer.num_queued(member) < limit:
+        if reducer.rule.waits_for_all or reducer.num_queued(member) < limit:
             return
 
         def may_read_on() -> bool:
@@ -182,6 +183,10 @@ class PartDecider(RoundCore):
         if not reducer.contributors:
             self._move(part_index, "no contribution arrived")
             return
+        for member, adjustment in reducer.adjustments.items():
+            self.record_adjustment(
+                f"part {part_index}: {self.group.members[member].peer_id} {adjustment} ({reducer.rule.kind})"
+            )
         reduced = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             lambda: reducer.encode_average(

@@ -39,6 +39,7 @@ from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
 from protocol.allreduce.servicer import AllReduceServicer, add_servicer_to_server
+from protocol.auth.channels import SwarmAuth, add_port, new_server
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 
@@ -51,11 +52,14 @@ SERVICE_NAME = "dtnode.v1.AllReduce"
 class AllReducePeer:
     """One member's all-reduce endpoint: a grpc.aio server, its rounds, and channels to other members."""
 
-    def __init__(self, *, config: AllReduceConfig, fault_plan: FaultPlan | None) -> None:
+    def __init__(
+        self, *, config: AllReduceConfig, fault_plan: FaultPlan | None, auth: SwarmAuth | None = None
+    ) -> None:
+        """``auth`` is presented on our calls to other members (``protocol.auth``; None: open swarm)."""
         self.config = config
         self.fault_plan = fault_plan
         self.registry = RoundRegistry(config)
-        self.client = PeerClient(config.grpc_options(server=False))
+        self.client = PeerClient(config.grpc_options(server=False), auth=auth)
         # Encoding, folding and decoding run here so the event loop keeps moving bytes meanwhile.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce-compute")
         self._server: grpc.aio.Server | None = None  # only when start() built our own server
@@ -81,13 +85,15 @@ class AllReducePeer:
         port: int = 0,
         config: AllReduceConfig | None = None,
         fault_plan: FaultPlan | None = None,
+        auth: SwarmAuth | None = None,
     ) -> AllReducePeer:
-        """Bind host:port (port 0 picks a free port, see `.port`) and start serving."""
-        peer = cls(config=config or AllReduceConfig(), fault_plan=fault_plan)
-        server = grpc.aio.server(options=peer.config.grpc_options(server=True))
+        """Bind host:port (port 0 picks a free port, see `.port`) and start serving; with ``auth``
+        only members of its swarm are served (``protocol.auth``) and our calls present it."""
+        peer = cls(config=config or AllReduceConfig(), fault_plan=fault_plan, auth=auth)
+        server = new_server(options=peer.config.grpc_options(server=True), auth=auth)
         peer.add_to_server(server)
         health_pb2_grpc.add_HealthServicer_to_server(peer._health, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(server, f"{host}:{port}", auth=auth)
         if bound == 0:
             raise OSError(f"could not bind {host}:{port}")
         await server.start()

@@ -23,6 +23,15 @@ waited for (they are alive and stream; a stalled one is cut off by the stall tim
 Memory. Chunks wait, encoded, only while a lower member lags behind (the round stops reading a sender
 that is `max_chunks_ahead` chunks ahead, see RoundState.hold_back); each fold decodes one chunk into a
 reused scratch buffer and adds it into the accumulator in place.
+
+Robust rules (`robust.py`). "clipped" and "trimmed" need every contribution whole, so they fold nothing
+until every member has completed or been left out (at the phase deadline, members still streaming are
+left out: nothing of theirs is summed yet, so nothing is poisoned), holding the part's contributions
+encoded meanwhile (num_members x the part's encoded size; senders are not held back). Then, on the
+worker thread: "clipped" decodes each contribution once to get its norm, and folds as above in member
+order with weight w_i * s_i; "trimmed" takes the part window by window (the chunk grid, which every
+sender must follow), decodes the contributors' chunks of the window into an (M, window) matrix and
+writes their trimmed weighted mean straight into the accumulator.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ import grpc
 import torch
 
 from protocol.allreduce.errors import ProtocolError, invalid
-from protocol.codecs import Codec, CodecError
+from protocol.allreduce.robust import AggregationRule, clip_scales, squared_norm, trimmed_weighted_mean
+from protocol.codecs import Codec, CodecError, all_finite
 from protocol.error_feedback import ErrorFeedback
 
 
@@ -106,8 +116,10 @@ class PartReducer:
         codec: Codec,
         chunk_num_elements: int,
         accumulator: torch.Tensor | None = None,
+        rule: AggregationRule | None = None,
     ) -> None:
-        """`accumulator`, if given, is (num_elements,) fp32 memory to sum into (it is zeroed first)."""
+        """`accumulator`, if given, is (num_elements,) fp32 memory to sum into (it is zeroed first);
+        `rule` is the aggregation rule (the plain weighted mean if None)."""
         self.part_index = part_index
         self.producer_index = producer_index
         self.num_elements = num_elements
@@ -119,6 +131,9 @@ class PartReducer:
         assert accumulator.shape == (num_elements,) and accumulator.dtype == torch.float32
         self._accumulator = accumulator.zero_()  # (part,)
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self.rule = rule or AggregationRule()
+        self._averaged_in_place = False  # "trimmed" writes the average itself, not a sum to divide
+        self.adjustments: dict[int, str] = {}  # member -> how the robust rule changed its contribution
         self.finalized = False
         self.poisoned = ""  # why this part can no longer be decided here ("" while it can)
 
@@ -163,6 +178,14 @@ class PartReducer:
             raise invalid(
                 f"chunk [{offset}, {offset + num_elements}) is outside the part of {self.num_elements}"
             )
+        if self.rule.waits_for_all and (
+            offset % self.chunk_num_elements
+            or num_elements != min(self.chunk_num_elements, self.num_elements - offset)
+        ):
+            raise invalid(
+                f"aggregation {self.rule.kind!r} needs chunks of {self.chunk_num_elements} numbers, "
+                f"got [{offset}, {offset + num_elements})"
+            )
         try:
             self.codec.validate(payload, num_elements)
         except CodecError as error:
@@ -183,10 +206,14 @@ class PartReducer:
         contribution.status = SenderStatus.COMPLETE
 
     def add_local(self, member: int, weight: float, values: torch.Tensor) -> None:
-        """This peer's own fp32 contribution (never encoded: it does not cross the wire)."""
+        """This peer's own fp32 contribution (never encoded: it does not cross the wire); left out if it
+        holds a NaN or an infinity, as any other member's would be."""
         if values.numel() != self.num_elements:
             raise ValueError(f"local contribution has {values.numel()} numbers, part has {self.num_elements}")
         self.begin(member, weight)
+        if not all_finite(values):  # others' are refused by Codec.validate; ours too
+            self.exclude(member, "its own contribution holds non-finite numbers")
+            return
         contribution = self._contributions[member]
         contribution.raw = values
         for offset in range(0, self.num_elements, self.chunk_num_elements):
@@ -244,9 +271,12 @@ class PartReducer:
     def plan_folds(self) -> list[FoldJob]:
         """Queued chunks that may be summed now, in an order that keeps every element in member order.
 
-        Member j may fold up to the smallest prefix any lower, not excluded member has planned.
+        Member j may fold up to the smallest prefix any lower, not excluded member has planned. A robust
+        rule gets every chunk at once, once every member completed or was left out.
         """
         jobs: list[FoldJob] = []
+        if self.rule.waits_for_all and not (self.finalized and self.all_arrived()):
+            return jobs
         frontier = self.num_elements
         for contribution in self._contributions:
             if contribution.status is SenderStatus.EXCLUDED:
@@ -263,19 +293,67 @@ class PartReducer:
 
     def run_folds(self, jobs: list[FoldJob]) -> None:
         """Sum the planned chunks (CPU work: run it on the worker thread, in the order planned)."""
+        if not jobs:
+            return
+        if self.rule.kind == "trimmed":
+            self._run_trimmed(jobs)
+            return
+        multipliers = {member: c.weight for member, c in enumerate(self._contributions)}
+        if self.rule.kind == "clipped":
+            multipliers.update(self._clipped_weights(jobs))
         for job in jobs:
+            scratch = self._decode(job).mul_(multipliers[job.member])  # a copy: never scale the caller's
+            self._accumulator[job.offset : job.offset + job.size] += scratch
+
+    def _decode(self, job: FoldJob, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of one chunk, in `out` or the reused scratch buffer."""
+        if out is None:
             if self._scratch.numel() < job.size:
                 self._scratch = torch.empty(job.size, dtype=torch.float32)
-            scratch = self._scratch[: job.size]
-            contribution = self._contributions[job.member]
-            if job.payload is None:
-                assert contribution.raw is not None
-                torch.mul(
-                    contribution.raw[job.offset : job.offset + job.size], contribution.weight, out=scratch
-                )
-            else:
-                self.codec.decode_into(job.payload, scratch).mul_(contribution.weight)
-            self._accumulator[job.offset : job.offset + job.size] += scratch
+            out = self._scratch[: job.size]
+        if job.payload is None:
+            raw = self._contributions[job.member].raw
+            assert raw is not None
+            return out.copy_(raw[job.offset : job.offset + job.size])
+        return self.codec.decode_into(job.payload, out)
+
+    def _clipped_weights(self, jobs: list[FoldJob]) -> dict[int, float]:
+        """w_i * s_i per contributor: its norm over the part clipped to clip_factor x the median norm."""
+        squares: dict[int, float] = {}
+        for job in jobs:  # every chunk of every contributor, in member then chunk order
+            squares[job.member] = squares.get(job.member, 0.0) + squared_norm(self._decode(job))
+        members = sorted(squares)
+        norms = [math.sqrt(squares[member]) for member in members]
+        weights: dict[int, float] = {}
+        for member, norm, scale in zip(
+            members, norms, clip_scales(norms, self.rule.clip_factor), strict=True
+        ):
+            weights[member] = self._contributions[member].weight * scale
+            if scale < 1.0:
+                self.adjustments[member] = f"norm {norm:.4g} clipped to {norm * scale:.4g}"
+        return weights
+
+    def _run_trimmed(self, jobs: list[FoldJob]) -> None:
+        """Window by window (the chunk grid), the trimmed weighted mean of the contributors' chunks."""
+        windows: dict[int, list[FoldJob]] = {}
+        for job in jobs:  # member order within each window
+            windows.setdefault(job.offset, []).append(job)
+        members = [job.member for job in windows[0]] if windows else []
+        weights = torch.tensor([self._contributions[m].weight for m in members], dtype=torch.float32)
+        num_dropped = torch.zeros(len(members), dtype=torch.int64)
+        for offset, window in windows.items():
+            assert [job.member for job in window] == members, "every contributor covers every window"
+            size = window[0].size
+            values = torch.empty(len(window), size, dtype=torch.float32)  # (M, window)
+            for row, job in enumerate(window):
+                self._decode(job, out=values[row])
+            average, dropped = trimmed_weighted_mean(values, weights, self.rule.trim_per_side)
+            self._accumulator[offset : offset + size] = average
+            num_dropped += dropped
+        for member, count in zip(members, num_dropped.tolist(), strict=True):
+            if count:
+                self.adjustments[member] = f"trimmed at {count} of {self.num_elements} elements"
+        self._averaged_in_place = True
 
     def folds_done(self, jobs: list[FoldJob]) -> None:
         """Record finished folds (back on the event loop)."""
@@ -304,7 +382,9 @@ class PartReducer:
         weight_sum = torch.zeros((), dtype=torch.float32)
         for member in contributors:  # float32, in member order, like the sum itself
             weight_sum += self._contributions[member].weight
-        average = self._accumulator.div_(weight_sum)  # (part,)
+        average = self._accumulator  # (part,)
+        if not self._averaged_in_place:
+            average.div_(weight_sum)
         sizes = chunk_sizes(self.num_elements, self.chunk_num_elements)
         payloads: list[bytes] = []
         offset = 0

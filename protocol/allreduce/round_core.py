@@ -74,6 +74,7 @@ class RoundCore:
         self.parts = [PartState() for _ in group.members]
         self.failed: set[int] = set()
         self.failures: list[str] = []
+        self.adjustments: list[str] = []  # contributions the robust aggregation rule clipped or trimmed
         self.bytes_sent = 0  # all wire bytes of the round, both phases
         self.bytes_recv = 0
         self.bytes_sent_reduce_scatter = 0  # the part of them that carried contributions
@@ -117,6 +118,10 @@ class RoundCore:
 
     def record_failure(self, message: str) -> None:
         self.failures.append(message)
+        logger.info("round %d member %d: %s", self.round_id, self.my_index, message)
+
+    def record_adjustment(self, message: str) -> None:
+        self.adjustments.append(message)
         logger.info("round %d member %d: %s", self.round_id, self.my_index, message)
 
     def mark_failed(self, member: int, reason: str) -> None:

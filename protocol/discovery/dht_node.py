@@ -42,6 +42,8 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from protocol.auth.dht import SwarmKeyValidator
+from protocol.auth.key import SwarmKey
 from protocol.discovery.addresses import announce_multiaddr, check_peer_multiaddr, listen_multiaddr
 
 if TYPE_CHECKING:
@@ -160,7 +162,9 @@ class DhtEntry:
 class DhtNode:
     """A running hivemind DHT peer; see the module docstring. Use as a context manager or call ``shutdown``."""
 
-    def __init__(self, config: DhtConfig) -> None:
+    def __init__(self, config: DhtConfig, *, swarm_key: SwarmKey | None = None) -> None:
+        """With ``swarm_key``, our records are signed with it and records not signed with it are
+        refused (``protocol.auth.dht``): peers without the key cannot announce themselves to us."""
         self.config = config
         self._send_lock = threading.Lock()
         self._closed = False
@@ -168,6 +172,7 @@ class DhtNode:
             start=True,
             await_ready=False,
             shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),
+            record_validators=[] if swarm_key is None else [SwarmKeyValidator(swarm_key)],
             **config.hivemind_kwargs(),
         )
         try:

@@ -264,7 +264,12 @@ class SwarmRegistry:
             logger.warning("storing our %s record under %s failed: %s", record.status, self.key, error)
             return False
         if not stored:
-            logger.warning("no DHT peer accepted our %s record under %s", record.status, self.key)
+            logger.warning(
+                "no DHT peer accepted our %s record under %s (peers of a closed swarm refuse records "
+                "not signed with their swarm key: check --swarm-key-file)",
+                record.status,
+                self.key,
+            )
         return stored
 
     def _stop(self, join_timeout: timedelta | None = None) -> None:

@@ -10,7 +10,9 @@ between peers, one unary ``Membership.Deliver`` call per message (``membership.p
   synchronously, on the server's event loop: the handler only feeds the state machine and queues
   its actions, so it never blocks. The reply is always empty; an answer is a Deliver the other way.
   Every refusal is one gRPC status, one log line and one count in ``num_refusals``; a handler that
-  raises is logged with its traceback and answered INTERNAL, and the server goes on serving.
+  raises ``ValueError`` refuses the message (INVALID_ARGUMENT: the driver does for a sender that
+  claims to be the receiving node, found by ``scripts/fuzz_rpcs.py``), one that raises anything else
+  is logged with its traceback and answered INTERNAL, and the server goes on serving.
 - :class:`MembershipClient` sends one message per call, with a deadline, over one cached insecure
   channel per peer address. A failed call (peer gone, refused, deadline passed) is logged at INFO
   and returned as ``False``, never raised: a lost message looks like a slow peer, and round
@@ -28,11 +30,13 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Final, NoReturn
+from typing import Final, NamedTuple, NoReturn
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
+from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.gen.dtnode.v1 import membership_pb2 as pb
 from protocol.gen.dtnode.v1 import membership_pb2_grpc as pb_grpc
 from protocol.membership.messages import Message
@@ -98,8 +102,12 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         raise AssertionError("context.abort returned")
 
     async def Deliver(
-        self, request: pb.MembershipEnvelope, context: grpc.aio.ServicerContext
+        self, request: pb.MembershipEnvelope | MalformedEnvelope, context: grpc.aio.ServicerContext
     ) -> pb.DeliverReply:
+        if isinstance(request, MalformedEnvelope):
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING
+            )
         if request.protocol_version != self.protocol_version:
             claimed = request.sender_id[:MAX_PEER_ID_CHARS]
             await self._refuse(
@@ -114,6 +122,13 @@ class MembershipServicer(pb_grpc.MembershipServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), level=logging.WARNING)
         try:
             self._on_message(sender_id, message)
+        except ValueError as error:  # the handler refused the message itself, e.g. a sender claiming our id
+            await self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{type(message).__name__} refused: {error}",
+                level=logging.WARNING,
+            )
         except Exception as error:  # a bug in the handler must cost one message, not the server
             self.num_refusals[grpc.StatusCode.INTERNAL.name] += 1
             logger.exception("handling %s from %r failed", type(message).__name__, sender_id)
@@ -124,19 +139,43 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         return pb.DeliverReply()
 
 
+class MalformedEnvelope(NamedTuple):
+    """Bytes that did not parse as an envelope; ``Deliver`` refuses them with INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _parse_envelope(data: bytes) -> pb.MembershipEnvelope | MalformedEnvelope:
+    """The generated deserializer raises on bad bytes, and gRPC then answers UNKNOWN and logs a
+    traceback: a peer's garbage would look like our bug. Found by ``scripts/fuzz_rpcs.py``."""
+    try:
+        return pb.MembershipEnvelope.FromString(data)
+    except DecodeError as error:
+        return MalformedEnvelope(f"malformed envelope: {error}")
+
+
 def add_membership_to_server(server: grpc.aio.Server, servicer: MembershipServicer) -> None:
-    """Serve ``servicer`` on ``server`` (call before ``server.start()``).
+    """Serve ``servicer`` on ``server`` (call before ``server.start()``), like the generated helper but
+    with a deserializer that turns bytes that do not parse into an INVALID_ARGUMENT refusal.
 
     The server's message limits must be at least ``MAX_MESSAGE_BYTES``; mark ``SERVICE_NAME``
     SERVING in its health service.
     """
-    pb_grpc.add_MembershipServicer_to_server(servicer, server)
+    deliver = grpc.unary_unary_rpc_method_handler(
+        servicer.Deliver,
+        request_deserializer=_parse_envelope,
+        response_serializer=pb.DeliverReply.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Deliver": deliver}),)
+    )
 
 
 class MembershipClient:
     """Sends membership messages as ``sender_id``; one cached channel per address, all on one event loop.
 
-    ``options`` adds to or overrides :func:`channel_options` key by key. The cache holds at most
+    ``options`` adds to or overrides :func:`channel_options` key by key; ``auth`` is presented on
+    every call (``protocol.auth``), as a closed swarm's servers require. The cache holds at most
     ``max_channels`` channels: opening one more closes the least recently used channel that carries
     no call (only if every cached channel is busy does the cache grow past the bound, until those
     calls end; closing a busy channel would cancel its call).
@@ -149,8 +188,10 @@ class MembershipClient:
         protocol_version: int,
         options: list[tuple[str, int]] | None = None,
         max_channels: int = MAX_CACHED_CHANNELS,
+        auth: SwarmAuth | None = None,
     ) -> None:
         self.sender_id = check_peer_id(sender_id, "sender_id")
+        self._auth = auth
         self.protocol_version = check_int("protocol_version", protocol_version, maximum=MAX_PROTOCOL_VERSION)
         self.max_channels = check_int("max_channels", max_channels, minimum=1)
         self._options = list({**dict(channel_options()), **dict(options or [])}.items())
@@ -195,7 +236,7 @@ class MembershipClient:
     def _acquire(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.pop(address, None)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = open_channel(address, options=self._options, auth=self._auth)
         self._channels[address] = channel  # now the most recently used
         self._num_calls[address] += 1
         self._close_idle_beyond_bound()

@@ -27,9 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
-import grpc
-import grpc.aio
-
+from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.statesync.assembly import Assembly
 from protocol.statesync.config import (
@@ -102,12 +100,13 @@ async def fetch_state_with_report(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     range_bytes: int = DEFAULT_RANGE_BYTES,
     stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+    auth: SwarmAuth | None = None,
 ) -> FetchReport:
     """`fetch_state`, also saying which source delivered how many bytes and which were dropped."""
     _check_arguments(sources, deadline, max_parallel, chunk_bytes, range_bytes, stall_timeout)
     started = time.monotonic()
     options = fetcher_options(chunk_bytes=chunk_bytes, stall_timeout=stall_timeout)
-    channels = [grpc.aio.insecure_channel(address, options=options) for address in sources]
+    channels = [open_channel(address, options=options, auth=auth) for address in sources]
     states = [
         Source(address, pb_grpc.StateSyncStub(channel))
         for address, channel in zip(sources, channels, strict=True)
@@ -174,6 +173,7 @@ async def fetch_state(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     range_bytes: int = DEFAULT_RANGE_BYTES,
     stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+    auth: SwarmAuth | None = None,
 ) -> Snapshot:
     """Fetch the snapshot `expected_state_id` (None: the newest the sources agree on) from `sources`
     (host:port), verified block by block and tensor by tensor; StateSyncError if that cannot be done
@@ -184,6 +184,7 @@ async def fetch_state(
     range_bytes:   bytes asked of one source per FetchRange (rounded down to whole blocks, capped by
                    every source's max_range_bytes); smaller ranges spread the work finer.
     stall_timeout: a source that sends nothing for this long is dropped and its range re-queued.
+    auth:          presented on every call, as a closed swarm's sources require (``protocol.auth``).
     """
     report = await fetch_state_with_report(
         sources,
@@ -193,5 +194,6 @@ async def fetch_state(
         chunk_bytes=chunk_bytes,
         range_bytes=range_bytes,
         stall_timeout=stall_timeout,
+        auth=auth,
     )
     return report.snapshot

@@ -21,9 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 
 from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
@@ -39,6 +43,8 @@ SERVICE_NAME = "dtnode.v1.StateSync"
 # Refusals that are normal traffic (a fetcher will just ask someone else or retry); the rest mean a
 # fetcher misbehaved.
 _ROUTINE_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+MAX_CHUNKS_PER_RANGE = 4096
+"""A FetchRange whose range would take more chunks than this (its max_chunk_bytes is tiny) is refused."""
 
 
 class StateProvider(pb_grpc.StateSyncServicer):
@@ -163,9 +169,11 @@ class StateProvider(pb_grpc.StateSyncServicer):
         await context.abort(refusal.code, refusal.message)
 
     async def GetManifest(
-        self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetManifestRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.StateManifest:
         try:
+            if isinstance(request, Malformed):
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, request.error)
             await self._check_alive()
             _, manifest = self._find(request.state_id)
             action = self._fault_at("manifest")
@@ -195,6 +203,15 @@ class StateProvider(pb_grpc.StateSyncServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"you asked for {request.length} bytes; I serve at most {self.config.max_range_bytes} per request",
             )
+        chunk_bytes = min(request.max_chunk_bytes or self.config.max_chunk_bytes, self.config.max_chunk_bytes)
+        if -(-request.length // chunk_bytes) > MAX_CHUNKS_PER_RANGE:
+            # Tiny chunks cost a gRPC message each: 1-byte chunks of a 256 MiB range would hold a
+            # transfer slot for 256M writes (found by scripts/fuzz_rpcs.py).
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.length} bytes in chunks of {chunk_bytes} take more than {MAX_CHUNKS_PER_RANGE} "
+                "chunks; ask for larger chunks",
+            )
         if request.offset + request.length > entry.num_bytes:
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -203,8 +220,12 @@ class StateProvider(pb_grpc.StateSyncServicer):
             )
         return snapshot
 
-    async def FetchRange(self, request: pb.FetchRangeRequest, context: grpc.aio.ServicerContext) -> None:
+    async def FetchRange(
+        self, request: pb.FetchRangeRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> None:
         try:
+            if isinstance(request, Malformed):
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, request.error)
             await self._check_alive()
             snapshot = self._check_range(request)
             if self._num_active_transfers >= self.config.max_concurrent_transfers:
@@ -246,10 +267,42 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.num_ranges_served += 1
 
 
+class Malformed(NamedTuple):
+    """Bytes that did not parse as the request; the RPC refuses them with INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _lenient(message_type: type[ProtoMessage]) -> Callable[[bytes], object]:
+    """A deserializer that returns Malformed instead of raising: gRPC would answer UNKNOWN and log a
+    traceback, so a fetcher's garbage would look like our bug. Found by ``scripts/fuzz_rpcs.py``."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return Malformed(f"malformed request: {error}")
+
+    return parse
+
+
 def add_state_sync_to_server(server: grpc.aio.Server, provider: StateProvider) -> None:
-    """Serve `provider` on `server` (call before `server.start()`), e.g. next to the all-reduce.
+    """Serve `provider` on `server` (call before `server.start()`), e.g. next to the all-reduce; like
+    the generated helper, but bytes that do not parse get INVALID_ARGUMENT.
 
     The server's message limits must hold the provider's chunks and manifests (see
     `StateSyncConfig.max_message_bytes`); mark "dtnode.v1.StateSync" SERVING in its health service.
     """
-    pb_grpc.add_StateSyncServicer_to_server(provider, server)
+    handlers = {
+        "GetManifest": grpc.unary_unary_rpc_method_handler(
+            provider.GetManifest,
+            request_deserializer=_lenient(pb.GetManifestRequest),
+            response_serializer=pb.StateManifest.SerializeToString,
+        ),
+        "FetchRange": grpc.unary_stream_rpc_method_handler(
+            provider.FetchRange,
+            request_deserializer=_lenient(pb.FetchRangeRequest),
+            response_serializer=pb.StateChunk.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

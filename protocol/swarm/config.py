@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Final
 
 from protocol.allreduce.config import AllReduceConfig
+from protocol.auth.channels import SwarmAuth
 from protocol.codecs import get_codec
 from protocol.discovery.dht_node import DhtConfig
 from protocol.membership.config import RoundConfig
@@ -50,6 +51,10 @@ class SwarmConfig:
     """While a round forms, the DHT view is read again this often."""
     message_timeout: timedelta = timedelta(seconds=3)
     """Deadline of one membership message."""
+    auth: SwarmAuth | None = None
+    """A closed swarm's credential (``protocol.auth``): our calls and DHT records are signed with its
+    key, and peers that do not sign with it are refused; with ``auth.tls`` every gRPC connection is
+    also mutual TLS. None: an open swarm (a warning says so)."""
 
     def __post_init__(self) -> None:
         check_token("run_name", self.run_name, max_chars=128)

@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member
+from protocol.auth import OPEN_SWARM_WARNING
 from protocol.codecs import get_codec
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
@@ -91,7 +92,16 @@ class SwarmNode:
     def __init__(self, config: SwarmConfig, *, start_timeout: timedelta = timedelta(seconds=60)) -> None:
         self.config = config
         self.codec = get_codec(config.codec)
-        self.dht = DhtNode(config.dht)  # DhtStartupError (clear message) if it cannot start or join
+        if config.auth is None:
+            logger.warning(OPEN_SWARM_WARNING)
+        else:
+            logger.info(
+                "closed swarm: key fingerprint %s, gRPC %s",
+                config.auth.key.fingerprint,
+                "mutual TLS" if config.auth.tls else "plaintext with signed calls",
+            )
+        # DhtStartupError (clear message) if it cannot start or join
+        self.dht = DhtNode(config.dht, swarm_key=None if config.auth is None else config.auth.key)
         self._loop: BackgroundLoop | None = None
         self.registry: SwarmRegistry | None = None
         # Read by status() on the loop as soon as the server runs, so set before it starts.
@@ -118,6 +128,7 @@ class SwarmNode:
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ],
+                auth=config.auth,
             )
             self.driver = RoundDriver(
                 config=config, peer_id=self.peer_id, registry=self.registry, client=client, clock=get_dht_time
@@ -252,7 +263,10 @@ class SwarmNode:
             raise ValueError("no sync source is in the view any more")
         deadline = self.config.sync_deadline
         coroutine = fetch_state_with_report(
-            addresses, expected_state_id=decision.canonical.param_hash, deadline=deadline
+            addresses,
+            expected_state_id=decision.canonical.param_hash,
+            deadline=deadline,
+            auth=self.config.auth,
         )
         before = self._phase
         syncing = self.set_phase(NodePhase.SYNCING, round=decision.canonical.round)

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol.allreduce.peer import SERVICE_NAME as ALLREDUCE_SERVICE
 from protocol.allreduce.peer import AllReducePeer
+from protocol.auth.channels import add_port, new_server
 from protocol.membership.messages import Message
 from protocol.membership.transport import SERVICE_NAME as MEMBERSHIP_SERVICE
 from protocol.membership.transport import MembershipServicer, add_membership_to_server
@@ -60,7 +61,7 @@ class NodeServer:
         status: Callable[[], NodeStatus] | None = None,
     ) -> None:
         self.config = config
-        self.allreduce = AllReducePeer(config=config.allreduce, fault_plan=None)
+        self.allreduce = AllReducePeer(config=config.allreduce, fault_plan=None, auth=config.auth)
         self.state_provider = StateProvider(config.statesync)
         self.membership = MembershipServicer(on_message, protocol_version=PROTOCOL_VERSION)
         self.status = StatusServicer(status) if status is not None else None
@@ -85,14 +86,16 @@ class NodeServer:
         options = _merged_options(
             config.allreduce.grpc_options(server=True), config.statesync.server_options()
         )
-        server = grpc.aio.server(options=options)
+        # A closed swarm: calls without a valid swarm-key token end with UNAUTHENTICATED (health and
+        # status stay open, unless TLS closes the whole port to callers without a swarm certificate).
+        server = new_server(options=options, auth=config.auth)
         node.allreduce.add_to_server(server)
         add_state_sync_to_server(server, node.state_provider)
         add_membership_to_server(server, node.membership)
         if node.status is not None:
             add_status_to_server(server, node.status)
         health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
-        port = server.add_insecure_port(config.listen)
+        port = add_port(server, config.listen, auth=config.auth)
         if port == 0:
             raise OSError(f"could not bind the gRPC server to {config.listen}")
         await server.start()

@@ -347,6 +347,26 @@ def test_saving_the_same_name_twice_is_idempotent(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_complete_directory_with_other_meta_is_replaced(tmp_path: Path) -> None:
+    """A crash after the rename but before LATEST moved leaves step S complete but unnamed; after the
+    restart a swarm may average round S differently, so the same name with another param_hash is a
+    new state, written in full (a different wall-clock `time` alone is not)."""
+    older, newer = sample_state(seed=1), sample_state(seed=2)
+    save_checkpoint(tmp_path, step_name(1), older, {"step": 1, "param_hash": "a"}, keep=3)
+    stale = save_checkpoint(
+        tmp_path, step_name(2), older, {"step": 2, "param_hash": "b", "time": 1.0}, keep=3
+    )
+    (tmp_path / "LATEST").write_text(step_name(1))  # as if killed before LATEST was replaced
+    same = save_checkpoint(tmp_path, step_name(2), newer, {"step": 2, "param_hash": "b", "time": 2.0}, keep=3)
+    assert same == stale and latest_checkpoint(tmp_path) == stale
+    assert_same_tree(load_checkpoint(stale)[0], older)  # same meta but the time: nothing rewritten
+    save_checkpoint(tmp_path, step_name(2), newer, {"step": 2, "param_hash": "c", "time": 3.0}, keep=3)
+    state, meta = load_checkpoint(latest_checkpoint(tmp_path))
+    assert_same_tree(state, newer) and meta["param_hash"] == "c"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.timeout(30)
 def test_incomplete_directory_of_the_same_name_is_replaced(tmp_path: Path) -> None:
     (tmp_path / step_name(2)).mkdir(parents=True)
     (tmp_path / step_name(2) / "tensors.safetensors").write_bytes(b"torn")  # no state.json

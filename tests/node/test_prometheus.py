@@ -23,7 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.config import ConfigError, NodeConfig
-from node.metrics import FAILURE_KINDS, read_metrics
+from node.metrics import FAILURE_KINDS, current_rss_bytes, read_metrics
 from node.prometheus import PrometheusExporter
 from node.swarm import SwarmSession
 from node.trainer import Trainer
@@ -89,6 +89,9 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     assert value(samples, "dtnode_failures_total", kind="peer") == 0
     assert value(samples, "dtnode_bytes_received_total", phase="state_sync") == 0
     assert math.isnan(value(samples, "dtnode_codec_error"))
+    # The process collector: this process's resident memory, as the kernel reports it.
+    rss = current_rss_bytes()
+    assert rss is not None and 0.5 * rss < value(samples, "process_resident_memory_bytes") < 2 * rss
 
     exporter.write(step_record(1, 3.5))
     exporter.write(step_record(2, 3.25))

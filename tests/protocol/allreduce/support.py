@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, GroupSpec, Member
+from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 
@@ -33,10 +34,13 @@ FAST_CONFIG = AllReduceConfig(
 
 @asynccontextmanager
 async def local_peers(
-    num_peers: int, config: AllReduceConfig = FAST_CONFIG
+    num_peers: int, config: AllReduceConfig = FAST_CONFIG, *, auth: SwarmAuth | None = None
 ) -> AsyncIterator[list[AllReducePeer]]:
-    """`num_peers` servers on 127.0.0.1 with port 0, stopped gracefully on exit."""
-    peers = [await AllReducePeer.start(host="127.0.0.1", port=0, config=config) for _ in range(num_peers)]
+    """`num_peers` servers on 127.0.0.1 with port 0 (of a closed swarm with `auth`), stopped gracefully on exit."""
+    peers = [
+        await AllReducePeer.start(host="127.0.0.1", port=0, config=config, auth=auth)
+        for _ in range(num_peers)
+    ]
     try:
         yield peers
     finally:
