@@ -38,31 +38,32 @@ TUPLE_TAG = "__tuple__"
 def split_state(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Replace every tensor in a nested dict/list tree by a reference; return (json_tree, tensors)."""
     tensors: dict[str, torch.Tensor] = {}
+    return _split(tree, prefix, tensors), tensors
 
-    def visit(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            if path in tensors:  # e.g. {"a/b": x, "a": {"b": y}}, or keys 1 and "1" side by side
-                raise ValueError(f"two tensors would be stored under the same key {path!r}")
-            tensors[path] = node.detach().to("cpu").contiguous()
-            return {TENSOR_TAG: path}
-        if isinstance(node, dict):
-            for key in node:
-                # JSON keeps str and int keys apart only because items are stored as pairs; any other
-                # key type would save but never load again.
-                if not isinstance(key, str | int) or isinstance(key, bool):
-                    raise TypeError(
-                        f"cannot checkpoint a dict key of type {type(key).__name__} at {path or '/'}"
-                    )
-            return {"__dict__": [[key, visit(value, f"{path}/{key}")] for key, value in node.items()]}
-        if isinstance(node, tuple):
-            return {TUPLE_TAG: [visit(value, f"{path}/{i}") for i, value in enumerate(node)]}
-        if isinstance(node, list):
-            return [visit(value, f"{path}/{i}") for i, value in enumerate(node)]
-        if node is None or isinstance(node, bool | int | float | str):
-            return node
-        raise TypeError(f"cannot checkpoint a {type(node).__name__} at {path or '/'}")
 
-    return visit(tree, prefix), tensors
+def _split(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """split_state's walk. A module-level function, not a closure: a recursive closure is a reference
+    cycle (function -> cell -> function) that would keep every saved state alive until the cyclic
+    garbage collector happens to run (a node's memory grew by a state per round)."""
+    if isinstance(node, torch.Tensor):
+        if path in tensors:  # e.g. {"a/b": x, "a": {"b": y}}, or keys 1 and "1" side by side
+            raise ValueError(f"two tensors would be stored under the same key {path!r}")
+        tensors[path] = node.detach().to("cpu").contiguous()
+        return {TENSOR_TAG: path}
+    if isinstance(node, dict):
+        for key in node:
+            # JSON keeps str and int keys apart only because items are stored as pairs; any other
+            # key type would save but never load again.
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                raise TypeError(f"cannot checkpoint a dict key of type {type(key).__name__} at {path or '/'}")
+        return {"__dict__": [[key, _split(value, f"{path}/{key}", tensors)] for key, value in node.items()]}
+    if isinstance(node, tuple):
+        return {TUPLE_TAG: [_split(value, f"{path}/{i}", tensors) for i, value in enumerate(node)]}
+    if isinstance(node, list):
+        return [_split(value, f"{path}/{i}", tensors) for i, value in enumerate(node)]
+    if node is None or isinstance(node, bool | int | float | str):
+        return node
+    raise TypeError(f"cannot checkpoint a {type(node).__name__} at {path or '/'}")
 
 
 def join_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
