@@ -73,6 +73,7 @@ from protocol.discovery.dht_node import DhtConfig
 from protocol.gen.dtnode.v1 import allreduce_pb2 as allreduce_pb
 from protocol.gen.dtnode.v1 import membership_pb2 as membership_pb
 from protocol.gen.dtnode.v1 import statesync_pb2 as statesync_pb
+from protocol.gen.dtnode.v1 import status_pb2 as status_pb
 from protocol.membership.config import RoundConfig
 from protocol.statesync.config import StateSyncConfig
 from protocol.statesync.snapshot import Snapshot
@@ -509,6 +510,8 @@ def build_rpcs(context: Context, round_ref: allreduce_pb.RoundRef, part_sizes: t
             statesync_pb.GetManifestRequest(state_id=state_id),)),
         Rpc("FetchRange", statesync + "FetchRange", statesync_pb.FetchRangeRequest.DESCRIPTOR, False, True, (
             statesync_pb.FetchRangeRequest(state_id=state_id, tensor_name=SNAPSHOT_TENSOR, offset=0, length=8192),)),
+        Rpc("GetStatus", "/dtnode.v1.Status/GetStatus", status_pb.GetStatusRequest.DESCRIPTOR, False, False, (
+            status_pb.GetStatusRequest(),)),
     ]  # fmt: skip
 
 
@@ -804,7 +807,15 @@ def run_campaign(
 
 
 def build_rpc_names() -> list[str]:
-    return ["PushContribution", "PushReplica", "PullAverage", "Deliver", "GetManifest", "FetchRange"]
+    return [
+        "PushContribution",
+        "PushReplica",
+        "PullAverage",
+        "Deliver",
+        "GetManifest",
+        "FetchRange",
+        "GetStatus",
+    ]
 
 
 def one_line(summary: dict[str, Any]) -> str:

@@ -21,16 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
-from typing import NamedTuple
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
-from google.protobuf.message import Message as ProtoMessage
 
 from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
+from protocol.lenient import Malformed, lenient
 from protocol.statesync.config import MESSAGE_OVERHEAD_BYTES, StateSyncConfig
 from protocol.statesync.errors import Refusal
 from protocol.statesync.faults import ServeFaultPlan, flip_first_byte
@@ -267,25 +264,6 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.num_ranges_served += 1
 
 
-class Malformed(NamedTuple):
-    """Bytes that did not parse as the request; the RPC refuses them with INVALID_ARGUMENT."""
-
-    error: str
-
-
-def _lenient(message_type: type[ProtoMessage]) -> Callable[[bytes], object]:
-    """A deserializer that returns Malformed instead of raising: gRPC would answer UNKNOWN and log a
-    traceback, so a fetcher's garbage would look like our bug. Found by ``scripts/fuzz_rpcs.py``."""
-
-    def parse(data: bytes) -> object:
-        try:
-            return message_type.FromString(data)
-        except DecodeError as error:
-            return Malformed(f"malformed request: {error}")
-
-    return parse
-
-
 def add_state_sync_to_server(server: grpc.aio.Server, provider: StateProvider) -> None:
     """Serve `provider` on `server` (call before `server.start()`), e.g. next to the all-reduce; like
     the generated helper, but bytes that do not parse get INVALID_ARGUMENT.
@@ -296,12 +274,12 @@ def add_state_sync_to_server(server: grpc.aio.Server, provider: StateProvider) -
     handlers = {
         "GetManifest": grpc.unary_unary_rpc_method_handler(
             provider.GetManifest,
-            request_deserializer=_lenient(pb.GetManifestRequest),
+            request_deserializer=lenient(pb.GetManifestRequest),
             response_serializer=pb.StateManifest.SerializeToString,
         ),
         "FetchRange": grpc.unary_stream_rpc_method_handler(
             provider.FetchRange,
-            request_deserializer=_lenient(pb.FetchRangeRequest),
+            request_deserializer=lenient(pb.FetchRangeRequest),
             response_serializer=pb.StateChunk.SerializeToString,
         ),
     }

@@ -34,6 +34,7 @@ import grpc.aio
 
 from protocol.gen.dtnode.v1 import status_pb2 as pb
 from protocol.gen.dtnode.v1 import status_pb2_grpc as pb_grpc
+from protocol.lenient import Malformed, lenient
 from protocol.membership.messages import GroupSpec
 from protocol.membership.records import PeerRecord, SwarmView
 
@@ -287,8 +288,10 @@ class StatusServicer(pb_grpc.StatusServicer):
         self.num_answered = 0
 
     async def GetStatus(
-        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetStatusRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.NodeStatus:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             reply = to_proto(self._snapshot())
         except Exception as error:  # a bug in building the answer must cost this call, not the server
@@ -300,8 +303,16 @@ class StatusServicer(pb_grpc.StatusServicer):
 
 
 def add_status_to_server(server: grpc.aio.Server, servicer: StatusServicer) -> None:
-    """Serve ``servicer`` on ``server`` (call before ``server.start()``)."""
-    pb_grpc.add_StatusServicer_to_server(servicer, server)
+    """Serve ``servicer`` on ``server`` (call before ``server.start()``); like the generated helper,
+    but bytes that do not parse get INVALID_ARGUMENT."""
+    handler = grpc.unary_unary_rpc_method_handler(
+        servicer.GetStatus,
+        request_deserializer=lenient(pb.GetStatusRequest),
+        response_serializer=pb.NodeStatus.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("dtnode.v1.Status", {"GetStatus": handler}),)
+    )
 
 
 class StatusUnavailable(Exception):
