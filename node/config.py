@@ -27,6 +27,8 @@ RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
+PP_SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -95,6 +97,38 @@ class NodeConfig:
     num_shards: int = field(default=1, metadata=_help("Number of data shards the corpus is split into."))
     batch_size: int = field(default=16, metadata=_help("Sequences per inner step."))
     eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after each round."))
+
+    # --- inside the node: local workers and their layout (node/parallel/) ---
+    local_workers: int = field(
+        default=0,
+        metadata=_help(
+            "Worker processes training this node's replica together (0 = one per CUDA device, else 1); "
+            "the node stays one peer of the swarm."
+        ),
+    )
+    dp: int = field(default=0, metadata=_help("Data-parallel size inside the node (0 = planner / 1)."))
+    tp: int = field(default=0, metadata=_help("Tensor-parallel size inside the node (0 = planner / 1)."))
+    pp: int = field(default=0, metadata=_help("Pipeline stages inside the node (0 = planner / 1)."))
+    zero: int = field(
+        default=1,
+        metadata=_help("ZeRO stage across the node's dp ranks: 1 (AdamW state sharded) or 3 (FSDP2)."),
+    )
+    pp_schedule: str = field(default="1f1b", metadata=_help("Pipeline schedule: gpipe or 1f1b."))
+    microbatches: int = field(
+        default=0, metadata=_help("Pipeline micro-batches per dp replica and step (0 = planner / pp).")
+    )
+    precision: str = field(
+        default="fp32", metadata=_help("fp32, or bf16 (autocast of the forward pass; fp32 weights).")
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("Recompute each block's activations in the backward pass.")
+    )
+    grad_accumulation: int = field(
+        default=1, metadata=_help("Batches accumulated per inner step (each of --batch-size sequences).")
+    )
+    local_timeout: float = field(
+        default=300.0, metadata=_help("Seconds a collective among the node's local workers may take.")
+    )
 
     # --- inner optimizer (AdamW) ---
     inner_steps: int = field(default=50, metadata=_help("H: inner AdamW steps between outer rounds."))
@@ -221,13 +255,15 @@ class NodeConfig:
             "num_shards",
             "log_every",
             "keep_checkpoints",
+            "grad_accumulation",
         )
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         non_negative = (
             "max_rounds", "max_steps", "seed", "threads", "seq_len", "data_seed", "warmup_steps",
-            "total_steps", "checkpoint_every", "grad_clip", "weight_decay",
+            "total_steps", "checkpoint_every", "grad_clip", "weight_decay", "local_workers", "dp", "tp",
+            "pp", "microbatches",
         )  # fmt: skip
         for key in non_negative:
             if getattr(self, key) < 0:
@@ -252,6 +288,16 @@ class NodeConfig:
             raise ConfigError(
                 f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
             )
+        if self.zero not in (1, 3):
+            raise ConfigError(f"zero must be 1 or 3, got {self.zero}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(
+                f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not self.local_timeout > 0:
+            raise ConfigError(f"local_timeout must be > 0, got {self.local_timeout}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.log_format not in LOG_FORMATS:

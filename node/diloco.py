@@ -102,6 +102,32 @@ def flatten_params(params: list[nn.Parameter], *, device: torch.device | str) ->
     return torch.cat([p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params])
 
 
+class LocalParams(Protocol):
+    """The node's local params as one flat fp32 vector in the model's parameter order."""
+
+    def read_params(self, device: torch.device | str) -> torch.Tensor: ...
+    def write_params(self, flat: torch.Tensor) -> None: ...
+
+
+class ModuleParams:
+    """``LocalParams`` of parameters in this process."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+
+    def read_params(self, device: torch.device | str) -> torch.Tensor:
+        return flatten_params(self.params, device=device)
+
+    @torch.no_grad()
+    def write_params(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+        assert offset == flat.numel()
+
+
 def tensor_hash(flat: torch.Tensor) -> str:
     """SHA-256 of an fp32 vector's little-endian bytes."""
     data = flat.detach().to("cpu", torch.float32).contiguous()
@@ -125,6 +151,7 @@ class DiLoCo:
         nesterov: bool = True,
         offload: bool = False,
         overlap: bool = False,
+        local: LocalParams | None = None,
     ) -> None:
         self.model = model
         self.overlap = overlap
@@ -141,10 +168,12 @@ class DiLoCo:
         the swarm publishes the new params at once rather than a phase later."""
         self.averager = averager
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Where the local params live: this model, or a replica spread over the node's local workers.
+        self.local: LocalParams = local if local is not None else ModuleParams(self.params)
         model_device = self.params[0].device
-        self.outer_device = torch.device("cpu") if offload else model_device
+        self.outer_device = torch.device("cpu") if offload or model_device.type == "meta" else model_device
         # The global params: leaf fp32 tensor optimized by the outer SGD; its .grad is Δ̄.
-        self.global_params = flatten_params(self.params, device=self.outer_device)
+        self.global_params = self.local.read_params(self.outer_device)
         self.outer_optimizer = torch.optim.SGD(
             [self.global_params], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
         )
@@ -159,7 +188,7 @@ class DiLoCo:
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_global − θ_local, flat fp32 on the outer device."""
-        return self.global_params - flatten_params(self.params, device=self.outer_device)
+        return self.global_params - self.local.read_params(self.outer_device)
 
     @torch.no_grad()
     def outer_step(self, *, round_index: int, weight: float) -> OuterStepReport:
@@ -233,7 +262,7 @@ class DiLoCo:
     def phase_delta(self) -> torch.Tensor:
         """Δ_k: the local progress since the phase started (overlap); θ_global − θ_local before any round."""
         anchor = self._anchor if self._anchor is not None else self.global_params
-        return anchor - flatten_params(self.params, device=self.outer_device)
+        return anchor - self.local.read_params(self.outer_device)
 
     @torch.no_grad()
     def finish_pending(self) -> OuterStepReport | None:
@@ -280,12 +309,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def _load_into_model(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
-        assert offset == flat.numel()
+        self.local.write_params(flat)
 
     def momentum_buffer(self) -> torch.Tensor | None:
         """The outer Nesterov momentum (flat fp32), None before the first outer step."""

@@ -20,11 +20,11 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from node.config import ConfigError, NodeConfig
@@ -32,9 +32,10 @@ from node.data import ShardedBatches, eval_batches, load_corpus
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.export import export_model, tokenizer_info
 from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model import ModelConfig, model_config
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
+from node.replica import ParallelReplica, Replica, SingleReplica
 from node.schedule import LRSchedule
 
 if TYPE_CHECKING:
@@ -51,15 +52,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2))
+def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.device) -> Replica:
+    """The node's replica: in this process, or over its local workers (``--local-workers``, ``--dp/--tp/--pp``)."""
+    from node.parallel.layout import resolve_layout
+
+    layout = resolve_layout(config, model_config)
+    if layout is None:
+        return SingleReplica(model_config, config, device)
+    return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))
 
 
 @dataclass
@@ -91,9 +91,8 @@ class Trainer:
             overrides["seq_len"] = config.seq_len
         self.model_config = model_config(config.model, **overrides)
         torch.manual_seed(config.seed)
-        self.model = GPT(self.model_config).to(self.device)
-        self.model.train()
-        self.optimizer = build_inner_optimizer(self.model, config)
+        self.replica = build_replica(config, self.model_config, self.device)
+        self.model = self.replica.model  # plain GPT (on the meta device when the local workers hold it)
         self.schedule = LRSchedule(
             kind=config.lr_schedule,
             peak_lr=config.inner_lr,
@@ -124,6 +123,7 @@ class Trainer:
             nesterov=config.outer_nesterov,
             offload=config.outer_offload,
             overlap=config.overlap,
+            local=self.replica,
         )
         self.progress = Progress()
         self.checkpoint_root = self.run_dir / "checkpoints"
@@ -158,9 +158,10 @@ class Trainer:
         corpus_record.write_text(f"sha256 = {self.corpus.sha256}\ndescription = {self.corpus.description}\n")
 
     def state_dict(self) -> dict[str, Any]:
+        optimizer_state = self.replica.optimizer_state()
         return {
-            "model": self.model.state_dict(),
-            "inner_optimizer": self.optimizer.state_dict(),
+            "model": self.replica.model_state(),
+            **({} if optimizer_state is None else {"inner_optimizer": optimizer_state}),
             "outer": self.diloco.state_dict(),
             "data": self.batches.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
@@ -205,13 +206,14 @@ class Trainer:
                 "use the same --data or a new --run-dir"
             )
         try:
-            self.model.load_state_dict(state["model"])
+            self.replica.load_model_state(state["model"])
             self.diloco.load_state_dict(state["outer"])
         except (RuntimeError, ValueError) as error:
             raise ConfigError(
                 f"{path} does not fit model {self.config.model!r}: {str(error).splitlines()[0]}"
             ) from None
-        self.optimizer.load_state_dict(state["inner_optimizer"])
+        if "inner_optimizer" in state:
+            self.replica.load_optimizer_state(state["inner_optimizer"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         self.progress = Progress(
@@ -275,21 +277,12 @@ class Trainer:
     def inner_step(self) -> dict[str, Any]:
         """One AdamW step on the next batch of this node's shard; returns its step record."""
         start = time.perf_counter()
-        x, y = self.batches.next_batch()  # (B, T), (B, T)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        batches = [self.batches.next_batch() for _ in range(self.config.grad_accumulation)]  # (B, T) pairs
         lr = self.schedule.lr(self.progress.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss = cross_entropy_loss(self.model(x), y)
-        loss.backward()
-        if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()  # syncs the device: the step is done when this returns
+        loss_value = self.replica.train_step(batches, lr)  # returns when the step is done
         seconds = time.perf_counter() - start
         progress = self.progress
-        num_tokens = x.numel()
+        num_tokens = sum(x.numel() for x, _ in batches)
         progress.step += 1
         progress.tokens += num_tokens
         progress.round_tokens += num_tokens
@@ -305,14 +298,8 @@ class Trainer:
             "time": time.time(),
         }
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        total = 0.0
-        for x, y in self.eval_set:
-            total += cross_entropy_loss(self.model(x.to(self.device)), y.to(self.device)).item()
-        self.model.train()  # set once here, not every inner step (it walks every module)
-        return total / len(self.eval_set)
+        return self.replica.eval_loss(self.eval_set)
 
     def outer_round(self) -> dict[str, Any] | None:
         """End of an inner phase: the outer step, or with ``overlap`` the previous round's.
@@ -412,6 +399,7 @@ class Trainer:
             log.info(
                 "nothing to do: run already at round %d, step %d", self.progress.round, self.progress.step
             )
+            self.replica.close()
             return
         log.info(
             "training %s (%s params) on %s; H=%d, device %s, run dir %s",
@@ -419,32 +407,39 @@ class Trainer:
             config.inner_steps, self.device, self.run_dir,
         )  # fmt: skip
         try:
-            if self.swarm is not None:
-                self.swarm.start(self)
-            while not self._done() and not self._stop.is_set():
-                record = self.inner_step()
-                self.metrics.write(record)  # its sinks log every log_every-th step and export it
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
-                if self.progress.step % config.inner_steps == 0:
-                    self.outer_round()
-                elif self.swarm is not None and self.swarm.phase_should_end():
-                    # Catching up after adopting the swarm's state: join the round the swarm is
-                    # forming now with the steps done so far (weighted by their tokens), then
-                    # continue on the swarm's step count and data position.
-                    missing = -self.progress.step % config.inner_steps
-                    log.info("ending the phase %d steps early to join the swarm's round", missing)
-                    self.outer_round()
-                    if not self.swarm.catching_up:  # (not when the round sent us to adopt again)
-                        self.batches.skip(missing)
-                        self.progress.step += missing
-            if self._stop.is_set():
-                log.info("stop requested: checkpointing at step %d", self.progress.step)
-            self._finish_rounds()
+            try:
+                if self.swarm is not None:
+                    self.swarm.start(self)
+                self._train()
+            finally:
+                self.metrics.close()
+            self.save()
+            self.export()
         finally:
-            self.metrics.close()
-        self.save()
-        self.export()
+            self.replica.close()  # the local workers, if any (after save: it reads their params)
+
+    def _train(self) -> None:
+        config = self.config
+        while not self._done() and not self._stop.is_set():
+            record = self.inner_step()
+            self.metrics.write(record)  # its sinks log every log_every-th step and export it
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
+            if self.progress.step % config.inner_steps == 0:
+                self.outer_round()
+            elif self.swarm is not None and self.swarm.phase_should_end():
+                # Catching up after adopting the swarm's state: join the round the swarm is
+                # forming now with the steps done so far (weighted by their tokens), then
+                # continue on the swarm's step count and data position.
+                missing = -self.progress.step % config.inner_steps
+                log.info("ending the phase %d steps early to join the swarm's round", missing)
+                self.outer_round()
+                if not self.swarm.catching_up:  # (not when the round sent us to adopt again)
+                    self.batches.skip(missing)
+                    self.progress.step += missing
+        if self._stop.is_set():
+            log.info("stop requested: checkpointing at step %d", self.progress.step)
+        self._finish_rounds()
 
     def export(self) -> Path:
         """Write the global params, the swarm's model, as ``RUN_DIR/model.safetensors`` (node/export.py)."""

@@ -82,7 +82,7 @@ from node.parallel.zero import (
     build_zero_optimizer,
     optimizer_state_bytes,
 )
-from node.trainer import build_inner_optimizer
+from node.replica import build_inner_optimizer
 
 LAYOUTS: dict[str, int] = {
     "single": 1,

@@ -29,8 +29,8 @@ from node.corpus import Corpus
 from node.data import ShardedBatches, eval_batches, load_corpus
 from node.diloco import AveragingOutcome, DiLoCo, flatten_params, tensor_hash
 from node.model import GPT, cross_entropy_loss, model_config
+from node.replica import build_inner_optimizer
 from node.schedule import LRSchedule
-from node.trainer import build_inner_optimizer
 from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import CODEC_NAMES, get_codec
 

@@ -159,7 +159,7 @@ def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 
 
-def _invalid_reason(config: ModelConfig, layout: Layout, batch_size: int) -> str | None:
+def invalid_reason(config: ModelConfig, layout: Layout, batch_size: int) -> str | None:
     """Why ``layout`` cannot run this model at all, or None when it can."""
     for name, size in (
         ("num_heads", config.num_heads),
@@ -227,7 +227,7 @@ def plan_layout(
     chosen: tuple[Layout, int, MemoryEstimate] | None = None
     rejected: list[RejectedLayout] = []
     for layout in layouts:
-        invalid = _invalid_reason(config, layout, batch_size)
+        invalid = invalid_reason(config, layout, batch_size)
         if invalid is not None:
             rejected.append(RejectedLayout(layout=layout, reason=invalid))
             continue

@@ -41,7 +41,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -145,24 +147,29 @@ def flat_full_parameters(model: nn.Module) -> Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter], max_norm: float, *, stage_group: ProcessGroup | None = None
+) -> Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
     ``torch.nn.utils.clip_grad_norm_`` refuses a mix of ``DTensor`` and plain gradients, which is what a
     tensor-parallel ``GPT`` has. Here the norm of a sharded gradient is reduced over the mesh (a
     collective: all ranks call this together), replicated gradients count once, and every rank scales its
-    local shard by the same coefficient, as ``clip_grad_norm_`` would on the unsharded model.
+    local shard by the same coefficient, as ``clip_grad_norm_`` would on the unsharded model. With pipeline
+    stages, ``stage_group`` (the ranks holding the other stages of this replica) sums the squared norms of
+    all stages, so every stage clips by the replica's global norm.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     grads = [param.grad for param in parameters if param.grad is not None]
-    if not grads:
-        return torch.zeros(())
     squared_norms = []
     for grad in grads:  # one entry per parameter tensor, not per element
         norm = grad.norm(dtype=torch.float32)
         squared_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).square())
-    total_norm = torch.stack(squared_norms).sum().sqrt()  # scalar, identical on every rank
+    total_squared = torch.stack(squared_norms).sum() if squared_norms else torch.zeros(())
+    if stage_group is not None:
+        dist.all_reduce(total_squared, op=dist.ReduceOp.SUM, group=stage_group)
+    total_norm = total_squared.sqrt()  # scalar, identical on every rank
     clip_coefficient = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # same epsilon as torch
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad

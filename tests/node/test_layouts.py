@@ -35,7 +35,7 @@ from node.parallel.mesh import build_mesh, validate_mesh_shape
 from node.parallel.pipeline import PipelineRunner, build_stage
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, full_parameters
 from node.parallel.zero import average_gradients
-from node.trainer import build_inner_optimizer
+from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     build_model,
     fixed_batches,

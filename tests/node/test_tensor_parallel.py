@@ -37,7 +37,7 @@ from node.parallel.tensor import (
     full_tensor,
     validate_tensor_parallel_size,
 )
-from node.trainer import build_inner_optimizer
+from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     SEQ_LEN,
     build_model,

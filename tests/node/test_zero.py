@@ -33,7 +33,7 @@ from node.parallel.zero import (
     build_zero_optimizer,
     optimizer_state_bytes,
 )
-from node.trainer import build_inner_optimizer
+from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     BATCH_SIZE,
     build_model,

@@ -19,8 +19,8 @@ from node.config import NodeConfig
 from node.data import ShardedBatches, load_corpus
 from node.diloco import flatten_params, tensor_hash
 from node.model import GPT, cross_entropy_loss, model_config
+from node.replica import build_inner_optimizer
 from node.schedule import LRSchedule
-from node.trainer import build_inner_optimizer
 from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import get_codec
 from tests.scripts.script_loader import load_script

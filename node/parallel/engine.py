@@ -1,0 +1,306 @@
+"""One rank of a node's model replica: the layout applied to the plain ``GPT``, its inner step, eval and params.
+
+Every local rank of a node builds one :class:`RankEngine` with the same arguments; its methods are
+collectives (every rank calls them together, in the same order). ``node.parallel.local`` drives them: rank 0
+is the daemon and sends each rank the next call.
+
+Build order (as torchtitan applies its parallelisms), every step a function of ``node.parallel``:
+    1. the full model from the seed (``GPT.init_weights`` draws each parameter from ``(seed, name)``, so
+       every rank starts from the same weights as a single-process node);
+    2. pipeline: keep this rank's stage (``build_stage``, balanced by parameter count);
+    3. tensor parallel: Megatron plans over the ``tp`` axis (``apply_tensor_parallel``);
+    4. activation checkpointing of each ``TransformerBlock`` (recomputed in the backward pass);
+    5. bf16 autocast of the forward pass (``precision="bf16"``);
+    6. ZeRO-3: FSDP2 ``fully_shard`` over the ``dp`` axis; or ZeRO-1: the AdamW state sharded over ``dp``
+       (``ZeroRedundancyOptimizer``, with ``tp == 1``); plain AdamW otherwise.
+
+One inner step (:meth:`RankEngine.train_step`), per accumulation micro-step:
+    Phase 1: this rank's dp replica takes rows ``[d * B / dp, (d + 1) * B / dp)`` of the node's batch;
+    Phase 2: forward + backward — through the pipeline schedule (GPipe / 1F1B micro-batches) when pp > 1,
+             with the tensor-parallel all-reduces inside the blocks;
+then the gradients are averaged over dp (FSDP2 reduce-scatters them itself), divided by the accumulation
+count, clipped by their global norm (reduced over tp shards and pipeline stages), and AdamW steps. The
+gradient is that of the mean loss over the node's whole batch, as in a single process.
+
+The node's flat parameter vector (:meth:`read_params` / :meth:`write_params`) is the concatenation of the
+full model's parameters in ``GPT.named_parameters`` order, whatever the layout: the one DiLoCo averages
+and hashes, so nodes with different layouts meet in one swarm.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from node.config import NodeConfig
+from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.parallel.mesh import build_mesh
+from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device
+from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, device_type, full_tensor
+from node.parallel.zero import apply_fully_shard, average_gradients, build_zero_optimizer
+
+Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """How a node's local ranks share its replica; ``dp * tp * pp`` is the number of local workers."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 1  # 1: AdamW state sharded over dp; 3: FSDP2 (weights, grads and state sharded)
+    pp_schedule: str = "1f1b"  # gpipe or 1f1b
+    num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
+    precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
+    activation_checkpointing: bool = False
+    grad_accumulation: int = 1  # batches per inner step
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def parameter_offsets(model_config: ModelConfig) -> dict[str, tuple[int, torch.Size]]:
+    """Name -> (offset, shape) of every trainable parameter in the node's flat vector (the full model's order)."""
+    with torch.device("meta"):
+        reference = GPT(model_config)
+    offsets: dict[str, tuple[int, torch.Size]] = {}
+    offset = 0
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            offsets[name] = (offset, param.shape)
+            offset += param.numel()
+    return offsets
+
+
+def checkpoint_blocks(model: GPT) -> None:
+    """Activation checkpointing: each block keeps only its input and recomputes the rest in backward.
+
+    The block's ``forward`` is wrapped in place (no wrapper module), so parameter names, and with them the
+    node's flat vector and its checkpoints, stay those of the plain model.
+    """
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def autocast_forward(model: GPT, precision: str) -> None:
+    """bf16: run ``model``'s forward under ``torch.autocast`` and hand fp32 activations/logits onwards.
+
+    Weights, gradients and the optimizer stay fp32 (autocast casts per operation); the fp32 output keeps
+    the cross-entropy and the activations a pipeline stage sends in full precision.
+    """
+    if precision == "fp32":
+        return
+    if precision != "bf16":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    forward = model.forward
+    autocast = torch.autocast(device_type(), dtype=torch.bfloat16)
+
+    def bf16_forward(tokens: Tensor) -> Tensor:
+        with autocast:
+            output = forward(tokens)
+        return output.float()
+
+    model.forward = bf16_forward  # type: ignore[method-assign]
+
+
+class RankEngine:
+    """This rank's part of the node's replica; every method is a collective over the node's ranks."""
+
+    def __init__(
+        self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
+    ) -> None:
+        if not dist.is_initialized():
+            raise ValueError("RankEngine needs the node's process group: call init_process_group first")
+        self.model_config = model_config
+        self.config = config
+        self.layout = layout
+        self.timeout = timeout
+        self.device = pipeline_device()
+        self.mesh = build_mesh(layout.dp, layout.tp, layout.pp)
+        self.dp_index = self.mesh["dp"].get_local_rank()
+        self.tp_index = self.mesh["tp"].get_local_rank()
+        self.pp_index = self.mesh["pp"].get_local_rank()
+        self.offsets = parameter_offsets(model_config)
+        self.num_elements = sum(shape.numel() for _, shape in self.offsets.values())
+
+        torch.manual_seed(config.seed)  # the same draw as a single-process node's model
+        model = GPT(model_config)
+        if layout.pp > 1:
+            model = build_stage(model, self.pp_index, layout.pp)
+        model = model.to(self.device)
+        model.train()
+        if layout.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"])
+        if layout.activation_checkpointing:
+            checkpoint_blocks(model)
+        autocast_forward(model, layout.precision)
+        self.fully_sharded = layout.zero == 3 and layout.dp > 1
+        if self.fully_sharded:
+            apply_fully_shard(model, self.mesh["dp"])
+        self.model = model
+        self.dp_group = self.mesh["dp"].get_group()
+        self.pp_group = self.mesh["pp"].get_group()
+        # ZeroRedundancyOptimizer broadcasts whole parameters, which tensor-parallel DTensors do not
+        # support: with tp > 1 ZeRO-1 keeps a replicated AdamW state (--zero 3 shards it with FSDP2).
+        if layout.dp > 1 and layout.zero == 1 and layout.tp == 1:
+            self.optimizer: torch.optim.Optimizer = build_zero_optimizer(model, config, self.dp_group)
+        else:
+            from node.replica import build_inner_optimizer  # the single-process node's AdamW groups
+
+            self.optimizer = build_inner_optimizer(model, config)
+        self.runner: PipelineRunner | None = None
+        if layout.pp > 1:
+            self.runner = PipelineRunner(
+                model,
+                stage_index=self.pp_index,
+                num_stages=layout.pp,
+                num_microbatches=layout.num_microbatches,
+                schedule=layout.pp_schedule,  # type: ignore[arg-type]  # checked by the config
+                device=self.device,
+                group=self.pp_group,
+            )
+
+    # --- one inner step ---
+    def _replica_rows(self, tensor: Tensor) -> Tensor:
+        """This dp replica's equal share of the node's batch rows (B / dp, ...)."""
+        rows = tensor.shape[0] // self.layout.dp
+        return tensor[self.dp_index * rows : (self.dp_index + 1) * rows].to(self.device)
+
+    def train_step(self, batches: Sequence[Batch], lr: float) -> float:
+        """One AdamW step over ``batches`` (the node's whole batch, ``grad_accumulation`` of them); the mean loss."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for tokens, targets in batches:
+            x, y = self._replica_rows(tokens), self._replica_rows(targets)  # (B/dp, T)
+            if self.runner is not None:
+                losses.append(self.runner.forward_backward(x, y))
+            else:
+                loss = cross_entropy_loss(self.model(x), y)
+                loss.backward()
+                losses.append(loss.detach())
+        if self.layout.dp > 1 and not self.fully_sharded:
+            average_gradients(self.model, self.dp_group, self.timeout)
+        if len(batches) > 1:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(len(batches))
+        if self.config.grad_clip > 0:
+            clip_grad_norm(
+                self.model.parameters(),
+                self.config.grad_clip,
+                stage_group=self.pp_group if self.layout.pp > 1 else None,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._node_mean(torch.stack(losses).mean())
+
+    def _node_mean(self, value: Tensor) -> float:
+        """The mean over dp replicas of a scalar every rank of a replica holds alike (a world all-reduce)."""
+        total = value.detach().float().reshape(1).to(self.device)
+        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+        assert work is not None
+        work.wait(self.timeout)
+        return float(total) / self.layout.world_size
+
+    # --- evaluation ---
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[Batch]) -> float:
+        """Mean loss over ``batches`` (no gradients); the pipeline passes activations stage to stage."""
+        self.model.eval()
+        try:
+            losses = [self._eval_batch(tokens, targets) for tokens, targets in batches]
+        finally:
+            self.model.train()
+        return self._node_mean(torch.stack(losses).mean())
+
+    def _eval_batch(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        x, y = self._replica_rows(tokens), self._replica_rows(targets)  # (B/dp, T)
+        if self.layout.pp == 1:
+            return cross_entropy_loss(self.model(x), y)
+        hidden_shape = (x.shape[0], x.shape[1], self.model_config.dim)  # (B/dp, T, C)
+        if self.pp_index > 0:
+            x = torch.empty(hidden_shape, dtype=torch.float32, device=self.device)
+            dist.recv(x, group=self.pp_group, group_src=self.pp_index - 1)
+        output = self.model(x)
+        if self.pp_index < self.layout.pp - 1:
+            dist.send(output.float().contiguous(), group=self.pp_group, group_dst=self.pp_index + 1)
+            loss = torch.zeros((), device=self.device)
+        else:
+            loss = cross_entropy_loss(output, y)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+        return loss
+
+    # --- the node's flat parameter vector ---
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
+
+    @torch.no_grad()
+    def read_params(self) -> Tensor | None:
+        """The node's flat fp32 parameter vector (N,) on rank 0 (None elsewhere).
+
+        Sharded parameters are all-gathered within their tp / dp group; then the ranks at dp = tp = 0 of each
+        stage write their stage's parameters at their offsets into a zero vector, and a sum-reduce to rank 0
+        assembles the whole (each element is written by exactly one rank, so the sum is exact).
+        """
+        flat = torch.zeros(self.num_elements, dtype=torch.float32, device=self.device)
+        writes = self.dp_index == 0 and self.tp_index == 0
+        for name, param in self._named_parameters():
+            full = full_tensor(param.detach())  # a collective for a DTensor: every rank of its mesh calls it
+            if writes:
+                offset, shape = self.offsets[name]
+                flat[offset : offset + shape.numel()].copy_(full.reshape(-1))
+        work = dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+        assert work is not None
+        work.wait(self.timeout)
+        return flat.cpu() if dist.get_rank() == 0 else None
+
+    @torch.no_grad()
+    def write_params(self, flat: Tensor | None) -> None:
+        """Set every rank's parameters from rank 0's flat vector (N,) (a broadcast; others pass None)."""
+        if dist.get_rank() == 0:
+            assert flat is not None and flat.numel() == self.num_elements, "rank 0 passes the node's vector"
+            buffer = flat.detach().to(self.device, torch.float32).contiguous()
+        else:
+            buffer = torch.empty(self.num_elements, dtype=torch.float32, device=self.device)
+        work = dist.broadcast(buffer, src=0, async_op=True)
+        assert work is not None
+        work.wait(self.timeout)
+        for name, param in self._named_parameters():
+            offset, shape = self.offsets[name]
+            full = buffer[offset : offset + shape.numel()].view(shape)
+            if isinstance(param, DTensor):
+                # Each rank cuts its own shard from the full tensor it already has: no communication.
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the inner optimizer state this rank holds (its ZeRO share)."""
+        from node.parallel.zero import optimizer_state_bytes
+
+        return optimizer_state_bytes(self.optimizer)
+
+
+Command = tuple[str, Any]
+Dispatch = Callable[[RankEngine, Any], object]
+
+# What rank 0 can ask every rank to do, and how a rank does it; the payload travels with the command.
+COMMANDS: dict[str, Dispatch] = {
+    "train_step": lambda engine, payload: engine.train_step(payload[0], payload[1]),
+    "eval_loss": lambda engine, payload: engine.eval_loss(payload),
+    "read_params": lambda engine, payload: engine.read_params(),
+    "write_params": lambda engine, payload: engine.write_params(None),
+}

@@ -1,0 +1,97 @@
+"""Which local layout a node runs: its number of local workers and their ``dp x tp x pp`` mesh.
+
+Resolution (``resolve_layout``), in order:
+    1. workers: ``--local-workers K``, else one per CUDA device, else one (a CPU node runs in one process);
+    2. one worker and no layout flag: no local parallelism at all (``None``: the replica stays in the
+       daemon's process, ``node.replica.SingleReplica``);
+    3. ``--dp/--tp/--pp`` all unset (0): the planner's choice (``node.parallel.plan.plan_layout``) for K
+       devices of this machine's memory (the GPU's, or the host's divided by K);
+    4. some set: the unset axes are 1, and ``dp * tp * pp`` must equal K.
+The layout is then checked against the model and batch (``plan.invalid_reason``: tp divides the heads and
+the MLP width, pp at most the layers, dp divides the batch, micro-batches divide the replica's batch) so a
+mistake is a one-line ``ConfigError`` before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from node.config import ConfigError, NodeConfig
+from node.model import ModelConfig
+from node.parallel.engine import LocalLayout
+from node.parallel.plan import Layout, invalid_reason, plan_layout
+
+log = logging.getLogger("dtnode")
+
+
+def num_local_workers(config: NodeConfig) -> int:
+    """``--local-workers``, else one per CUDA device, else 1."""
+    if config.local_workers:
+        return config.local_workers
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def device_memory_bytes(num_workers: int) -> int:
+    """Memory of one local device: the first GPU's, or on CPU the host's RAM shared by the workers."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_workers
+
+
+def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout | None:
+    """The node's local layout (see the module docstring), or None for a single process."""
+    num_workers = num_local_workers(config)
+    explicit = (config.dp, config.tp, config.pp)
+    if num_workers == 1 and not any(explicit):
+        return None
+    num_microbatches = config.microbatches
+    if not any(explicit):
+        try:
+            plan = plan_layout(
+                model_config,
+                num_devices=num_workers,
+                device_memory_bytes=device_memory_bytes(num_workers),
+                seq_len=model_config.seq_len,
+                batch_size=config.batch_size,
+            )
+        except ValueError as error:
+            raise ConfigError(f"no local layout for {num_workers} workers: {error}") from None
+        dp, tp, pp = plan.layout.dp, plan.layout.tp, plan.layout.pp
+        num_microbatches = num_microbatches or plan.num_microbatches
+    else:
+        dp, tp, pp = (size or 1 for size in explicit)
+        if dp * tp * pp != num_workers:
+            raise ConfigError(
+                f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} must equal the number of local workers "
+                f"({num_workers}; set --local-workers, or the layout flags to match)"
+            )
+    reason = invalid_reason(model_config, Layout(dp=dp, tp=tp, pp=pp), config.batch_size)
+    if reason is not None:
+        raise ConfigError(f"local layout dp={dp} x tp={tp} x pp={pp} cannot run {config.model}: {reason}")
+    num_microbatches = num_microbatches or (pp if pp > 1 else 1)
+    replica_batch = config.batch_size // dp
+    if pp > 1 and replica_batch % num_microbatches != 0:
+        raise ConfigError(
+            f"--microbatches {num_microbatches} must divide the per-replica batch {replica_batch} "
+            f"(batch_size {config.batch_size} / dp {dp})"
+        )
+    if pp > 1 and config.pp_schedule == "1f1b" and num_microbatches < pp:
+        raise ConfigError(f"1F1B needs --microbatches >= pp ({pp}), got {num_microbatches}")
+    if config.zero == 3 and pp > 1:
+        raise ConfigError("--zero 3 (FSDP2) does not run with pipeline stages: set --pp 1, or use --zero 1")
+    if config.zero == 1 and dp > 1 and tp > 1:
+        log.warning("ZeRO-1 needs tp=1: the AdamW state is replicated over dp (--zero 3 shards it)")
+    return LocalLayout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=config.zero,
+        pp_schedule=config.pp_schedule,
+        num_microbatches=num_microbatches if pp > 1 else 1,
+        precision=config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+        grad_accumulation=config.grad_accumulation,
+    )

@@ -1,0 +1,195 @@
+"""A node's local workers: the daemon is rank 0, and ``world_size - 1`` spawned processes are the other ranks.
+
+The node stays one peer in the swarm: only rank 0 runs the swarm session (DHT, gRPC, outer step). The other
+ranks are servants of one replica: rank 0 broadcasts each call (:data:`node.parallel.engine.COMMANDS`) and
+every rank, rank 0 included, runs it on its :class:`~node.parallel.engine.RankEngine`, whose collectives
+tie them together.
+
+Process group and deadlines
+---------------------------
+- Rendezvous through a ``FileStore`` in a private temporary directory (no listening port), gloo bound to
+  the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise; NCCL between GPUs when CUDA is
+  available (one code path: the backend is chosen by ``distributed_backend``).
+- Every collective of a call is bounded by ``timeout``. Commands travel on a separate gloo group whose
+  deadline is the daemon's own life: a worker waits for the next call while rank 0 is in an outer round
+  (which has its own deadlines), and exits within a second of the daemon's death (it watches its parent).
+- A worker that fails exits non-zero; rank 0's next collective then fails and :meth:`LocalWorkers.call`
+  reports which rank died and how; :meth:`LocalWorkers.close` stops every worker (killed after a grace).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import shutil
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from node.config import NodeConfig
+from node.model import ModelConfig
+from node.parallel.engine import COMMANDS, LocalLayout, RankEngine
+from node.parallel.tensor import distributed_backend
+
+log = logging.getLogger("dtnode")
+
+STOP = "stop"
+# Commands wait as long as the daemon lives (it may spend an outer round between two calls).
+COMMAND_TIMEOUT = timedelta(days=1)
+PARENT_POLL_SECONDS = 1.0
+STOP_GRACE = timedelta(seconds=10)
+
+
+def _init_process_group(rank: int, world_size: int, store_path: str, timeout: timedelta) -> dist.ProcessGroup:
+    """The node's default process group, and the gloo group the commands travel on (returned)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        os.environ["LOCAL_RANK"] = str(rank)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        distributed_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
+    group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    assert group is not None
+    return group
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit at once when the daemon is gone (its collectives would otherwise leave us waiting)."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(3)
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    model_config: ModelConfig,
+    config: NodeConfig,
+    layout: LocalLayout,
+    timeout_seconds: float,
+    parent_pid: int,
+) -> None:
+    """A spawned local rank: build its engine, then run rank 0's calls until it says stop."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    timeout = timedelta(seconds=timeout_seconds)
+    commands = _init_process_group(rank, world_size, store_path, timeout)
+    try:
+        engine = RankEngine(model_config, config, layout, timeout=timeout)
+        while True:  # ends at STOP, or by the parent watch when the daemon dies
+            message: list[Any] = [None]
+            dist.broadcast_object_list(message, src=0, group=commands)
+            name, payload = message[0]
+            if name == STOP:
+                break
+            COMMANDS[name](engine, payload)
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalWorkerError(RuntimeError):
+    """A local rank died or a collective among the node's ranks failed or timed out."""
+
+
+class LocalWorkers:
+    """Rank 0's side: spawns the other ranks, builds its own engine, and sends every call to all."""
+
+    def __init__(
+        self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
+    ) -> None:
+        self.layout = layout
+        world_size = layout.world_size
+        self._store_dir = tempfile.mkdtemp(prefix="dtnode-local-")  # mode 0700: only this user
+        store_path = os.path.join(self._store_dir, "store")
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.process.BaseProcess] = [
+            context.Process(
+                target=worker_main,
+                args=(
+                    rank,
+                    world_size,
+                    store_path,
+                    model_config,
+                    config,
+                    layout,
+                    timeout.total_seconds(),
+                    os.getpid(),
+                ),
+                name=f"dtnode-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            self._commands = _init_process_group(0, world_size, store_path, timeout)
+            self.engine = RankEngine(model_config, config, layout, timeout=timeout)
+        except BaseException:
+            self._stop_processes()
+            raise
+        self._closed = False
+        log.info(
+            "%d local workers: dp=%d x tp=%d x pp=%d, %s backend",
+            world_size, layout.dp, layout.tp, layout.pp, distributed_backend(),
+        )  # fmt: skip
+
+    def call(self, name: str, payload: Any = None) -> Any:
+        """Run ``COMMANDS[name]`` on every rank; returns rank 0's result."""
+        self._check_workers()
+        try:
+            dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
+            return COMMANDS[name](self.engine, payload)
+        except (RuntimeError, dist.DistError) as error:
+            self._check_workers()
+            raise LocalWorkerError(f"local call {name!r} failed: {error}") from error
+
+    def write_params(self, flat: torch.Tensor) -> None:
+        """Set every rank's parameters from the node's flat vector (N,)."""
+        self._check_workers()
+        try:
+            dist.broadcast_object_list([("write_params", None)], src=0, group=self._commands)
+            self.engine.write_params(flat)
+        except (RuntimeError, dist.DistError) as error:
+            self._check_workers()
+            raise LocalWorkerError(f"local call 'write_params' failed: {error}") from error
+
+    def _check_workers(self) -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise LocalWorkerError(f"local worker rank {rank} exited with code {process.exitcode}")
+
+    def close(self) -> None:
+        """Tell every rank to stop, wait for them (bounded), and free the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(process.is_alive() for process in self.processes):
+                dist.broadcast_object_list([(STOP, None)], src=0, group=self._commands)
+        except (RuntimeError, dist.DistError) as error:
+            log.warning("local workers did not take the stop: %s", error)
+        finally:
+            self._stop_processes()
+            dist.destroy_process_group()
+
+    def _stop_processes(self) -> None:
+        deadline = time.monotonic() + STOP_GRACE.total_seconds()
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=STOP_GRACE.total_seconds())
+        shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -1,0 +1,181 @@
+"""The node's model replica as the training loop sees it: one process, or the node's local workers.
+
+:class:`SingleReplica` is a plain ``GPT`` with AdamW in the daemon's process. :class:`ParallelReplica` is
+the same replica split over ``dp x tp x pp`` local ranks (``node.parallel``): the daemon is rank 0 and
+drives the others. Both offer the same calls, so the loop, DiLoCo and the swarm do not care which it is:
+
+    train_step(batches, lr) -> loss     one inner AdamW step over the node's batch (grad accumulation: a list)
+    eval_loss(batches) -> loss          mean held-out loss
+    read_params() / write_params(flat)  the node's flat fp32 parameter vector, the full model's order
+    model_state() / load_model_state()  named full parameters, for checkpoints
+
+``build_replica`` picks one from the config: ``--local-workers K`` (or one per GPU) with the layout of
+``--dp/--tp/--pp``, or the planner's (``node.parallel.plan``) when none is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from node.config import NodeConfig
+from node.model import GPT, ModelConfig, cross_entropy_loss
+
+log = logging.getLogger("dtnode")
+
+Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
+
+
+def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2))
+
+
+class Replica(Protocol):
+    model: GPT  # the plain model (parameters on the meta device for a ParallelReplica: names and shapes)
+
+    def train_step(self, batches: Sequence[Batch], lr: float) -> float: ...
+    def eval_loss(self, batches: Sequence[Batch]) -> float: ...
+    def read_params(self, device: torch.device | str) -> Tensor: ...
+    def write_params(self, flat: Tensor) -> None: ...
+    def model_state(self) -> dict[str, Tensor]: ...
+    def load_model_state(self, state: dict[str, Tensor]) -> None: ...
+    def optimizer_state(self) -> dict[str, Any] | None: ...
+    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+class SingleReplica:
+    """The whole replica in this process, on ``device``."""
+
+    def __init__(self, model_config: ModelConfig, config: NodeConfig, device: torch.device) -> None:
+        from node.parallel.engine import autocast_forward, checkpoint_blocks
+
+        self.config = config
+        self.device = device
+        self.model = GPT(model_config).to(device)
+        self.model.train()
+        if config.activation_checkpointing:
+            checkpoint_blocks(self.model)
+        autocast_forward(self.model, config.precision)
+        self.optimizer = build_inner_optimizer(self.model, config)
+
+    def train_step(self, batches: Sequence[Batch], lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for tokens, targets in batches:
+            x, y = tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            loss = cross_entropy_loss(self.model(x), y)
+            # The gradient of the mean loss over all accumulated batches (equal sizes).
+            (loss / len(batches) if len(batches) > 1 else loss).backward()
+            losses.append(loss.detach())
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().item()  # syncs the device: the step is done when this returns
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[Batch]) -> float:
+        self.model.eval()
+        total = 0.0
+        for x, y in batches:
+            total += cross_entropy_loss(self.model(x.to(self.device)), y.to(self.device)).item()
+        self.model.train()  # set once here, not every inner step (it walks every module)
+        return total / len(batches)
+
+    def read_params(self, device: torch.device | str) -> Tensor:
+        return torch.cat(
+            [p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in _trainable(self.model)]
+        )
+
+    @torch.no_grad()
+    def write_params(self, flat: Tensor) -> None:
+        offset = 0
+        for param in _trainable(self.model):
+            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        assert offset == flat.numel()
+
+    def model_state(self) -> dict[str, Tensor]:
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        pass  # nothing outside this process
+
+
+class ParallelReplica:
+    """The replica over the node's local workers (``node.parallel.local``); this process is rank 0."""
+
+    def __init__(
+        self, model_config: ModelConfig, config: NodeConfig, layout: Any, *, timeout: timedelta
+    ) -> None:
+        from node.parallel.engine import parameter_offsets
+        from node.parallel.local import LocalWorkers
+
+        with torch.device("meta"):
+            self.model = GPT(model_config)  # names and shapes for export and checkpoints; no memory
+        self.offsets = parameter_offsets(model_config)
+        self.workers = LocalWorkers(model_config, config, layout, timeout=timeout)
+
+    def train_step(self, batches: Sequence[Batch], lr: float) -> float:
+        return float(self.workers.call("train_step", (list(batches), lr)))
+
+    def eval_loss(self, batches: Sequence[Batch]) -> float:
+        return float(self.workers.call("eval_loss", list(batches)))
+
+    def read_params(self, device: torch.device | str) -> Tensor:
+        flat = self.workers.call("read_params")
+        assert isinstance(flat, Tensor)
+        return flat.to(device)
+
+    def write_params(self, flat: Tensor) -> None:
+        self.workers.write_params(flat)
+
+    def model_state(self) -> dict[str, Tensor]:
+        flat = self.read_params("cpu")
+        return {
+            name: flat[offset : offset + shape.numel()].view(shape).clone()
+            for name, (offset, shape) in self.offsets.items()
+        }
+
+    def load_model_state(self, state: dict[str, Tensor]) -> None:
+        missing = set(self.offsets) - set(state)
+        if missing:
+            raise ValueError(f"the model state lacks {sorted(missing)[:3]}")
+        flat = torch.cat([state[name].reshape(-1).float() for name in self.offsets])
+        self.write_params(flat)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        return None  # each rank holds its own share; not checkpointed (the inner AdamW restarts on resume)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        log.warning("resuming with local workers: the inner AdamW state starts afresh")
+
+    def close(self) -> None:
+        self.workers.close()

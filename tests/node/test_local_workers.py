@@ -1,0 +1,115 @@
+"""``dtnode join --local-workers K --dp/--tp/--pp`` trains like a single-process node.
+
+Each layout runs the real CLI (``--no-swarm``: one node, whose outer step averages only itself) for one
+outer round of H=10 inner steps on the nano preset, and so does the reference, a single-process node with
+the same config and data. The node's layout must not change what it computes beyond float summation
+order:
+
+- the 10 inner-step losses (``metrics.jsonl``) within 1e-5 relative of the reference's;
+- the global params after the outer Nesterov step (``model.safetensors``) within 1e-5 relative (one norm
+  over the whole vector) — and they moved from the initial params by far more than that, so a wrong shard,
+  a missing all-reduce or a stage left out fails.
+
+The LR is constant from step 1 (no warmup) so the 10 steps move the weights as much as possible.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from node.model import GPT, model_config
+
+LOSS_TOLERANCE = 1e-5
+PARAMS_TOLERANCE = 1e-5
+RUN_TIMEOUT_SECONDS = 240
+
+COMMON_ARGS = [
+    "--no-swarm", "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
+    "--inner-steps", "10", "--max-rounds", "1", "--lr-schedule", "constant", "--warmup-steps", "1",
+    "--threads", "1", "--checkpoint-every", "0", "--log-every", "100",
+]  # fmt: skip
+
+LAYOUTS = {
+    "tp2": ["--local-workers", "2", "--tp", "2"],
+    "pp2-gpipe": ["--local-workers", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "2"],
+    "pp2-1f1b": ["--local-workers", "2", "--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"],
+    "dp2-zero1": ["--local-workers", "2", "--dp", "2", "--zero", "1"],
+    "dp2-zero3": ["--local-workers", "2", "--dp", "2", "--zero", "3"],
+    "tp2-pp2": ["--local-workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+    "dp2-tp2": ["--local-workers", "4", "--dp", "2", "--tp", "2"],
+    "dp2-tp2-zero3": ["--local-workers", "4", "--dp", "2", "--tp", "2", "--zero", "3"],
+}
+
+
+def run_node(run_dir: Path, corpus: Path, extra: list[str]) -> tuple[list[float], torch.Tensor]:
+    """Run ``dtnode join`` to its end; its inner-step losses and its exported global params (flat)."""
+    argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(run_dir), "--data", str(corpus)]
+    result = subprocess.run(
+        [*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [record["loss"] for record in records if record["kind"] == "step"]
+    tensors = load_file(str(run_dir / "model.safetensors"))
+    names = [name for name, _ in GPT(model_config("nano", seq_len=32)).named_parameters()]
+    return losses, torch.cat([tensors[name].reshape(-1) for name in names])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import inspect
+
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text(inspect.getsource(inspect) * 2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], torch.Tensor]:
+    return run_node(tmp_path_factory.mktemp("reference"), corpus, [])
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_like_a_single_process(
+    layout: str, corpus: Path, reference: tuple[list[float], torch.Tensor], tmp_path: Path
+) -> None:
+    reference_losses, reference_params = reference
+    losses, params = run_node(tmp_path / layout, corpus, LAYOUTS[layout])
+    assert len(losses) == len(reference_losses) == 10
+    loss_errors = [abs(a - b) / abs(b) for a, b in zip(losses, reference_losses, strict=True)]
+    params_error = relative_error(params, reference_params)
+    print(f"{layout}: max loss error {max(loss_errors):.2e}, global params error {params_error:.2e}")
+    assert max(loss_errors) <= LOSS_TOLERANCE, (losses, reference_losses)
+    assert params_error <= PARAMS_TOLERANCE
+    torch.manual_seed(0)  # the node's --seed: its initial params
+    initial = torch.cat([p.detach().reshape(-1) for p in GPT(model_config("nano", seq_len=32)).parameters()])
+    assert relative_error(reference_params, initial) > 1000 * PARAMS_TOLERANCE  # the round moved them
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--local-workers", "2", "--tp", "2", "--pp", "2"], "must equal the number of local workers"),
+        (["--local-workers", "3", "--tp", "3"], "does not divide num_heads"),
+        (["--local-workers", "2", "--pp", "2", "--microbatches", "3"], "must divide the per-replica batch"),
+        (["--local-workers", "2", "--pp", "2", "--zero", "3"], "does not run with pipeline stages"),
+    ],
+)
+def test_an_impossible_layout_is_a_clear_error(extra: list[str], message: str, corpus: Path, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(tmp_path), "--data", str(corpus)]
+    result = subprocess.run([*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
