@@ -169,6 +169,7 @@ class RankEngine:
                 schedule=layout.pp_schedule,  # type: ignore[arg-type]  # checked by the config
                 device=self.device,
                 group=self.pp_group,
+                scale_grads=False,  # summed over micro-batches; train_step divides once
             )
 
     # --- one inner step ---
@@ -192,10 +193,13 @@ class RankEngine:
                 losses.append(loss.detach())
         if self.layout.dp > 1 and not self.fully_sharded:
             average_gradients(self.model, self.dp_group, self.timeout)
-        if len(batches) > 1:
+        # The gradient of the mean loss: divide the sum over accumulated batches (and, in a pipeline, over
+        # its micro-batches) once.
+        num_terms = len(batches) * (self.layout.num_microbatches if self.runner is not None else 1)
+        if num_terms > 1:
             for param in self.model.parameters():
                 if param.grad is not None:
-                    param.grad.div_(len(batches))
+                    param.grad.div_(num_terms)
         if self.config.grad_clip > 0:
             clip_grad_norm(
                 self.model.parameters(),

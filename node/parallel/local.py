@@ -24,6 +24,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -80,6 +81,10 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """A spawned local rank: build its engine, then run rank 0's calls until it says stop."""
+    # A Ctrl-C or SIGTERM reaches the whole process group; the daemon handles it (it finishes the step,
+    # checkpoints, then stops us), so a rank must not die of it mid-collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -171,6 +171,7 @@ class PipelineRunner:
         schedule: ScheduleName = "1f1b",
         device: torch.device | None = None,
         group: dist.ProcessGroup | None = None,
+        scale_grads: bool = True,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -194,8 +195,10 @@ class PipelineRunner:
         self._stage = PipelineStage(stage_model, stage_index, num_stages, self.device, group=group)
         # scale_grads=True divides the summed micro-batch gradients by num_microbatches: the gradient of
         # the mean of the micro-batch mean losses, i.e. of the batch mean when micro-batches are equal.
+        # With scale_grads=False the gradients are the sum over micro-batches, for a caller that accumulates
+        # several batches and divides once at the end (the schedule would rescale the earlier batches too).
         self._schedule = SCHEDULES[schedule](
-            self._stage, num_microbatches, loss_fn=cross_entropy_loss, scale_grads=True
+            self._stage, num_microbatches, loss_fn=cross_entropy_loss, scale_grads=scale_grads
         )
 
     @property

@@ -45,7 +45,26 @@ LAYOUTS = {
     "tp2-pp2": ["--local-workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
     "dp2-tp2": ["--local-workers", "4", "--dp", "2", "--tp", "2"],
     "dp2-tp2-zero3": ["--local-workers", "4", "--dp", "2", "--tp", "2", "--zero", "3"],
+    # No layout flag: the planner's choice for 2 workers.
+    "planner": ["--local-workers", "2"],
+    # Recomputed activations and 2 accumulated batches of 2 are the same step as one batch of 4.
+    "recompute-accumulate": ["--activation-checkpointing", "--grad-accumulation", "2", "--batch-size", "2"],
+    "pp2-recompute-accumulate": [
+        "--local-workers",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--activation-checkpointing",
+        "--grad-accumulation",
+        "2",
+        "--batch-size",
+        "2",
+    ],  # fmt: skip
 }
+BF16_LOSS_TOLERANCE = 2e-2  # bf16 rounds every matmul input to 8 significant bits
+BF16_PARAMS_TOLERANCE = 1e-2
 
 
 def run_node(run_dir: Path, corpus: Path, extra: list[str]) -> tuple[list[float], torch.Tensor]:
@@ -98,6 +117,22 @@ def test_layout_trains_like_a_single_process(
     assert relative_error(reference_params, initial) > 1000 * PARAMS_TOLERANCE  # the round moved them
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [[], ["--local-workers", "2", "--tp", "2"]], ids=["single", "tp2"])
+def test_bf16_autocast_stays_close_to_fp32(
+    layout: list[str], corpus: Path, reference: tuple[list[float], torch.Tensor], tmp_path: Path
+) -> None:
+    reference_losses, reference_params = reference
+    losses, params = run_node(tmp_path / "bf16", corpus, [*layout, "--precision", "bf16"])
+    loss_errors = [abs(a - b) / abs(b) for a, b in zip(losses, reference_losses, strict=True)]
+    print(
+        f"bf16 {layout}: max loss error {max(loss_errors):.2e}, params {relative_error(params, reference_params):.2e}"
+    )
+    assert max(loss_errors) <= BF16_LOSS_TOLERANCE
+    assert max(loss_errors) > 1e-6  # it did compute in bf16
+    assert relative_error(params, reference_params) <= BF16_PARAMS_TOLERANCE
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("extra", "message"),
@@ -108,7 +143,9 @@ def test_layout_trains_like_a_single_process(
         (["--local-workers", "2", "--pp", "2", "--zero", "3"], "does not run with pipeline stages"),
     ],
 )
-def test_an_impossible_layout_is_a_clear_error(extra: list[str], message: str, corpus: Path, tmp_path: Path) -> None:
+def test_an_impossible_layout_is_a_clear_error(
+    extra: list[str], message: str, corpus: Path, tmp_path: Path
+) -> None:
     argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(tmp_path), "--data", str(corpus)]
     result = subprocess.run([*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=100)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -1,0 +1,96 @@
+"""A node with local workers is one peer of the swarm: real `dtnode join` processes on loopback.
+
+- A single-process node and a node of 2 tensor-parallel local ranks share every round with one
+  param_hash; a third node of 2 data-parallel ranks joins mid-run, adopts the swarm's state (written to
+  every local rank) and matches from its first round on.
+- A local worker that dies is reported by name and the node exits non-zero instead of hanging, its other
+  processes gone with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.node.swarm_cluster import Cluster, tail, wait_for
+from tests.node.test_swarm_cli import assert_one_lineage
+
+TENSOR_PARALLEL = ["--local-workers", "2", "--tp", "2"]
+DATA_PARALLEL = ["--local-workers", "2", "--dp", "2"]
+
+
+def child_pids(pid: int) -> list[int]:
+    result = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10
+    )
+    return [int(line) for line in result.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The node's spawned local ranks (its children running multiprocessing's spawn entry point)."""
+    pids = []
+    for child in child_pids(pid):
+        try:
+            command = open(f"/proc/{child}/cmdline", "rb").read()  # noqa: SIM115 (a one-shot read)
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in command:  # not multiprocessing's resource tracker
+            pids.append(child)
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        flags = ["--min-peers", "2"]  # no round limit: stopped by SIGTERM below
+        first = cluster.start(flags)
+        peers = cluster.first_multiaddr(first)
+        parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=peers)
+        wait_for(lambda: len(parallel.records()) >= 2, 150, "two rounds of the tp node", parallel)
+        joiner = cluster.start([*flags, *DATA_PARALLEL], peers=peers)
+        wait_for(lambda: len(joiner.hashes()) >= 2, 180, "two rounds of the dp joiner", joiner)
+        for node in cluster.nodes:
+            node.signal(signal.SIGTERM)
+        assert cluster.wait_all(90) == [0, 0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
+        assert "2 local workers: dp=1 x tp=2 x pp=1" in parallel.log()
+        assert "2 local workers: dp=2 x tp=1 x pp=1" in joiner.log()
+        assert "adopting the swarm's state" in joiner.log()
+        rounds = sorted(set(first.hashes()) & set(parallel.hashes()))
+        assert len(rounds) >= 2 and all(r["peers"] >= 2 for r in parallel.records()), parallel.records()
+        assert_one_lineage([node.hashes() for node in cluster.nodes], rounds)
+        joined = sorted(set(joiner.hashes()) & set(first.hashes()))
+        assert joined, (joiner.hashes(), first.hashes())
+        assert_one_lineage([first.hashes(), joiner.hashes()], joined)
+        losses = [r["eval_loss"] for r in parallel.records()]
+        assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_local_worker_stops_the_node_with_a_clear_error(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        node = cluster.start(["--no-swarm", "--inner-steps", "1000", "--log-every", "1", *TENSOR_PARALLEL])
+        wait_for(lambda: len(node.records("step")) >= 3, 120, "three inner steps", node)
+        children = child_pids(node.process.pid)  # the rank, multiprocessing's resource tracker
+        workers = worker_pids(node.process.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        started = time.monotonic()
+        code = node.wait(60)
+        assert code not in (0, None), tail(node)
+        assert time.monotonic() - started < 60
+        assert "local worker rank 1 exited with code -9" in node.log(), tail(node)
+        wait_for(lambda: not any(alive(pid) for pid in children), 15, "the node's processes to go", node)
