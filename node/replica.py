@@ -123,6 +123,12 @@ class SingleReplica:
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if "ranks" in state:  # saved by local workers, each with its own share
+            log.warning(
+                "the checkpoint's inner AdamW state is of local workers (%s): it starts afresh",
+                state["layout"],
+            )
+            return
         self.optimizer.load_state_dict(state)
 
     def close(self) -> None:
@@ -155,7 +161,7 @@ class ParallelReplica:
         return flat.to(device)
 
     def write_params(self, flat: Tensor) -> None:
-        self.workers.write_params(flat)
+        self.workers.call("write_params", None, rank0_payload=flat)
 
     def model_state(self) -> dict[str, Tensor]:
         flat = self.read_params("cpu")
@@ -172,10 +178,21 @@ class ParallelReplica:
         self.write_params(flat)
 
     def optimizer_state(self) -> dict[str, Any] | None:
-        return None  # each rank holds its own share; not checkpointed (the inner AdamW restarts on resume)
+        """Every rank's share of the inner AdamW state, gathered here, with the layout that made them."""
+        return {"layout": self._layout_key(), "ranks": self.workers.call("optimizer_state")}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        log.warning("resuming with local workers: the inner AdamW state starts afresh")
+        if state.get("layout") != self._layout_key():
+            log.warning(
+                "the checkpoint's inner AdamW state is of another layout (%s, this node %s): it starts afresh",
+                state.get("layout", "a single process"), self._layout_key(),
+            )  # fmt: skip
+            return
+        self.workers.call("load_optimizer_state", None, rank0_payload=state["ranks"])
+
+    def _layout_key(self) -> list[int]:
+        layout = self.workers.layout
+        return [layout.dp, layout.tp, layout.pp, layout.zero]
 
     def close(self) -> None:
         self.workers.close()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -291,6 +292,46 @@ class RankEngine:
             else:
                 param.copy_(full)
 
+    # --- the inner optimizer's state, for checkpoints ---
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW this rank steps: ZeRO-1's optimizer over this rank's share, else the one optimizer."""
+        return self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+
+    def gather_optimizer_state(self) -> list[dict[str, Any]] | None:
+        """Every rank's inner AdamW state (its ZeRO share, its tp / FSDP shards as local tensors) on rank 0."""
+        state = self._local_optimizer().state_dict()
+        local_state = {
+            "state": {
+                index: {
+                    key: (value.to_local() if isinstance(value, DTensor) else value).detach().cpu()
+                    if isinstance(value, Tensor)
+                    else value
+                    for key, value in param_state.items()
+                }
+                for index, param_state in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
+        gathered: list[Any] | None = [None] * self.layout.world_size if dist.get_rank() == 0 else None
+        dist.gather_object(local_state, gathered, dst=0)
+        return gathered
+
+    def scatter_optimizer_state(self, states: list[dict[str, Any]] | None) -> None:
+        """Load rank r's share of ``states`` (rank 0's list, as :meth:`gather_optimizer_state` made it)."""
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, states if dist.get_rank() == 0 else None, src=0)
+        state = received[0]
+        optimizer = self._local_optimizer()
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        for index, param_state in state["state"].items():
+            param = params[index]
+            for key, value in param_state.items():
+                if isinstance(param, DTensor) and isinstance(value, Tensor) and value.dim() > 0:
+                    param_state[key] = DTensor.from_local(
+                        value.to(self.device), param.device_mesh, param.placements, run_check=False
+                    )
+        optimizer.load_state_dict(state)
+
     def optimizer_state_bytes(self) -> int:
         """Bytes of the inner optimizer state this rank holds (its ZeRO share)."""
         from node.parallel.zero import optimizer_state_bytes
@@ -306,5 +347,7 @@ COMMANDS: dict[str, Dispatch] = {
     "train_step": lambda engine, payload: engine.train_step(payload[0], payload[1]),
     "eval_loss": lambda engine, payload: engine.eval_loss(payload),
     "read_params": lambda engine, payload: engine.read_params(),
-    "write_params": lambda engine, payload: engine.write_params(None),
+    "write_params": lambda engine, payload: engine.write_params(payload),
+    "optimizer_state": lambda engine, payload: engine.gather_optimizer_state(),
+    "load_optimizer_state": lambda engine, payload: engine.scatter_optimizer_state(payload),
 }

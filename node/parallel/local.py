@@ -150,25 +150,19 @@ class LocalWorkers:
             world_size, layout.dp, layout.tp, layout.pp, distributed_backend(),
         )  # fmt: skip
 
-    def call(self, name: str, payload: Any = None) -> Any:
-        """Run ``COMMANDS[name]`` on every rank; returns rank 0's result."""
+    def call(self, name: str, payload: Any = None, *, rank0_payload: Any = None) -> Any:
+        """Run ``COMMANDS[name]`` on every rank; returns rank 0's result.
+
+        The other ranks get ``payload`` with the command; rank 0 runs with ``rank0_payload`` when given
+        (data a collective of the command distributes, e.g. the flat vector ``write_params`` broadcasts).
+        """
         self._check_workers()
         try:
             dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
-            return COMMANDS[name](self.engine, payload)
+            return COMMANDS[name](self.engine, payload if rank0_payload is None else rank0_payload)
         except (RuntimeError, dist.DistError) as error:
             self._check_workers()
             raise LocalWorkerError(f"local call {name!r} failed: {error}") from error
-
-    def write_params(self, flat: torch.Tensor) -> None:
-        """Set every rank's parameters from the node's flat vector (N,)."""
-        self._check_workers()
-        try:
-            dist.broadcast_object_list([("write_params", None)], src=0, group=self._commands)
-            self.engine.write_params(flat)
-        except (RuntimeError, dist.DistError) as error:
-            self._check_workers()
-            raise LocalWorkerError(f"local call 'write_params' failed: {error}") from error
 
     def _check_workers(self) -> None:
         for rank, process in enumerate(self.processes, start=1):
