@@ -27,7 +27,7 @@ RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
-PP_SCHEDULES = ("gpipe", "1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -113,7 +113,15 @@ class NodeConfig:
         default=1,
         metadata=_help("ZeRO stage across the node's dp ranks: 1 (AdamW state sharded) or 3 (FSDP2)."),
     )
-    pp_schedule: str = field(default="1f1b", metadata=_help("Pipeline schedule: gpipe or 1f1b."))
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata=_help(
+            "Pipeline schedule: gpipe, 1f1b or interleaved (1F1B over --pp-virtual-stages per rank)."
+        ),
+    )
+    pp_virtual_stages: int = field(
+        default=2, metadata=_help("--pp-schedule interleaved: pipeline stages held by each rank.")
+    )
     microbatches: int = field(
         default=0, metadata=_help("Pipeline micro-batches per dp replica and step (0 = planner / pp).")
     )
@@ -256,6 +264,7 @@ class NodeConfig:
             "log_every",
             "keep_checkpoints",
             "grad_accumulation",
+            "pp_virtual_stages",
         )
         for key in positive:
             if getattr(self, key) < 1:

@@ -7,7 +7,8 @@ is the daemon and sends each rank the next call.
 Build order (as torchtitan applies its parallelisms), every step a function of ``node.parallel``:
     1. the full model from the seed (``GPT.init_weights`` draws each parameter from ``(seed, name)``, so
        every rank starts from the same weights as a single-process node);
-    2. pipeline: keep this rank's stage (``build_stage``, balanced by parameter count);
+    2. pipeline: keep this rank's stage (``build_stage``, balanced by parameter count), or its ``V``
+       stages ``pp_index + v * pp`` with the interleaved 1F1B schedule;
     3. tensor parallel: Megatron plans over the ``tp`` axis (``apply_tensor_parallel``);
     4. activation checkpointing of each ``TransformerBlock`` (recomputed in the backward pass);
     5. bf16 autocast of the forward pass (``precision="bf16"``);
@@ -62,6 +63,7 @@ class LocalLayout:
     zero: int = 1  # 1: AdamW state sharded over dp; 3: FSDP2 (weights, grads and state sharded)
     pp_schedule: str = "1f1b"  # gpipe or 1f1b
     num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
+    virtual_stages: int = 1  # pipeline stages per rank (> 1 with the interleaved schedule)
     precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
     activation_checkpointing: bool = False
     grad_accumulation: int = 1  # batches per inner step
@@ -135,20 +137,30 @@ class RankEngine:
         self.offsets = parameter_offsets(model_config)
         self.num_elements = sum(shape.numel() for _, shape in self.offsets.values())
 
+        # Pipeline stages of this rank: one, or with the interleaved schedule pp_index + v * pp for v < V.
+        self.num_stages = layout.pp * layout.virtual_stages
+        self.stage_indices = [self.pp_index + v * layout.pp for v in range(layout.virtual_stages)]
         torch.manual_seed(config.seed)  # the same draw as a single-process node's model
-        model = GPT(model_config)
-        if layout.pp > 1:
-            model = build_stage(model, self.pp_index, layout.pp)
-        model = model.to(self.device)
-        model.train()
-        if layout.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"])
-        if layout.activation_checkpointing:
-            checkpoint_blocks(model)
-        autocast_forward(model, layout.precision)
+        full_model = GPT(model_config)
+        stage_models = (
+            [build_stage(full_model, index, self.num_stages) for index in self.stage_indices]
+            if layout.pp > 1
+            else [full_model]
+        )
+        for stage_model in stage_models:
+            stage_model.to(self.device)
+            stage_model.train()
+            if layout.tp > 1:
+                apply_tensor_parallel(stage_model, self.mesh["tp"])
+            if layout.activation_checkpointing:
+                checkpoint_blocks(stage_model)
+            autocast_forward(stage_model, layout.precision)
         self.fully_sharded = layout.zero == 3 and layout.dp > 1
-        if self.fully_sharded:
-            apply_fully_shard(model, self.mesh["dp"])
+        if self.fully_sharded:  # dp only (no pipeline): one stage
+            apply_fully_shard(stage_models[0], self.mesh["dp"])
+        self.stage_models = stage_models
+        # What the optimizer, the gradient mean and clipping walk: every parameter this rank holds.
+        model: nn.Module = stage_models[0] if len(stage_models) == 1 else nn.ModuleList(stage_models)
         self.model = model
         self.dp_group = self.mesh["dp"].get_group()
         self.pp_group = self.mesh["pp"].get_group()
@@ -163,9 +175,9 @@ class RankEngine:
         self.runner: PipelineRunner | None = None
         if layout.pp > 1:
             self.runner = PipelineRunner(
-                model,
-                stage_index=self.pp_index,
-                num_stages=layout.pp,
+                stage_models,
+                stage_index=self.stage_indices,
+                num_stages=self.num_stages,
                 num_microbatches=layout.num_microbatches,
                 schedule=layout.pp_schedule,  # type: ignore[arg-type]  # checked by the config
                 device=self.device,
@@ -189,7 +201,7 @@ class RankEngine:
             if self.runner is not None:
                 losses.append(self.runner.forward_backward(x, y))
             else:
-                loss = cross_entropy_loss(self.model(x), y)
+                loss = cross_entropy_loss(self.stage_models[0](x), y)
                 loss.backward()
                 losses.append(loss.detach())
         if self.layout.dp > 1 and not self.fully_sharded:
@@ -231,25 +243,36 @@ class RankEngine:
         return self._node_mean(torch.stack(losses).mean())
 
     def _eval_batch(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """One batch's loss; through the pipeline, stage ``j`` (on rank ``j mod pp``) hands its output on."""
         x, y = self._replica_rows(tokens), self._replica_rows(targets)  # (B/dp, T)
         if self.layout.pp == 1:
-            return cross_entropy_loss(self.model(x), y)
+            return cross_entropy_loss(self.stage_models[0](x), y)
         hidden_shape = (x.shape[0], x.shape[1], self.model_config.dim)  # (B/dp, T, C)
-        if self.pp_index > 0:
-            x = torch.empty(hidden_shape, dtype=torch.float32, device=self.device)
-            dist.recv(x, group=self.pp_group, group_src=self.pp_index - 1)
-        output = self.model(x)
-        if self.pp_index < self.layout.pp - 1:
-            dist.send(output.float().contiguous(), group=self.pp_group, group_dst=self.pp_index + 1)
-            loss = torch.zeros((), device=self.device)
-        else:
-            loss = cross_entropy_loss(output, y)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+        pp = self.layout.pp
+        loss = torch.zeros((), device=self.device)
+        for stage_index in self.stage_indices:  # increasing; neighbouring stages are on other ranks (pp > 1)
+            if stage_index == 0:
+                stage_input = x
+            else:
+                stage_input = torch.empty(hidden_shape, dtype=torch.float32, device=self.device)
+                dist.recv(stage_input, group=self.pp_group, group_src=(stage_index - 1) % pp)
+            output = self.stage_models[self.stage_indices.index(stage_index)](stage_input)
+            if stage_index == self.num_stages - 1:
+                loss = cross_entropy_loss(output, y)
+            else:
+                dist.send(output.float().contiguous(), group=self.pp_group, group_dst=(stage_index + 1) % pp)
+        dist.broadcast(loss, group=self.pp_group, group_src=(self.num_stages - 1) % pp)
         return loss
 
     # --- the node's flat parameter vector ---
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
+        """This rank's parameters under the full model's names (a stage keeps the names it had)."""
+        return [
+            (name, param)
+            for stage_model in self.stage_models
+            for name, param in stage_model.named_parameters()
+            if param.requires_grad
+        ]
 
     @torch.no_grad()
     def read_params(self) -> Tensor | None:

@@ -80,6 +80,17 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         )
     if pp > 1 and config.pp_schedule == "1f1b" and num_microbatches < pp:
         raise ConfigError(f"1F1B needs --microbatches >= pp ({pp}), got {num_microbatches}")
+    interleaved = pp > 1 and config.pp_schedule == "interleaved"
+    virtual_stages = config.pp_virtual_stages if interleaved else 1
+    if interleaved and pp * virtual_stages > model_config.num_layers:
+        raise ConfigError(
+            f"interleaved: pp x --pp-virtual-stages = {pp * virtual_stages} stages exceed the "
+            f"{model_config.num_layers} layers of {config.model}"
+        )
+    if interleaved and num_microbatches % pp != 0:
+        raise ConfigError(
+            f"interleaved 1F1B needs --microbatches divisible by pp ({pp}), got {num_microbatches}"
+        )
     if config.zero == 3 and pp > 1:
         raise ConfigError("--zero 3 (FSDP2) does not run with pipeline stages: set --pp 1, or use --zero 1")
     if config.zero == 1 and dp > 1 and tp > 1:
@@ -91,6 +102,7 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         zero=config.zero,
         pp_schedule=config.pp_schedule,
         num_microbatches=num_microbatches if pp > 1 else 1,
+        virtual_stages=virtual_stages,
         precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         grad_accumulation=config.grad_accumulation,

@@ -36,19 +36,21 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from node.model import GPT, ModelConfig, cross_entropy_loss
 
-ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B]] = {
+ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B] | type[ScheduleInterleaved1F1B]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
 }
 
 
@@ -154,18 +156,23 @@ def build_stage(model: GPT, stage_index: int, num_stages: int) -> GPT:
 
 
 class PipelineRunner:
-    """Runs forward + backward of one pipeline stage over micro-batches; the caller owns the optimizer.
+    """Runs forward + backward of a rank's pipeline stage(s) over micro-batches; the caller owns the optimizer.
 
     Every rank of ``group`` (the world when ``None``) builds one runner with its ``stage_model`` (from
     :func:`build_stage`), where the group rank is the stage index, and then, each step, calls
     ``zero_grad``, :meth:`forward_backward` with the same batch, and its optimizer's ``step``.
+
+    Interleaved 1F1B (Narayanan et al. 2021, section 2.2): each rank holds ``v`` stages ("virtual stages")
+    ``rank, rank + p, ..., rank + (v - 1) p`` of ``v * p``; pass them as lists (``stage_model`` and
+    ``stage_index``). A micro-batch then crosses every rank ``v`` times, and the bubble shrinks to
+    ``(p - 1) / (v * m + p - 1)`` at the price of ``v`` times the point-to-point messages.
     """
 
     def __init__(
         self,
-        stage_model: GPT,
+        stage_model: GPT | Sequence[GPT],
         *,
-        stage_index: int,
+        stage_index: int | Sequence[int],
         num_stages: int,
         num_microbatches: int,
         schedule: ScheduleName = "1f1b",
@@ -177,37 +184,60 @@ class PipelineRunner:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+        stage_models = [stage_model] if isinstance(stage_model, GPT) else list(stage_model)
+        stage_indices = [stage_index] if isinstance(stage_index, int) else list(stage_index)
+        if len(stage_models) != len(stage_indices):
+            raise ValueError(f"{len(stage_models)} stage modules for {len(stage_indices)} stage indices")
+        group_size = dist.get_world_size(group)
+        if group_size * len(stage_models) != num_stages:
+            raise ValueError(
+                f"the process group has {group_size} ranks of {len(stage_models)} stage(s) each, "
+                f"but there are {num_stages} stages"
+            )
+        interleaved = schedule == "interleaved"
+        if interleaved != (len(stage_models) > 1):
+            raise ValueError("the interleaved schedule takes several stages per rank, the others one")
         if schedule == "1f1b" and num_microbatches < num_stages:
             raise ValueError(
                 f"1F1B needs num_microbatches >= num_stages, got {num_microbatches} < {num_stages}"
             )
-        group_size = dist.get_world_size(group)
-        if group_size != num_stages:
-            raise ValueError(f"the process group has {group_size} ranks but there are {num_stages} stages")
-        self.stage_index = stage_index
+        if interleaved and num_microbatches % group_size != 0:
+            raise ValueError(
+                f"interleaved 1F1B needs num_microbatches divisible by the {group_size} ranks, got {num_microbatches}"
+            )
+        self.stage_indices = stage_indices
+        self.stage_index = stage_indices[0]
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.device = pipeline_device() if device is None else device
         self.group = group
-        self.stage_model = stage_model.to(self.device)
+        self.stage_models = [model.to(self.device) for model in stage_models]
+        self.stage_model = self.stage_models[0]
         # Shapes of the activations sent between stages are inferred on the first step (a metadata
         # exchange), so the runner needs no knowledge of batch size or sequence length up front.
-        self._stage = PipelineStage(stage_model, stage_index, num_stages, self.device, group=group)
+        stages = [
+            PipelineStage(model, index, num_stages, self.device, group=group)
+            for model, index in zip(self.stage_models, stage_indices, strict=True)
+        ]
         # scale_grads=True divides the summed micro-batch gradients by num_microbatches: the gradient of
         # the mean of the micro-batch mean losses, i.e. of the batch mean when micro-batches are equal.
         # With scale_grads=False the gradients are the sum over micro-batches, for a caller that accumulates
         # several batches and divides once at the end (the schedule would rescale the earlier batches too).
-        self._schedule = SCHEDULES[schedule](
-            self._stage, num_microbatches, loss_fn=cross_entropy_loss, scale_grads=scale_grads
+        schedule_class = SCHEDULES[schedule]
+        self._schedule = schedule_class(
+            stages if interleaved else stages[0],  # type: ignore[arg-type]  # multi- vs single-stage schedules
+            num_microbatches,
+            loss_fn=cross_entropy_loss,
+            scale_grads=scale_grads,
         )
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.stage_indices
 
     def forward_backward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Forward and backward of this stage over the micro-batches of ``tokens`` / ``targets`` (B, T).
@@ -237,5 +267,6 @@ class PipelineRunner:
             loss = torch.stack([loss.detach().float() for loss in microbatch_losses]).mean()  # scalar
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(loss, group=self.group, group_src=self.num_stages - 1)
+        last_rank = (self.num_stages - 1) % dist.get_world_size(self.group)  # the rank of the last stage
+        dist.broadcast(loss, group=self.group, group_src=last_rank)
         return loss
