@@ -134,6 +134,13 @@ class NodeConfig:
     grad_accumulation: int = field(
         default=1, metadata=_help("Batches accumulated per inner step (each of --batch-size sequences).")
     )
+    local_bucket_mb: float = field(
+        default=64.0,
+        metadata=_help(
+            "MB pieces in which the local workers assemble and set the node's flat parameter vector "
+            "around an outer step (bounds the device memory it takes)."
+        ),
+    )
     local_timeout: float = field(
         default=300.0, metadata=_help("Seconds a collective among the node's local workers may take.")
     )
@@ -305,6 +312,8 @@ class NodeConfig:
             )
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not self.local_bucket_mb > 0:
+            raise ConfigError(f"local_bucket_mb must be > 0, got {self.local_bucket_mb}")
         if not self.local_timeout > 0:
             raise ConfigError(f"local_timeout must be > 0, got {self.local_timeout}")
         if self.device not in DEVICES:

@@ -64,6 +64,7 @@ class LocalLayout:
     pp_schedule: str = "1f1b"  # gpipe or 1f1b
     num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
     virtual_stages: int = 1  # pipeline stages per rank (> 1 with the interleaved schedule)
+    bucket_elements: int = 16 * 2**20  # the flat vector moves between ranks in pieces of this many numbers
     precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
     activation_checkpointing: bool = False
     grad_accumulation: int = 1  # batches per inner step
@@ -274,46 +275,92 @@ class RankEngine:
             if param.requires_grad
         ]
 
+    def _placed_parameters(self) -> list[tuple[int, int, nn.Parameter]]:
+        """(offset, numel, parameter) of this rank's parameters, by offset in the node's flat vector."""
+        placed = []
+        for name, param in self._named_parameters():
+            offset, shape = self.offsets[name]
+            placed.append((offset, shape.numel(), param))
+        return sorted(placed, key=lambda entry: entry[0])
+
+    def _buckets(self) -> list[tuple[int, int]]:
+        size = self.layout.bucket_elements
+        return [(start, min(start + size, self.num_elements)) for start in range(0, self.num_elements, size)]
+
     @torch.no_grad()
     def read_params(self) -> Tensor | None:
-        """The node's flat fp32 parameter vector (N,) on rank 0 (None elsewhere).
+        """The node's flat fp32 parameter vector (N,) on rank 0's host (None elsewhere).
 
-        Sharded parameters are all-gathered within their tp / dp group; then the ranks at dp = tp = 0 of each
-        stage write their stage's parameters at their offsets into a zero vector, and a sum-reduce to rank 0
-        assembles the whole (each element is written by exactly one rank, so the sum is exact).
+        Bucket by bucket of ``bucket_elements`` numbers, so no device holds more than a bucket and one
+        parameter beyond its own: each parameter is all-gathered within its tp / dp group when the walk
+        reaches it (a collective: the ranks of a stage hold the same list), the ranks at dp = tp = 0 of each
+        stage write their parameters' numbers into a zero bucket, and a sum-reduce to rank 0 assembles it
+        (each number is written by exactly one rank, so the sum is exact).
         """
-        flat = torch.zeros(self.num_elements, dtype=torch.float32, device=self.device)
+        flat = torch.empty(self.num_elements, dtype=torch.float32) if dist.get_rank() == 0 else None
         writes = self.dp_index == 0 and self.tp_index == 0
-        for name, param in self._named_parameters():
-            full = full_tensor(param.detach())  # a collective for a DTensor: every rank of its mesh calls it
-            if writes:
-                offset, shape = self.offsets[name]
-                flat[offset : offset + shape.numel()].copy_(full.reshape(-1))
-        work = dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
-        return flat.cpu() if dist.get_rank() == 0 else None
+        placed = self._placed_parameters()
+        current: tuple[int, Tensor] | None = None  # (index in placed, its full flat values)
+        next_index = 0
+        for start, end in self._buckets():
+            bucket = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+            index = next_index
+            while index < len(placed) and placed[index][0] < end:
+                offset, numel, param = placed[index]
+                if current is None or current[0] != index:
+                    current = (index, full_tensor(param.detach()).reshape(-1))  # a collective for a DTensor
+                low, high = max(offset, start), min(offset + numel, end)
+                if writes:
+                    bucket[low - start : high - start].copy_(current[1][low - offset : high - offset])
+                if offset + numel <= end:
+                    next_index, current = index + 1, None  # done with it
+                index += 1
+            work = dist.reduce(bucket, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+            assert work is not None
+            work.wait(self.timeout)
+            if flat is not None:
+                flat[start:end].copy_(bucket)
+        return flat
 
     @torch.no_grad()
     def write_params(self, flat: Tensor | None) -> None:
-        """Set every rank's parameters from rank 0's flat vector (N,) (a broadcast; others pass None)."""
+        """Set every rank's parameters from rank 0's flat vector (N,) (broadcast by buckets; others pass None).
+
+        A parameter is staged in full on the device until its last bucket has arrived, then each rank cuts
+        its own shard from it (``distribute_tensor`` without communication) or copies it whole.
+        """
         if dist.get_rank() == 0:
             assert flat is not None and flat.numel() == self.num_elements, "rank 0 passes the node's vector"
-            buffer = flat.detach().to(self.device, torch.float32).contiguous()
-        else:
-            buffer = torch.empty(self.num_elements, dtype=torch.float32, device=self.device)
-        work = dist.broadcast(buffer, src=0, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
-        for name, param in self._named_parameters():
-            offset, shape = self.offsets[name]
-            full = buffer[offset : offset + shape.numel()].view(shape)
-            if isinstance(param, DTensor):
-                # Each rank cuts its own shard from the full tensor it already has: no communication.
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
+        placed = self._placed_parameters()
+        staged: Tensor | None = None  # the full values of the parameter being assembled
+        index = 0
+        for start, end in self._buckets():
+            if flat is not None:
+                bucket = flat[start:end].detach().to(self.device, torch.float32).contiguous()
             else:
-                param.copy_(full)
+                bucket = torch.empty(end - start, dtype=torch.float32, device=self.device)
+            work = dist.broadcast(bucket, src=0, async_op=True)
+            assert work is not None
+            work.wait(self.timeout)
+            while index < len(placed) and placed[index][0] < end:
+                offset, numel, param = placed[index]
+                if staged is None:
+                    staged = torch.empty(numel, dtype=torch.float32, device=self.device)
+                low, high = max(offset, start), min(offset + numel, end)
+                staged[low - offset : high - offset].copy_(bucket[low - start : high - start])
+                if offset + numel > end:
+                    break  # continues in the next bucket
+                self._set_parameter(param, staged.view(param.shape))
+                staged, index = None, index + 1
+
+    @staticmethod
+    def _set_parameter(param: nn.Parameter, full: Tensor) -> None:
+        if isinstance(param, DTensor):
+            # Each rank cuts its own shard from the full tensor it already has: no communication.
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)
 
     # --- the inner optimizer's state, for checkpoints ---
     def _local_optimizer(self) -> torch.optim.Optimizer:

@@ -103,6 +103,7 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         pp_schedule=config.pp_schedule,
         num_microbatches=num_microbatches if pp > 1 else 1,
         virtual_stages=virtual_stages,
+        bucket_elements=max(1, int(config.local_bucket_mb * 2**20) // 4),  # fp32 numbers
         precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         grad_accumulation=config.grad_accumulation,

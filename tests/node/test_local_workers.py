@@ -51,8 +51,20 @@ LAYOUTS = {
         "2",
     ],
     "dp2-zero1": ["--local-workers", "2", "--dp", "2", "--zero", "1"],
-    "dp2-zero3": ["--local-workers", "2", "--dp", "2", "--zero", "3"],
-    "tp2-pp2": ["--local-workers", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+    "dp2-zero3": ["--local-workers", "2", "--dp", "2", "--zero", "3", "--local-bucket-mb", "0.3"],
+    # 0.1 MB pieces: the 3.7 MB vector crosses the ranks in 37 buckets, parameters spanning several.
+    "tp2-pp2": [
+        "--local-workers",
+        "4",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--local-bucket-mb",
+        "0.1",
+    ],
     "dp2-tp2": ["--local-workers", "4", "--dp", "2", "--tp", "2"],
     "dp2-tp2-zero3": ["--local-workers", "4", "--dp", "2", "--tp", "2", "--zero", "3"],
     # No layout flag: the planner's choice for 2 workers.
