@@ -94,3 +94,15 @@ def test_a_dead_local_worker_stops_the_node_with_a_clear_error(tmp_path):
         assert time.monotonic() - started < 60
         assert "local worker rank 1 exited with code -9" in node.log(), tail(node)
         wait_for(lambda: not any(alive(pid) for pid in children), 15, "the node's processes to go", node)
+
+
+@pytest.mark.timeout(180)
+def test_a_sigkilled_daemon_takes_its_local_workers_with_it(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        node = cluster.start(["--no-swarm", "--inner-steps", "1000", "--log-every", "1", *TENSOR_PARALLEL])
+        wait_for(lambda: len(node.records("step")) >= 3, 120, "three inner steps", node)
+        workers = worker_pids(node.process.pid)
+        assert len(workers) == 1, workers
+        os.kill(node.process.pid, signal.SIGKILL)  # the daemon alone, not its process group
+        node.wait(10)
+        wait_for(lambda: not alive(workers[0]), 10, "the orphaned local worker to exit")
