@@ -98,7 +98,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
 
     # The inner AdamW state is the node's own (kept by adopt); hand over the source's to compare
     # trajectories. Everything else the next round depends on came with the snapshot.
-    joiner.optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))
+    joiner.replica.load_optimizer_state(copy.deepcopy(source.replica.optimizer_state()))
     source_steps = [source.inner_step() for _ in range(2)]
     joiner_steps = [joiner.inner_step() for _ in range(2)]
     assert [s["loss"] for s in joiner_steps] == [s["loss"] for s in source_steps]
