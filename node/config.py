@@ -128,6 +128,10 @@ class NodeConfig:
     precision: str = field(
         default="fp32", metadata=_help("fp32, or bf16 (autocast of the forward pass; fp32 weights).")
     )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=_help("With --tp > 1: run norms and residuals on seq_len / tp positions per rank."),
+    )
     activation_checkpointing: bool = field(
         default=False, metadata=_help("Recompute each block's activations in the backward pass.")
     )

@@ -329,7 +329,7 @@ class GPT(nn.Module):
             h = self.tok_embeddings(tokens)  # (B, T) -> (B, T, C)
         else:
             h = tokens  # a later pipeline stage: already hidden states (B, T, C)
-        seq_len = h.shape[1]
+        seq_len = tokens.shape[1]  # T of the input, also when a sequence-parallel embedding shards h
         if seq_len > self.rope_cos.shape[0]:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's seq_len {self.rope_cos.shape[0]}"

@@ -64,6 +64,7 @@ class LocalLayout:
     pp_schedule: str = "1f1b"  # gpipe or 1f1b
     num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
     virtual_stages: int = 1  # pipeline stages per rank (> 1 with the interleaved schedule)
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals on T / tp positions per rank
     bucket_elements: int = 16 * 2**20  # the flat vector moves between ranks in pieces of this many numbers
     precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
     activation_checkpointing: bool = False
@@ -152,7 +153,9 @@ class RankEngine:
             stage_model.to(self.device)
             stage_model.train()
             if layout.tp > 1:
-                apply_tensor_parallel(stage_model, self.mesh["tp"])
+                apply_tensor_parallel(
+                    stage_model, self.mesh["tp"], sequence_parallel=layout.sequence_parallel
+                )
             if layout.activation_checkpointing:
                 checkpoint_blocks(stage_model)
             autocast_forward(stage_model, layout.precision)

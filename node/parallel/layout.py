@@ -80,6 +80,12 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         )
     if pp > 1 and config.pp_schedule == "1f1b" and num_microbatches < pp:
         raise ConfigError(f"1F1B needs --microbatches >= pp ({pp}), got {num_microbatches}")
+    if config.sequence_parallel and (tp == 1 or pp > 1):
+        raise ConfigError("--sequence-parallel needs --tp > 1 and no pipeline stages (--pp 1)")
+    if config.sequence_parallel and model_config.seq_len % tp != 0:
+        raise ConfigError(
+            f"--sequence-parallel needs seq_len ({model_config.seq_len}) divisible by tp ({tp})"
+        )
     interleaved = pp > 1 and config.pp_schedule == "interleaved"
     virtual_stages = config.pp_virtual_stages if interleaved else 1
     if interleaved and pp * virtual_stages > model_config.num_layers:
@@ -103,6 +109,7 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         pp_schedule=config.pp_schedule,
         num_microbatches=num_microbatches if pp > 1 else 1,
         virtual_stages=virtual_stages,
+        sequence_parallel=config.sequence_parallel,
         bucket_elements=max(1, int(config.local_bucket_mb * 2**20) // 4),  # fp32 numbers
         precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,

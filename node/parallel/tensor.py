@@ -45,11 +45,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -88,6 +90,39 @@ def _block_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
+    """The Megatron plan with sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", section 4.2.2): between the two matmul pairs the residual
+    stream and the RMSNorms run on ``T / tp`` positions per rank (``Shard(1)``); each pair all-gathers the
+    sequence before its column-parallel matmuls and reduce-scatters after its row-parallel one, the same
+    bytes as the all-reduce it replaces, with activations of norms and residuals cut by ``tp``."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _sequence_parallel_ends_plan() -> dict[str, ParallelStyle]:
+    """Embedding rows split by vocabulary with its output sharded on the sequence; the final norm on the
+    shards; the output head column-parallel from the sharded sequence to replicated logits."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
 def validate_tensor_parallel_size(model: GPT, num_ranks: int) -> None:
     """Raise ``ValueError`` unless heads, kv heads and the MLP hidden width split evenly ``num_ranks`` ways."""
     config = model.config
@@ -105,7 +140,7 @@ def validate_tensor_parallel_size(model: GPT, num_ranks: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
+def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT:
     """Shard every ``TransformerBlock`` of ``model`` in place over the 1-D ``mesh``; returns ``model``.
 
     Every rank must call this with the same, identically initialised model (same seed): each rank keeps
@@ -118,8 +153,17 @@ def apply_tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
     validate_tensor_parallel_size(model, mesh.size())
     if mesh.size() == 1:
         return model  # nothing to split; keep plain tensors so single-rank runs are untouched
+    if sequence_parallel:
+        if model.tok_embeddings is None or model.output is None or model.config.tie_embeddings:
+            raise ValueError(
+                "sequence parallelism needs the whole model (no pipeline stages, untied embeddings)"
+            )
+        if model.config.seq_len % mesh.size() != 0:
+            raise ValueError(f"sequence parallelism needs seq_len divisible by tp={mesh.size()}")
+        parallelize_module(model, mesh, _sequence_parallel_ends_plan())
+    plan = _sequence_parallel_block_plan() if sequence_parallel else _block_plan()
     for block in model.layers.values():
-        parallelize_module(block, mesh, _block_plan())
+        parallelize_module(block, mesh, plan)
     return model
 
 

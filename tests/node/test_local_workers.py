@@ -66,6 +66,7 @@ LAYOUTS = {
         "0.1",
     ],
     "dp2-tp2": ["--local-workers", "4", "--dp", "2", "--tp", "2"],
+    "tp2-sequence-parallel": ["--local-workers", "2", "--tp", "2", "--sequence-parallel"],
     "dp2-tp2-zero3": ["--local-workers", "4", "--dp", "2", "--tp", "2", "--zero", "3"],
     # No layout flag: the planner's choice for 2 workers.
     "planner": ["--local-workers", "2"],
