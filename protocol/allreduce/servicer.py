@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf import message as protobuf_message
 from google.protobuf.message import Message as ProtoMessage
 
 from protocol.allreduce.config import AllReduceConfig
@@ -27,6 +25,7 @@ from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
+from protocol.lenient import Malformed, lenient
 
 logger = logging.getLogger(__name__)
 
@@ -51,43 +50,23 @@ def _detached(error: ProtocolError) -> ProtocolError:
     return error
 
 
-@dataclass(frozen=True)
-class MalformedMessage:
-    """Bytes that did not parse as the expected message (we answer INVALID_ARGUMENT ourselves)."""
-
-    error: str
-
-
-def _lenient(message_type: type[protobuf_message.Message]) -> Callable[[bytes], object]:
-    """A deserializer that returns MalformedMessage instead of raising, so the servicer can refuse the
-    request with INVALID_ARGUMENT and one log line (gRPC would answer UNKNOWN and log a traceback)."""
-
-    def deserialize(data: bytes) -> object:
-        try:
-            return message_type.FromString(data)
-        except protobuf_message.DecodeError as error:
-            return MalformedMessage(str(error))
-
-    return deserialize
-
-
 def add_servicer_to_server(servicer: AllReduceServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated helper, but with lenient request deserializers."""
     service = pb.DESCRIPTOR.services_by_name["AllReduce"]
     handlers = {
         "PushContribution": grpc.stream_stream_rpc_method_handler(
             servicer.PushContribution,
-            request_deserializer=_lenient(pb.ContributionMessage),
+            request_deserializer=lenient(pb.ContributionMessage),
             response_serializer=pb.ContributionReply.SerializeToString,
         ),
         "PushReplica": grpc.stream_stream_rpc_method_handler(
             servicer.PushReplica,
-            request_deserializer=_lenient(pb.ReplicaMessage),
+            request_deserializer=lenient(pb.ReplicaMessage),
             response_serializer=pb.ReplicaReply.SerializeToString,
         ),
         "PullAverage": grpc.unary_stream_rpc_method_handler(
             servicer.PullAverage,
-            request_deserializer=_lenient(pb.PullAverageRequest),
+            request_deserializer=lenient(pb.PullAverageRequest),
             response_serializer=pb.AverageMessage.SerializeToString,
         ),
     }
@@ -138,8 +117,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             raise ProtocolError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no message for {stall:.1f}s") from error
         if message is grpc.aio.EOF:
             return None
-        if isinstance(message, MalformedMessage):
-            raise invalid(f"malformed message: {message.error}")
+        if isinstance(message, Malformed):
+            raise invalid(message.error)
         assert isinstance(message, message_type)
         return message
 
@@ -346,8 +325,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
     ) -> ProtocolError | None:
         """Stream a part's average to a member; return why we refused, or None."""
         try:
-            if isinstance(request, MalformedMessage):
-                raise invalid(f"malformed message: {request.error}")
+            if isinstance(request, Malformed):
+                raise invalid(request.error)
             state, requester = await self._heartbeating(
                 context,
                 self._resolve(request.round, request.part_index, context),

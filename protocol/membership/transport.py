@@ -30,15 +30,15 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Final, NamedTuple, NoReturn
+from typing import Final, NoReturn
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
 
 from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.gen.dtnode.v1 import membership_pb2 as pb
 from protocol.gen.dtnode.v1 import membership_pb2_grpc as pb_grpc
+from protocol.lenient import Malformed, lenient
 from protocol.membership.messages import Message
 from protocol.membership.records import MAX_PEER_ID_CHARS, MAX_PROTOCOL_VERSION, check_int, check_peer_id
 from protocol.membership.wire import from_envelope, to_envelope
@@ -102,9 +102,9 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         raise AssertionError("context.abort returned")
 
     async def Deliver(
-        self, request: pb.MembershipEnvelope | MalformedEnvelope, context: grpc.aio.ServicerContext
+        self, request: pb.MembershipEnvelope | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.DeliverReply:
-        if isinstance(request, MalformedEnvelope):
+        if isinstance(request, Malformed):
             await self._refuse(
                 context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING
             )
@@ -139,21 +139,6 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         return pb.DeliverReply()
 
 
-class MalformedEnvelope(NamedTuple):
-    """Bytes that did not parse as an envelope; ``Deliver`` refuses them with INVALID_ARGUMENT."""
-
-    error: str
-
-
-def _parse_envelope(data: bytes) -> pb.MembershipEnvelope | MalformedEnvelope:
-    """The generated deserializer raises on bad bytes, and gRPC then answers UNKNOWN and logs a
-    traceback: a peer's garbage would look like our bug. Found by ``scripts/fuzz_rpcs.py``."""
-    try:
-        return pb.MembershipEnvelope.FromString(data)
-    except DecodeError as error:
-        return MalformedEnvelope(f"malformed envelope: {error}")
-
-
 def add_membership_to_server(server: grpc.aio.Server, servicer: MembershipServicer) -> None:
     """Serve ``servicer`` on ``server`` (call before ``server.start()``), like the generated helper but
     with a deserializer that turns bytes that do not parse into an INVALID_ARGUMENT refusal.
@@ -163,7 +148,7 @@ def add_membership_to_server(server: grpc.aio.Server, servicer: MembershipServic
     """
     deliver = grpc.unary_unary_rpc_method_handler(
         servicer.Deliver,
-        request_deserializer=_parse_envelope,
+        request_deserializer=lenient(pb.MembershipEnvelope),
         response_serializer=pb.DeliverReply.SerializeToString,
     )
     server.add_generic_rpc_handlers(
