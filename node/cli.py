@@ -134,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--name", default=None, help="run name, for the default run dir runs/<name>")
     status.add_argument("--run-dir", dest="run_dir", default=None, help="run dir (None: as join resolves it)")
     status.add_argument("--config", dest="config_file", default=None, help="TOML file the node started with")
+    status.add_argument(
+        "--swarm-key-file",
+        default=None,
+        help="the swarm key file (needed to reach a node started with --tls)",
+    )
+    status.add_argument(
+        "--tls",
+        action="store_const",
+        const=True,
+        default=None,
+        help="the node speaks mutual TLS (with the key)",
+    )
     report = commands.add_parser(
         "report",
         help="plot runs' loss, bytes, peers and utilization; write report.md",
@@ -295,12 +307,27 @@ def run_status(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print("dtnode: error: --timeout must be positive", file=sys.stderr)
         return EXIT_USAGE
-    run_dir = Path(".")
-    if args.address is None:
-        flags = {key: getattr(args, key) for key in ("name", "run_dir") if getattr(args, key) is not None}
-        run_dir = load_config(config_file=args.config_file, flags=flags).resolved_run_dir
+    from protocol.auth.channels import SwarmAuth
+    from protocol.auth.key import SwarmKey
+
+    keys = ("name", "run_dir", "swarm_key_file", "tls")
+    flags = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    config = load_config(config_file=args.config_file, flags=flags)
+    auth = None
+    if config.swarm_key_file:  # a --tls node answers only over TLS with the swarm's certificates
+        try:
+            auth = SwarmAuth(SwarmKey.from_file(Path(config.swarm_key_file)), tls=config.tls)
+        except ValueError as error:  # SwarmKeyError: missing, open or weak key file
+            print(f"dtnode: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
     timeout = timedelta(seconds=args.timeout)
-    return print_status(address=args.address, run_dir=run_dir, as_json=args.as_json, timeout=timeout)
+    return print_status(
+        address=args.address,
+        run_dir=config.resolved_run_dir,
+        as_json=args.as_json,
+        timeout=timeout,
+        auth=auth,
+    )
 
 
 def run_swarm(args: argparse.Namespace) -> int:

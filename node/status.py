@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from protocol.auth.channels import SwarmAuth
 from protocol.swarm.status import NodeStatus, StatusUnavailable, get_status
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
@@ -142,7 +143,9 @@ def print_rich(status: NodeStatus, stream: TextIO) -> None:
     console.print(table)
 
 
-def run_status(*, address: str | None, run_dir: Path, as_json: bool, timeout: timedelta) -> int:
+def run_status(
+    *, address: str | None, run_dir: Path, as_json: bool, timeout: timedelta, auth: SwarmAuth | None = None
+) -> int:
     """Ask the node for its status and print it; returns the exit code (messages go to stderr)."""
     try:
         address = check_address(address) if address else address_from_run_dir(run_dir)
@@ -150,7 +153,7 @@ def run_status(*, address: str | None, run_dir: Path, as_json: bool, timeout: ti
         print(f"dtnode: error: {error}", file=sys.stderr)
         return 2
     try:
-        status = get_status(address, timeout=timeout)
+        status = get_status(address, timeout=timeout, auth=auth)
     except StatusUnavailable as error:
         print(
             f"dtnode: error: the node at {address} did not answer within {timeout.total_seconds():g} s "

@@ -32,6 +32,8 @@ from typing import Final
 import grpc
 import grpc.aio
 
+from protocol.auth.channels import SwarmAuth
+from protocol.auth.tls import SERVER_NAME, channel_credentials
 from protocol.gen.dtnode.v1 import status_pb2 as pb
 from protocol.gen.dtnode.v1 import status_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
@@ -323,15 +325,26 @@ class StatusUnavailable(Exception):
         self.address, self.code, self.details = address, code, details
 
 
-def get_status(address: str, *, timeout: timedelta) -> NodeStatus:
+def get_status(address: str, *, timeout: timedelta, auth: SwarmAuth | None = None) -> NodeStatus:
     """Ask the node at ``address`` (``host:port``) for its status; blocks for at most ``timeout``.
 
+    ``auth`` with ``tls`` speaks mutual TLS with the swarm's certificates, as a ``--tls`` node needs.
     Raises :class:`StatusUnavailable` if it cannot be reached, refuses, or does not answer in time
     (a refused connection fails at once rather than waiting out the deadline), and ``ValueError``
     if the answer is not one this code understands.
     """
-    options = [("grpc.max_receive_message_length", MAX_REPLY_BYTES), ("grpc.enable_retries", 0)]
-    with grpc.insecure_channel(address, options=options) as channel:
+    options: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+        ("grpc.enable_retries", 0),
+    ]
+    if auth is not None and auth.tls:
+        # A --tls node only speaks TLS and wants a client certificate from the swarm's CA (the status RPC
+        # itself needs no call token); its certificate names the swarm, not its address.
+        options.append(("grpc.ssl_target_name_override", SERVER_NAME))
+        channel = grpc.secure_channel(address, channel_credentials(auth.identity), options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    with channel:
         try:
             reply = pb_grpc.StatusStub(channel).GetStatus(
                 pb.GetStatusRequest(), timeout=timeout.total_seconds()

@@ -6,6 +6,8 @@ the key appears in none of their logs and run-dir files.
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,31 @@ def test_closed_tls_swarm_runs_a_round_and_keeps_the_key_secret(
     for path in files:
         content = path.read_bytes()
         assert secret.encode() not in content and bytes.fromhex(secret) not in content, path
+
+
+@pytest.mark.timeout(180)
+def test_status_reaches_a_tls_node_only_with_the_key(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tests.node.swarm_cluster import wait_for
+    from tests.node.test_status_cli import dtnode_status
+
+    key_path = tmp_path_factory.mktemp("key") / "swarm.key"
+    SwarmKey.generate().write(key_path)
+    other_key = tmp_path_factory.mktemp("other") / "other.key"
+    SwarmKey.generate().write(other_key)
+    with Cluster(tmp_path) as cluster:
+        node = cluster.start(["--swarm-key-file", str(key_path), "--tls", "--inner-steps", "1000"])
+        wait_for(lambda: (node.run_dir / "node.json").exists(), 60, "node.json", node)
+        address = node.identity()["grpc_address"]
+        wait_for(lambda: dtnode_status(address, "--timeout", "2", "--swarm-key-file", str(key_path), "--tls").returncode == 0, 60, "a status answer", node)  # fmt: skip
+        result = dtnode_status(address, "--json", "--swarm-key-file", str(key_path), "--tls")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["peer_id"] == node.identity()["peer_id"]
+        # Plaintext, or TLS with another swarm's certificate: refused, within the timeout.
+        for extra in ([], ["--swarm-key-file", str(other_key), "--tls"]):
+            started = time.monotonic()
+            refused = dtnode_status(address, "--timeout", "3", *extra)
+            assert refused.returncode == 1, refused.stdout + refused.stderr
+            assert "did not answer" in refused.stderr
+            assert time.monotonic() - started < 30
