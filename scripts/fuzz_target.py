@@ -1,0 +1,198 @@
+"""The target of ``scripts/fuzz_rpcs.py``: a live node in its own process, and the campaign's handle on it.
+
+``python scripts/fuzz_target.py`` runs the node (a real ``SwarmNode``: DHT peer, one gRPC server with the
+all-reduce, state sync, membership and health services, the round driver), prints its address as a JSON
+line, then obeys ``publish`` / ``round`` / ``quit`` commands read as JSON lines on stdin. ``Target`` starts
+it and talks to it with a deadline on every reply. The shared round helpers (the swarm config, the
+deterministic vectors, the lineage hashes) live here too, so both processes use the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.allreduce.config import AllReduceConfig
+from protocol.discovery.dht_node import DhtConfig
+from protocol.membership.config import RoundConfig
+from protocol.statesync.config import StateSyncConfig
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.node import RoundResult, SwarmNode
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_ELEMENTS = 10_007
+"""Length of the averaged vector (odd, so the two parts differ in size)."""
+SNAPSHOT_TENSOR = "params"
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""The target's gRPC message limit (all-reduce and state sync both set it; membership needs 4 MiB)."""
+NUM_TOKENS = {"target": 1000, "partner": 3000}
+SEEDS = {"target": 11, "partner": 22}
+FAILING_CODES = frozenset({"UNKNOWN", "INTERNAL"})
+"""Statuses that mean an exception escaped a servicer (or broke the transport)."""
+
+
+def swarm_config(initial_peers: tuple[str, ...]) -> SwarmConfig:
+    """A loopback node with exact averaging, short waits (fuzzed calls end fast) and 4 MiB messages."""
+    return SwarmConfig(
+        run_name="fuzz-rpcs",
+        listen="127.0.0.1:0",
+        dht=DhtConfig(listen="127.0.0.1:0", initial_peers=initial_peers),
+        rounds=RoundConfig(
+            min_peers=2,
+            join_window=timedelta(seconds=1),
+            max_wait=timedelta(seconds=30),
+            proposal_timeout=timedelta(seconds=2),
+            begin_timeout=timedelta(seconds=4),
+        ),
+        allreduce=AllReduceConfig(
+            chunk_num_elements=4096,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            stall_timeout=timedelta(seconds=2),
+            heartbeat_interval=timedelta(milliseconds=400),
+            max_early_wait=timedelta(milliseconds=300),
+            linger=timedelta(minutes=30),  # round 1 stays servable for the whole campaign
+        ),
+        statesync=StateSyncConfig(
+            max_chunk_bytes=256 * 1024, max_range_bytes=1 << 20, max_message_bytes=MAX_MESSAGE_BYTES
+        ),
+        codec="none",
+        round_deadline=timedelta(seconds=20),
+        heartbeat=timedelta(seconds=0.5),
+        record_ttl=timedelta(seconds=8),
+        dht_call_timeout=timedelta(seconds=2),
+        view_refresh=timedelta(seconds=0.25),
+    )
+
+
+def lineage_hash(round: int) -> str:
+    """The param_hash both nodes publish before round ``round + 1`` (any agreed SHA-256 will do)."""
+    return hashlib.sha256(f"fuzz-lineage-{round}".encode()).hexdigest()
+
+
+def round_vector(who: str, round: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SEEDS[who] * 1000 + round)
+    return torch.randn(NUM_ELEMENTS, generator=generator)  # (E,)
+
+
+def run_round(node: SwarmNode, who: str, round: int) -> RoundResult:
+    """Round ``round`` from lineage ``(round - 1, lineage_hash(round - 1))``."""
+    return node.run_round(
+        round_vector(who, round),
+        round=round - 1,
+        param_hash=lineage_hash(round - 1),
+        num_tokens=NUM_TOKENS[who],
+        tokens_per_s=1000.0,
+        error_feedback=None,
+    )
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+# --- the target: a live node in its own process, driven by JSON lines on stdin -----------------------
+
+
+def serve() -> int:
+    """Run the target node: print its address, then obey ``round`` / ``publish`` / ``quit`` commands."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    node = SwarmNode(swarm_config(()))
+    params = torch.arange(64 * 1024, dtype=torch.float32)  # (N,) 256 KiB: FetchRange has bytes to serve
+    snapshot = Snapshot(
+        round_id=0,
+        state_id=lineage_hash(0),
+        tensors={SNAPSHOT_TENSOR: params},
+        metadata=b"{}",
+        block_bytes=4096,
+    )
+    node.publish(round=0, param_hash=lineage_hash(0), tokens_per_s=1000.0, snapshot=snapshot)
+    ready = {"address": node.server.address, "multiaddrs": node.multiaddrs(), "peer_id": node.peer_id}
+    print(json.dumps(ready), flush=True)
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["op"] == "publish":
+                round = int(command["round"])
+                node.publish(round=round, param_hash=lineage_hash(round), tokens_per_s=1000.0, snapshot=None)
+                print(json.dumps({"published": round}), flush=True)
+            elif command["op"] == "round":
+                result = run_round(node, "target", int(command["round"]))
+                reply: dict[str, Any] = {"kind": result.kind, "reason": result.reason}
+                if result.allreduce is not None:
+                    reply["sha256"] = tensor_sha256(result.allreduce.averaged)
+                    reply["fell_back"] = result.allreduce.fell_back
+                print(json.dumps(reply), flush=True)
+            else:
+                break
+    finally:
+        node.leave()
+        node.close()
+    return 0
+
+
+class Target:
+    """The target process: started with ``--serve``, its stderr (the node's log) kept in a file."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+        )  # fmt: skip
+        self.ready = self.reply(timedelta(seconds=60))
+        self.address: str = self.ready["address"]
+
+    def reply(self, timeout: timedelta) -> dict[str, Any]:
+        """The next JSON line of the target (a reader thread, so the wait has a deadline)."""
+        assert self.process.stdout is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(self.process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout.total_seconds())
+        if not lines or not lines[0]:
+            raise RuntimeError(f"the target did not answer in {timeout}:\n{self.log_tail()}")
+        return json.loads(lines[0])
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def num_tracebacks(self) -> int:
+        return self.log_path.read_text(errors="replace").count("Traceback")
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                self.send({"op": "quit"})
+                self.process.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+
+# --- generation: hypothesis strategies on the message descriptors -------------------------------------
+
+
+if __name__ == "__main__":
+    sys.exit(serve())
