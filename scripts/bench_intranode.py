@@ -48,6 +48,8 @@ all-reduces per block and FSDP's all-gathers are far costlier relative to comput
 the nano model's micro-batches are so small that fixed per-message and per-op overheads dominate. The
 reference uses ``--reference-threads`` (default 2) so that every layout has the whole machine.
 
+``--join``: every layout also as users run it, ``dtnode join --local-workers K`` (``intranode_join.py``).
+
 Output: one JSON object per layout, then a summary object, then one line. Exit 0 when every layout ran and
 ZeRO-1 / FSDP each hold at most ``--max-shard-ratio`` of the unsharded optimizer state per rank, else 1.
 """
@@ -83,6 +85,12 @@ from node.parallel.zero import (
     optimizer_state_bytes,
 )
 from node.replica import build_inner_optimizer
+
+# This file runs as a script, so its directory is not a package: make the sibling module importable
+# also when the file is loaded by path (tests) rather than run.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intranode_join import run_join_layouts  # noqa: E402
 
 LAYOUTS: dict[str, int] = {
     "single": 1,
@@ -392,12 +400,14 @@ def summary_object(records: Sequence[Mapping[str, Any]], max_shard_ratio: float)
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
+    joined = summary.get("join_tokens_per_second", {})
+    via_join = ("; via dtnode join: " + ", ".join(f"{k} {v}" for k, v in joined.items())) if joined else ""
     parts = [
         f"{layout} {summary['tokens_per_second'].get(layout, 'FAILED')} tok/s"
         + (f" state x{summary['max_state_ratio'][layout]}" if layout in summary["max_state_ratio"] else "")
         for layout in summary["layouts"]
     ]
-    return ("OK" if summary["ok"] else "FAIL") + ": " + "; ".join(parts)
+    return ("OK" if summary["ok"] else "FAIL") + ": " + "; ".join(parts) + via_join
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -425,6 +435,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-shard-ratio", type=float, default=0.6, help="ZeRO/FSDP per-rank state bound")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one layout may take")
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="also time the layouts through `dtnode join` (scripts/intranode_join.py)",
+    )
+    parser.add_argument("--join-steps", type=int, default=20, help="inner steps of each `dtnode join` run")
     return parser.parse_args(argv)
 
 
@@ -459,9 +475,16 @@ def main(argv: list[str] | None = None) -> int:
                 reference_state_bytes = int(ranks[0]["optimizer_state_bytes"])
             records.append(layout_record(layout, settings, ranks, reference_state_bytes))
         print(json.dumps(records[-1]), flush=True)
+    settings_of_join = {"model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size}
+    joined = run_join_layouts(**settings_of_join, num_steps=args.join_steps, num_warmup_steps=args.warmup_steps, num_microbatches=args.microbatches, timeout_seconds=args.timeout) if args.join else []  # fmt: skip
     summary = summary_object(records, args.max_shard_ratio) | {
         "wall_seconds": round(time.monotonic() - started, 1)
     }
+    if args.join:
+        summary["join_tokens_per_second"] = {
+            record["layout"]: record.get("tokens_per_second", "FAILED") for record in joined
+        }
+        summary["ok"] = summary["ok"] and not any("error" in record for record in joined)
     print(json.dumps(summary), flush=True)
     print(summary_line(summary), flush=True)
     return 0 if summary["ok"] else 1

@@ -97,3 +97,16 @@ def test_tiny_run_shards_the_optimizer_state_and_measures_the_bubble() -> None:
     assert bubble["measured_bubble"] < 1.0 and bubble["step_seconds"] > 0
     assert records[-1]["ok"] is True
     assert lines[-1].startswith("OK:")
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_timed_through_dtnode_join(tmp_path) -> None:
+    """One real `dtnode join --local-workers 2 --tp 2` run, read back from its own records."""
+    join = load_script("intranode_join")
+    record = join.measure_join_layout(
+        "tp2", tmp_path, model="nano", seq_len=16, batch_size=4, num_steps=4, num_warmup_steps=1,
+        num_microbatches=2, timeout_seconds=100,
+    )  # fmt: skip
+    assert "error" not in record, record
+    assert record["local_workers"] == 2 and record["tokens_per_second"] > 0
+    assert record["outer_round_seconds"] is not None and record["outer_round_seconds"] >= 0

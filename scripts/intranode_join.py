@@ -1,0 +1,120 @@
+"""The layouts as users run them: ``dtnode join --no-swarm --local-workers K ...``, timed from its own records.
+
+Part of ``scripts/bench_intranode.py`` (``--join``). Each layout is one real node process (the daemon is
+rank 0 and drives K - 1 spawned workers, ``node/parallel/local.py``) training ``--join-steps`` inner steps of
+one outer round. What is read back from its ``metrics.jsonl``:
+
+    tokens_per_second: the median over the step records after ``--warmup-steps`` of the node's own
+        ``tokens_per_s`` (its whole batch over the step's wall time, as the daemon sees it: command
+        broadcast, every rank's forward/backward, the dp / tp / pipeline communication, AdamW);
+    outer_round_seconds: wall time of the round's end on the daemon as its records show it (the time
+        between the last step record and the round record: assembling the flat vector from the ranks,
+        the outer step, setting it back on every rank, and the held-out eval).
+    wall_seconds: the whole process, start-up (spawning and building every rank) included.
+
+On 2 CPU cores more processes do not make a step faster: the numbers are the overhead of each layout's
+plumbing over one process, not the speed-up it gives on a GPU node.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (local workers, join flags)
+JOIN_LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "single": (1, []),
+    "tp2": (2, ["--tp", "2"]),
+    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
+    "pp2-gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe"]),
+    "pp2-1f1b": (2, ["--pp", "2", "--pp-schedule", "1f1b"]),
+    "pp2-interleaved": (2, ["--pp", "2", "--pp-schedule", "interleaved"]),
+    "dp2-zero1": (2, ["--dp", "2", "--zero", "1"]),
+    "dp2-zero3": (2, ["--dp", "2", "--zero", "3"]),
+    "tp2-pp2": (4, ["--tp", "2", "--pp", "2"]),
+    "dp2-tp2": (4, ["--dp", "2", "--tp", "2"]),
+}
+
+
+def join_argv(
+    layout: str,
+    run_dir: Path,
+    *,
+    model: str,
+    seq_len: int,
+    batch_size: int,
+    num_steps: int,
+    num_microbatches: int,
+) -> list[str]:
+    num_workers, flags = JOIN_LAYOUTS[layout]
+    argv = [
+        sys.executable, "-m", "node.cli", "join", "--no-swarm", "--run-dir", str(run_dir), "--model", model,
+        "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--inner-steps", str(num_steps),
+        "--max-rounds", "1", "--eval-batches", "1", "--threads", "1", "--checkpoint-every", "0",
+        "--log-every", "1000",
+    ]  # fmt: skip
+    if num_workers > 1:
+        argv += ["--local-workers", str(num_workers), *flags]
+        if "--pp" in flags:
+            argv += ["--microbatches", str(num_microbatches)]
+    return argv
+
+
+def measure_join_layout(
+    layout: str,
+    work_dir: Path,
+    *,
+    model: str,
+    seq_len: int,
+    batch_size: int,
+    num_steps: int,
+    num_warmup_steps: int,
+    num_microbatches: int,
+    timeout_seconds: float,
+) -> dict[str, Any]:
+    """Run one layout through ``dtnode join`` and read its records; ``error`` set if it failed."""
+    run_dir = work_dir / f"join-{layout}"
+    argv = join_argv(
+        layout, run_dir, model=model, seq_len=seq_len, batch_size=batch_size, num_steps=num_steps,
+        num_microbatches=num_microbatches,
+    )  # fmt: skip
+    started = time.monotonic()
+    try:
+        result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        return {"layout": layout, "via": "dtnode join", "error": f"still running after {timeout_seconds:g} s"}
+    wall_seconds = time.monotonic() - started
+    if result.returncode != 0:
+        return {"layout": layout, "via": "dtnode join", "error": result.stderr.strip().splitlines()[-1:]}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in records if record["kind"] == "step"]
+    rounds = [record for record in records if record["kind"] == "round"]
+    timed = [record["tokens_per_s"] for record in steps[num_warmup_steps:]]
+    return {
+        "layout": layout,
+        "via": "dtnode join",
+        "local_workers": JOIN_LAYOUTS[layout][0],
+        "tokens_per_second": round(statistics.median(timed)),
+        "outer_round_seconds": round(rounds[0]["time"] - steps[-1]["time"], 3) if rounds else None,
+        "final_loss": round(steps[-1]["loss"], 4),
+        "wall_seconds": round(wall_seconds, 1),
+    }
+
+
+def run_join_layouts(**settings: Any) -> list[dict[str, Any]]:
+    """Every layout of ``JOIN_LAYOUTS`` (``settings``: ``measure_join_layout``'s); one JSON line each."""
+    records = []
+    with tempfile.TemporaryDirectory(prefix="bench-intranode-join-") as work_dir:
+        for layout in JOIN_LAYOUTS:
+            record = measure_join_layout(layout, Path(work_dir), **settings)
+            print(json.dumps(record), flush=True)
+            records.append(record)
+    return records
