@@ -6,6 +6,10 @@ bandwidth and the age of its last heartbeat. ``ADDR`` is the node's gRPC ``host:
 the address comes from ``RUN_DIR/node.json``, which ``dtnode join`` writes at start (the run dir
 is resolved as ``join`` resolves it: ``--run-dir`` > ``DTNODE_RUN_DIR`` > TOML > ``runs/<name>``).
 
+A node started with ``--tls`` accepts only mutual-TLS connections from holders of the swarm key, so
+``auth`` (from ``--swarm-key-file`` / ``--tls``) brings the certificate; without it the handshake fails
+at once and the error says which flags a TLS node needs.
+
 Exit codes: 0 with the status printed; 1 if the node cannot be reached (or does not answer) within
 ``--timeout``; 2 for a user mistake (no ``node.json`` where the run dir says, a malformed one).
 """
@@ -143,6 +147,14 @@ def print_rich(status: NodeStatus, stream: TextIO) -> None:
     console.print(table)
 
 
+def unreachable_hint(auth: SwarmAuth | None) -> str:
+    """What to check when the node did not answer: a plaintext call to a ``--tls`` node fails like a
+    dead one (the server just closes the connection), so name the flags that reach such a node."""
+    if auth is not None and auth.tls:
+        return "is it running, with --tls and this swarm's key?"
+    return "is it running? (a node started with --tls answers only to --swarm-key-file KEY --tls)"
+
+
 def run_status(
     *, address: str | None, run_dir: Path, as_json: bool, timeout: timedelta, auth: SwarmAuth | None = None
 ) -> int:
@@ -157,7 +169,7 @@ def run_status(
     except StatusUnavailable as error:
         print(
             f"dtnode: error: the node at {address} did not answer within {timeout.total_seconds():g} s "
-            f"({error.code.name}: {error.details}); is it running?",
+            f"({error.code.name}: {error.details}); {unreachable_hint(auth)}",
             file=sys.stderr,
         )
         return EXIT_UNREACHABLE

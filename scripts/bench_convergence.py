@@ -2,9 +2,19 @@
 
 Every variant trains the same GPT preset on the embedded corpus with N workers, each reading its own
 shard (``ShardedBatches(shard_index=i, num_shards=N)``, the same shards in every variant) for the same
-number of inner steps, from the same seeded initialisation, with the node's AdamW (weight decay on
-matrices only) and the same inner LR schedule (linear warmup, cosine decay over the run). So every
-variant sees exactly the same tokens; only how the workers combine what they learned differs.
+number of inner steps, from the same seeded initialisation (or warm start, below), with the node's
+AdamW (weight decay on matrices only) and the same inner LR schedule (linear warmup, cosine decay over
+the run). So every variant sees exactly the same tokens; only how the workers combine what they
+learned differs.
+
+Warm start (``--warm-start-steps W``, used by ``--quick``): as the DiLoCo paper, which starts every
+method from the same pretrained checkpoint (Douillard et al. 2023, section 3), ONE seeded model first
+trains alone for W steps (one worker, batch ``--batch-size``, the node's AdamW, the same linear warmup
+then the constant peak LR, its own data order) and every variant, DDP included, starts from those
+params with a fresh AdamW. The warm-start tokens are the same for every variant and reported apart
+(``warm_start`` in results.json, ``warm_start_tokens`` per variant); ``tokens``, bytes sent, the
+reduction and the eval history count only what comes after it, for DDP and DiLoCo alike (the warm
+start is one worker: it sends nothing).
 
 Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUNNERS`` in
 ``convergence_variants.py``, where the variants are run):
@@ -12,10 +22,11 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
     ddp                 N processes, torch.distributed (gloo, FileStore rendezvous). Every step the
                         gradients are averaged (one flat fp32 all_reduce, divided by N) before the
                         clip and the AdamW step, so the N replicas stay identical.
-    diloco:H:CODEC      DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
+    diloco:H:CODEC[:OUTER_LR]
+                        DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
                         then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD, lr 0.7,
-                        momentum 0.9) on the mean pseudo-gradient. Codecs other than none use error
-                        feedback, as the swarm does.
+                        momentum 0.9; OUTER_LR replaces --outer-lr for this variant) on the mean pseudo-
+                        gradient. Codecs other than none use error feedback, as the swarm does.
     overlap:H:CODEC     the overlapped / delayed outer update of ``dtnode join --overlap`` (Streaming
                         DiLoCo, Douillard et al. 2025, arXiv:2501.18512): round k's mean lands during
                         phase k+1, each worker restarts from the newest global params minus its own
@@ -77,20 +88,36 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from convergence_variants import PENDING_KINDS, RUNNERS, BenchSettings, Variant, ddp_rank_main, parse_variant
+import torch
+from convergence_variants import (
+    PENDING_KINDS,
+    RUNNERS,
+    BenchSettings,
+    Variant,
+    ddp_rank_main,
+    parse_variant,
+    warm_start,
+)
 from simulated_allreduce import ddp_bytes_per_step
 
 DEFAULT_VARIANTS = (
     "ddp,diloco:25:none,diloco:100:none,diloco:100:int8,diloco:100:int4,diloco:200:int4,overlap:100:int4"
 )
+COUNTED = (
+    "tokens, bytes and eval history count from the start of the variants (after the shared one-worker "
+    "warm start, if any, which sends nothing): DDP and DiLoCo alike"
+)
+QUICK_VARIANTS = "ddp,diloco:150:int4,diloco:150:none"
 TARGET_LOSS_GAP = 0.02
 TARGET_REDUCTION = 1000.0
 
 PROFILES: dict[str, dict[str, Any]] = {
-    # quick: ~810 CPU seconds in all (~0.08 s per nano step of 4 x 128 tokens), so ~7 min on an idle
-    # 2-core machine; with other work on the cores it takes longer (26 min at a load average of 9).
-    # full: ~10x the tokens per variant; not calibrated here.
-    "quick": {"preset": "nano", "seq_len": 128, "batch_size": 4, "num_workers": 4, "steps": 400, "warmup_steps": 40},
+    # quick: a shared 3000-step one-worker warm start (~3.5 CPU-min, ~0.07 s per nano step of 4 x 128
+    # tokens), then 600 steps x 4 workers per variant (~3-4 CPU-min each): ~11 min wall on the 2 cores
+    # here with the quick variants; longer with other work on the cores.
+    # full: ~10x the tokens per variant, from scratch; not calibrated here.
+    "quick": {"preset": "nano", "seq_len": 128, "batch_size": 4, "num_workers": 4, "steps": 600, "warmup_steps": 40,
+              "warm_start_steps": 3000},
     "full": {"preset": "nano", "seq_len": 128, "batch_size": 8, "num_workers": 4, "steps": 4000, "warmup_steps": 200},
 }  # fmt: skip
 
@@ -127,10 +154,13 @@ def _launch(variant: Variant, settings_path: Path, work_dir: Path, num_workers: 
 def _collect(job: _Job, settings: BenchSettings) -> dict[str, Any]:
     """The variant's record from its processes' result files (or an ``error``)."""
     variant = job.variant
+    outer_lr = None if variant.kind == "ddp" else variant.outer_lr or settings.outer_lr
+    warm_start_tokens = settings.warm_start_steps * settings.batch_size * settings.seq_len  # one worker
     record: dict[str, Any] = {"variant": variant.name, "kind": variant.kind, "workers": settings.num_workers,
                               "inner_steps": variant.inner_steps, "codec": variant.codec,
-                              "error_feedback": variant.error_feedback,
-                              "tokens": settings.steps * settings.tokens_per_step, "steps_per_worker": settings.steps}  # fmt: skip
+                              "error_feedback": variant.error_feedback, "outer_lr": outer_lr,
+                              "tokens": settings.steps * settings.tokens_per_step, "steps_per_worker": settings.steps,
+                              "warm_start_tokens": warm_start_tokens}  # fmt: skip
     codes = [p.returncode for p in job.processes]
     if any(code != 0 for code in codes) or not all(path.exists() for path in job.results):
         return record | {"error": f"exit codes {codes}; see {job.results[0].with_suffix('.log')}"}
@@ -213,8 +243,11 @@ def target_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
     )
 
 
-def summary_line(records: list[dict[str, Any]]) -> str:
+def summary_line(records: list[dict[str, Any]], warm: dict[str, Any] | None = None) -> str:
     parts = []
+    if warm is not None:
+        parts.append(f"shared warm start {warm['steps']} steps x 1 worker ({warm['tokens']:,} tokens, "
+                     f"eval {warm['eval_loss']:.4f}; bytes and tokens counted after it)")  # fmt: skip
     for r in records:
         if "error" in r:
             parts.append(f"{r['variant']} FAILED")
@@ -275,6 +308,7 @@ _SETTING_FLAGS: list[tuple[str, type, str]] = [
     ("eval_batch_size", int, "sequences per held-out batch (default 16)"),
     ("num_eval_batches", int, "held-out batches (default 8)"),
     ("threads", int, "torch threads per process (default 1)"),
+    ("warm_start_steps", int, "steps of ONE worker all variants start from (0 = from the seeded init)"),
 ]
 
 
@@ -288,7 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the quick profile (< 15 min here): " + json.dumps(PROFILES["quick"]),
     )
     parser.add_argument(
-        "--variants", default=DEFAULT_VARIANTS, help="comma-separated: ddp, diloco:H:CODEC, overlap:H:CODEC"
+        "--variants",
+        default=None,
+        help="comma-separated: ddp, diloco:H:CODEC[:OUTER_LR], overlap:H:CODEC[:OUTER_LR] "
+        f"(default {DEFAULT_VARIANTS}; with --quick {QUICK_VARIANTS})",
     )
     parser.add_argument(
         "--out-dir", type=Path, default=Path("runs/bench_convergence"), help="results.json, plot, logs"
@@ -334,6 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous_handler)
 
 
+def _warm_start(settings: BenchSettings, out_dir: Path) -> tuple[BenchSettings, dict[str, Any]]:
+    """Train the shared warm start in this process; the settings every variant then starts from."""
+    path = (out_dir / "warm_start.pt").resolve()
+    threads = torch.get_num_threads()
+    try:
+        warm = warm_start(settings, path)
+    finally:
+        torch.set_num_threads(threads)  # load_data set the children's count in this process
+    print(f"bench_convergence: warm start {json.dumps(warm)}", file=sys.stderr, flush=True)
+    return dataclasses.replace(settings, warm_start_path=str(path)), warm
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.settings_file is not None:
         return _child_main(args)
@@ -343,7 +392,8 @@ def _main(args: argparse.Namespace) -> int:
     )
     try:
         settings = BenchSettings(**profile)
-        variants = [parse_variant(text.strip()) for text in args.variants.split(",") if text.strip()]
+        chosen = args.variants or (QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
+        variants = [parse_variant(text.strip()) for text in chosen.split(",") if text.strip()]
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         for variant in variants:
@@ -357,6 +407,9 @@ def _main(args: argparse.Namespace) -> int:
         print(f"note: {variant.name} is pending and skipped: {PENDING_KINDS[variant.kind]}", flush=True)
     runnable = [v for v in variants if v.kind not in PENDING_KINDS]
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    warm: dict[str, Any] | None = None
+    if settings.warm_start_steps > 0:
+        settings, warm = _warm_start(settings, args.out_dir)
     records = run_variants(
         settings, runnable, args.out_dir, jobs=args.jobs, timeout=timedelta(minutes=args.timeout_minutes)
     )
@@ -365,11 +418,12 @@ def _main(args: argparse.Namespace) -> int:
             json.dumps({k: v for k, v in record.items() if k not in ("history", "param_hashes")}), flush=True
         )
     met, verdict = target_verdict(records)
-    results = {"settings": dataclasses.asdict(settings), "variants": records,
-               "pending": [v.name for v in pending], "target_met": met, "target": verdict}  # fmt: skip
+    results = {"settings": dataclasses.asdict(settings), "warm_start": warm, "counted": COUNTED,
+               "variants": records, "pending": [v.name for v in pending],
+               "target_met": met, "target": verdict}  # fmt: skip
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(records, args.out_dir / "convergence.png")
-    print(summary_line(records), flush=True)
+    print(summary_line(records, warm), flush=True)
     print(f"plot: {args.out_dir / 'convergence.png'}", flush=True)
     return 1 if any("error" in r for r in records) else 0
 

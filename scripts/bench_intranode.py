@@ -60,6 +60,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -90,7 +91,7 @@ from node.replica import build_inner_optimizer
 # also when the file is loaded by path (tests) rather than run.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from intranode_join import run_join_layouts  # noqa: E402
+from intranode_join import add_join_arguments, join_summary, join_summary_suffix, run_join_layouts  # noqa: E402
 
 LAYOUTS: dict[str, int] = {
     "single": 1,
@@ -400,14 +401,12 @@ def summary_object(records: Sequence[Mapping[str, Any]], max_shard_ratio: float)
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
-    joined = summary.get("join_tokens_per_second", {})
-    via_join = ("; via dtnode join: " + ", ".join(f"{k} {v}" for k, v in joined.items())) if joined else ""
     parts = [
         f"{layout} {summary['tokens_per_second'].get(layout, 'FAILED')} tok/s"
         + (f" state x{summary['max_state_ratio'][layout]}" if layout in summary["max_state_ratio"] else "")
         for layout in summary["layouts"]
     ]
-    return ("OK" if summary["ok"] else "FAIL") + ": " + "; ".join(parts) + via_join
+    return ("OK" if summary["ok"] else "FAIL") + ": " + "; ".join(parts) + join_summary_suffix(summary)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -435,12 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-shard-ratio", type=float, default=0.6, help="ZeRO/FSDP per-rank state bound")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one layout may take")
-    parser.add_argument(
-        "--join",
-        action="store_true",
-        help="also time the layouts through `dtnode join` (scripts/intranode_join.py)",
-    )
-    parser.add_argument("--join-steps", type=int, default=20, help="inner steps of each `dtnode join` run")
+    add_join_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -465,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     reference_state_bytes: int | None = None
     started = time.monotonic()
+    load_average_start = os.getloadavg()[0]  # the 1-minute figure: how contended the 2 cores were
     for layout in layouts:
         try:
             ranks = run_layout(layout, settings)
@@ -475,16 +470,17 @@ def main(argv: list[str] | None = None) -> int:
                 reference_state_bytes = int(ranks[0]["optimizer_state_bytes"])
             records.append(layout_record(layout, settings, ranks, reference_state_bytes))
         print(json.dumps(records[-1]), flush=True)
-    settings_of_join = {"model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size}
-    joined = run_join_layouts(**settings_of_join, num_steps=args.join_steps, num_warmup_steps=args.warmup_steps, num_microbatches=args.microbatches, timeout_seconds=args.timeout) if args.join else []  # fmt: skip
-    summary = summary_object(records, args.max_shard_ratio) | {
-        "wall_seconds": round(time.monotonic() - started, 1)
-    }
+    summary = summary_object(records, args.max_shard_ratio)
     if args.join:
-        summary["join_tokens_per_second"] = {
-            record["layout"]: record.get("tokens_per_second", "FAILED") for record in joined
-        }
-        summary["ok"] = summary["ok"] and not any("error" in record for record in joined)
+        joined = run_join_layouts(
+            args.join_layouts, model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+            num_steps=args.join_steps, num_warmup_steps=args.warmup_steps,
+            num_microbatches=args.microbatches, timeout_seconds=args.timeout,
+        )  # fmt: skip
+        summary |= join_summary(joined)
+        summary["ok"] = summary["ok"] and not summary["join_failed"]
+    summary["wall_seconds"] = round(time.monotonic() - started, 1)
+    summary["load_average_1min"] = [round(load_average_start, 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(summary), flush=True)
     print(summary_line(summary), flush=True)
     return 0 if summary["ok"] else 1

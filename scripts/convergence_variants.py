@@ -85,6 +85,10 @@ class BenchSettings:
     """torch intra-op threads per process."""
     chunk_num_elements: int = AllReduceConfig().chunk_num_elements
     """Streamed chunk size of the simulated all-reduce (the swarm's default)."""
+    warm_start_steps: int = 0
+    """Steps of the one-worker warm start every variant starts from (0: from the seeded init)."""
+    warm_start_path: str | None = None
+    """The warm-start params (``torch.save`` of the model's state dict), written by ``warm_start``."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "num_workers", "steps", "eval_every", "threads"):
@@ -94,6 +98,8 @@ class BenchSettings:
             raise ValueError(f"num_workers must be >= 2 (one worker sends nothing), got {self.num_workers}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.warm_start_steps < 0:
+            raise ValueError(f"warm_start_steps must be >= 0, got {self.warm_start_steps}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -103,11 +109,13 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H and codec."""
+    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H, codec and an
+    optional outer LR replacing ``BenchSettings.outer_lr`` for this variant only."""
 
     kind: str
     inner_steps: int = 1
     codec: str = "none"
+    outer_lr: float | None = None
 
     @property
     def error_feedback(self) -> bool:
@@ -117,22 +125,36 @@ class Variant:
     def name(self) -> str:
         if self.kind == "ddp":
             return "ddp"
-        return f"{self.kind}-H{self.inner_steps}-{self.codec}" + ("-ef" if self.error_feedback else "")
+        lr = "" if self.outer_lr is None else f"-olr{self.outer_lr:g}"
+        return f"{self.kind}-H{self.inner_steps}-{self.codec}" + ("-ef" if self.error_feedback else "") + lr
 
     def spec(self) -> str:
-        return "ddp" if self.kind == "ddp" else f"{self.kind}:{self.inner_steps}:{self.codec}"
+        if self.kind == "ddp":
+            return "ddp"
+        lr = "" if self.outer_lr is None else f":{self.outer_lr!r}"
+        return f"{self.kind}:{self.inner_steps}:{self.codec}{lr}"
 
 
 def parse_variant(text: str) -> Variant:
-    """``ddp`` or ``KIND:H:CODEC`` (e.g. ``diloco:100:int4``)."""
+    """``ddp`` or ``KIND:H:CODEC[:OUTER_LR]`` (e.g. ``diloco:100:int4``, ``diloco:150:int4:0.9``)."""
     if text == "ddp":
         return Variant("ddp")
     fields = text.split(":")
-    if len(fields) != 3 or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
-        raise ValueError(f"bad variant {text!r}: use ddp or KIND:H:CODEC with KIND in diloco, overlap")
+    if len(fields) not in (3, 4) or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
+        raise ValueError(
+            f"bad variant {text!r}: use ddp or KIND:H:CODEC[:OUTER_LR] with KIND in diloco, overlap"
+        )
     if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
         raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
-    return Variant(fields[0], int(fields[1]), fields[2])
+    outer_lr = None
+    if len(fields) == 4:
+        try:
+            outer_lr = float(fields[3])
+        except ValueError:
+            raise ValueError(f"bad variant {text!r}: OUTER_LR must be a number") from None
+        if not outer_lr > 0:
+            raise ValueError(f"bad variant {text!r}: OUTER_LR must be > 0")
+    return Variant(fields[0], int(fields[1]), fields[2], outer_lr)
 
 
 # --- one worker's training -------------------------------------------------------------------------
@@ -156,6 +178,8 @@ def build_worker(settings: BenchSettings, corpus: Corpus, shard_index: int) -> W
     config = model_config(settings.preset, vocab_size=corpus.vocab_size, seq_len=settings.seq_len)
     torch.manual_seed(settings.seed)  # the same initial params on every worker and in every variant
     model = GPT(config)
+    if settings.warm_start_path is not None:  # or all from the same warm-started params
+        model.load_state_dict(torch.load(settings.warm_start_path, weights_only=True))
     model.train()
     node_config = NodeConfig(
         inner_lr=settings.inner_lr,
@@ -223,6 +247,37 @@ def load_data(settings: BenchSettings) -> tuple[Corpus, list[tuple[torch.Tensor,
     return corpus, val
 
 
+def warm_start(settings: BenchSettings, path: Path) -> dict[str, Any]:
+    """Train ONE seeded model for ``settings.warm_start_steps`` steps and save its params to ``path``.
+
+    As the DiLoCo paper (Douillard et al. 2023, section 3), every method then starts from this same
+    checkpoint: the warm start is a single worker (it sends nothing) with the node's AdamW, the same
+    linear warmup, then the constant peak LR; it reads the whole train split in its own order
+    (``data_seed + 1``), so its batches are not the variants' first ones. Each variant then starts
+    with a fresh AdamW and its own warmup and cosine decay, and counts bytes and tokens from there.
+    """
+    start = time.perf_counter()
+    corpus, eval_set = load_data(settings)
+    worker = build_worker(dataclasses.replace(settings, warm_start_path=None), corpus, 0)
+    worker.batches = ShardedBatches(
+        corpus.train, seq_len=settings.seq_len, batch_size=settings.batch_size, seed=settings.data_seed + 1
+    )
+    schedule = LRSchedule(kind="constant", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
+                          horizon_steps=settings.warm_start_steps)  # fmt: skip
+    initial_loss = evaluate(worker.model, eval_set)
+    for step in range(settings.warm_start_steps):
+        inner_step(worker, settings, schedule.lr(step))
+    torch.save(worker.model.state_dict(), path)
+    return {
+        "steps": settings.warm_start_steps,
+        "tokens": settings.warm_start_steps * settings.batch_size * settings.seq_len,
+        "workers": 1,
+        "initial_eval_loss": initial_loss,
+        "eval_loss": evaluate(worker.model, eval_set),
+        "wall_seconds": time.perf_counter() - start,
+    }
+
+
 # --- variant runners -------------------------------------------------------------------------------
 
 
@@ -274,7 +329,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         DiLoCo(
             w.model,
             averager=a,
-            outer_lr=settings.outer_lr,
+            outer_lr=settings.outer_lr if variant.outer_lr is None else variant.outer_lr,
             outer_momentum=settings.outer_momentum,
             nesterov=settings.outer_momentum > 0,  # torch refuses Nesterov without momentum
             overlap=overlap,

@@ -12,18 +12,23 @@ one outer round. What is read back from its ``metrics.jsonl``:
         the outer step, setting it back on every rank, and the held-out eval).
     wall_seconds: the whole process, start-up (spawning and building every rank) included.
 
-On 2 CPU cores more processes do not make a step faster: the numbers are the overhead of each layout's
-plumbing over one process, not the speed-up it gives on a GPU node.
+Every process runs one intra-op thread (``--threads 1``), so a K-process layout may use K cores while
+``single`` uses one; ``single-2threads`` is that one process with both of this machine's cores, the fair
+reference for the 2-process layouts. On 2 CPU cores more processes do not make a step faster than one
+process using both cores: the numbers are the overhead of each layout's plumbing, not the speed-up the
+layout gives on a GPU node.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # name -> (local workers, join flags)
 JOIN_LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
+    "single-2threads": (1, ["--threads", "2"]),  # argparse keeps the last --threads: the whole machine
     "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
     "pp2-gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe"]),
@@ -62,9 +68,10 @@ def join_argv(
         "--log-every", "1000",
     ]  # fmt: skip
     if num_workers > 1:
-        argv += ["--local-workers", str(num_workers), *flags]
-        if "--pp" in flags:
-            argv += ["--microbatches", str(num_microbatches)]
+        argv += ["--local-workers", str(num_workers)]
+    argv += flags
+    if "--pp" in flags:
+        argv += ["--microbatches", str(num_microbatches)]
     return argv
 
 
@@ -93,15 +100,19 @@ def measure_join_layout(
         return {"layout": layout, "via": "dtnode join", "error": f"still running after {timeout_seconds:g} s"}
     wall_seconds = time.monotonic() - started
     if result.returncode != 0:
-        return {"layout": layout, "via": "dtnode join", "error": result.stderr.strip().splitlines()[-1:]}
+        last_lines = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.returncode}"]
+        return {"layout": layout, "via": "dtnode join", "error": last_lines[0]}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if record["kind"] == "step"]
     rounds = [record for record in records if record["kind"] == "round"]
     timed = [record["tokens_per_s"] for record in steps[num_warmup_steps:]]
+    if not timed:
+        return {"layout": layout, "via": "dtnode join", "error": f"no step after {num_warmup_steps} warm-up"}
     return {
         "layout": layout,
         "via": "dtnode join",
         "local_workers": JOIN_LAYOUTS[layout][0],
+        "timed_steps": len(timed),
         "tokens_per_second": round(statistics.median(timed)),
         "outer_round_seconds": round(rounds[0]["time"] - steps[-1]["time"], 3) if rounds else None,
         "final_loss": round(steps[-1]["loss"], 4),
@@ -109,12 +120,51 @@ def measure_join_layout(
     }
 
 
-def run_join_layouts(**settings: Any) -> list[dict[str, Any]]:
-    """Every layout of ``JOIN_LAYOUTS`` (``settings``: ``measure_join_layout``'s); one JSON line each."""
+def run_join_layouts(layouts: Sequence[str], **settings: Any) -> list[dict[str, Any]]:
+    """Each of ``layouts`` (keys of ``JOIN_LAYOUTS``; ``settings``: ``measure_join_layout``'s); one JSON line each."""
+    unknown = [layout for layout in layouts if layout not in JOIN_LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown join layouts {unknown}; known: {list(JOIN_LAYOUTS)}")
     records = []
     with tempfile.TemporaryDirectory(prefix="bench-intranode-join-") as work_dir:
-        for layout in JOIN_LAYOUTS:
+        for layout in layouts:
             record = measure_join_layout(layout, Path(work_dir), **settings)
             print(json.dumps(record), flush=True)
             records.append(record)
     return records
+
+
+def join_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary's ``dtnode join`` part: tokens/s and wall seconds per layout, and the failed layouts."""
+    ran = [record for record in records if "error" not in record]
+    return {
+        "join_tokens_per_second": {record["layout"]: record["tokens_per_second"] for record in ran},
+        "join_wall_seconds": {record["layout"]: record["wall_seconds"] for record in ran},
+        "join_failed": [record["layout"] for record in records if "error" in record],
+    }
+
+
+def join_summary_suffix(summary: Mapping[str, Any]) -> str:
+    """The summary line's tail: ``; via dtnode join: single 6712, tp2 FAILED, ...`` (empty without --join)."""
+    joined = {
+        **summary.get("join_tokens_per_second", {}),
+        **dict.fromkeys(summary.get("join_failed", []), "FAILED"),
+    }
+    return ("; via dtnode join: " + ", ".join(f"{k} {v}" for k, v in joined.items())) if joined else ""
+
+
+def add_join_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--join``, ``--join-steps`` and ``--join-layouts`` of ``bench_intranode.py``."""
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="also time the layouts through `dtnode join --no-swarm --local-workers K` (one process each)",
+    )
+    parser.add_argument("--join-steps", type=int, default=20, help="inner steps of each `dtnode join` run")
+    parser.add_argument(
+        "--join-layouts",
+        nargs="+",
+        choices=list(JOIN_LAYOUTS),
+        default=list(JOIN_LAYOUTS),
+        help="layouts of --join (K local workers and flags: JOIN_LAYOUTS in scripts/intranode_join.py)",
+    )

@@ -19,6 +19,8 @@ import pytest
 
 from node.cli import main
 from node.status import status_to_json
+from protocol.auth.channels import SwarmAuth, add_port, new_server
+from protocol.auth.key import SwarmKey
 from protocol.loop import BackgroundLoop
 from protocol.swarm.status import NodePhase, NodeStatus, StatusServicer, add_status_to_server
 from tests.node.swarm_cluster import REPO_ROOT, Cluster, Node, tail, wait_for
@@ -101,16 +103,17 @@ def test_status_json_against_a_running_two_node_swarm(tmp_path: Path) -> None:
 
 
 @contextmanager
-def served(status: NodeStatus) -> Iterator[str]:
-    """A grpc.aio server with the status service only, on a loop thread; yields its address."""
+def served(status: NodeStatus, auth: SwarmAuth | None = None) -> Iterator[str]:
+    """A grpc.aio server with the status service only (made as a node makes its server, so with
+    ``auth.tls`` it speaks mutual TLS only), on a loop thread; yields its address."""
     loop = BackgroundLoop(name="status-test")
     server: grpc.aio.Server | None = None
 
     async def start() -> int:
         nonlocal server
-        server = grpc.aio.server()
+        server = new_server(options=[], auth=auth)
         add_status_to_server(server, StatusServicer(lambda: status))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = add_port(server, "127.0.0.1:0", auth=auth)
         await server.start()
         return port
 
@@ -160,6 +163,28 @@ def test_an_unreachable_node_is_exit_1_within_the_timeout(capsys: pytest.Capture
     assert main(["status", f"127.0.0.1:{port}", "--json"]) == 1
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "UNAVAILABLE" in err
+
+
+@pytest.mark.timeout(30)
+def test_a_tls_status_answers_only_with_the_swarm_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key_path, other_path = tmp_path / "swarm.key", tmp_path / "other.key"
+    SwarmKey.generate().write(key_path)
+    SwarmKey.generate().write(other_path)
+    status = sample_status()
+    with served(status, SwarmAuth(SwarmKey.from_file(key_path), tls=True)) as address:
+        assert main(["status", address, "--json", "--swarm-key-file", str(key_path), "--tls"]) == 0
+        assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(status_to_json(status)))
+        # Plaintext: the TLS server closes the connection; refused at once, and told what a TLS node needs.
+        started = time.monotonic()
+        assert main(["status", address, "--timeout", "5"]) == 1
+        assert time.monotonic() - started < 4.0
+        err = capsys.readouterr().err
+        assert "UNAVAILABLE" in err and "--swarm-key-file KEY --tls" in err
+        # Another swarm's certificate fails the handshake both ways: refused too.
+        assert main(["status", address, "--timeout", "5", "--swarm-key-file", str(other_path), "--tls"]) == 1
+        assert "this swarm's key" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(30)

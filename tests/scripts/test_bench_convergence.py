@@ -88,8 +88,9 @@ def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
         assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * 4 * num_elements)
 
 
-def _reference_ddp_hash() -> str:
-    """Single process: each step, the mean of both shards' gradients, then clip and AdamW (as DDP must)."""
+def _reference_ddp_hash(warm_start_path: Path) -> str:
+    """Single process, from the warm start: each step, the mean of both shards' gradients, then clip and
+    AdamW (as DDP must)."""
     settings = variants.BenchSettings(**TINY)
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)  # the ranks' thread count: the same matmul reduction order
@@ -97,6 +98,7 @@ def _reference_ddp_hash() -> str:
         corpus = load_corpus(None, val_fraction=NodeConfig().val_fraction)
         torch.manual_seed(settings.seed)
         model = GPT(model_config("nano", vocab_size=corpus.vocab_size, seq_len=settings.seq_len))
+        model.load_state_dict(torch.load(warm_start_path, weights_only=True))
         optimizer = build_inner_optimizer(model, NodeConfig(inner_lr=settings.inner_lr))
         schedule = LRSchedule(
             kind="cosine", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
@@ -128,7 +130,7 @@ def _reference_ddp_hash() -> str:
 @pytest.mark.timeout(180)
 def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--variants", "ddp,diloco:2:none,diloco:2:int4,overlap:2:int4", "--out-dir", str(tmp_path), "--jobs", "3",
-            "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4"]  # fmt: skip
+            "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4", "--warm-start-steps", "3"]  # fmt: skip
     for name, value in TINY.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     assert bench.main(argv) == 0
@@ -138,11 +140,16 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
     results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
     records = {r["variant"]: r for r in results["variants"]}
+    warm = results["warm_start"]
+    assert warm["tokens"] == 3 * 2 * 32 and warm["eval_loss"] < warm["initial_eval_loss"]
+    assert "shared warm start 3 steps" in lines[-2]
     for name, record in printed.items():
         assert all(field in record for field in REQUIRED_FIELDS), name
         assert record["tokens"] == 4 * 2 * 2 * 32 and record["workers"] == 2
+        assert record["warm_start_tokens"] == warm["tokens"]
         assert math.isfinite(record["eval_loss"]) and math.isfinite(record["final_train_loss"])
         history = records[name]["history"]
+        assert history[0] == [0, 0.0, warm["eval_loss"]]  # every variant starts from the warm start
         assert history[-1][2] == record["eval_loss"] < history[0][2]  # it trained
         hashes = records[name]["param_hashes"]
         assert len(hashes) == 2 and hashes[0] == hashes[1], f"{name}: workers ended with different params"
@@ -151,7 +158,7 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     num_params = ddp["num_params"]
     ddp_bytes = 4 * 2 * (2 - 1) / 2 * 4 * num_params  # steps x ring all-reduce of fp32 grads
     assert ddp["bytes_sent_per_worker"] == pytest.approx(ddp_bytes) and ddp["reduction_vs_ddp"] == 1.0
-    assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash()
+    assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash(tmp_path / "warm_start.pt")
     for name, codec_name in (
         ("diloco-H2-none", "none"),
         ("diloco-H2-int4-ef", "int4"),
@@ -169,3 +176,14 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     delayed, synchronous = records["overlap-H2-int4-ef"]["history"], records["diloco-H2-int4-ef"]["history"]
     assert len(delayed) == len(synchronous) + 1 and delayed[-1][0] == delayed[-2][0]
     assert delayed[1][2] == delayed[0][2] != synchronous[1][2]
+
+
+def test_parse_variant_outer_lr() -> None:
+    variant = variants.parse_variant("diloco:150:int4:0.9")
+    assert (variant.inner_steps, variant.codec, variant.outer_lr) == (150, "int4", 0.9)
+    assert variant.name == "diloco-H150-int4-ef-olr0.9"
+    assert variants.parse_variant(variant.spec()) == variant
+    assert variants.parse_variant("diloco:150:int4").outer_lr is None
+    for bad in ("diloco:150:int4:x", "diloco:150:int4:0", "diloco:150"):
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)

@@ -110,3 +110,36 @@ def test_a_layout_timed_through_dtnode_join(tmp_path) -> None:
     assert "error" not in record, record
     assert record["local_workers"] == 2 and record["tokens_per_second"] > 0
     assert record["outer_round_seconds"] is not None and record["outer_round_seconds"] >= 0
+
+
+def test_join_summary_reports_tokens_wall_time_and_failed_layouts() -> None:
+    join = load_script("intranode_join")
+    records = [
+        {"layout": "single", "tokens_per_second": 6712, "wall_seconds": 7.7},
+        {"layout": "tp2", "error": "RuntimeError: boom"},
+        {"layout": "dp2-zero1", "tokens_per_second": 5597, "wall_seconds": 11.2},
+    ]
+    summary = join.join_summary(records)
+    assert summary["join_tokens_per_second"] == {"single": 6712, "dp2-zero1": 5597}
+    assert summary["join_wall_seconds"] == {"single": 7.7, "dp2-zero1": 11.2}
+    assert summary["join_failed"] == ["tp2"]
+    assert join.join_summary_suffix(summary) == "; via dtnode join: single 6712, dp2-zero1 5597, tp2 FAILED"
+    assert join.join_summary_suffix({}) == ""
+    with pytest.raises(ValueError):
+        join.run_join_layouts(["tp3"], model="nano")
+
+
+def test_join_argv_passes_the_layout_flags_and_microbatches_only_to_pipelines(tmp_path) -> None:
+    join = load_script("intranode_join")
+    common = {"model": "nano", "seq_len": 16, "batch_size": 4, "num_steps": 3, "num_microbatches": 2}
+    single = join.join_argv("single", tmp_path, **common)
+    assert "--local-workers" not in single and "--no-swarm" in single
+    two_threads = join.join_argv("single-2threads", tmp_path, **common)
+    threads = [two_threads[index + 1] for index, arg in enumerate(two_threads) if arg == "--threads"]
+    assert "--local-workers" not in two_threads and threads[-1] == "2"  # argparse keeps the last value
+    pipeline = join.join_argv("pp2-1f1b", tmp_path, **common)
+    assert pipeline[pipeline.index("--local-workers") + 1] == "2"
+    assert pipeline[pipeline.index("--pp-schedule") + 1] == "1f1b"
+    assert pipeline[pipeline.index("--microbatches") + 1] == "2"
+    mixed = join.join_argv("dp2-tp2", tmp_path, **common)
+    assert mixed[mixed.index("--local-workers") + 1] == "4" and "--microbatches" not in mixed
