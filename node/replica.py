@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from node.config import NodeConfig
+from node.diloco import ModuleParams
 from node.model import GPT, ModelConfig, cross_entropy_loss
 
 log = logging.getLogger("dtnode")
@@ -74,6 +75,7 @@ class SingleReplica:
             checkpoint_blocks(self.model)
         autocast_forward(self.model, config.precision)
         self.optimizer = build_inner_optimizer(self.model, config)
+        self._params = ModuleParams(_trainable(self.model))  # DiLoCo's flat view of this model
 
     def train_step(self, batches: Sequence[Batch], lr: float) -> float:
         for group in self.optimizer.param_groups:
@@ -101,17 +103,10 @@ class SingleReplica:
         return total / len(batches)
 
     def read_params(self, device: torch.device | str) -> Tensor:
-        return torch.cat(
-            [p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in _trainable(self.model)]
-        )
+        return self._params.read_params(device)
 
-    @torch.no_grad()
     def write_params(self, flat: Tensor) -> None:
-        offset = 0
-        for param in _trainable(self.model):
-            param.copy_(flat[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        assert offset == flat.numel()
+        self._params.write_params(flat)
 
     def model_state(self) -> dict[str, Tensor]:
         return self.model.state_dict()
