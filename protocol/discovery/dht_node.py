@@ -186,7 +186,7 @@ class DhtNode:
             _kill_dht_process(self._dht, grace=_SHUTDOWN_GRACE)
             raise DhtStartupError(f"the DHT peer failed to start ({error}); {_joining(config)}") from error
         try:
-            self._peer_id = str(self._call(_peer_id, config.rpc_timeout, "peer id"))
+            self._peer_id = str(self._call(_peer_id, config.startup_timeout, "peer id"))
         except BaseException:
             self.shutdown()
             raise
@@ -205,8 +205,14 @@ class DhtNode:
         return not self._closed and self._dht.is_alive()
 
     def visible_multiaddrs(self, timeout: timedelta | None = None) -> list[str]:
-        """Addresses others can pass to ``--peers``, each ending in ``/p2p/<peer id>``."""
-        addresses = self._call(_visible_multiaddrs, timeout or self.config.rpc_timeout, "visible multiaddrs")
+        """Addresses others can pass to ``--peers``, each ending in ``/p2p/<peer id>``.
+
+        A question to the local p2p daemon, not to a peer: its only delay is a DHT process still
+        busy joining on a loaded host, so the default deadline is the start-up one, not ``rpc_timeout``.
+        """
+        addresses = self._call(
+            _visible_multiaddrs, timeout or self.config.startup_timeout, "visible multiaddrs"
+        )
         assert isinstance(addresses, list)  # what _visible_multiaddrs returns
         return [str(address) for address in addresses]
 
