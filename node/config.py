@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from protocol.membership.messages import MAX_STREAMS
+
 ENV_PREFIX = "DTNODE_"
 # Environment variables with the prefix that are not config fields.
 # Not settings: DTNODE_CONFIG names the TOML file; the others are read by scripts/setup.sh.
@@ -217,6 +219,14 @@ class NodeConfig:
     codec: str = field(
         default="int8", metadata=_help("Pseudo-gradient wire codec: none, fp16, bf16, int8 or int4.")
     )
+    swarm_streams: int = field(
+        default=1,
+        metadata=_help(
+            "All-reduce each round on this many parallel streams (equal shards of the pseudo-gradient); "
+            "stream s runs on local rank s mod --local-workers, so set it to the number of local workers "
+            "to give every rank one. Peers that use another number do not share rounds with this node."
+        ),
+    )
     aggregation: str = field(
         default="mean",
         metadata=_help(
@@ -318,6 +328,8 @@ class NodeConfig:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.local_bucket_mb > 0:
             raise ConfigError(f"local_bucket_mb must be > 0, got {self.local_bucket_mb}")
+        if not 1 <= self.swarm_streams <= MAX_STREAMS:
+            raise ConfigError(f"swarm_streams must be in 1..{MAX_STREAMS}, got {self.swarm_streams}")
         if not self.local_timeout > 0:
             raise ConfigError(f"local_timeout must be > 0, got {self.local_timeout}")
         if self.device not in DEVICES:

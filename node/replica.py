@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +26,10 @@ from torch import Tensor, nn
 from node.config import NodeConfig
 from node.diloco import ModuleParams
 from node.model import GPT, ModelConfig, cross_entropy_loss
+from protocol.swarm.streams import StreamRunner
+
+if TYPE_CHECKING:
+    from node.parallel.streams import InProcessStreams
 
 log = logging.getLogger("dtnode")
 
@@ -54,6 +58,7 @@ class Replica(Protocol):
     def load_model_state(self, state: dict[str, Tensor]) -> None: ...
     def optimizer_state(self) -> dict[str, Any] | None: ...
     def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+    def open_streams(self) -> StreamRunner: ...
     def close(self) -> None: ...
 
 
@@ -68,6 +73,7 @@ class SingleReplica:
         from node.parallel.engine import autocast_forward, checkpoint_blocks
 
         self.config = config
+        self._streams: InProcessStreams | None = None
         self.device = device
         self.model = GPT(model_config).to(device)
         self.model.train()
@@ -126,8 +132,18 @@ class SingleReplica:
             return
         self.optimizer.load_state_dict(state)
 
+    def open_streams(self) -> StreamRunner:
+        """The extra all-reduce streams (``--swarm-streams``), all in this process; closed with us."""
+        from node.parallel.streams import InProcessStreams
+
+        if self._streams is None:
+            self._streams = InProcessStreams(self.config)
+        return self._streams
+
     def close(self) -> None:
-        pass  # nothing outside this process
+        if self._streams is not None:  # the only thing that outlives this object: stream servers
+            self._streams.close()
+            self._streams = None
 
 
 class ParallelReplica:
@@ -143,6 +159,7 @@ class ParallelReplica:
             self.model = GPT(model_config)  # names and shapes for export and checkpoints; no memory
         self.offsets = parameter_offsets(model_config)
         self.workers = LocalWorkers(model_config, config, layout, timeout=timeout)
+        self._streams: StreamRunner | None = None
 
     def train_step(self, batches: Sequence[Batch], lr: float) -> float:
         return float(self.workers.call("train_step", (list(batches), lr)))
@@ -189,5 +206,13 @@ class ParallelReplica:
         layout = self.workers.layout
         return [layout.dp, layout.tp, layout.pp, layout.zero]
 
+    def open_streams(self) -> StreamRunner:
+        """The extra all-reduce streams (``--swarm-streams``): stream s on local rank s mod K."""
+        from node.parallel.streams import LocalStreams
+
+        if self._streams is None:
+            self._streams = LocalStreams(self.workers)
+        return self._streams
+
     def close(self) -> None:
-        self.workers.close()
+        self.workers.close()  # every rank closes its streams on the way out

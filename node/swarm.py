@@ -52,6 +52,7 @@ from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.streams import StreamRunner, stream_bounds
 
 if TYPE_CHECKING:
     from node.trainer import Trainer
@@ -154,6 +155,7 @@ class SwarmSession:
         self.join_timeout = join_timeout
         self.on_round = on_round
         self.error_feedback: ErrorFeedback | None = None
+        self.streams: StreamRunner | None = None  # all-reduce streams 1..S-1 (--swarm-streams)
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
         self.catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
@@ -170,8 +172,12 @@ class SwarmSession:
         """Announce the node; a joiner adopts the swarm's state first if its own is not canonical."""
         self._trainer = trainer
         trainer.diloco.on_applied = self._applied_in_background
+        self.streams = None
+        if trainer.config.swarm_streams > 1:
+            self.streams = trainer.replica.open_streams()
+            self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
-            self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)
+            self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))
         self.publish()
         if not self.joining:
             return
@@ -243,8 +249,8 @@ class SwarmSession:
             # The residual is what the codec failed to deliver of this round's Δ (plus the carry);
             # the lossless codec "none" runs without one.
             codec_error = 0.0
-            if self.error_feedback is not None:
-                delta_norm = float(torch.linalg.vector_norm(vector))
+            if self.error_feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
+                delta_norm = float(torch.linalg.vector_norm(vector[: self.error_feedback.num_elements]))
                 codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
         outcome = dataclasses.replace(
             outcome,
@@ -405,14 +411,22 @@ class SwarmSession:
             for peer in self.swarm.driver.view
         )
 
+    def _feedback_elements(self, trainer: Trainer) -> int:
+        """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
+        (each other stream keeps its shard's residual where it runs)."""
+        num_streams = 1 + len(self.swarm.stream_addresses)
+        return stream_bounds(trainer.diloco.num_elements, num_streams)[1]
+
     def _adopted(self) -> None:
         """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state."""
         trainer = self._trainer
         assert trainer is not None
         self.catching_up = True
         self._adopted_lineage = (trainer.progress.round, trainer.diloco.param_hash())
-        if self.error_feedback is not None:
-            self.error_feedback = ErrorFeedback(trainer.diloco.num_elements)  # residuals of other params
+        if self.error_feedback is not None:  # residuals of other params
+            self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))
+            if self.streams is not None:
+                self.streams.reset_error_feedback()
         self.num_adoptions += 1
         self.publish()
 

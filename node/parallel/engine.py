@@ -47,8 +47,11 @@ from node.config import NodeConfig
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.mesh import build_mesh
 from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device
+from node.parallel.streams import RankStreams, open_streams, run_streams
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, device_type, full_tensor
 from node.parallel.zero import apply_fully_shard, average_gradients, build_zero_optimizer
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.swarm.streams import StreamJob
 
 Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
 
@@ -176,6 +179,8 @@ class RankEngine:
             from node.replica import build_inner_optimizer  # the single-process node's AdamW groups
 
             self.optimizer = build_inner_optimizer(model, config)
+        self.commands: dist.ProcessGroup | None = None  # the node's gloo command group (set by local.py)
+        self.streams: RankStreams | None = None  # this rank's all-reduce streams, once opened
         self.runner: PipelineRunner | None = None
         if layout.pp > 1:
             self.runner = PipelineRunner(
@@ -411,6 +416,28 @@ class RankEngine:
 
         return optimizer_state_bytes(self.optimizer)
 
+    # --- the swarm all-reduce streams served by this rank (node/parallel/streams.py) ---
+
+    def open_streams(self) -> dict[int, str] | None:
+        assert self.commands is not None
+        if self.streams is None:
+            self.streams = RankStreams(self.config, rank=dist.get_rank(), world_size=dist.get_world_size())
+        return open_streams(self.streams, self.commands)
+
+    def run_streams(self, jobs: list[StreamJob], shards: list[Tensor] | None) -> list[AllReduceResult] | None:
+        assert self.commands is not None
+        return run_streams(self.streams, self.commands, jobs, shards)
+
+    def reset_streams(self) -> None:
+        if self.streams is not None:
+            self.streams.reset_error_feedback()
+
+    def close(self) -> None:
+        """Close what outlives a call: the stream servers."""
+        if self.streams is not None:
+            self.streams.close()
+            self.streams = None
+
 
 Command = tuple[str, Any]
 Dispatch = Callable[[RankEngine, Any], object]
@@ -423,4 +450,7 @@ COMMANDS: dict[str, Dispatch] = {
     "write_params": lambda engine, payload: engine.write_params(payload),
     "optimizer_state": lambda engine, payload: engine.gather_optimizer_state(),
     "load_optimizer_state": lambda engine, payload: engine.scatter_optimizer_state(payload),
+    "open_streams": lambda engine, payload: engine.open_streams(),
+    "run_streams": lambda engine, payload: engine.run_streams(*payload),
+    "reset_streams": lambda engine, payload: engine.reset_streams(),
 }

@@ -92,13 +92,17 @@ def worker_main(
     commands = _init_process_group(rank, world_size, store_path, timeout)
     try:
         engine = RankEngine(model_config, config, layout, timeout=timeout)
-        while True:  # ends at STOP, or by the parent watch when the daemon dies
-            message: list[Any] = [None]
-            dist.broadcast_object_list(message, src=0, group=commands)
-            name, payload = message[0]
-            if name == STOP:
-                break
-            COMMANDS[name](engine, payload)
+        engine.commands = commands
+        try:
+            while True:  # ends at STOP, or by the parent watch when the daemon dies
+                message: list[Any] = [None]
+                dist.broadcast_object_list(message, src=0, group=commands)
+                name, payload = message[0]
+                if name == STOP:
+                    break
+                COMMANDS[name](engine, payload)
+        finally:
+            engine.close()
     finally:
         dist.destroy_process_group()
 
@@ -141,6 +145,7 @@ class LocalWorkers:
         try:
             self._commands = _init_process_group(0, world_size, store_path, timeout)
             self.engine = RankEngine(model_config, config, layout, timeout=timeout)
+            self.engine.commands = self._commands
         except BaseException:
             self._stop_processes()
             raise
@@ -174,6 +179,7 @@ class LocalWorkers:
         if self._closed:
             return
         self._closed = True
+        self.engine.close()
         try:
             if all(process.is_alive() for process in self.processes):
                 dist.broadcast_object_list([(STOP, None)], src=0, group=self._commands)

@@ -92,6 +92,7 @@ class FormationRoles(FormationState):
             grpc_address=self.local.grpc_address,
             num_tokens=self.num_tokens,
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
+            stream_addresses=self.stream_addresses,
         )
 
     def _cancel_proposal(self, reason: Reason) -> list[Action]:
@@ -118,6 +119,15 @@ class FormationRoles(FormationState):
         return []  # a gathering leader counts it in _choose_role; a member keeps it for when it leads
 
     def _on_accept(self, sender: str, accept: Accept) -> list[Action]:
+        if accept.num_streams != 1 + len(self.stream_addresses):
+            # Its shards are not ours: it cannot be in our group (it is told why; same next round).
+            if self._open is not None and accept.proposal_id == self._open.proposal_id:
+                self._open.decline(sender)
+            self._unavailable.add(sender)
+            mismatch = Cancel(
+                round=self.round, proposal_id=accept.proposal_id, reason=Reason.STREAMS_MISMATCH
+            )
+            return [Send(sender, mismatch)]
         if self._open is not None and self._open.accept(sender, accept):
             return []
         if (
@@ -192,6 +202,7 @@ class FormationRoles(FormationState):
             grpc_address=self.local.grpc_address,
             num_tokens=self.num_tokens,
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
+            stream_addresses=self.stream_addresses,
         )
 
     def _accept(self, leader: str, proposal: Proposal, now: float) -> list[Action]:

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from protocol.membership.actions import Outcome, StartAllReduce
 from protocol.membership.config import RoundConfig
-from protocol.membership.messages import GroupSpec, Proposal
+from protocol.membership.messages import GroupSpec, Proposal, check_stream_addresses
 from protocol.membership.proposals import OpenProposal
 from protocol.membership.records import PeerRecord, SwarmView, check_int
 
@@ -38,7 +38,14 @@ class FormationState:
     """The fields of one peer's formation of round ``local.round + 1``, and its group once locked."""
 
     def __init__(
-        self, *, config: RoundConfig, local: PeerRecord, num_tokens: int, vector_length: int, now: float
+        self,
+        *,
+        config: RoundConfig,
+        local: PeerRecord,
+        num_tokens: int,
+        vector_length: int,
+        now: float,
+        stream_addresses: tuple[str, ...] = (),
     ) -> None:
         if local.status != "active":
             raise ValueError("a peer that left cannot form a round")
@@ -48,6 +55,7 @@ class FormationState:
         self.peer_id = local.peer_id
         self.num_tokens = check_int("num_tokens", num_tokens)
         self.vector_length = check_int("vector_length", vector_length)
+        self.stream_addresses = check_stream_addresses(stream_addresses)  # our streams 1..S-1
         self.started_at = now
         self.max_deadline = now + _seconds(config.max_wait)
         self.phase = Phase.WAITING

@@ -57,6 +57,20 @@ class Reason(StrEnum):
     STALE_PROPOSAL = "stale_proposal"  # That proposal is no longer current.
     TOO_FEW_PEERS = "too_few_peers"  # (RoundFailed) fewer than min_peers were ready by max_wait.
     MAX_WAIT = "max_wait"  # (MissedRound) max_wait passed without a group that includes me.
+    STREAMS_MISMATCH = "streams_mismatch"  # You open a different number of all-reduce streams than I do.
+
+
+MAX_STREAMS = 64
+"""At most this many all-reduce streams per member (one per local rank of a large node)."""
+
+
+def check_stream_addresses(value: object) -> tuple[str, ...]:
+    """A tuple of at most ``MAX_STREAMS - 1`` ``host:port`` addresses (streams 1..S-1)."""
+    if not isinstance(value, tuple) or len(value) > MAX_STREAMS - 1:
+        raise ValueError(f"stream_addresses must be a tuple of at most {MAX_STREAMS - 1} addresses")
+    for i, address in enumerate(value):
+        check_address(address, f"stream_addresses[{i}]")
+    return value
 
 
 def _check_round(value: object) -> int:
@@ -82,6 +96,8 @@ class GroupMember:
     num_tokens: int
     """Tokens the member processed in the round's inner phase: its contribution's weight."""
     bandwidth_bytes_per_s: float
+    stream_addresses: tuple[str, ...] = ()
+    """Where the member's all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -90,6 +106,15 @@ class GroupMember:
         object.__setattr__(
             self, "bandwidth_bytes_per_s", check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         )
+        check_stream_addresses(self.stream_addresses)
+
+    @property
+    def num_streams(self) -> int:
+        return 1 + len(self.stream_addresses)
+
+    def stream_address(self, stream: int) -> str:
+        """Where stream ``stream`` (0-based) of this member listens."""
+        return self.grpc_address if stream == 0 else self.stream_addresses[stream - 1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +158,16 @@ class GroupSpec:
             raise ValueError(f"part_boundaries must run from 0 to {self.vector_length}, got {bounds}")
         if any(a > b for a, b in pairwise(bounds)):
             raise ValueError(f"part_boundaries must not decrease, got {bounds}")
+        streams = {member.num_streams for member in self.members}
+        if len(streams) != 1:
+            raise ValueError(
+                f"members must all open the same number of all-reduce streams, got {sorted(streams)}"
+            )
+
+    @property
+    def num_streams(self) -> int:
+        """How many all-reduce streams the round runs (each member opens this many)."""
+        return self.members[0].num_streams
 
     @property
     def member_ids(self) -> tuple[str, ...]:
@@ -218,6 +253,8 @@ class Accept:
     num_tokens: int
     """Tokens processed in this round's inner phase: the weight of this peer's contribution."""
     bandwidth_bytes_per_s: float
+    stream_addresses: tuple[str, ...] = ()
+    """Where our all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
 
     def __post_init__(self) -> None:
         _check_round(self.round)
@@ -227,6 +264,11 @@ class Accept:
         object.__setattr__(
             self, "bandwidth_bytes_per_s", check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         )
+        check_stream_addresses(self.stream_addresses)
+
+    @property
+    def num_streams(self) -> int:
+        return 1 + len(self.stream_addresses)
 
 
 @dataclass(frozen=True, kw_only=True)

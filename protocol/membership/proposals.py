@@ -63,6 +63,7 @@ class OpenProposal:
                 grpc_address=accept.grpc_address,
                 num_tokens=accept.num_tokens,
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
+                stream_addresses=accept.stream_addresses,
             )
             for peer_id, accept in self.accepts.items()
         ]

@@ -23,6 +23,7 @@ from typing import Final
 from protocol.gen.dtnode.v1 import membership_pb2 as pb
 from protocol.membership.messages import (
     MAX_GROUP_SIZE,
+    MAX_STREAMS,
     Accept,
     Begin,
     Cancel,
@@ -55,6 +56,7 @@ _REASON_TO_PB: Final[dict[Reason, pb.Reason]] = {
     Reason.STALE_PROPOSAL: pb.REASON_STALE_PROPOSAL,
     Reason.TOO_FEW_PEERS: pb.REASON_TOO_FEW_PEERS,
     Reason.MAX_WAIT: pb.REASON_MAX_WAIT,
+    Reason.STREAMS_MISMATCH: pb.REASON_STREAMS_MISMATCH,
 }
 _REASON_FROM_PB: Final[dict[int, Reason]] = {int(value): reason for reason, value in _REASON_TO_PB.items()}
 assert len(_REASON_FROM_PB) == len(_REASON_TO_PB) == len(Reason), "every Reason needs its own wire value"
@@ -69,6 +71,7 @@ def _member_to_pb(member: GroupMember) -> pb.GroupMember:
         grpc_address=member.grpc_address,
         num_tokens=member.num_tokens,
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
+        stream_addresses=member.stream_addresses,
     )
 
 
@@ -114,6 +117,7 @@ def to_envelope(message: Message, *, sender_id: str, protocol_version: int) -> p
                     grpc_address=message.grpc_address,
                     num_tokens=message.num_tokens,
                     bandwidth_bytes_per_s=message.bandwidth_bytes_per_s,
+                    stream_addresses=message.stream_addresses,
                 )
             )
         case Reject():
@@ -166,11 +170,13 @@ def _check_count(name: str, count: int, maximum: int = MAX_GROUP_SIZE) -> None:
 
 
 def _member_from_pb(member: pb.GroupMember) -> GroupMember:
+    _check_count("stream_addresses", len(member.stream_addresses), MAX_STREAMS - 1)
     return GroupMember(
         peer_id=member.peer_id,
         grpc_address=member.grpc_address,
         num_tokens=member.num_tokens,
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
+        stream_addresses=tuple(member.stream_addresses),
     )
 
 
@@ -204,12 +210,14 @@ def _message_from_pb(envelope: pb.MembershipEnvelope, kind: str) -> Message:
             )
         case "accept":
             accept = envelope.accept
+            _check_count("stream_addresses", len(accept.stream_addresses), MAX_STREAMS - 1)
             return Accept(
                 round=accept.round,
                 proposal_id=accept.proposal_id,
                 grpc_address=accept.grpc_address,
                 num_tokens=accept.num_tokens,
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
+                stream_addresses=tuple(accept.stream_addresses),
             )
         case "reject":
             reject = envelope.reject

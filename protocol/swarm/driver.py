@@ -175,7 +175,14 @@ class RoundDriver:
 
     # --- one formation ---
 
-    async def form(self, local: PeerRecord, *, num_tokens: int, vector_length: int) -> Outcome:
+    async def form(
+        self,
+        local: PeerRecord,
+        *,
+        num_tokens: int,
+        vector_length: int,
+        stream_addresses: tuple[str, ...] = (),
+    ) -> Outcome:
         """Form round ``local.round + 1``; returns its outcome by ``max_wait`` (plus a view read)."""
         self.record = dataclasses.replace(local, ready_for_round=None)
         now = self.clock()
@@ -185,6 +192,7 @@ class RoundDriver:
             num_tokens=num_tokens,
             vector_length=vector_length,
             now=now,
+            stream_addresses=stream_addresses,
         )
         self._formation = formation
         view = await self._read_view()

@@ -59,6 +59,7 @@ from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
 from protocol.swarm.driver import RoundDriver
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
+from protocol.swarm.streams import StreamJob, StreamRunner, combine, stream_bounds, stream_group
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class SwarmNode:
         self._last_group: GroupSpec | None = None  # the group of our last round
         self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
         self._phase = PhaseState(NodePhase.STARTING, 0, time.monotonic())
+        self.streams: StreamRunner | None = None  # streams 1..S-1 of our rounds (attach_streams)
+        self.stream_addresses: tuple[str, ...] = ()
         try:
             self.peer_id = self.dht.peer_id
             self.registry = SwarmRegistry(
@@ -146,6 +149,19 @@ class SwarmNode:
             host = routable_host(self.dht.visible_multiaddrs())
             if host is not None:
                 self.grpc_address = f"{host}:{self.server.port}"
+
+    def attach_streams(self, runner: StreamRunner) -> None:
+        """Run our rounds on ``1 + len(runner.addresses)`` streams: shard 0 here, the others on
+        ``runner`` (``protocol/swarm/streams.py``). Peers that open another number are left out."""
+        addresses = tuple(runner.addresses)
+        if self.config.announce_host is None and self.config.listen_host in WILDCARD_HOSTS:
+            # Bound to every interface: advertise the host others reach our node server on.
+            host = self.grpc_address.rpartition(":")[0]
+            addresses = tuple(f"{host}:{address.rpartition(':')[2]}" for address in addresses)
+        self.streams, self.stream_addresses = runner, addresses
+        logger.info(
+            "all-reduce on %d streams: %s", 1 + len(addresses), ", ".join((self.grpc_address, *addresses))
+        )
 
     # --- identity ---
 
@@ -309,7 +325,12 @@ class SwarmNode:
             started = time.monotonic()
             formation_budget = self.config.rounds.max_wait + 2 * self.config.dht_call_timeout
             outcome = self._run(
-                self.driver.form(local, num_tokens=max(num_tokens, 1), vector_length=vector.numel()),
+                self.driver.form(
+                    local,
+                    num_tokens=max(num_tokens, 1),
+                    vector_length=vector.numel(),
+                    stream_addresses=self.stream_addresses,
+                ),
                 formation_budget,
             )
             seconds_forming = time.monotonic() - started
@@ -353,18 +374,22 @@ class SwarmNode:
             # We moved to a lineage whose rounds are numbered lower.
             if group.round <= registry.highest_opened:
                 self._run(_call(registry.rewind), timedelta(seconds=5))
-            result = self._run(
-                self.server.allreduce.allreduce(
-                    vector,
-                    group=to_allreduce_group(group),
-                    my_peer_id=self.peer_id,
-                    weight=float(group.members[group.index_of(self.peer_id)].num_tokens),
-                    codec=self.codec,
-                    error_feedback=error_feedback,
-                    deadline=self.config.round_deadline,
-                ),
-                self.config.round_deadline,
-            )
+            weight = float(group.members[group.index_of(self.peer_id)].num_tokens)
+            if group.num_streams == 1:
+                result = self._run(
+                    self.server.allreduce.allreduce(
+                        vector,
+                        group=to_allreduce_group(group),
+                        my_peer_id=self.peer_id,
+                        weight=weight,
+                        codec=self.codec,
+                        error_feedback=error_feedback,
+                        deadline=self.config.round_deadline,
+                    ),
+                    self.config.round_deadline,
+                )
+            else:
+                result = self._run_streams(vector, group, weight, error_feedback)
             return RoundResult(
                 kind="averaged",
                 round=next_round,
@@ -372,6 +397,42 @@ class SwarmNode:
                 allreduce=result,
                 seconds_forming=seconds_forming,
             )
+
+    def _run_streams(
+        self, vector: torch.Tensor, group: GroupSpec, weight: float, error_feedback: ErrorFeedback | None
+    ) -> AllReduceResult:
+        """Shard 0 on our server while the runner runs shards 1..S-1; the round's combined result."""
+        assert self.streams is not None and self._loop is not None  # a group of S > 1 has our S
+        bounds = stream_bounds(vector.numel(), group.num_streams)
+        shards = [vector[bounds[s] : bounds[s + 1]] for s in range(group.num_streams)]
+        deadline = self.config.round_deadline
+        first = self._loop.submit(
+            self.server.allreduce.allreduce(
+                shards[0],
+                group=stream_group(group, 0),
+                my_peer_id=self.peer_id,
+                weight=weight,
+                codec=self.codec,
+                error_feedback=error_feedback,
+                deadline=deadline,
+            )
+        )
+        jobs = [
+            StreamJob(
+                stream=s,
+                group=stream_group(group, s),
+                my_peer_id=self.peer_id,
+                weight=weight,
+                codec=self.codec.name,
+                deadline=deadline,
+            )
+            for s in range(1, group.num_streams)
+        ]
+        try:
+            others = self.streams.run(jobs, shards[1:])
+        finally:
+            ours = first.result(timeout=(deadline + MARGIN).total_seconds())
+        return combine(vector, bounds, [ours, *others])
 
         # --- keeping the DHT whole ---
 

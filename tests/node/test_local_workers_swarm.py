@@ -2,7 +2,9 @@
 
 - A single-process node and a node of 2 tensor-parallel local ranks share every round with one
   param_hash; a third node of 2 data-parallel ranks joins mid-run, adopts the swarm's state (written to
-  every local rank) and matches from its first round on.
+  every local rank) and matches from its first round on. All three all-reduce on 2 streams
+  (``--swarm-streams 2``): the single-process node serves stream 1 in its own process, the others on
+  their local rank 1, with the int8 codec's residual kept per stream.
 - A local worker that dies is reported by name and the node exits non-zero instead of hanging, its other
   processes gone with it.
 """
@@ -56,7 +58,7 @@ def worker_pids(pid: int) -> list[int]:
 @pytest.mark.timeout(300)
 def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
     with Cluster(tmp_path) as cluster:
-        flags = ["--min-peers", "2"]  # no round limit: stopped by SIGTERM below
+        flags = ["--min-peers", "2", "--swarm-streams", "2"]  # no round limit: stopped by SIGTERM below
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=peers)
@@ -69,6 +71,8 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         assert "2 local workers: dp=1 x tp=2 x pp=1" in parallel.log()
         assert "2 local workers: dp=2 x tp=1 x pp=1" in joiner.log()
         assert "adopting the swarm's state" in joiner.log()
+        for node in cluster.nodes:
+            assert "all-reduce on 2 streams" in node.log(), tail(node)
         rounds = sorted(set(first.hashes()) & set(parallel.hashes()))
         assert len(rounds) >= 2 and all(r["peers"] >= 2 for r in parallel.records()), parallel.records()
         assert_one_lineage([node.hashes() for node in cluster.nodes], rounds)

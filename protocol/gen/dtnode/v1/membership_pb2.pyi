@@ -26,6 +26,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_STALE_PROPOSAL: _ClassVar[Reason]
     REASON_TOO_FEW_PEERS: _ClassVar[Reason]
     REASON_MAX_WAIT: _ClassVar[Reason]
+    REASON_STREAMS_MISMATCH: _ClassVar[Reason]
 REASON_UNSPECIFIED: Reason
 REASON_WRONG_ROUND: Reason
 REASON_LINEAGE_MISMATCH: Reason
@@ -43,6 +44,7 @@ REASON_ROUND_STARTED: Reason
 REASON_STALE_PROPOSAL: Reason
 REASON_TOO_FEW_PEERS: Reason
 REASON_MAX_WAIT: Reason
+REASON_STREAMS_MISMATCH: Reason
 
 class JoinRequest(_message.Message):
     __slots__ = ("round", "param_hash")
@@ -65,18 +67,20 @@ class Proposal(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., param_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Accept(_message.Message):
-    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s")
+    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     round: int
     proposal_id: str
     grpc_address: str
     num_tokens: int
     bandwidth_bytes_per_s: float
-    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+    stream_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("round", "proposal_id", "reason")
@@ -109,16 +113,18 @@ class Cancel(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., reason: _Optional[_Union[Reason, str]] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s")
+    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     grpc_address: str
     num_tokens: int
     bandwidth_bytes_per_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+    stream_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("round", "group_id", "leader_id", "param_hash", "vector_length", "members", "part_boundaries")

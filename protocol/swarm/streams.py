@@ -1,0 +1,200 @@
+"""All-reduce streams: one round's vector cut into S equal shards, each all-reduced on its own stream.
+
+A member that opens S streams serves stream 0 on its node server and streams 1..S-1 on servers of
+their own (``StreamServer``), typically one in each local rank's process, so a node with k ranks
+encodes, sends, reduces and decodes k shards at once. Every member of a group opens the same number
+of streams (the group says so); stream ``s`` of the round is an ordinary all-reduce of shard ``s``
+among the members' stream-``s`` servers, with parts sized by the members' bandwidths as usual:
+
+    bounds = stream_bounds(group.vector_length, group.num_streams)
+    shard_s = vector[bounds[s]:bounds[s + 1]]  -- all-reduced with stream_group(group, s)
+
+The whole round's result (``combine``) is the concatenation of the streams' results; if any stream
+fell back, the round did (our own vector), as for a one-stream round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.group import GroupSpec as AllReduceGroup
+from protocol.allreduce.group import Member, split_by_weight
+from protocol.allreduce.peer import AllReducePeer
+from protocol.auth.channels import SwarmAuth
+from protocol.codecs import get_codec
+from protocol.error_feedback import ErrorFeedback
+from protocol.loop import BackgroundLoop
+from protocol.membership.messages import MAX_STREAMS, GroupSpec
+from protocol.membership.parts import part_boundaries
+
+logger = logging.getLogger(__name__)
+
+RESULT_MARGIN = timedelta(seconds=5)
+"""How much longer than a stream's deadline its caller waits before declaring the loop wedged."""
+
+
+def stream_bounds(vector_length: int, num_streams: int) -> tuple[int, ...]:
+    """``num_streams + 1`` bounds from 0 to ``vector_length``: stream ``s`` carries ``[b[s], b[s + 1])``."""
+    if not 1 <= num_streams <= MAX_STREAMS:
+        raise ValueError(f"num_streams must be in 1..{MAX_STREAMS}, got {num_streams}")
+    return split_by_weight(vector_length, [1.0] * num_streams)
+
+
+def stream_group(group: GroupSpec, stream: int) -> AllReduceGroup:
+    """The all-reduce group of stream ``stream`` of an agreed round group: the same members in the
+    same order, each at its stream-``stream`` address, owning parts of the stream's shard sized by
+    their bandwidths (``parts.py``)."""
+    if not 0 <= stream < group.num_streams:
+        raise ValueError(f"stream must be in 0..{group.num_streams - 1}, got {stream}")
+    bounds = stream_bounds(group.vector_length, group.num_streams)
+    bandwidths = [member.bandwidth_bytes_per_s for member in group.members]
+    return AllReduceGroup(
+        round_id=group.round,
+        members=tuple(Member(peer_id=m.peer_id, address=m.stream_address(stream)) for m in group.members),
+        part_bounds=part_boundaries(bandwidths, bounds[stream + 1] - bounds[stream]),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamJob:
+    """What the process serving stream ``stream`` needs to run its part of a round (picklable)."""
+
+    stream: int
+    group: AllReduceGroup
+    my_peer_id: str
+    weight: float
+    codec: str
+    deadline: timedelta
+
+
+class StreamRunner(Protocol):
+    """Runs streams 1..S-1 of our rounds wherever their servers live (the node's local ranks)."""
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Where streams 1..S-1 listen, in order (what our Accept advertises)."""
+        ...
+
+    def run(self, jobs: Sequence[StreamJob], shards: Sequence[torch.Tensor]) -> list[AllReduceResult]:
+        """Run ``jobs[i]`` on ``shards[i]`` (fp32 CPU), all at once; blocks until every stream returned
+        (each within its deadline plus a margin)."""
+        ...
+
+    def reset_error_feedback(self) -> None:
+        """Forget every stream's codec residual (the vector's meaning changed: we adopted a state)."""
+        ...
+
+
+class StreamServer:
+    """One extra stream's all-reduce server, on a uvloop thread of its own; blocking calls.
+
+    It keeps its own codec residual (error feedback) for its shard across rounds.
+    """
+
+    def __init__(
+        self,
+        *,
+        listen_host: str,
+        announce_host: str | None,
+        config: AllReduceConfig,
+        auth: SwarmAuth | None,
+        start_timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        self._loop = BackgroundLoop()
+        try:
+            self._peer = self._loop.run(
+                AllReducePeer.start(host=listen_host, port=0, config=config, auth=auth), start_timeout
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+        host = announce_host or self._peer.address.rpartition(":")[0]
+        self.address = f"{host}:{self._peer.port}"
+        self._error_feedback: ErrorFeedback | None = None
+
+    def allreduce(self, job: StreamJob, shard: torch.Tensor) -> AllReduceResult:
+        """Average ``shard`` with the job's group; returns within the job's deadline + RESULT_MARGIN."""
+        codec = get_codec(job.codec)
+        feedback = None
+        if codec.name != "none":
+            if self._error_feedback is None or self._error_feedback.num_elements != shard.numel():
+                self._error_feedback = ErrorFeedback(shard.numel())
+            feedback = self._error_feedback
+        registry = self._peer.registry
+        if job.group.round_id <= registry.highest_opened:  # we moved to a lineage numbered lower
+            self._loop.run(_rewind(self._peer), timedelta(seconds=5))
+        return self._loop.run(
+            self._peer.allreduce(
+                shard,
+                group=job.group,
+                my_peer_id=job.my_peer_id,
+                weight=job.weight,
+                codec=codec,
+                error_feedback=feedback,
+                deadline=job.deadline,
+            ),
+            job.deadline + RESULT_MARGIN,
+        )
+
+    def residual_norm(self) -> float:
+        return 0.0 if self._error_feedback is None else self._error_feedback.norm()
+
+    def reset_error_feedback(self) -> None:
+        self._error_feedback = None
+
+    def close(self, grace: timedelta = timedelta(seconds=2)) -> None:
+        """Stop the server (in-flight calls get ``grace``), then the loop thread."""
+        try:
+            self._loop.run(self._peer.stop(grace), grace + RESULT_MARGIN)
+        finally:
+            self._loop.close()
+
+
+async def _rewind(peer: AllReducePeer) -> None:
+    peer.registry.rewind()
+
+
+def combine(
+    vector: torch.Tensor, bounds: Sequence[int], results: Sequence[AllReduceResult]
+) -> AllReduceResult:
+    """One round's result from its streams' (stream ``s`` covered ``vector[bounds[s]:bounds[s + 1]]``).
+
+    Parts are listed stream after stream; if any stream fell back, the round did: ``averaged`` is a
+    copy of ``vector`` (the members whose streams all committed hold a mean this member does not).
+    """
+    fell_back = any(result.fell_back for result in results)
+    averaged = vector.clone() if fell_back else torch.cat([result.averaged for result in results])
+    if averaged.numel() != bounds[-1]:
+        raise ValueError(f"the streams cover {averaged.numel()} numbers, the vector has {bounds[-1]}")
+
+    def summed(field: str) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for result in results:
+            for phase, count in getattr(result, field).items():
+                total[phase] = total.get(phase, 0) + count
+        return total
+
+    def tagged(stream: int, lines: list[str]) -> list[str]:
+        return lines if len(results) == 1 else [f"stream {stream}: {line}" for line in lines]
+
+    return AllReduceResult(
+        averaged=averaged,
+        contributors=[part for result in results for part in result.contributors],
+        producers=[producer for result in results for producer in result.producers],
+        fell_back=fell_back,
+        failures=[line for s, result in enumerate(results) for line in tagged(s, result.failures)],
+        bytes_sent=sum(result.bytes_sent for result in results),
+        bytes_recv=sum(result.bytes_recv for result in results),
+        bytes_sent_by_phase=summed("bytes_sent_by_phase"),
+        bytes_recv_by_phase=summed("bytes_recv_by_phase"),
+        seconds=max(result.seconds for result in results),
+        adjustments=[line for s, result in enumerate(results) for line in tagged(s, result.adjustments)],
+    )
