@@ -276,7 +276,9 @@ def test_streams_keep_serving_the_next_round(streamed_nodes: list[SwarmNode]) ->
     results = _round(streamed_nodes, vectors, [1, 1, 2], round=1)  # round ids increase on every server
     for result in results:
         assert result.kind == "averaged" and result.allreduce is not None
-        torch.testing.assert_close(result.allreduce.averaged, torch.full((9_000,), 9.0 / 4.0))  # (1 + 2 + 2 x 3) / 4
+        torch.testing.assert_close(
+            result.allreduce.averaged, torch.full((9_000,), 9.0 / 4.0)
+        )  # (1 + 2 + 2 x 3) / 4
 
 
 @pytest.mark.timeout(30)
