@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from node.config import NodeConfig
 from protocol.allreduce.allreduce import AllReduceResult
-from protocol.swarm.streams import RESULT_MARGIN, StreamJob, StreamServer
+from protocol.swarm.streams import RESULT_MARGIN, StreamJob, StreamServer, fell_back
 
 if TYPE_CHECKING:
     from node.parallel.local import LocalWorkers
@@ -75,7 +75,7 @@ class RankStreams:
                 results.append(future.result())  # each returns within its deadline + margin
             except Exception as error:
                 log.warning("all-reduce stream %d failed: %s", job.stream, error)
-                results.append(_fell_back(shard, f"stream {job.stream} failed: {error}"))
+                results.append(fell_back(shard, f"stream {job.stream} failed: {error}"))
         return results
 
     def reset_error_feedback(self) -> None:
@@ -111,21 +111,6 @@ class InProcessStreams:
 
     def close(self) -> None:
         self._streams.close()
-
-
-def _fell_back(shard: torch.Tensor, why: str) -> AllReduceResult:
-    return AllReduceResult(
-        averaged=shard.clone(),
-        contributors=[],
-        producers=[],
-        fell_back=True,
-        failures=[why],
-        bytes_sent=0,
-        bytes_recv=0,
-        bytes_sent_by_phase={},
-        bytes_recv_by_phase={},
-        seconds=0.0,
-    )
 
 
 # --- through the local workers ---

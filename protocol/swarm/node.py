@@ -59,7 +59,7 @@ from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
 from protocol.swarm.driver import RoundDriver
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
-from protocol.swarm.streams import StreamJob, StreamRunner, combine, stream_bounds, stream_group
+from protocol.swarm.streams import StreamJob, StreamRunner, combine, fell_back, stream_bounds, stream_group
 
 logger = logging.getLogger(__name__)
 
@@ -430,6 +430,9 @@ class SwarmNode:
         ]
         try:
             others = self.streams.run(jobs, shards[1:])
+        except Exception as error:  # the runner's processes: a failure there is a failed stream, not ours
+            logger.warning("round %d: streams 1..%d failed: %s", group.round, group.num_streams - 1, error)
+            others = [fell_back(shard, f"stream {job.stream}: {error}") for job, shard in zip(jobs, shards[1:], strict=True)]  # fmt: skip
         finally:
             ours = first.result(timeout=(deadline + MARGIN).total_seconds())
         return combine(vector, bounds, [ours, *others])

@@ -119,9 +119,12 @@ class StreamServer:
         host = announce_host or self._peer.address.rpartition(":")[0]
         self.address = f"{host}:{self._peer.port}"
         self._error_feedback: ErrorFeedback | None = None
+        self._closed = False
 
     def allreduce(self, job: StreamJob, shard: torch.Tensor) -> AllReduceResult:
         """Average ``shard`` with the job's group; returns within the job's deadline + RESULT_MARGIN."""
+        if self._closed:
+            raise RuntimeError(f"the server of stream {job.stream} is closed")
         codec = get_codec(job.codec)
         feedback = None
         if codec.name != "none":
@@ -151,11 +154,30 @@ class StreamServer:
         self._error_feedback = None
 
     def close(self, grace: timedelta = timedelta(seconds=2)) -> None:
-        """Stop the server (in-flight calls get ``grace``), then the loop thread."""
+        """Stop the server (in-flight calls get ``grace``), then the loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._loop.run(self._peer.stop(grace), grace + RESULT_MARGIN)
         finally:
             self._loop.close()
+
+
+def fell_back(shard: torch.Tensor, why: str) -> AllReduceResult:
+    """The result of a stream that could not run at all: our own shard, and why."""
+    return AllReduceResult(
+        averaged=shard.clone(),
+        contributors=[],
+        producers=[],
+        fell_back=True,
+        failures=[why],
+        bytes_sent=0,
+        bytes_recv=0,
+        bytes_sent_by_phase={},
+        bytes_recv_by_phase={},
+        seconds=0.0,
+    )
 
 
 async def _rewind(peer: AllReducePeer) -> None:

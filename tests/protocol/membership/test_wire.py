@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -219,6 +220,16 @@ _members = st.builds(
 def _groups(draw: st.DrawFn) -> GroupSpec:
     members = draw(st.lists(_members, min_size=1, max_size=12, unique_by=lambda member: member.peer_id))
     members.sort(key=lambda member: member.peer_id)
+    extra_streams = draw(st.integers(min_value=0, max_value=3))  # every member opens the same number
+    members = [
+        replace(
+            member,
+            stream_addresses=tuple(
+                draw(st.lists(_addresses, min_size=extra_streams, max_size=extra_streams))
+            ),
+        )
+        for member in members
+    ]
     vector_length = draw(st.integers(min_value=0, max_value=MAX_COUNTER))
     inner = draw(
         st.lists(st.integers(0, vector_length), min_size=len(members) - 1, max_size=len(members) - 1)
@@ -251,6 +262,7 @@ _messages: st.SearchStrategy[Message] = st.one_of(
         grpc_address=_addresses,
         num_tokens=_counts,
         bandwidth_bytes_per_s=_rates,
+        stream_addresses=st.lists(_addresses, max_size=4).map(tuple),
     ),
     _notice.flatmap(
         lambda cls: st.builds(cls, round=_rounds, proposal_id=_ids, reason=st.sampled_from(Reason))

@@ -8,6 +8,7 @@ the same codec gives without streams, within its error.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -291,3 +292,29 @@ def test_a_stream_server_advertises_the_announced_host() -> None:
         assert host == "10.1.2.3" and int(port) > 0
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_whose_stream_server_is_gone_falls_back_and_the_others_finish_identical(
+    streamed_nodes: list[SwarmNode],
+) -> None:
+    """Runs last: it closes the third node's server of stream 2 for good."""
+    broken = streamed_nodes[2]
+    broken.streams.servers[1].close()  # type: ignore[union-attr]  # stream 2 of the third node
+    vectors = [torch.full((12_000,), float(i + 1)) for i in range(NUM_NODES)]
+    started = time.monotonic()
+    results = _round(streamed_nodes, vectors, [1, 1, 1], round=2)
+    assert time.monotonic() - started < 20 + 5, "the round must end by its deadline"
+    ours = results[2].allreduce
+    assert ours is not None and ours.fell_back and torch.equal(ours.averaged, vectors[2])
+    assert any("stream 2" in failure for failure in ours.failures), ours.failures
+    survivors = [r.allreduce for r in results[:2]]
+    assert all(s is not None and not s.fell_back for s in survivors), [s.failures for s in survivors if s]
+    assert torch.equal(survivors[0].averaged, survivors[1].averaged)  # type: ignore[union-attr]
+    # Streams 0 and 1 average all three (2.0); stream 2 the two survivors ((1 + 2) / 2 = 1.5).
+    bounds = stream_bounds(12_000, STREAMS)
+    averaged = survivors[0].averaged  # type: ignore[union-attr]
+    assert torch.equal(averaged[: bounds[2]], torch.full((bounds[2],), 2.0))
+    assert torch.equal(averaged[bounds[2] :], torch.full((12_000 - bounds[2],), 1.5))
+    stream_2_parts = survivors[0].contributors[2 * NUM_NODES :]  # type: ignore[union-attr]
+    assert all(broken.peer_id not in part for part in stream_2_parts), stream_2_parts
