@@ -55,7 +55,9 @@ def pick_device(name: str) -> torch.device:
 def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.device) -> Replica:
     """The node's replica: in this process, or over its local workers (``--local-workers``, ``--dp/--tp/--pp``)."""
     from node.parallel.layout import resolve_layout
+    from node.parallel.tensor import use_device
 
+    use_device(config.device)  # the ranks' device kind (and bf16 autocast's) follows --device
     layout = resolve_layout(config, model_config)
     if layout is None:
         return SingleReplica(model_config, config, device)

@@ -28,15 +28,15 @@ log = logging.getLogger("dtnode")
 
 
 def num_local_workers(config: NodeConfig) -> int:
-    """``--local-workers``, else one per CUDA device, else 1."""
+    """``--local-workers``, else one per CUDA device (unless ``--device cpu``), else 1."""
     if config.local_workers:
         return config.local_workers
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 1
 
 
-def device_memory_bytes(num_workers: int) -> int:
+def device_memory_bytes(num_workers: int, device: str = "auto") -> int:
     """Memory of one local device: the first GPU's, or on CPU the host's RAM shared by the workers."""
-    if torch.cuda.is_available():
+    if device != "cpu" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // num_workers
 
@@ -53,7 +53,7 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
             plan = plan_layout(
                 model_config,
                 num_devices=num_workers,
-                device_memory_bytes=device_memory_bytes(num_workers),
+                device_memory_bytes=device_memory_bytes(num_workers, config.device),
                 seq_len=model_config.seq_len,
                 batch_size=config.batch_size,
             )

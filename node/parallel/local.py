@@ -37,7 +37,7 @@ import torch.distributed as dist
 from node.config import NodeConfig
 from node.model import ModelConfig
 from node.parallel.engine import COMMANDS, LocalLayout, RankEngine
-from node.parallel.tensor import distributed_backend
+from node.parallel.tensor import device_type, distributed_backend, use_device
 
 log = logging.getLogger("dtnode")
 
@@ -51,7 +51,7 @@ STOP_GRACE = timedelta(seconds=10)
 def _init_process_group(rank: int, world_size: int, store_path: str, timeout: timedelta) -> dist.ProcessGroup:
     """The node's default process group, and the gloo group the commands travel on (returned)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         os.environ["LOCAL_RANK"] = str(rank)
     store = dist.FileStore(store_path, world_size)
@@ -89,6 +89,7 @@ def worker_main(
     if config.threads:
         torch.set_num_threads(config.threads)
     timeout = timedelta(seconds=timeout_seconds)
+    use_device(config.device)
     commands = _init_process_group(rank, world_size, store_path, timeout)
     try:
         engine = RankEngine(model_config, config, layout, timeout=timeout)
@@ -140,6 +141,7 @@ class LocalWorkers:
             )
             for rank in range(1, world_size)
         ]
+        use_device(config.device)  # rank 0 (this process) on the same device kind as the others
         for process in self.processes:
             process.start()
         try:

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.parallel.tensor import device_type
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B] | type[ScheduleInterleaved1F1B]] = {
@@ -60,8 +61,8 @@ def pipeline_backend() -> str:
 
 
 def pipeline_device() -> torch.device:
-    """This rank's device: ``cuda:$LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
+    """This rank's device: ``cuda:$LOCAL_RANK`` when the ranks run on CUDA (``device_type``), else the CPU."""
+    if device_type() == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 

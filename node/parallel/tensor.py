@@ -60,8 +60,23 @@ from node.model import GPT
 TENSOR_PARALLEL_AXIS = "tp"
 
 
+_chosen_device: str | None = None  # --device cpu|cuda for this process's ranks; None: auto
+
+
+def use_device(name: str) -> None:
+    """Pin this process's local ranks to ``--device``: ``cpu`` (gloo, even on a CUDA machine),
+    ``cuda``, or ``auto`` (CUDA when available)."""
+    global _chosen_device
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    _chosen_device = None if name == "auto" else name
+
+
 def device_type() -> str:
-    """``"cuda"`` when a CUDA device is available, else ``"cpu"``: the device of the mesh and model."""
+    """The device of the mesh and model: ``--device`` if pinned (``use_device``), else ``"cuda"`` when a
+    CUDA device is available, else ``"cpu"``."""
+    if _chosen_device is not None:
+        return _chosen_device
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
