@@ -46,6 +46,7 @@ STOP = "stop"
 COMMAND_TIMEOUT = timedelta(days=1)
 PARENT_POLL_SECONDS = 1.0
 STOP_GRACE = timedelta(seconds=10)
+DEATH_GRACE = timedelta(seconds=3)  # how long a failed call waits for a dying rank to be reaped
 
 
 def _init_process_group(rank: int, world_size: int, store_path: str, timeout: timedelta) -> dist.ProcessGroup:
@@ -168,8 +169,17 @@ class LocalWorkers:
             dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
             return COMMANDS[name](self.engine, payload if rank0_payload is None else rank0_payload)
         except (RuntimeError, dist.DistError) as error:
+            # A rank that was killed resets its connections before it is reaped: give it a moment to
+            # show up as dead, so the error names it rather than the socket.
+            self._await_exit(DEATH_GRACE)
             self._check_workers()
             raise LocalWorkerError(f"local call {name!r} failed: {error}") from error
+
+    def _await_exit(self, grace: timedelta) -> None:
+        """Return once some rank has exited, or after ``grace``."""
+        deadline = time.monotonic() + grace.total_seconds()
+        while time.monotonic() < deadline and all(process.is_alive() for process in self.processes):
+            time.sleep(0.05)
 
     def _check_workers(self) -> None:
         for rank, process in enumerate(self.processes, start=1):

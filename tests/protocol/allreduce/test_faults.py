@@ -107,7 +107,9 @@ def test_survivors_agree_when_an_owner_freezes(tmp_path: Path) -> None:
         assert producers(records, 0)[1] == "peer-2"
         for round_id in range(NUM_ROUNDS):
             for rounds in records.values():
-                assert float(rounds[round_id]["seconds"]) < 8.0  # type: ignore[arg-type]  # a few stall timeouts
+                # A few 2 s stall timeouts, not the deadline a frozen owner would cost if it were
+                # waited for (15 s leaves room for a loaded CI machine; 10.5 s was seen there).
+                assert float(rounds[round_id]["seconds"]) < 0.75 * DEADLINE_SECONDS  # type: ignore[arg-type]
     finally:
         workers.stop()
 
