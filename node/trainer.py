@@ -59,6 +59,12 @@ def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.d
 
     use_device(config.device)  # the ranks' device kind (and bf16 autocast's) follows --device
     layout = resolve_layout(config, model_config)
+    if layout is not None and config.overlap and config.swarm_streams > 1:
+        # The streams travel on the local ranks' command group, which the inner steps hold meanwhile.
+        raise ConfigError(
+            "--overlap with --swarm-streams > 1 needs a node without local workers "
+            "(the streams of a node with local workers run between inner steps, not alongside them)"
+        )
     if layout is None:
         return SingleReplica(model_config, config, device)
     return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))

@@ -145,26 +145,27 @@ def run_streams(
     if rank == 0:
         assert shards is not None
         sends = [
-            dist.isend(shard.contiguous(), dst=owner, group=commands)
+            dist.isend(shard, dst=owner, group=commands)  # slices of one vector: contiguous already
             for shard, owner in zip(shards, owners, strict=True)
             if owner != 0
         ]
         for work in sends:
             if work is not None:
                 work.wait(wait)
-        mine = [i for i, owner in enumerate(owners) if owner == 0]
-        ran = streams.run([jobs[i] for i in mine], [shards[i] for i in mine]) if mine and streams else []
-        local = dict(zip(mine, ran, strict=True))
-        results: list[AllReduceResult | None] = [local.get(i) for i in range(len(jobs))]
-        received: list[Any] = [None] * world_size
-        dist.gather_object(None, received, dst=0, group=commands)
+        results: dict[int, AllReduceResult] = {}
+        ours = [i for i, owner in enumerate(owners) if owner == 0]  # streams >= K stay here
+        if ours and streams is not None:
+            ran = streams.run([jobs[i] for i in ours], [shards[i] for i in ours])
+            results.update(zip(ours, ran, strict=True))
+        replies: list[Any] = [None] * world_size
+        dist.gather_object(None, replies, dst=0, group=commands)
         for worker_rank in range(1, world_size):
-            for i, result in zip([i for i, o in enumerate(owners) if o == worker_rank], received[worker_rank] or [], strict=True):  # fmt: skip
+            theirs = [i for i, owner in enumerate(owners) if owner == worker_rank]
+            for i, result in zip(theirs, replies[worker_rank] or [], strict=True):
                 averaged = torch.empty(shards[i].numel(), dtype=torch.float32)
-                dist.recv(averaged, src=worker_rank, group=commands)
+                dist.recv(averaged, src=worker_rank, group=commands)  # in the order the rank sends them
                 results[i] = dataclasses.replace(result, averaged=averaged)
-        assert all(result is not None for result in results)
-        return results  # type: ignore[return-value]  # every slot filled above
+        return [results[i] for i in range(len(jobs))]
     mine = [i for i, owner in enumerate(owners) if owner == rank]
     my_shards = []
     for i in mine:

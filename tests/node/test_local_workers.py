@@ -164,6 +164,10 @@ def test_bf16_autocast_stays_close_to_fp32(
         (["--local-workers", "3", "--tp", "3"], "does not divide num_heads"),
         (["--local-workers", "2", "--pp", "2", "--microbatches", "3"], "must divide the per-replica batch"),
         (["--local-workers", "2", "--pp", "2", "--zero", "3"], "does not run with pipeline stages"),
+        (
+            ["--local-workers", "2", "--tp", "2", "--overlap", "--swarm-streams", "2"],
+            "--overlap with --swarm-streams",
+        ),
     ],
 )
 def test_an_impossible_layout_is_a_clear_error(

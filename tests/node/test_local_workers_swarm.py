@@ -97,7 +97,9 @@ def test_a_dead_local_worker_stops_the_node_with_a_clear_error(tmp_path):
         assert code not in (0, None), tail(node)
         assert time.monotonic() - started < 60
         assert "local worker rank 1 exited with code -9" in node.log(), tail(node)
-        wait_for(lambda: not any(alive(pid) for pid in children), 15, "the node's processes to go", node)
+        # (Not passing ``node``: it has exited, which is the point, and its resource tracker may
+        # still be on its way out at the first poll.)
+        wait_for(lambda: not any(alive(pid) for pid in children), 15, "the node's processes to go")
 
 
 @pytest.mark.timeout(180)
