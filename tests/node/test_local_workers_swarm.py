@@ -11,14 +11,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
+from protocol.auth.channels import SwarmAuth, open_channel
+from protocol.auth.key import SwarmKey
 from tests.node.swarm_cluster import Cluster, tail, wait_for
 from tests.node.test_swarm_cli import assert_one_lineage
 
@@ -81,6 +88,46 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         assert_one_lineage([first.hashes(), joiner.hashes()], joined)
         losses = [r["eval_loss"] for r in parallel.records()]
         assert losses[-1] < losses[0], losses
+
+
+def answers_health(address: str, auth: SwarmAuth | None) -> bool:
+    """Whether the gRPC server at ``address`` answers a health check made with ``auth``."""
+
+    async def check() -> bool:
+        async with open_channel(address, options=[], auth=auth) as channel:
+            try:
+                await HealthStub(channel).Check(HealthCheckRequest(service=""), timeout=5)
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+    return asyncio.run(check())
+
+
+@pytest.mark.timeout(240)
+def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
+    """A rank's stream server takes only the swarm's TLS callers, and its rounds go through."""
+    key_path = tmp_path / "swarm.key"
+    SwarmKey.generate().write(key_path)
+    auth = SwarmAuth(SwarmKey.from_file(key_path), tls=True)
+    flags = ["--min-peers", "2", "--swarm-streams", "2", "--swarm-key-file", str(key_path), "--tls"]
+    with Cluster(tmp_path) as cluster:
+        single = cluster.start(flags)
+        parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=cluster.first_multiaddr(single))
+        wait_for(lambda: len(parallel.records()) >= 2, 150, "two rounds of the tp node", parallel)
+        streams = re.search(r"all-reduce on 2 streams: (\S+), (\S+)", parallel.log())
+        assert streams is not None, tail(parallel)
+        for address in streams.groups():  # the node server, then rank 1's stream server
+            assert answers_health(address, auth), address
+            assert not answers_health(address, None), f"{address} answers a plaintext caller"
+        for node in cluster.nodes:
+            node.signal(signal.SIGTERM)
+        assert cluster.wait_all(90) == [0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
+        rounds = sorted(set(single.hashes()) & set(parallel.hashes()))
+        assert len(rounds) >= 2, (single.hashes(), parallel.hashes())
+        assert_one_lineage([single.hashes(), parallel.hashes()], rounds)
+        shared = [r for r in parallel.records() if r["round"] in rounds]
+        assert all(r["peers"] == 2 and not r["fell_back"] for r in shared), shared
 
 
 @pytest.mark.timeout(180)
