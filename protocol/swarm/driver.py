@@ -32,7 +32,7 @@ from protocol.membership.actions import (
     Send,
     reply_without_formation,
 )
-from protocol.membership.messages import Accept, Begin, Message
+from protocol.membership.messages import Accept, Begin, Cancel, Message, Reason
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.rounds import RoundFormation
 from protocol.membership.transport import MembershipClient
@@ -75,6 +75,7 @@ class RoundDriver:
         # older than a proposal lives (the formation's own timeouts take over then).
         self._unaddressed: list[tuple[float, Send]] = []
         self.num_messages_in = 0
+        self._warned_streams: set[str] = set()  # peers we told the user cannot share our rounds
         self.num_messages_dropped = 0
 
     # --- records and views ---
@@ -106,6 +107,8 @@ class RoundDriver:
         self.num_messages_in += 1
         if sender == self.peer_id:
             raise ValueError("a peer does not send round messages to itself")
+        if isinstance(message, Cancel) and message.reason is Reason.STREAMS_MISMATCH:
+            self._warn_streams(sender, "its leader opens another number of all-reduce streams")
         if isinstance(message, Accept):
             self._addresses[sender] = message.grpc_address
         elif isinstance(message, Begin):
@@ -120,9 +123,20 @@ class RoundDriver:
         self._execute(actions)
         self._wake.set()
 
+    def _warn_streams(self, peer_id: str, why: str) -> None:
+        """Once per peer: a peer that opens another number of streams never shares our rounds."""
+        if peer_id not in self._warned_streams:
+            self._warned_streams.add(peer_id)
+            logger.warning(
+                "peer %s cannot share rounds with us: %s; every peer of a swarm needs the same --swarm-streams",
+                peer_id, why,
+            )  # fmt: skip
+
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
+                if isinstance(action.message, Cancel) and action.message.reason is Reason.STREAMS_MISMATCH:
+                    self._warn_streams(action.to, "it opens another number of all-reduce streams than we do")
                 self._send(action)
             elif isinstance(action, Publish):
                 assert self.record is not None, "publish a record before forming a round"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from datetime import timedelta
 
@@ -17,7 +18,7 @@ import pytest
 import uvloop
 
 from protocol.membership.actions import Send
-from protocol.membership.messages import Accept, Message
+from protocol.membership.messages import Accept, Cancel, Message, Reason
 from protocol.membership.records import SwarmView
 from protocol.membership.transport import MembershipClient
 from protocol.swarm.config import PROTOCOL_VERSION
@@ -109,5 +110,25 @@ def test_a_held_reply_is_dropped_after_a_proposal_lifetime() -> None:
             assert leader.received == []  # too old: the proposal it answers is over
             assert driver.num_messages_dropped == 1
             await client.close()
+
+    uvloop.run(scenario())
+
+
+def test_a_peer_with_another_number_of_streams_is_named_once_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        client = MembershipClient(sender_id=ME, protocol_version=PROTOCOL_VERSION)
+        driver = make_driver(LaggingRegistry(), client, proposal_timeout=5.0)
+        mismatch = Cancel(round=1, proposal_id="p1", reason=Reason.STREAMS_MISMATCH)
+        with caplog.at_level(logging.WARNING, logger="protocol.swarm.driver"):
+            for _ in range(3):  # a leader that cancels us every round: one warning, not one per round
+                driver.on_message(LEADER, mismatch)
+            driver._execute([Send(to="other-peer", message=mismatch)])  # we leave someone out
+            driver.on_message(LEADER, Cancel(round=1, proposal_id="p1", reason=Reason.STALE_PROPOSAL))
+        warnings = [r.getMessage() for r in caplog.records if "--swarm-streams" in r.getMessage()]
+        assert len(warnings) == 2, warnings
+        assert LEADER in warnings[0] and "other-peer" in warnings[1]
+        await client.close()
 
     uvloop.run(scenario())
