@@ -56,6 +56,9 @@ class AveragingOutcome:
     bytes_by_phase: dict[str, int] = field(default_factory=dict)
     """bytes_sent / bytes_recv split by all-reduce phase: {"sent_reduce_scatter", "sent_all_gather",
     "recv_reduce_scatter", "recv_all_gather"} (empty if nothing went over the wire)."""
+    seconds_forming: float | None = None  # agreeing on the round's group (None: no swarm round)
+    seconds_allreduce: float | None = None  # the group's all-reduce (None: it did not run)
+    streams: int | None = None  # all-reduce streams the round ran on (None: it did not run)
 
 
 class Averager(Protocol):
@@ -91,6 +94,9 @@ class OuterStepReport:
     codec_error: float | None = None
     bytes_recv_state_sync: int = 0
     bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    seconds_forming: float | None = None
+    seconds_allreduce: float | None = None
+    streams: int | None = None
 
     @property
     def adopted(self) -> bool:
@@ -238,6 +244,9 @@ class DiLoCo:
             codec_error=outcome.codec_error,
             bytes_recv_state_sync=outcome.bytes_recv_state_sync,
             bytes_by_phase=outcome.bytes_by_phase,
+            seconds_forming=outcome.seconds_forming,
+            seconds_allreduce=outcome.seconds_allreduce,
+            streams=outcome.streams,
         )
 
     # --- overlapped rounds: the outer update reaches the model one round late ---

@@ -15,6 +15,9 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   ``rss_bytes`` the node's resident memory when the record was written (null off Linux).
   Also in every round record:
 
+  - ``seconds_forming`` / ``seconds_allreduce``: the parts of ``seconds_comm`` spent agreeing on the
+    round's group and in its all-reduce, ``streams`` the all-reduce streams it ran on
+    (``--swarm-streams``); null when there was no swarm round or no all-reduce.
   - ``seconds_blocked``: how long the training thread waited for the swarm; ``utilization`` the share
     of the phase spent on inner steps, ``seconds_compute / (seconds_compute + seconds_blocked)``
     (null when no phase ran alongside the round).

@@ -252,11 +252,17 @@ class SwarmSession:
             if self.error_feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
                 delta_norm = float(torch.linalg.vector_norm(vector[: self.error_feedback.num_elements]))
                 codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
+        result = self.last_result
+        allreduce = None if result is None else result.allreduce
+        group = None if result is None else result.group
         outcome = dataclasses.replace(
             outcome,
             failures_by_kind=dict(failures),
             codec_error=codec_error,
             bytes_recv_state_sync=self._bytes_state_sync,
+            seconds_forming=None if result is None else result.seconds_forming,
+            seconds_allreduce=None if allreduce is None else allreduce.seconds,
+            streams=None if allreduce is None or group is None else group.num_streams,
         )
         self._bytes_state_sync = self._state_sync_failures = 0
         return outcome

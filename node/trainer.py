@@ -361,6 +361,9 @@ class Trainer:
             "seconds_compute": compute_seconds,
             "seconds_comm": report.seconds_comm,
             "seconds_blocked": blocked,
+            "seconds_forming": report.seconds_forming,
+            "seconds_allreduce": report.seconds_allreduce,
+            "streams": report.streams,
             # The share of the training thread's time spent on inner steps rather than waiting for the
             # swarm (with overlap, the round's communication hides behind the next phase's compute).
             # None for the round applied at the end of a run with overlap: no phase ran alongside it.

@@ -127,7 +127,7 @@ def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
         assert len(rounds) >= 2, (single.hashes(), parallel.hashes())
         assert_one_lineage([single.hashes(), parallel.hashes()], rounds)
         shared = [r for r in parallel.records() if r["round"] in rounds]
-        assert all(r["peers"] == 2 and not r["fell_back"] for r in shared), shared
+        assert all(r["peers"] == 2 and not r["fell_back"] and r["streams"] == 2 for r in shared), shared
 
 
 @pytest.mark.timeout(180)

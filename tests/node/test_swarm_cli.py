@@ -42,6 +42,9 @@ def test_three_nodes_share_every_round(tmp_path, mode):
             num_params = 919_680
             for r in node_records:
                 assert 0.5 * num_params < r["bytes_sent"] < 2.0 * num_params, r["bytes_sent"]
+                # seconds_comm = forming the group + its all-reduce (+ a DHT read): the parts fit in it.
+                assert r["streams"] == 1 and r["seconds_forming"] >= 0 and r["seconds_allreduce"] > 0, r
+                assert r["seconds_forming"] + r["seconds_allreduce"] <= r["seconds_comm"] + 1e-3, r
         assert_one_lineage([node.hashes() for node in cluster.nodes], [1, 2, 3])
         # After each round the members read disjoint shards: one each of three.
         for index in range(3):
