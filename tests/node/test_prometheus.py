@@ -245,7 +245,10 @@ def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes
         bytes_recv_by_phase={"reduce_scatter": 200, "all_gather": 22},
     )  # fmt: skip
     result = RoundResult(
-        kind="averaged", round=1, group=SimpleNamespace(member_ids=("a", "b")), allreduce=allreduce
+        kind="averaged",
+        round=1,
+        group=SimpleNamespace(member_ids=("a", "b"), num_streams=1),
+        allreduce=allreduce,
     )  # type: ignore[arg-type]
     session = session_with(result, vector.numel())
     session._bytes_state_sync, session._state_sync_failures = 5000, 1  # a fetch while joining, one failed
@@ -256,6 +259,7 @@ def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes
     expected = float(torch.linalg.vector_norm(vector - decoded) / torch.linalg.vector_norm(vector))
     assert outcome.codec_error == pytest.approx(expected, rel=1e-6) and 0 < expected < 0.01
     assert outcome.failures_by_kind == {"peer": 2, "state_sync": 1}
+    assert outcome.seconds_allreduce == 0.1 and outcome.streams == 1 and outcome.seconds_forming == 0.0
     assert (outcome.bytes_sent, outcome.bytes_recv, outcome.bytes_recv_state_sync) == (111, 222, 5000)
     assert outcome.bytes_by_phase == {
         "sent_reduce_scatter": 100, "sent_all_gather": 11, "recv_reduce_scatter": 200, "recv_all_gather": 22
