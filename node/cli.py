@@ -204,7 +204,8 @@ def run_join(args: argparse.Namespace) -> int:
         return 0
     from node.checkpoint import latest_checkpoint
     from node.join import JOIN_TIMEOUT, Prefetch
-    from node.swarm import SwarmSession, start_swarm
+    from node.swarm import SwarmSession
+    from node.swarm_setup import start_swarm
 
     swarm = start_swarm(config)
     try:

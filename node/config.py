@@ -304,9 +304,6 @@ class NodeConfig:
             )
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        for key in ("inner_lr", "outer_lr"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         for key in ("beta1", "beta2", "outer_momentum"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
@@ -314,40 +311,26 @@ class NodeConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.wsd_decay_fraction <= 1:
             raise ConfigError(f"wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(
-                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
-            )
         if self.zero not in (1, 3):
             raise ConfigError(f"zero must be 1 or 3, got {self.zero}")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ConfigError(
-                f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}"
-            )
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if not self.local_bucket_mb > 0:
-            raise ConfigError(f"local_bucket_mb must be > 0, got {self.local_bucket_mb}")
         if not 1 <= self.swarm_streams <= MAX_STREAMS:
             raise ConfigError(f"swarm_streams must be in 1..{MAX_STREAMS}, got {self.swarm_streams}")
-        if not self.local_timeout > 0:
-            raise ConfigError(f"local_timeout must be > 0, got {self.local_timeout}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        choices = (
+            ("lr_schedule", LR_SCHEDULES), ("pp_schedule", PP_SCHEDULES), ("precision", PRECISIONS),
+            ("device", DEVICES), ("log_format", LOG_FORMATS),
+        )  # fmt: skip
+        for key, allowed in choices:
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in [0, 65535] (0 = off), got {self.metrics_port}")
         if self.data and not Path(self.data).exists():
             raise ConfigError(f"data path does not exist: {self.data}")
-        for key in (
-            "join_window",
-            "max_wait",
-            "round_deadline",
-            "sync_deadline",
-            "bandwidth_mbit",
-            "heartbeat",
-        ):
+        positive_reals = (
+            "inner_lr", "outer_lr", "local_bucket_mb", "local_timeout", "join_window", "max_wait",
+            "round_deadline", "sync_deadline", "bandwidth_mbit", "heartbeat",
+        )  # fmt: skip
+        for key in positive_reals:
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_wait < self.join_window:

@@ -29,7 +29,7 @@ from node.model import GPT, ModelConfig, cross_entropy_loss
 from protocol.swarm.streams import StreamRunner
 
 if TYPE_CHECKING:
-    from node.parallel.streams import InProcessStreams
+    from node.parallel.streams import RankStreams
 
 log = logging.getLogger("dtnode")
 
@@ -73,7 +73,7 @@ class SingleReplica:
         from node.parallel.engine import autocast_forward, checkpoint_blocks
 
         self.config = config
-        self._streams: InProcessStreams | None = None
+        self._streams: RankStreams | None = None
         self.device = device
         self.model = GPT(model_config).to(device)
         self.model.train()
@@ -134,10 +134,10 @@ class SingleReplica:
 
     def open_streams(self) -> StreamRunner:
         """The extra all-reduce streams (``--swarm-streams``), all in this process; closed with us."""
-        from node.parallel.streams import InProcessStreams
+        from node.parallel.streams import RankStreams
 
         if self._streams is None:
-            self._streams = InProcessStreams(self.config)
+            self._streams = RankStreams(self.config, rank=0, world_size=1)
         return self._streams
 
     def close(self) -> None:

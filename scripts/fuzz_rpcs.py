@@ -60,7 +60,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol.gen.dtnode.v1 import allreduce_pb2 as allreduce_pb
-from protocol.swarm.node import RoundResult, SwarmNode, to_allreduce_group
+from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.streams import to_allreduce_group
 
 # This file runs as a script, so its directory is not a package: make the sibling modules importable
 # also when the file is loaded by path (tests) rather than run.

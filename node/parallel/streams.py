@@ -3,8 +3,8 @@
 serve a stream encodes, sends and decodes its shards in K processes at once.
 
 - ``RankStreams``: the stream servers of one rank (``protocol.swarm.streams.StreamServer``), run
-  concurrently on threads (each server has its own event loop).
-- ``InProcessStreams``: the ``StreamRunner`` of a node without local workers: every stream in the daemon.
+  concurrently on threads (each server has its own event loop); with rank 0 of 1, the ``StreamRunner``
+  of a node without local workers (every stream in the daemon).
 - ``LocalStreams``: the ``StreamRunner`` of a node with local workers: the daemon sends each rank its
   shards over the node's gloo command group, every rank runs its streams, and the averages come back.
 """
@@ -40,7 +40,7 @@ class RankStreams:
     """The all-reduce stream servers of local rank ``rank``: streams ``s >= 1`` with ``s mod K == rank``."""
 
     def __init__(self, config: NodeConfig, *, rank: int, world_size: int) -> None:
-        from node.swarm import swarm_config  # the same listen host, announce host, limits and swarm key
+        from node.swarm_setup import swarm_config  # the same listen host, announce host, limits and swarm key
 
         swarm = swarm_config(config)
         self.streams = [s for s in range(1, config.swarm_streams) if rank_of_stream(s, world_size) == rank]
@@ -59,8 +59,15 @@ class RankStreams:
         self._threads = ThreadPoolExecutor(max_workers=max(len(self.streams), 1), thread_name_prefix="stream")
 
     @property
-    def addresses(self) -> dict[int, str]:
+    def by_stream(self) -> dict[int, str]:
+        """Where each of this rank's streams listens."""
         return {stream: server.address for stream, server in self.servers.items()}
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """This rank's stream addresses in stream order; all of them on a node of one rank (the
+        ``StreamRunner`` of a node without local workers: every stream in the daemon's process)."""
+        return tuple(address for _, address in sorted(self.by_stream.items()))
 
     def run(self, jobs: Sequence[StreamJob], shards: Sequence[torch.Tensor]) -> list[AllReduceResult]:
         """Run every job (all ours) on its shard at once; results in job order. A stream that fails
@@ -93,26 +100,6 @@ class RankStreams:
             self._threads.shutdown(wait=False)
 
 
-class InProcessStreams:
-    """Every extra stream in the daemon's own process (a node without local workers)."""
-
-    def __init__(self, config: NodeConfig) -> None:
-        self._streams = RankStreams(config, rank=0, world_size=1)
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        return tuple(address for _, address in sorted(self._streams.addresses.items()))
-
-    def run(self, jobs: Sequence[StreamJob], shards: Sequence[torch.Tensor]) -> list[AllReduceResult]:
-        return self._streams.run(jobs, shards)
-
-    def reset_error_feedback(self) -> None:
-        self._streams.reset_error_feedback()
-
-    def close(self) -> None:
-        self._streams.close()
-
-
 # --- through the local workers ---
 
 
@@ -123,7 +110,7 @@ def _stripped(result: AllReduceResult) -> AllReduceResult:
 
 def open_streams(streams: RankStreams | None, commands: dist.ProcessGroup) -> dict[int, str] | None:
     """Collective: every rank's stream addresses, merged on rank 0 (None elsewhere)."""
-    mine = {} if streams is None else streams.addresses
+    mine = {} if streams is None else streams.by_stream
     gathered: list[Any] = [None] * dist.get_world_size(commands) if dist.get_rank() == 0 else []
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0, group=commands)
     if dist.get_rank() != 0:

@@ -86,3 +86,17 @@ class SwarmConfig:
     @property
     def listen_port(self) -> int:
         return int(self.listen.rpartition(":")[2])
+
+
+def routable_host(multiaddrs: list[str]) -> str | None:
+    """The first non-loopback IPv4 host in ``/ip4/<host>/tcp/...`` multiaddrs, if any."""
+    for multiaddr in multiaddrs:
+        parts = multiaddr.split("/")
+        if (
+            len(parts) > 2
+            and parts[1] == "ip4"
+            and not parts[2].startswith("127.")
+            and parts[2] not in WILDCARD_HOSTS
+        ):
+            return parts[2]
+    return None

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
@@ -247,3 +247,34 @@ class RoundDriver:
         for task in list(self._sends):
             task.cancel()
         await asyncio.gather(*self._sends, return_exceptions=True)
+
+
+async def watch_swarm(driver: RoundDriver, reconnect: Callable[[Sequence[str]], int]) -> None:
+    """Every ``view_refresh`` x 5 (x 2 while some are lost): read the view, knock on peers we lost.
+
+    A partition makes each side drop the other from its DHT routing table; without a knock,
+    the two halves of the DHT would never merge again after the partition heals. The bootstrap
+    peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent.
+    """
+    period = 5 * driver.config.view_refresh.total_seconds()
+    bootstrap = [address.rpartition("/p2p/")[2] for address in driver.config.dht.initial_peers]
+    lost: list[str] = []
+    while True:
+        # While peers are missing, knock sooner: a healed partition should merge well within a round.
+        await asyncio.sleep(period if not lost else 2 * driver.config.view_refresh.total_seconds())
+        lost = []
+        try:
+            view = await driver.refresh_view()
+            forget_before = view.now - 10 * driver.config.record_ttl.total_seconds()
+            lost = [
+                peer_id
+                for peer_id, seen in driver.last_seen.items()
+                if peer_id not in view and seen >= forget_before and peer_id != driver.peer_id
+            ]
+            lost += [peer_id for peer_id in bootstrap if peer_id not in view and peer_id not in lost]
+            if lost:
+                answered = await asyncio.to_thread(reconnect, lost[-64:])
+                if answered:
+                    logger.info("reconnected to %d of %d lost peer(s)", answered, len(lost[-64:]))
+        except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:
+            logger.debug("swarm watch: %s", error)

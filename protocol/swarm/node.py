@@ -27,11 +27,11 @@ methods run, and answers ``dtnode status`` from it and its last view (``status.p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -40,8 +40,6 @@ import torch
 from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
-from protocol.allreduce.group import GroupSpec as AllReduceGroup
-from protocol.allreduce.group import Member
 from protocol.auth import OPEN_SWARM_WARNING
 from protocol.codecs import get_codec
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
@@ -55,11 +53,11 @@ from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.transport import MAX_MESSAGE_BYTES, MembershipClient
 from protocol.statesync.fetch import FetchReport, fetch_state_with_report
 from protocol.statesync.snapshot import Snapshot
-from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
-from protocol.swarm.driver import RoundDriver
+from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig, routable_host
+from protocol.swarm.driver import RoundDriver, watch_swarm
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
-from protocol.swarm.streams import StreamJob, StreamRunner, combine, fell_back, stream_bounds, stream_group
+from protocol.swarm.streams import StreamRunner, run_streamed, stream_group, to_allreduce_group
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +140,7 @@ class SwarmNode:
         except BaseException:
             self._shutdown()
             raise
-        self._watch = self._loop.submit(self._watch_swarm())
+        self._watch = self._loop.submit(watch_swarm(self.driver, self.dht.reconnect))
         self.grpc_address = self.server.address
         if config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
             # Bound to every interface: advertise one others can reach, as the DHT sees it.
@@ -226,15 +224,18 @@ class SwarmNode:
         """The live peers of the run, read now (DhtCallTimeout if the DHT does not answer in time)."""
         return self._run(self.driver.refresh_view(), self.config.dht_call_timeout)
 
+    def _fresh_view(self, why: str) -> SwarmView:
+        """A fresh view, or the last one if the DHT does not answer in time (one log line)."""
+        try:
+            return self.view()
+        except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:
+            logger.info("DHT read failed (%s); %s on the last view", error, why)
+            return self.driver.view
+
     def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
         """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view."""
         local = self._local_record(round=round, param_hash=param_hash)
-        try:
-            view = self.view()
-        except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:  # judge on the last view we have
-            logger.info("DHT read failed (%s); judging the lineage on the last view", error)
-            view = self.driver.view
-        return decide_lineage(view.peers, local)
+        return decide_lineage(self._fresh_view("judging the lineage").peers, local)
 
     def _await_group_published(self, round: int) -> None:
         """Before forming the next round, give the last round's other members (bounded by the join
@@ -245,10 +246,7 @@ class SwarmNode:
             return
         deadline = time.monotonic() + self.config.rounds.join_window.total_seconds()
         while time.monotonic() < deadline:
-            try:
-                view = self.view()
-            except (DhtCallTimeout, DhtNodeClosed, TimeoutError):
-                view = self.driver.view
+            view = self._fresh_view("waiting for the last group's records")
             lagging = [m for m in members if (record := view.get(m)) is not None and record.round < round]
             if not lagging:
                 return
@@ -258,11 +256,7 @@ class SwarmNode:
         """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            try:
-                view = self.view()
-            except (DhtCallTimeout, TimeoutError) as error:  # a slow DHT read is one empty poll, not fatal
-                logger.info("DHT read failed while waiting for peers: %s", error)
-                view = self.driver.view
+            view = self._fresh_view("waiting for peers")  # a slow DHT read is one empty poll, not fatal
             if (
                 len([p for p in view if p.peer_id != self.peer_id]) >= num_peers
                 or time.monotonic() >= deadline
@@ -335,30 +329,8 @@ class SwarmNode:
             )
             seconds_forming = time.monotonic() - started
             next_round = round + 1
-            if isinstance(outcome, Resync):
-                decision = decide_lineage(self.driver.view.peers, local)
-                return RoundResult(
-                    kind="resync",
-                    round=next_round,
-                    resync=decision,
-                    reason="lineage",
-                    seconds_forming=seconds_forming,
-                )
-            if isinstance(outcome, MissedRound):
-                return RoundResult(
-                    kind="missed",
-                    round=next_round,
-                    reason=str(outcome.reason),
-                    seconds_forming=seconds_forming,
-                )
-            if isinstance(outcome, RoundFailed):
-                return RoundResult(
-                    kind="failed",
-                    round=next_round,
-                    reason=str(outcome.reason),
-                    seconds_forming=seconds_forming,
-                )
-            assert isinstance(outcome, StartAllReduce)
+            if not isinstance(outcome, StartAllReduce):
+                return self._not_averaged(outcome, local, round=next_round, seconds_forming=seconds_forming)
             group = outcome.group
             self.rounds_formed += 1
             self._last_group = group
@@ -398,76 +370,49 @@ class SwarmNode:
                 seconds_forming=seconds_forming,
             )
 
+    def _not_averaged(
+        self,
+        outcome: Resync | MissedRound | RoundFailed,
+        local: PeerRecord,
+        *,
+        round: int,
+        seconds_forming: float,
+    ) -> RoundResult:
+        """A formation that ended without an all-reduce of ours, as a round result."""
+        if isinstance(outcome, Resync):
+            decision = decide_lineage(self.driver.view.peers, local)
+            return RoundResult(
+                kind="resync", round=round, resync=decision, reason="lineage", seconds_forming=seconds_forming
+            )
+        kind: RoundKind = "missed" if isinstance(outcome, MissedRound) else "failed"
+        return RoundResult(
+            kind=kind, round=round, reason=str(outcome.reason), seconds_forming=seconds_forming
+        )
+
     def _run_streams(
         self, vector: torch.Tensor, group: GroupSpec, weight: float, error_feedback: ErrorFeedback | None
     ) -> AllReduceResult:
         """Shard 0 on our server while the runner runs shards 1..S-1; the round's combined result."""
         assert self.streams is not None and self._loop is not None  # a group of S > 1 has our S
-        bounds = stream_bounds(vector.numel(), group.num_streams)
-        shards = [vector[bounds[s] : bounds[s + 1]] for s in range(group.num_streams)]
-        deadline = self.config.round_deadline
-        first = self._loop.submit(
-            self.server.allreduce.allreduce(
-                shards[0],
-                group=stream_group(group, 0),
-                my_peer_id=self.peer_id,
-                weight=weight,
-                codec=self.codec,
-                error_feedback=error_feedback,
-                deadline=deadline,
+        loop, deadline = self._loop, self.config.round_deadline
+
+        def ours(shard: torch.Tensor) -> Future[AllReduceResult]:
+            return loop.submit(
+                self.server.allreduce.allreduce(
+                    shard,
+                    group=stream_group(group, 0),
+                    my_peer_id=self.peer_id,
+                    weight=weight,
+                    codec=self.codec,
+                    error_feedback=error_feedback,
+                    deadline=deadline,
+                )
             )
-        )
-        jobs = [
-            StreamJob(
-                stream=s,
-                group=stream_group(group, s),
-                my_peer_id=self.peer_id,
-                weight=weight,
-                codec=self.codec.name,
-                deadline=deadline,
-            )
-            for s in range(1, group.num_streams)
-        ]
-        try:
-            others = self.streams.run(jobs, shards[1:])
-        except Exception as error:  # the runner's processes: a failure there is a failed stream, not ours
-            logger.warning("round %d: streams 1..%d failed: %s", group.round, group.num_streams - 1, error)
-            others = [fell_back(shard, f"stream {job.stream}: {error}") for job, shard in zip(jobs, shards[1:], strict=True)]  # fmt: skip
-        finally:
-            ours = first.result(timeout=(deadline + MARGIN).total_seconds())
-        return combine(vector, bounds, [ours, *others])
 
-        # --- keeping the DHT whole ---
-
-    async def _watch_swarm(self) -> None:
-        """Every ``view_refresh`` x 5 (x 2 while some are lost): read the view, knock on peers we lost.
-
-        A partition makes each side drop the other from its DHT routing table; without a knock,
-        the two halves of the DHT would never merge again after the partition heals. The bootstrap
-        peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent.
-        """
-        period = 5 * self.config.view_refresh.total_seconds()
-        bootstrap = [address.rpartition("/p2p/")[2] for address in self.config.dht.initial_peers]
-        lost: list[str] = []
-        while True:
-            # While peers are missing, knock sooner: a healed partition should merge well within a round.
-            await asyncio.sleep(period if not lost else 2 * self.config.view_refresh.total_seconds())
-            lost = []
-            try:
-                view = await self.driver.refresh_view()
-                forget_before = view.now - 10 * self.config.record_ttl.total_seconds()
-                lost = [
-                    peer_id
-                    for peer_id, seen in self.driver.last_seen.items()
-                    if peer_id not in view and seen >= forget_before and peer_id != self.peer_id
-                ]
-                lost += [peer_id for peer_id in bootstrap if peer_id not in view and peer_id not in lost]
-                if lost:
-                    answered = await asyncio.to_thread(self.dht.reconnect, lost[-64:])
-                    if answered:
-                        logger.info("reconnected to %d of %d lost peer(s)", answered, len(lost[-64:]))
-            except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:
-                logger.debug("swarm watch: %s", error)
+        return run_streamed(
+            vector, group, ours, self.streams, my_peer_id=self.peer_id, weight=weight, codec=self.codec.name,
+            deadline=deadline, wait=deadline + MARGIN,
+        )  # fmt: skip
 
     # --- leaving ---
 
@@ -531,21 +476,3 @@ class SwarmNode:
 async def _call(function: Callable[[], None]) -> None:
     """Run ``function`` on the event loop (the all-reduce registry is the loop's alone)."""
     function()
-
-
-def routable_host(multiaddrs: list[str]) -> str | None:
-    """The first non-loopback IPv4 host in ``/ip4/<host>/tcp/...`` multiaddrs, if any."""
-    for multiaddr in multiaddrs:
-        parts = multiaddr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
-            return parts[2]
-    return None
-
-
-def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
-    """The all-reduce's view of an agreed group: members in the same order, the same parts."""
-    return AllReduceGroup(
-        round_id=group.round,
-        members=tuple(Member(peer_id=m.peer_id, address=m.grpc_address) for m in group.members),
-        part_bounds=group.part_boundaries,
-    )

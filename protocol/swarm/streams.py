@@ -16,7 +16,8 @@ fell back, the round did (our own vector), as for a one-stream round.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -60,6 +61,15 @@ def stream_group(group: GroupSpec, stream: int) -> AllReduceGroup:
         round_id=group.round,
         members=tuple(Member(peer_id=m.peer_id, address=m.stream_address(stream)) for m in group.members),
         part_bounds=part_boundaries(bandwidths, bounds[stream + 1] - bounds[stream]),
+    )
+
+
+def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
+    """The all-reduce's view of an agreed one-stream group: members in order, the group's parts."""
+    return AllReduceGroup(
+        round_id=group.round,
+        members=tuple(Member(peer_id=m.peer_id, address=m.grpc_address) for m in group.members),
+        part_bounds=group.part_boundaries,
     )
 
 
@@ -220,3 +230,42 @@ def combine(
         seconds=max(result.seconds for result in results),
         adjustments=[line for s, result in enumerate(results) for line in tagged(s, result.adjustments)],
     )
+
+
+def run_streamed(
+    vector: torch.Tensor,
+    group: GroupSpec,
+    ours: Callable[[torch.Tensor], Future[AllReduceResult]],
+    runner: StreamRunner,
+    *,
+    my_peer_id: str,
+    weight: float,
+    codec: str,
+    deadline: timedelta,
+    wait: timedelta,
+) -> AllReduceResult:
+    """All-reduce ``vector`` on the group's S streams: shard 0 by ``ours`` (started at once), shards
+    1..S-1 by ``runner`` meanwhile; the combined result. A runner that fails (a dead rank) counts as
+    fallen-back streams, not as our failure; ``wait`` bounds the wait for shard 0."""
+    bounds = stream_bounds(vector.numel(), group.num_streams)
+    shards = [vector[bounds[s] : bounds[s + 1]] for s in range(group.num_streams)]
+    first = ours(shards[0])
+    jobs = [
+        StreamJob(
+            stream=s,
+            group=stream_group(group, s),
+            my_peer_id=my_peer_id,
+            weight=weight,
+            codec=codec,
+            deadline=deadline,
+        )
+        for s in range(1, group.num_streams)
+    ]
+    try:
+        others = runner.run(jobs, shards[1:])
+    except Exception as error:  # the runner's processes: a failure there is a failed stream, not ours
+        logger.warning("round %d: streams 1..%d failed: %s", group.round, group.num_streams - 1, error)
+        others = [fell_back(shard, f"stream {job.stream}: {error}") for job, shard in zip(jobs, shards[1:], strict=True)]  # fmt: skip
+    finally:
+        result = first.result(timeout=wait.total_seconds())
+    return combine(vector, bounds, [result, *others])

@@ -28,7 +28,8 @@ from protocol.membership.config import RoundConfig
 from protocol.membership.lineage import Lineage
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import fetch_state
-from protocol.swarm.node import RoundResult, SwarmNode, to_allreduce_group
+from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.streams import to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
 from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of
 

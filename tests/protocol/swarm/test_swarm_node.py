@@ -26,9 +26,10 @@ from protocol.membership.config import RoundConfig
 from protocol.membership.lineage import Lineage, LineageDecision
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
-from protocol.swarm.config import SwarmConfig
-from protocol.swarm.node import RoundResult, SwarmNode, routable_host, to_allreduce_group
+from protocol.swarm.config import SwarmConfig, routable_host
+from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.server import SERVICES, _merged_options
+from protocol.swarm.streams import to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
 
 pytestmark = pytest.mark.timeout(60)  # the pure tests; the node tests set their own

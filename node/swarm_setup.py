@@ -1,0 +1,87 @@
+"""From the node's settings to a running swarm side: ``swarm_config`` maps ``NodeConfig`` onto
+``SwarmConfig`` (the local stream servers use it too), ``start_swarm`` starts the ``SwarmNode``,
+prints how to join it and records it in ``RUN_DIR/node.json``."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+from node.config import ConfigError, NodeConfig
+from protocol.allreduce.config import AllReduceConfig
+from protocol.auth.channels import SwarmAuth
+from protocol.auth.key import SwarmKey
+from protocol.discovery.dht_node import DhtConfig, DhtStartupError
+from protocol.membership.config import RoundConfig
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.node import SwarmNode
+
+
+def swarm_config(config: NodeConfig) -> SwarmConfig:
+    """The swarm side's settings from the node's (durations in seconds become timedeltas)."""
+    listen_host = config.listen.rpartition(":")[0] or "0.0.0.0"
+    peers = tuple(address.strip() for address in config.peers.split(",") if address.strip())
+    announce = config.announce or None
+    dht_listen = config.dht_listen or f"{listen_host}:0"
+    try:
+        dht = DhtConfig(
+            initial_peers=peers,
+            listen=dht_listen,
+            announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
+        )
+        max_wait = timedelta(seconds=config.max_wait)
+        join_window = timedelta(seconds=config.join_window)
+        rounds = RoundConfig(
+            min_peers=config.min_peers,
+            join_window=join_window,
+            max_wait=max_wait,
+            proposal_timeout=min(timedelta(seconds=5), join_window),
+            begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
+        )
+        auth = None
+        if config.swarm_key_file:
+            auth = SwarmAuth(SwarmKey.from_file(Path(config.swarm_key_file)), tls=config.tls)
+        return SwarmConfig(
+            run_name=config.name,
+            listen=config.listen,
+            announce_host=announce,
+            dht=dht,
+            rounds=rounds,
+            allreduce=AllReduceConfig(
+                aggregation=config.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
+                clip_factor=config.clip_factor,
+                trim_per_side=config.trim,
+            ),
+            codec=config.codec,
+            round_deadline=timedelta(seconds=config.round_deadline),
+            sync_deadline=timedelta(seconds=config.sync_deadline),
+            bandwidth_bytes_per_s=config.bandwidth_mbit * 1e6 / 8,
+            heartbeat=timedelta(seconds=config.heartbeat),
+            record_ttl=timedelta(seconds=config.record_ttl),
+            auth=auth,
+        )
+    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
+        raise ConfigError(str(error)) from None
+
+
+def start_swarm(config: NodeConfig) -> SwarmNode:
+    """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``."""
+    try:
+        swarm = SwarmNode(swarm_config(config))
+    except DhtStartupError as error:
+        raise ConfigError(str(error)) from None
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {config.listen}: {error}") from None
+    multiaddrs = swarm.multiaddrs()
+    run_dir = config.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
+    (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
+    action = "joined the swarm" if config.peers else "started a new swarm"
+    print(
+        f"dtnode: {action} {config.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
+        f"To join it from another machine:\n  dtnode join --name {config.name} --peers {','.join(multiaddrs)}",
+        flush=True,
+    )
+    return swarm
