@@ -249,6 +249,26 @@ class DiLoCo:
             streams=outcome.streams,
         )
 
+    @torch.no_grad()
+    def stepped(self, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global params and outer momentum one outer step with mean ``averaged`` would give,
+        computed on copies (this node's own state is untouched): the same ``torch.optim.SGD`` with
+        the same settings as ``outer_step``, so a member's step is reproduced bit for bit."""
+        with self._lock:
+            settings = self.outer_optimizer.param_groups[0]
+            params = self.global_params.detach().clone().requires_grad_(True)
+            optimizer = torch.optim.SGD(
+                [params],
+                **{key: settings[key] for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov")},
+            )
+            momentum = self.momentum_buffer()
+            if momentum is not None:
+                optimizer.state[params]["momentum_buffer"] = momentum.clone()
+        params.grad = averaged.to(self.outer_device, torch.float32)
+        optimizer.step()
+        buffer = optimizer.state[params].get("momentum_buffer")
+        return params.detach(), None if buffer is None else buffer.detach()
+
     # --- overlapped rounds: the outer update reaches the model one round late ---
     #
     # Streaming DiLoCo (Douillard et al., 2025, arXiv:2501.18512) overlaps a round's communication

@@ -10,7 +10,8 @@ round outcome             what the node does
 averaged                  outer step with the group's mean; reshard the data among the group
 averaged, fell back       outer step with its own Δ (a lineage of its own); the next round's
                           lineage check sends it to re-sync
-missed (group without us) wait for the group to publish its new params, then adopt them
+missed (group without us) wait for the group to publish its new params, then step to them
+                          with the round's mean (its wire bytes), or adopt them
 resync (wrong lineage)    adopt the canonical state (global params, outer momentum, round,
                           schedule step, data position) fetched from its peers, verified
 failed (too few peers)    outer step with its own Δ, try again next round
@@ -19,31 +20,44 @@ failed (too few peers)    outer step with its own Δ, try again next round
 Adopting a state replaces the node's global params, outer momentum, round and step counters and
 data position with the source's (``shards.py`` explains the data contract); the local inner steps
 since the last round are discarded, since their Δ was computed against other params.
+
+Catching up: every member of an averaged round serves the round's mean Δ̄ beside its new state
+(``round_mean_snapshot``), as the wire codec's bytes every member decoded it from (int8: ~1 byte per
+parameter; the whole state is 8). A node one round behind, on the lineage the round started from
+(it missed the round, or fetched the state while the swarm finished one more), fetches only Δ̄ and
+runs the same outer step itself (``caught_up_state``); the result must match the swarm's
+param_hash and outer momentum bit for bit, else it fetches the whole state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from node.config import ConfigError
-from node.diloco import AveragingOutcome, OuterStepReport, tensor_hash
+from node.diloco import AveragingOutcome, OuterStepReport
 from node.join import JOIN_TIMEOUT, Prefetch
+from node.swarm_state import (
+    AdoptedState,
+    RoundMean,
+    adopted_state,
+    caught_up_state,
+    round_mean_id,
+    round_mean_snapshot,
+    snapshot_of,
+)
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
-from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
@@ -51,78 +65,6 @@ if TYPE_CHECKING:
     from node.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-GLOBAL_PARAMS = "global_params"
-OUTER_MOMENTUM = "outer_momentum"
-
-
-@dataclass(frozen=True)
-class AdoptedState:
-    """A verified global state fetched from the swarm, ready to load into the trainer."""
-
-    round: int
-    param_hash: str
-    global_params: torch.Tensor  # (N,) fp32
-    outer_momentum: torch.Tensor | None  # (N,) fp32, None before the first outer step
-    metadata: dict[str, Any]
-
-
-def snapshot_of(trainer: Trainer, *, round: int | None = None) -> Snapshot:
-    """The trainer's global state as served to joiners: params, momentum, counters, data position.
-
-    ``round``: the rounds the global params went through (default the trainer's count; with overlap
-    the averaging thread publishes a round before the training thread counts it). The step and
-    data position are the training thread's at this moment, which with overlap may be mid-phase:
-    a joiner then reads its source's windows until the next round boundary (``shards.py``).
-    """
-    diloco, progress = trainer.diloco, trainer.progress
-    round = progress.round if round is None else round
-    tensors = {GLOBAL_PARAMS: diloco.global_params.detach().to("cpu")}
-    momentum = diloco.momentum_buffer()
-    if momentum is not None:
-        tensors[OUTER_MOMENTUM] = momentum.detach().to("cpu")
-    param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
-    metadata = {
-        "round": round,
-        "step": progress.step,
-        "param_hash": param_hash,
-        "model": trainer.config.model,
-        "num_elements": diloco.num_elements,
-        "corpus_sha256": trainer.corpus.sha256,
-        # The lineage's shared data position, without this node's shard: every member of a round
-        # serves byte-identical metadata, so a joiner can fetch from all of them at once.
-        "data": {k: v for k, v in trainer.batches.state_dict().items() if k != "shard_index"},
-    }
-    return Snapshot(
-        round_id=round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()
-    )
-
-
-def adopted_state(snapshot: Snapshot, *, num_elements: int, corpus_sha256: str) -> AdoptedState:
-    """Check a fetched snapshot against this node's model and corpus; ValueError if it does not fit."""
-    metadata = json.loads(snapshot.metadata)
-    if not isinstance(metadata, dict):
-        raise ValueError("snapshot metadata is not a JSON object")
-    if metadata.get("num_elements") != num_elements:
-        raise ValueError(
-            f"the swarm trains a model of {metadata.get('num_elements')} parameters ({metadata.get('model')!r}), "
-            f"this node {num_elements}: use the swarm's --model and --seq-len"
-        )
-    if metadata.get("corpus_sha256") != corpus_sha256:
-        raise ValueError("the swarm trains on another corpus: use the swarm's --data")
-    params = snapshot.tensors[GLOBAL_PARAMS]
-    momentum = snapshot.tensors.get(OUTER_MOMENTUM)
-    if params.dtype != torch.float32 or params.numel() != num_elements:
-        raise ValueError("snapshot global_params are not fp32 of the model's size")
-    if momentum is not None and (momentum.dtype != torch.float32 or momentum.numel() != num_elements):
-        raise ValueError("snapshot outer_momentum is not fp32 of the model's size")
-    return AdoptedState(
-        round=snapshot.round_id,
-        param_hash=snapshot.state_id,
-        global_params=params,
-        outer_momentum=momentum,
-        metadata=metadata,
-    )
 
 
 class SwarmSession:
@@ -158,6 +100,10 @@ class SwarmSession:
         # the next round's outcome (node/metrics.py).
         self._bytes_state_sync = 0
         self._state_sync_failures = 0
+        # The last round's mean Δ̄ and the (round, param_hash) it stepped from: served beside the
+        # new state (round_mean_snapshot) until the next publish.
+        self._round_mean: RoundMean | None = None
+        self.num_caught_up = 0  # missed rounds stepped through with the swarm's mean
 
     # --- lifecycle ---
 
@@ -183,12 +129,19 @@ class SwarmSession:
         decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
         if decision.in_canonical:
             return
-        state = None
+        state, behind = None, False
         if ahead is not None and ahead[0].canonical == decision.canonical:
             state = self._checked(ahead[1])
         else:
+            if ahead is not None and ahead[0].canonical.round + 1 == decision.canonical.round:
+                # The swarm finished a round while we fetched: from the state we have, its mean
+                # (its wire bytes) may take us the rest of the way (_catch_up).
+                trainer.adopt(self._checked(ahead[1]))
+                behind = True
             state = self._fetch_canonical(decision, why="joining")
         if state is None:
+            if behind:  # one round behind the swarm, on its lineage: the next round catches us up
+                self._adopted()
             log.warning("training on our own state until the next round's lineage check")
             return
         trainer.adopt(state)
@@ -201,8 +154,16 @@ class SwarmSession:
         assert trainer is not None
         round = trainer.progress.round if round is None else round
         snapshot = snapshot_of(trainer, round=round)
+        companions = []
+        if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
+            companions.append(round_mean_snapshot(snapshot, self._round_mean))
+        self._round_mean = None
         self.swarm.publish(
-            round=round, param_hash=snapshot.state_id, tokens_per_s=trainer.tokens_per_s(), snapshot=snapshot
+            round=round,
+            param_hash=snapshot.state_id,
+            tokens_per_s=trainer.tokens_per_s(),
+            snapshot=snapshot,
+            companions=companions,
         )
 
     def _applied_in_background(self, report: OuterStepReport) -> None:
@@ -263,11 +224,13 @@ class SwarmSession:
     def _average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
         trainer = self._trainer
         assert trainer is not None, "start() the session first"
+        previous = (round_index - 1, trainer.diloco.param_hash())
+        self._round_mean = None
         try:
             result = self.swarm.run_round(
                 vector.to("cpu", torch.float32).contiguous(),
-                round=round_index - 1,
-                param_hash=trainer.diloco.param_hash(),
+                round=previous[0],
+                param_hash=previous[1],
                 num_tokens=int(weight),
                 tokens_per_s=trainer.tokens_per_s(),
                 error_feedback=self.error_feedback,
@@ -287,6 +250,15 @@ class SwarmSession:
             if outcome.fell_back:
                 log.warning(
                     "round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3])
+                )
+            if not outcome.fell_back and not trainer.diloco.overlap:  # (overlap: applied a round late)
+                codec = self.swarm.codec
+                self._round_mean = RoundMean(
+                    previous=previous,
+                    mean=outcome.averaged,
+                    encoded=outcome.payloads,
+                    codec=codec.name,
+                    block_size=codec.block_size,
                 )
             contributors = {peer for part in outcome.contributors for peer in part}
             kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
@@ -367,6 +339,10 @@ class SwarmSession:
         trainer = self._trainer
         assert trainer is not None
         canonical = decision.canonical
+        if not trainer.diloco.overlap and canonical.round == trainer.progress.round + 1:
+            caught_up = self._catch_up(decision, why=why)
+            if caught_up is not None:
+                return caught_up
         log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
                  why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
         try:
@@ -376,6 +352,39 @@ class SwarmSession:
             self._state_sync_failures += 1
             return None
         return self._checked(report)
+
+    def _catch_up(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
+        """One round behind the canonical lineage: fetch that round's mean (its wire bytes, a fraction
+        of the whole state's) and step to the swarm's state ourselves, checked bit for bit; None if that cannot be
+        done (no source serves the mean, or it does not reproduce the state): fetch the whole state."""
+        trainer = self._trainer
+        assert trainer is not None
+        canonical = decision.canonical
+        previous = (trainer.progress.round, trainer.diloco.param_hash())
+        try:
+            report = self.swarm.fetch_state(decision, state_id=round_mean_id(canonical.param_hash))
+        except (StateSyncError, ValueError, TimeoutError) as error:
+            log.info("%s: no mean of round %d to step with (%s)", why, canonical.round, error)
+            return None
+        num_bytes = sum(report.bytes_by_source.values())
+        self._bytes_state_sync += num_bytes
+        try:
+            state = caught_up_state(
+                trainer.diloco,
+                report.snapshot,
+                previous=previous,
+                target=(canonical.round, canonical.param_hash),
+                corpus_sha256=trainer.corpus.sha256,
+            )
+        except ValueError as error:
+            log.warning("%s: the mean of round %d from the swarm does not lead to its state: %s",
+                        why, canonical.round, error)  # fmt: skip
+            return None
+        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with the round's mean "
+                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], num_bytes / 1e6)  # fmt: skip
+        self._round_mean = state.round_mean  # serve it on too
+        self.num_caught_up += 1
+        return state
 
     def _checked(self, report: FetchReport) -> AdoptedState:
         """The fetched snapshot checked against this node's model and corpus (ConfigError if it does

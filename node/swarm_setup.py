@@ -49,6 +49,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             dht=dht,
             rounds=rounds,
             allreduce=AllReduceConfig(
+                keep_payloads=True,  # the round's mean is served on compressed (node/swarm_state.py)
                 aggregation=config.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
                 clip_factor=config.clip_factor,
                 trim_per_side=config.trim,

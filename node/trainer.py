@@ -39,7 +39,8 @@ from node.replica import ParallelReplica, Replica, SingleReplica
 from node.schedule import LRSchedule
 
 if TYPE_CHECKING:
-    from node.swarm import AdoptedState, SwarmSession
+    from node.swarm import SwarmSession
+    from node.swarm_state import AdoptedState
 
 log = logging.getLogger("dtnode")
 
@@ -374,6 +375,8 @@ class Trainer:
             "tokens": progress.tokens,
             "fell_back": report.fell_back,
             "adopted": report.adopted,
+            # Adopted by stepping with the round's mean from our own state, not by a whole-state fetch.
+            "caught_up": bool(getattr(report.adopted_state, "caught_up", False)),
             "shard": [self.batches.shard_index, self.batches.num_shards],
             "members": list(report.members),
             "rss_bytes": current_rss_bytes(),

@@ -54,7 +54,7 @@ from protocol.allreduce import (
     SyncAllReducePeer,
 )
 from protocol.allreduce.memory import release_free_memory
-from protocol.codecs import CODEC_NAMES, get_codec
+from protocol.codecs import CODEC_NAMES, Codec, get_codec
 from protocol.error_feedback import ErrorFeedback
 
 GENERATION_BLOCK = 1 << 20
@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lockstep",
         action="store_true",
         help="every peer enters each round together, and checks its result only once all are done",
+    )
+    parser.add_argument(
+        "--keep-payloads",
+        action="store_true",
+        help="keep the result's encoded bytes and report the SHA-256 of the result rebuilt from them",
     )
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.num_peers:
@@ -224,6 +229,16 @@ def rendezvous(args: argparse.Namespace, address: str) -> list[dict[str, object]
     return [json.loads(p.read_text()) for p in paths]
 
 
+def rebuilt_sha256(result: AllReduceResult, codec: Codec) -> str | None:
+    """SHA-256 of the result decoded from its kept payloads alone (None if none were kept)."""
+    if result.payloads is None:
+        return None
+    rebuilt = torch.full_like(result.averaged, float("nan"))
+    for chunk in result.payloads:
+        codec.decode_into(chunk.payload, rebuilt[chunk.offset : chunk.offset + chunk.num_elements])
+    return hashlib.sha256(rebuilt.numpy().data).hexdigest()
+
+
 def is_listening(address: str) -> bool:
     """Whether something accepts TCP connections at host:port (a killed peer refuses them)."""
     host, port = address.rsplit(":", 1)
@@ -273,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     stall = timedelta(seconds=args.stall_seconds)
     heartbeat = timedelta(seconds=args.heartbeat_seconds) if args.heartbeat_seconds else stall / 5
     config = AllReduceConfig(
-        chunk_num_elements=args.chunk_elements, stall_timeout=stall, heartbeat_interval=heartbeat
+        chunk_num_elements=args.chunk_elements,
+        stall_timeout=stall,
+        heartbeat_interval=heartbeat,
+        keep_payloads=args.keep_payloads,
     )
     fault_plan = FaultPlan.parse(args.fault) if args.fault else None
     codec = get_codec(args.codec, args.block_size)
@@ -334,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 "failures": result.failures,
                 "contributors": result.contributors,
                 "producers": result.producers,
+                "payloads_sha256": rebuilt_sha256(result, codec),
             }
             print(json.dumps(record), flush=True)
             del result  # the next round's vectors must not stack on this one's result

@@ -59,6 +59,30 @@ class AllReduceResult:
     adjustments: list[str] = field(default_factory=list)
     """Contributions the aggregation rule (AllReduceConfig.aggregation) clipped or trimmed in the parts
     this member decided, e.g. "part 3: p5 norm 812 clipped to 16.2 (clipped)"; empty for "mean"."""
+    payloads: tuple[EncodedChunk, ...] | None = None
+    """With AllReduceConfig.keep_payloads and unless fell_back: the codec bytes ``averaged`` was
+    decoded from, in order, tiling it exactly (the same bytes on every member that did not fall back)."""
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """``payload`` decodes (with the round's codec) into ``averaged[offset : offset + num_elements]``."""
+
+    offset: int
+    num_elements: int
+    payload: bytes
+
+
+def tiled(kept: dict[int, tuple[int, bytes]], num_elements: int) -> tuple[EncodedChunk, ...] | None:
+    """The kept chunks in order if they tile ``[0, num_elements)`` exactly, else None."""
+    chunks, end = [], 0
+    for offset in sorted(kept):
+        size, payload = kept[offset]
+        if offset != end or size <= 0:
+            return None
+        chunks.append(EncodedChunk(offset, size, payload))
+        end = offset + size
+    return tuple(chunks) if end == num_elements else None
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,10 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
     if state.parts[reduced.part_index].in_result:
         return  # the replica was decoded into our result as it arrived
     start = state.group.part_bounds[reduced.part_index]
+    offset = start
+    for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+        state.keep_payload(offset, size, payload)
+        offset += size
 
     def decode() -> None:
         offset = start
@@ -135,6 +163,7 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
 
     async def decode_chunk(offset: int, size: int, payload: bytes) -> None:
         target = output[start + offset : start + offset + size]
+        state.keep_payload(start + offset, size, payload)
         await loop.run_in_executor(state.executor, state.codec.decode_into, payload, target)
 
     for position, target in enumerate(state.group.chain(part_index)):
@@ -238,6 +267,9 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
             },
             seconds=time.monotonic() - state.started,
             adjustments=list(state.adjustments),
+            payloads=None
+            if fell_back or state.kept_payloads is None
+            else tiled(state.kept_payloads, averaged.numel()),
         )
     finally:
         registry.finished(state)

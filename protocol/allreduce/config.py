@@ -54,6 +54,10 @@ class AllReduceConfig:
     starts and sends a member nothing until its connection is up or has failed, at most this long."""
     server_grace: timedelta = timedelta(seconds=2)
     """On stop, in-flight RPCs get this long to finish."""
+    keep_payloads: bool = False
+    """Return the encoded bytes every part of the result was decoded from (``AllReduceResult.payloads``),
+    so the round's mean can be served on compressed (the daemon's catch-up); costs the result's
+    encoded size in memory until the result is dropped."""
     aggregation: Aggregation = "mean"
     """How an owner combines the contributions to its part: "mean" (weighted mean), "clipped" (each
     contribution's norm clipped to clip_factor x the median norm) or "trimmed" (coordinate-wise trimmed

@@ -120,6 +120,7 @@ class RoundState(PartDecider):
                 raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} is over here")
             start = self.group.part_bounds[part_index] + offset
             target = self.output[start : start + num_elements]
+            self.keep_payload(start, num_elements, payload)
             try:
                 await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.codec.decode_into, payload, target

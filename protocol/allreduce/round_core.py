@@ -81,6 +81,8 @@ class RoundCore:
         self.bytes_recv_reduce_scatter = 0
         self.local_done = False
         self.output: torch.Tensor | None = None  # (E,) our result while allreduce() runs
+        # With config.keep_payloads: offset -> (numbers, bytes) decoded into our result there.
+        self.kept_payloads: dict[int, tuple[int, bytes]] | None = {} if config.keep_payloads else None
         self.pulse = Pulse()
         self.source = ContributionSource(
             vector=vector,
@@ -115,6 +117,15 @@ class RoundCore:
         self.bytes_recv += received
         self.bytes_sent_reduce_scatter += sent
         self.bytes_recv_reduce_scatter += received
+
+    def keep_payload(self, offset: int, num_elements: int, payload: bytes) -> None:
+        """Remember the bytes about to be decoded into our result at ``offset`` (with keep_payloads).
+
+        Call it where the decode is queued on the compute thread, in the same order: a later decode
+        of the same chunk (a replica never committed, then the part we did get) replaces it, as in
+        the result."""
+        if self.kept_payloads is not None:
+            self.kept_payloads[offset] = (num_elements, payload)
 
     def record_failure(self, message: str) -> None:
         self.failures.append(message)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Sequence
 
 import grpc
 import grpc.aio
@@ -56,8 +57,9 @@ class StateProvider(pb_grpc.StateSyncServicer):
     ) -> None:
         self.config = config or StateSyncConfig()
         self.fault_plan = fault_plan
-        # Newest first: (snapshot, its manifest). Replaced as a whole, never mutated.
-        self._kept: tuple[tuple[Snapshot, pb.StateManifest], ...] = ()
+        # Newest first: per publish, (snapshot, its manifest) then its companions'. Replaced as a
+        # whole, never mutated.
+        self._kept: tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...] = ()
         self._num_active_transfers = 0
         self._closed = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -74,8 +76,21 @@ class StateProvider(pb_grpc.StateSyncServicer):
 
     # --- the daemon's side ---------------------------------------------------------------------------
 
-    def publish(self, snapshot: Snapshot) -> None:
-        """Serve `snapshot` from now on; keep the previous ones up to `num_snapshots_kept` in all."""
+    def publish(self, snapshot: Snapshot, *, companions: Sequence[Snapshot] = ()) -> None:
+        """Serve `snapshot` from now on; keep the previous ones up to `num_snapshots_kept` in all.
+
+        `companions`: other snapshots served beside this one and dropped with it (the daemon's round
+        mean, for a member one round behind); never the newest, so a fetcher that asks for no
+        particular state still gets `snapshot`.
+        """
+        served = [(one, self._manifest_of(one)) for one in (snapshot, *companions)]
+        if len({one.state_id for one in (snapshot, *companions)}) != len(served):
+            raise ValueError("a snapshot and its companions need distinct state ids")
+        older = tuple(kept for kept in self._kept if kept[0][0].state_id != snapshot.state_id)
+        self._kept = (tuple(served), *older)[: self.config.num_snapshots_kept]
+        logger.info("serving %r (keeping %s)", snapshot, self.kept_state_ids)
+
+    def _manifest_of(self, snapshot: Snapshot) -> pb.StateManifest:
         manifest = to_manifest(
             snapshot, max_range_bytes=self.config.max_range_bytes, max_chunk_bytes=self.config.max_chunk_bytes
         )
@@ -84,20 +99,18 @@ class StateProvider(pb_grpc.StateSyncServicer):
                 f"the manifest of {snapshot!r} takes {manifest.ByteSize()} bytes, more than max_message_bytes="
                 f"{self.config.max_message_bytes} allows; raise it or the snapshot's block_bytes"
             )
-        older = tuple(kept for kept in self._kept if kept[0].state_id != snapshot.state_id)
-        self._kept = ((snapshot, manifest), *older)[: self.config.num_snapshots_kept]
-        logger.info("serving %r (keeping %s)", snapshot, [kept[0].state_id for kept in self._kept])
+        return manifest
 
     @property
     def current(self) -> Snapshot | None:
         """The newest published snapshot, None before the first publish."""
         kept = self._kept
-        return kept[0][0] if kept else None
+        return kept[0][0][0] if kept else None
 
     @property
     def kept_state_ids(self) -> list[str]:
         """Ids of the snapshots served, newest first."""
-        return [kept[0].state_id for kept in self._kept]
+        return [snapshot.state_id for served in self._kept for snapshot, _ in served]
 
     def close(self) -> None:
         """Release calls hung by a "stall" or "pause" fault (call on the server's loop before stopping it)."""
@@ -150,10 +163,11 @@ class StateProvider(pb_grpc.StateSyncServicer):
         if not kept:
             raise Refusal(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
         if not state_id:
-            return kept[0]
-        for snapshot, manifest in kept:
-            if snapshot.state_id == state_id:
-                return snapshot, manifest
+            return kept[0][0]
+        for served in kept:
+            for snapshot, manifest in served:
+                if snapshot.state_id == state_id:
+                    return snapshot, manifest
         raise Refusal(
             grpc.StatusCode.NOT_FOUND,
             f"I no longer keep snapshot {state_id!r}; I serve {self.kept_state_ids}",

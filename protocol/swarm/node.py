@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -169,15 +169,24 @@ class SwarmNode:
 
     # --- state ---
 
-    def publish(self, *, round: int, param_hash: str, tokens_per_s: float, snapshot: Snapshot | None) -> None:
-        """Advertise our global params ``(round, param_hash)`` and serve ``snapshot`` to joiners.
+    def publish(
+        self,
+        *,
+        round: int,
+        param_hash: str,
+        tokens_per_s: float,
+        snapshot: Snapshot | None,
+        companions: Sequence[Snapshot] = (),
+    ) -> None:
+        """Advertise our global params ``(round, param_hash)`` and serve ``snapshot`` to joiners, with
+        ``companions`` beside it (other snapshots, fetched by their own state id).
 
         Never blocks on the network: the record goes out with the next heartbeat.
         """
         if snapshot is not None:
             if snapshot.state_id != param_hash or snapshot.round_id != round:
                 raise ValueError("the snapshot must be of the published (round, param_hash)")
-            self.server.state_provider.publish(snapshot)
+            self.server.state_provider.publish(snapshot, companions=companions)
         record = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
         self.driver.record = record
         assert self.registry is not None
@@ -264,8 +273,9 @@ class SwarmNode:
                 return view
             time.sleep(min(self.config.view_refresh.total_seconds(), max(deadline - time.monotonic(), 0.0)))
 
-    def fetch_state(self, decision: LineageDecision) -> FetchReport:
-        """Fetch the canonical state from ``decision.sync_sources`` in parallel, verified against its hash."""
+    def fetch_state(self, decision: LineageDecision, *, state_id: str | None = None) -> FetchReport:
+        """Fetch the canonical state from ``decision.sync_sources`` in parallel, verified against its
+        hash; or, with ``state_id``, the snapshot of that id they serve beside it (a companion)."""
         addresses = [
             record.grpc_address for pid in decision.sync_sources if (record := self.driver.view.get(pid))
         ]
@@ -274,7 +284,7 @@ class SwarmNode:
         deadline = self.config.sync_deadline
         coroutine = fetch_state_with_report(
             addresses,
-            expected_state_id=decision.canonical.param_hash,
+            expected_state_id=state_id or decision.canonical.param_hash,
             deadline=deadline,
             auth=self.config.auth,
         )

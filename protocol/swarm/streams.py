@@ -15,6 +15,7 @@ fell back, the round did (our own vector), as for a one-stream round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -24,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member, split_by_weight
@@ -229,6 +230,20 @@ def combine(
         bytes_recv_by_phase=summed("bytes_recv_by_phase"),
         seconds=max(result.seconds for result in results),
         adjustments=[line for s, result in enumerate(results) for line in tagged(s, result.adjustments)],
+        payloads=None if fell_back else _shifted_payloads(bounds, results),
+    )
+
+
+def _shifted_payloads(
+    bounds: Sequence[int], results: Sequence[AllReduceResult]
+) -> tuple[EncodedChunk, ...] | None:
+    """The streams' kept payloads as chunks of the whole vector (None unless every stream kept them)."""
+    if any(result.payloads is None for result in results):
+        return None
+    return tuple(
+        dataclasses.replace(chunk, offset=bounds[s] + chunk.offset)
+        for s, result in enumerate(results)
+        for chunk in result.payloads or ()
     )
 
 

@@ -11,11 +11,12 @@ is a pure function of (seed, epoch, position), so no RNG state is involved.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import inspect
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,23 @@ from torch import nn
 
 from node.config import NodeConfig
 from node.data import load_corpus
-from node.diloco import DiLoCo, SoloAverager, flatten_params
-from node.swarm import GLOBAL_PARAMS, OUTER_MOMENTUM, adopted_state, snapshot_of
+from node.diloco import AveragingOutcome, DiLoCo, SoloAverager, flatten_params
+from node.swarm_state import (
+    GLOBAL_PARAMS,
+    OUTER_MOMENTUM,
+    ROUND_MEAN,
+    ROUND_MEAN_CHUNKS,
+    ROUND_MEAN_PAYLOAD,
+    RoundMean,
+    adopted_state,
+    caught_up_state,
+    round_mean_id,
+    round_mean_snapshot,
+    snapshot_of,
+)
 from node.trainer import Trainer
+from protocol.allreduce.allreduce import EncodedChunk
+from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot
 
 
@@ -196,3 +211,148 @@ def test_load_global_state_without_momentum_restarts_nesterov() -> None:
         diloco.load_global_state(global_params, torch.zeros(14))
     with pytest.raises(ValueError, match="global params"):
         diloco.load_global_state(torch.zeros(16), None)
+
+
+class RecordingAverager:
+    """A swarm of one whose mean went through the wire codec ``codec`` in chunks, as an all-reduce
+    hands it back; it keeps each round's mean and the bytes it was decoded from (a ``RoundMean``)."""
+
+    def __init__(self, codec: str = "int8", chunk: int = 10_000) -> None:
+        self.codec, self.chunk = get_codec(codec), chunk
+        self.means: list[RoundMean] = []
+        self.previous: tuple[int, str] = (0, "")
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        chunks, mean = [], torch.empty_like(vector)
+        for offset in range(0, vector.numel(), self.chunk):
+            piece = vector[offset : offset + self.chunk]
+            payload = self.codec.encode(piece).numpy().tobytes()
+            self.codec.decode_into(payload, mean[offset : offset + piece.numel()])
+            chunks.append(EncodedChunk(offset, piece.numel(), payload))
+        self.means.append(
+            RoundMean(
+                previous=self.previous, mean=mean, encoded=tuple(chunks), codec=self.codec.name,
+                block_size=self.codec.block_size,
+            )
+        )  # fmt: skip
+        return AveragingOutcome(averaged=mean, num_peers=1)
+
+
+def one_round(trainer: Trainer, recorder: RecordingAverager) -> RoundMean:
+    """Two inner steps and an outer step with ``recorder``'s mean; that mean."""
+    recorder.previous = (trainer.progress.round, trainer.diloco.param_hash())
+    trainer.diloco.averager = recorder
+    trainer.inner_step(), trainer.inner_step()
+    assert trainer.outer_round() is not None
+    return recorder.means[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("encoded", [True, False], ids=["int8-bytes", "fp32"])
+def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean(
+    corpus_file: Path, tmp_path: Path, encoded: bool
+) -> None:
+    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
+    source.run()  # round 1: the outer momentum exists from here on
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, data_seed=5))
+    behind.adopt(adopted_state(snapshot_of(source), num_elements=behind.diloco.num_elements,
+                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    previous = (1, source.diloco.param_hash())
+    assert (behind.progress.round, behind.diloco.param_hash()) == previous
+
+    round_mean = one_round(source, RecordingAverager())  # round 2, without `behind`
+    assert round_mean.previous == previous
+    if not encoded:
+        round_mean = dataclasses.replace(round_mean, encoded=None)
+    state = snapshot_of(source)
+    mean = round_mean_snapshot(state, round_mean)
+    assert mean.state_id == round_mean_id(state.state_id) and mean.round_id == 2
+    if encoded:  # int8: one byte per number plus a 4-byte scale per 256-number block, and the chunk table
+        assert set(mean.tensors) == {ROUND_MEAN_PAYLOAD, ROUND_MEAN_CHUNKS}
+        assert mean.num_bytes < state.num_bytes / 7
+    else:
+        assert set(mean.tensors) == {ROUND_MEAN} and mean.num_bytes * 2 == state.num_bytes
+
+    target = (2, state.state_id)
+    caught_up = caught_up_state(
+        behind.diloco, mean, previous=previous, target=target, corpus_sha256=behind.corpus.sha256
+    )
+    assert caught_up.caught_up
+    behind.adopt(caught_up)
+    # Now the same as the source as far as the swarm can tell, and as a full fetch would have made it.
+    assert behind.diloco.param_hash() == source.diloco.param_hash() == state.state_id
+    assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
+    assert (
+        (behind.progress.step, behind.progress.round)
+        == (source.progress.step, source.progress.round)
+        == (4, 2)
+    )
+    assert behind.batches.state_dict() == {**source.batches.state_dict(), "shard_index": 0}
+    assert snapshot_of(behind).metadata == state.metadata  # it serves the same bytes on
+    assert caught_up.round_mean is not None
+    again = round_mean_snapshot(snapshot_of(behind), caught_up.round_mean)
+    assert again.metadata == mean.metadata
+    assert all(torch.equal(again.tensors[name], tensor) for name, tensor in mean.tensors.items())
+
+
+@pytest.mark.timeout(120)
+def test_a_round_mean_that_does_not_lead_to_the_swarms_state_is_refused(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    source = Trainer(small_config(corpus_file, tmp_path / "source"))
+    good = one_round(source, RecordingAverager("none"))
+    previous = good.previous
+    state = snapshot_of(source)
+    target = (1, state.state_id)
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind"))  # the same seed: the same start
+    assert behind.diloco.param_hash() == previous[1]
+
+    def attempt(round_mean: RoundMean, *, of: Snapshot = state) -> None:
+        fetched = round_mean_snapshot(of, round_mean)
+        caught_up_state(
+            behind.diloco, fetched, previous=previous, target=target, corpus_sha256=behind.corpus.sha256
+        )
+
+    def with_mean(change: Callable[[torch.Tensor], None]) -> RoundMean:
+        mean = good.mean.clone()
+        change(mean)
+        return dataclasses.replace(good, mean=mean, encoded=None)
+
+    attempt(good)  # the honest mean passes, from its bytes
+    attempt(dataclasses.replace(good, encoded=None))  # and as fp32
+    with pytest.raises(ValueError, match="param_hash"):
+        attempt(with_mean(lambda mean: mean.__setitem__(7, mean[7] + 1e-3)))
+    # One ulp in one number can round away in the params but not in the momentum (Δ̄ goes into it
+    # as is): the momentum's hash is checked too.
+    with pytest.raises(ValueError, match="param_hash|outer momentum"):
+        attempt(with_mean(lambda mean: mean.__setitem__(7, torch.nextafter(mean[7], torch.tensor(1.0)))))
+    with pytest.raises(ValueError, match="another state"):
+        attempt(dataclasses.replace(good, previous=(0, "0" * 64)))
+    with pytest.raises(ValueError, match="non-finite"):
+        attempt(with_mean(lambda mean: mean.__setitem__(3, float("nan"))))
+    with pytest.raises(ValueError, match="model's size"):
+        attempt(dataclasses.replace(good, mean=good.mean[:-1], encoded=None))
+    # Bytes that do not decode to the model's numbers: a gap, a chunk too short, another codec.
+    assert good.encoded is not None and len(good.encoded) > 2
+    with pytest.raises(ValueError, match="tile"):
+        attempt(dataclasses.replace(good, encoded=good.encoded[:1] + good.encoded[2:]))
+    with pytest.raises(ValueError, match="cover exactly|tile"):
+        attempt(dataclasses.replace(good, encoded=good.encoded[:-1]))
+    short = dataclasses.replace(good.encoded[1], payload=good.encoded[1].payload[:-4])
+    with pytest.raises(ValueError):
+        attempt(dataclasses.replace(good, encoded=(good.encoded[0], short, *good.encoded[2:])))
+    with pytest.raises(ValueError, match="codec"):
+        attempt(dataclasses.replace(good, codec="zip"))
+    # Right params but another momentum (e.g. a member that restarted Nesterov): refused too.
+    other_momentum = Snapshot(
+        round_id=state.round_id,
+        state_id=state.state_id,
+        tensors={
+            GLOBAL_PARAMS: state.tensors[GLOBAL_PARAMS],
+            OUTER_MOMENTUM: state.tensors[OUTER_MOMENTUM] * 2,
+        },
+        metadata=state.metadata,
+    )
+    with pytest.raises(ValueError, match="outer momentum"):
+        attempt(good, of=other_momentum)
+    assert behind.diloco.param_hash() == previous[1]  # every attempt left the node's own state alone

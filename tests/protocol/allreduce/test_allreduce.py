@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import timedelta
 
@@ -212,3 +213,51 @@ def test_bad_arguments_are_value_errors() -> None:
                     await peers[0].allreduce(vector, error_feedback=None, deadline=deadline, **kwargs)  # type: ignore[arg-type]
 
     uvloop.run(scenario())
+
+
+def decoded(codec_name: str, result: AllReduceResult) -> torch.Tensor:
+    """The result rebuilt from its kept payloads alone."""
+    assert result.payloads is not None
+    codec = get_codec(codec_name)
+    out = torch.full_like(result.averaged, float("nan"))
+    for chunk in result.payloads:
+        codec.decode_into(chunk.payload, out[chunk.offset : chunk.offset + chunk.num_elements])
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("codec_name", "num_peers"), [("int8", 2), ("int8", 3), ("int4", 4), ("none", 3), ("fp16", 2)]
+)
+def test_kept_payloads_rebuild_the_result_bit_for_bit_on_every_member(
+    codec_name: str, num_peers: int
+) -> None:
+    vectors = random_vectors(num_peers, 30_011, seed=4)
+    config = dataclasses.replace(FAST_CONFIG, keep_payloads=True)
+
+    async def scenario() -> list[AllReduceResult]:
+        async with local_peers(num_peers, config) as peers:
+            group = GroupSpec.build(
+                round_id=0,
+                members=members_of(peers),
+                num_elements=30_011,
+                bandwidths=[1.0 + i for i in range(num_peers)],
+            )
+            return await allreduce_all(peers, vectors, group, get_codec(codec_name))
+
+    results = uvloop.run(scenario())
+    assert_all_identical(results)
+    for result in results:
+        assert result.payloads == results[0].payloads  # the same bytes everywhere
+        assert torch.equal(decoded(codec_name, result).view(torch.int32), result.averaged.view(torch.int32))
+    codec = get_codec(codec_name)
+    assert sum(len(c.payload) for c in results[0].payloads or ()) == sum(
+        codec.encoded_num_bytes(c.num_elements) for c in results[0].payloads or ()
+    )
+
+    async def without() -> list[AllReduceResult]:  # off by default: nothing kept
+        async with local_peers(2) as peers:
+            group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=1000)
+            return await allreduce_all(peers, [v[:1000] for v in vectors[:2]], group, get_codec(codec_name))
+
+    assert all(result.payloads is None for result in uvloop.run(without()))

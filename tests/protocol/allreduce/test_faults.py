@@ -28,6 +28,7 @@ COMMON_ARGS = [
     "--deadline-seconds", str(DEADLINE_SECONDS),
     "--stall-seconds", "2",
     "--log-level", "INFO",
+    "--keep-payloads",  # the result's encoded bytes must rebuild it under every fault too
 ]  # fmt: skip
 EVERYONE = [f"peer-{i}" for i in range(NUM_PEERS)]
 
@@ -50,6 +51,7 @@ def check_survivors(workers: Workers, records: dict[int, list[dict[str, object]]
         for record in by_survivor:
             assert record["fell_back"] is False, record["failures"]
             assert record["max_abs_error"] == 0.0, record
+            assert record["payloads_sha256"] == record["sha256"], record
             assert float(record["seconds"]) < DEADLINE_SECONDS  # type: ignore[arg-type]
         assert len({r["sha256"] for r in by_survivor}) == 1, [r["failures"] for r in by_survivor]
         assert len({str(r["contributors"]) for r in by_survivor}) == 1

@@ -265,3 +265,47 @@ def test_bad_arguments_are_value_errors(sources: list[str], knobs: dict[str, Any
     arguments: dict[str, Any] = {"expected_state_id": None, "deadline": timedelta(seconds=1), **knobs}
     with pytest.raises(ValueError):
         uvloop.run(fetch_state(sources, **arguments))
+
+
+@pytest.mark.timeout(30)
+def test_a_companion_is_served_by_its_own_id_beside_its_snapshot_and_dropped_with_it() -> None:
+    companion = make_snapshot(seed=1, num_params=MiB // 4, state_id="round-mean:" + SNAPSHOT.state_id)
+    newer, newest = make_snapshot(seed=2, round_id=8), make_snapshot(seed=3, round_id=9)
+
+    async def scenario() -> tuple[FetchReport, FetchReport, list[list[str]], str]:
+        async with providers(2, None) as servers:
+            for server in servers:
+                server.provider.publish(SNAPSHOT, companions=[companion])
+            addresses = [s.address for s in servers]
+            newest_offered = await _fetch(addresses, expected=None)  # the snapshot, never its companion
+            fetched = await _fetch(addresses, expected=companion.state_id)
+            kept = [servers[0].provider.kept_state_ids]
+            servers[0].provider.publish(newer)  # the previous publish is kept whole
+            kept.append(servers[0].provider.kept_state_ids)
+            servers[0].provider.publish(newest)
+            kept.append(servers[0].provider.kept_state_ids)
+            try:
+                await _fetch(addresses[:1], expected=companion.state_id, deadline=timedelta(seconds=5))
+            except StateSyncError as error:
+                gone = str(error)
+            else:
+                gone = ""
+            return newest_offered, fetched, kept, gone
+
+    newest_offered, fetched, kept, gone = uvloop.run(scenario())
+    assert_identical(newest_offered.snapshot, SNAPSHOT)
+    assert_identical(fetched.snapshot, companion)
+    assert sum(fetched.bytes_by_source.values()) == companion.num_bytes
+    assert kept == [
+        [SNAPSHOT.state_id, companion.state_id],
+        [newer.state_id, SNAPSHOT.state_id, companion.state_id],
+        [newest.state_id, newer.state_id],
+    ]
+    assert "no longer keep" in gone
+
+
+def test_a_companion_needs_its_own_state_id() -> None:
+    from protocol.statesync.provider import StateProvider
+
+    with pytest.raises(ValueError, match="distinct state ids"):
+        StateProvider(TEST_CONFIG).publish(SNAPSHOT, companions=[SNAPSHOT])

@@ -1,0 +1,97 @@
+"""A member one round behind steps to the swarm's state with the round's mean, over real sockets.
+
+Two SwarmNodes on loopback (hivemind DHT, gRPC): the first serves a trainer's state after round 2
+with that round's mean beside it (``round_mean_snapshot``); the second holds the same trainer's
+state after round 1. Its SwarmSession fetches only the mean (its int8 bytes: under 1/7 of the
+state's), steps itself to the swarm's param_hash and outer momentum, and serves the mean on. When no source serves a mean,
+the session fetches the whole state instead.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.swarm import SwarmSession
+from node.swarm_state import adopted_state, round_mean_id, round_mean_snapshot, snapshot_of
+from node.trainer import Trainer
+from protocol.membership.lineage import Lineage
+from protocol.swarm.node import SwarmNode
+from tests.node.test_swarm_session import (
+    RecordingAverager,
+    corpus_file,
+    one_intra_op_thread,
+    one_round,
+    small_config,
+)
+from tests.protocol.swarm.test_swarm_node import node_config, wait_for_lineages
+
+__all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[list[SwarmNode]]:
+    run_name = f"catch-up-{uuid.uuid4().hex[:12]}"
+    started: list[SwarmNode] = []
+    with ExitStack() as stack:
+        for _ in range(2):
+            bootstrap = tuple(started[0].multiaddrs()) if started else ()
+            node = SwarmNode(node_config(run_name, bootstrap))
+            stack.callback(node.close)
+            stack.callback(node.leave)
+            started.append(node)
+        yield started
+
+
+@pytest.mark.timeout(120)
+def test_a_member_one_round_behind_fetches_the_mean_not_the_state(
+    corpus_file: Path, tmp_path: Path, two_nodes: list[SwarmNode]
+) -> None:
+    server, client = two_nodes
+    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
+    source.run()
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1))
+    behind.adopt(adopted_state(snapshot_of(source), num_elements=behind.diloco.num_elements,
+                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    previous = (1, source.diloco.param_hash())
+
+    round_mean = one_round(source, RecordingAverager("int8"))  # round 2, without `behind`
+    assert round_mean.previous == previous
+    state = snapshot_of(source)
+    companion = round_mean_snapshot(state, round_mean)
+    server.publish(
+        round=2, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state, companions=[companion]
+    )
+    session = SwarmSession(client, joining=False)
+    session.start(behind)  # publishes round 1
+    wait_for_lineages(
+        two_nodes, {server.peer_id: Lineage(2, state.state_id), client.peer_id: Lineage(*previous)}
+    )
+
+    decision = client.lineage(round=1, param_hash=previous[1])
+    assert not decision.in_canonical and decision.canonical == Lineage(2, state.state_id)
+    adopted = session._fetch_canonical(decision, why="test")
+    assert adopted is not None and session.num_caught_up == 1
+    assert session._bytes_state_sync == companion.num_bytes < state.num_bytes / 7  # int8 bytes
+    behind.adopt(adopted)
+    session._adopted()
+    assert behind.diloco.param_hash() == state.state_id
+    assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
+    assert client.server.state_provider.kept_state_ids[:2] == [state.state_id, round_mean_id(state.state_id)]
+
+    # Round 3 served without its mean (e.g. its members ran with --overlap): the whole state it is.
+    one_round(source, RecordingAverager("int8"))
+    newer = snapshot_of(source)
+    server.publish(round=3, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
+    wait_for_lineages(two_nodes, {server.peer_id: Lineage(3, newer.state_id)})
+    decision = client.lineage(round=2, param_hash=state.state_id)
+    assert decision.canonical == Lineage(3, newer.state_id)
+    before = session._bytes_state_sync
+    adopted = session._fetch_canonical(decision, why="test")
+    assert adopted is not None and adopted.param_hash == newer.state_id and session.num_caught_up == 1
+    assert session._bytes_state_sync - before == newer.num_bytes
