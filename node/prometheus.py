@@ -27,7 +27,8 @@ metric                                     type       from
                                                       ``bytes_recv_state_sync``
 ``dtnode_codec_error``                     gauge      ``codec_error`` (NaN when nothing was encoded)
 ``dtnode_failures_total{kind}``            counter    ``failures_by_kind``
-``dtnode_rounds_total{outcome}``           counter    ``averaged``, ``fell_back`` or ``adopted``
+``dtnode_rounds_total{outcome}``           counter    ``averaged``, ``fell_back``, ``adopted`` or
+                                                      ``caught_up`` (adopted with the round's mean)
 ``dtnode_utilization``                     gauge      ``utilization`` (NaN when not measured)
 ``dtnode_pseudo_gradient_norm``            gauge      ``pseudo_gradient_norm`` (of the mean applied)
 ``process_*``                              (several)  prometheus_client's process collector: resident
@@ -57,7 +58,7 @@ from prometheus_client import (
 
 from node.metrics import FAILURE_KINDS
 
-ROUND_OUTCOMES = ("averaged", "fell_back", "adopted")
+ROUND_OUTCOMES = ("averaged", "fell_back", "adopted", "caught_up")
 ALLREDUCE_PHASES = ("reduce_scatter", "all_gather")
 # Rounds last from seconds (a toy model on loopback) to an hour (a large model over a WAN).
 ROUND_DURATION_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
@@ -195,7 +196,11 @@ class PrometheusExporter:
         self.codec_error.set(_gauge_value(record.get("codec_error")))
         for kind, count in record.get("failures_by_kind", {}).items():
             self.failures.labels(kind=kind).inc(count)
-        outcome = "adopted" if record["adopted"] else "fell_back" if record["fell_back"] else "averaged"
+        outcome = "averaged"
+        if record["adopted"]:
+            outcome = "caught_up" if record.get("caught_up") else "adopted"
+        elif record["fell_back"]:
+            outcome = "fell_back"
         self.rounds.labels(outcome=outcome).inc()
         self.utilization.set(_gauge_value(record.get("utilization")))
         self.pseudo_gradient_norm.set(_gauge_value(record.get("pseudo_gradient_norm")))

@@ -34,8 +34,10 @@ swarm_round_period_seconds, swarm_inner_phase_seconds: node 0's median time betw
                         records and median inner-phase compute time, up to the joiner's first round.
 timeline:               every event above, plus ``swarm_up`` (DHT and gRPC started) and
                         ``trainer_ready`` (model and data built, the trainer's first log line).
-num_adoptions:          state fetches before the first contributed round: 1 when the joiner caught
+num_adoptions:          states loaded before the first contributed round: 1 when the joiner caught
                         the next round, more when it missed one and had to re-sync (see "Chasing").
+num_caught_up, caught_up_megabytes: of those, the ones stepped to from the state before with a
+                        round's mean instead of a whole fetch (node/swarm.py), and the bytes fetched.
 state_bytes:            tensor bytes of the fetched snapshot plus its metadata (the log line's
                         ``num_bytes`` and ``metadata``); params: the model's parameter count.
 bound_seconds:          state_bytes * 8 / (link_mbit * 1e6), the fetch at the link rate.
@@ -54,9 +56,10 @@ param_hash_matches_swarm: after that round the joiner's param_hash equals node 0
 Chasing. A leader waits (up to the join window) only for peers of its lineage, and a joiner enters
 the lineage once it holds the fetched state. If the swarm's inner phase is shorter than the joiner's
 fetch, the swarm is ready for the next round before the joiner holds its state, the round forms
-without it and the joiner re-syncs to a newer state, possibly round after round. Choose
-``--inner-steps`` so the swarm's inner phase (``swarm_inner_phase_seconds``) well exceeds the bound;
-``num_adoptions`` > 1 shows when it did not.
+without it. If the swarm finished one round meanwhile, the joiner steps to it with that round's
+mean (``num_caught_up``: the wire codec's bytes, a fraction of the state); if more, it fetches the
+whole state again, possibly round after round. Choose ``--inner-steps`` so the swarm's inner phase
+(``swarm_inner_phase_seconds``) exceeds the bound; ``num_adoptions`` > 1 shows when it did not.
 
     python scripts/bench_join.py                        # tiny model, 100 Mbit/s, 2 nodes + joiner
     python scripts/bench_join.py --model nano --inner-steps 10 --link-mbit 20 --trials 3
@@ -84,7 +87,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from join_log import ADOPTED, FETCHED, JOIN_DECIDED, JOIN_FETCH_FAILED, SWARM_UP, TRAINER_READY, StampedOutput
+from join_log import (
+    ADOPTED,
+    CAUGHT_UP,
+    FETCHED,
+    JOIN_DECIDED,
+    JOIN_FETCH_FAILED,
+    SWARM_UP,
+    TRAINER_READY,
+    StampedOutput,
+)
 from wan_emulator import WanEmulator, unavailable_reason
 
 from node.metrics import read_metrics
@@ -219,6 +231,7 @@ def measure_joiner(
     join_decided = output.first(JOIN_DECIDED)
     fetches = [(stamp, m) for stamp, m in output.matches(FETCHED) if stamp <= first_round["time"]]
     adoptions = [(stamp, m) for stamp, m in output.matches(ADOPTED) if stamp <= first_round["time"]]
+    catch_ups = [(stamp, m) for stamp, m in output.matches(CAUGHT_UP) if stamp <= first_round["time"]]
     steps = [s for s in read_records(run_dir, "step") if s["round"] == first_round["round"]]
     if trainer_ready is None or not steps:
         raise TrialError("the joiner's log lacks its 'training ...' line or its inner steps")
@@ -266,6 +279,8 @@ def measure_joiner(
         "seconds_to_state": _rounded(seconds_to_state),
         "met_to_state": target is not None and seconds_to_state is not None and seconds_to_state <= target,
         "num_adoptions": len(adoptions),
+        "num_caught_up": len(catch_ups),
+        "caught_up_megabytes": _rounded(sum(float(m["megabytes"]) for _, m in catch_ups)),
         "rounds_before_first": len(rounds[:first_index]),
         "first_round": first_round["round"],
         "first_round_peers": first_round["peers"],

@@ -24,6 +24,9 @@ FETCHED = re.compile(
     r"metadata=(?P<metadata_bytes>\d+) bytes\): [\d.]+ MB in (?P<seconds>[\d.]+)s"
 )
 ADOPTED = re.compile(r"now at round (?P<round>\d+)")
+CAUGHT_UP = re.compile(
+    r"stepped to the swarm's state \(round (?P<round>\d+), .*\) with the round's mean \((?P<megabytes>[\d.]+) MB fetched\)"
+)
 
 
 class StampedOutput:

@@ -143,6 +143,14 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     assert value(samples, "dtnode_round_duration_seconds_bucket", le="120.0") == 1
     assert value(samples, "dtnode_round_duration_seconds_bucket", le="300.0") == 2
 
+    # Two adoptions: a whole-state fetch and a step with the round's mean.
+    exporter.write(round_record(3, adopted=True, peers=0))
+    exporter.write(round_record(4, adopted=True, caught_up=True, peers=0))
+    samples, _ = scrape(port)
+    assert value(samples, "dtnode_rounds_total", outcome="adopted") == 1
+    assert value(samples, "dtnode_rounds_total", outcome="caught_up") == 1
+    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
+
     exporter.close()
     with pytest.raises(urllib.error.URLError):
         scrape(port)
@@ -230,7 +238,7 @@ class FakeSwarm:
 def session_with(result: RoundResult | Exception, num_elements: int) -> SwarmSession:
     session = SwarmSession(FakeSwarm(result), joining=False)  # type: ignore[arg-type]
     session._trainer = SimpleNamespace(  # type: ignore[assignment]
-        diloco=SimpleNamespace(param_hash=lambda: "00" * 32), tokens_per_s=lambda: 1.0
+        diloco=SimpleNamespace(param_hash=lambda: "00" * 32, overlap=False), tokens_per_s=lambda: 1.0
     )
     session.error_feedback = ErrorFeedback(num_elements)
     return session
