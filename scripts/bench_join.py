@@ -254,6 +254,7 @@ def measure_joiner(
         "join_decided": join_decided[0] if join_decided else None,
         "fetched": join_fetch[0] if join_fetch else None,
         "adopted": adoptions[0][0] if adoptions else None,
+        "caught_up": catch_ups[0][0] if catch_ups else None,
         "last_inner_step": last_step_time,
         "first_round": first_round["time"],
     }

@@ -88,6 +88,13 @@ def test_joiner_fetches_the_state_and_contributes_a_round(tmp_path: Path) -> Non
     assert record["seconds_to_state"] == timeline["adopted"]
     assert record["seconds_to_first_round"] == pytest.approx(timeline["first_round"], abs=1e-3)
     assert record["inner_phase_seconds"] > 0 and record["round_seconds"] > 0
+    # A catch-up with a round's mean is one of the adoptions, after the first, before the phase ends.
+    assert record["num_caught_up"] <= record["num_adoptions"]
+    if record["num_caught_up"]:
+        assert timeline["adopted"] <= timeline["caught_up"] <= timeline["last_inner_step"], timeline
+        assert 0 < record["caught_up_megabytes"] * 1e6 < record["state_bytes"]
+    else:
+        assert timeline["caught_up"] is None and record["caught_up_megabytes"] == 0
     assert emulator_namespaces(bench.pid) == []
 
 
