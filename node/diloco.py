@@ -250,20 +250,25 @@ class DiLoCo:
         )
 
     @torch.no_grad()
-    def stepped(self, averaged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The global params and outer momentum one outer step with mean ``averaged`` would give,
-        computed on copies (this node's own state is untouched): the same ``torch.optim.SGD`` with
-        the same settings as ``outer_step``, so a member's step is reproduced bit for bit."""
+    def stepped(
+        self, averaged: torch.Tensor, *, start: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global params and outer momentum one outer step with mean ``averaged`` would give from
+        ours (or from ``start`` = (params, momentum)), computed on copies (this node's own state is
+        untouched): the same ``torch.optim.SGD`` with the same settings as ``outer_step``, so a
+        member's step is reproduced bit for bit."""
         with self._lock:
             settings = self.outer_optimizer.param_groups[0]
-            params = self.global_params.detach().clone().requires_grad_(True)
+            params, momentum = start if start is not None else (self.global_params, self.momentum_buffer())
+            params = params.detach().to(self.outer_device, torch.float32).clone().requires_grad_(True)
             optimizer = torch.optim.SGD(
                 [params],
                 **{key: settings[key] for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov")},
             )
-            momentum = self.momentum_buffer()
             if momentum is not None:
-                optimizer.state[params]["momentum_buffer"] = momentum.clone()
+                optimizer.state[params]["momentum_buffer"] = momentum.to(
+                    self.outer_device, torch.float32
+                ).clone()
         params.grad = averaged.to(self.outer_device, torch.float32)
         optimizer.step()
         buffer = optimizer.state[params].get("momentum_buffer")

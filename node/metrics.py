@@ -26,8 +26,8 @@ Contract (read by ``dtnode report``, benchmarks and tests):
     ``recv_reduce_scatter``, ``recv_all_gather``: contributions vs averages and replicas; empty when
     nothing went over the wire); ``bytes_recv_state_sync``: verified bytes of the swarm's state this node
     fetched (joining, or re-syncing after a missed round) since the previous round record.
-  - ``caught_up``: with ``adopted``, the node was one round behind and stepped to the swarm's state
-    itself with that round's mean (its wire codec's bytes; ``node/swarm.py``), not by a whole fetch.
+  - ``caught_up``: with ``adopted``, the node was at most two rounds behind and stepped to the swarm's state
+    itself with those rounds' means (their wire codec's bytes; ``node/swarm.py``), not by a whole fetch.
   - ``codec_error``: ``‖residual‖ / ‖Δ‖`` after an averaged round, the error-feedback residual (what
     the wire codec lost of this round's contribution and of the parts it broadcast) relative to the
     pseudo-gradient; 0 with the lossless codec ``none``, null when nothing was encoded (a swarm of

@@ -23,9 +23,9 @@ since the last round are discarded, since their Δ was computed against other pa
 
 Catching up: every member of an averaged round serves the round's mean Δ̄ beside its new state
 (``round_mean_snapshot``), as the wire codec's bytes every member decoded it from (int8: ~1 byte per
-parameter; the whole state is 8). A node one round behind, on the lineage the round started from
-(it missed the round, or fetched the state while the swarm finished one more), fetches only Δ̄ and
-runs the same outer step itself (``caught_up_state``); the result must match the swarm's
+parameter; the whole state is 8). A node at most two rounds behind (MAX_CATCH_UP_ROUNDS: it missed
+a round, or fetched the state while the swarm finished one more) fetches only those rounds' Δ̄
+and runs the same outer steps itself (``caught_up_state``); each result must match the swarm's
 param_hash and outer momentum bit for bit, else it fetches the whole state.
 """
 
@@ -50,6 +50,7 @@ from node.swarm_state import (
     adopted_state,
     caught_up_state,
     round_mean_id,
+    round_mean_link,
     round_mean_snapshot,
     snapshot_of,
 )
@@ -58,6 +59,7 @@ from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
+from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
@@ -65,6 +67,10 @@ if TYPE_CHECKING:
     from node.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+MAX_CATCH_UP_ROUNDS = 2
+"""How many rounds behind a node may step to the swarm's state with their means: providers keep the
+means of their last two publishes (StateSyncConfig.num_snapshots_kept)."""
 
 
 class SwarmSession:
@@ -133,14 +139,17 @@ class SwarmSession:
         if ahead is not None and ahead[0].canonical == decision.canonical:
             state = self._checked(ahead[1])
         else:
-            if ahead is not None and ahead[0].canonical.round + 1 == decision.canonical.round:
+            if (
+                ahead is not None
+                and 0 < decision.canonical.round - ahead[0].canonical.round <= MAX_CATCH_UP_ROUNDS
+            ):
                 # The swarm finished a round while we fetched: from the state we have, its mean
                 # (its wire bytes) may take us the rest of the way (_catch_up).
                 trainer.adopt(self._checked(ahead[1]))
                 behind = True
             state = self._fetch_canonical(decision, why="joining")
         if state is None:
-            if behind:  # one round behind the swarm, on its lineage: the next round catches us up
+            if behind:  # behind the swarm, on its lineage: the next round's check catches us up
                 self._adopted()
             log.warning("training on our own state until the next round's lineage check")
             return
@@ -339,7 +348,7 @@ class SwarmSession:
         trainer = self._trainer
         assert trainer is not None
         canonical = decision.canonical
-        if not trainer.diloco.overlap and canonical.round == trainer.progress.round + 1:
+        if not trainer.diloco.overlap and 0 < canonical.round - trainer.progress.round <= MAX_CATCH_UP_ROUNDS:
             caught_up = self._catch_up(decision, why=why)
             if caught_up is not None:
                 return caught_up
@@ -354,35 +363,43 @@ class SwarmSession:
         return self._checked(report)
 
     def _catch_up(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
-        """One round behind the canonical lineage: fetch that round's mean (its wire bytes, a fraction
-        of the whole state's) and step to the swarm's state ourselves, checked bit for bit; None if that cannot be
-        done (no source serves the mean, or it does not reproduce the state): fetch the whole state."""
+        """At most MAX_CATCH_UP_ROUNDS behind the canonical lineage: fetch those rounds' means (their
+        wire bytes, a fraction of the whole state's) and step to the swarm's state ourselves, each
+        step checked bit for bit; None if that cannot be done (no source serves a mean, or they do
+        not reproduce the states): fetch the whole state."""
         trainer = self._trainer
         assert trainer is not None
         canonical = decision.canonical
-        previous = (trainer.progress.round, trainer.diloco.param_hash())
+        ours = (trainer.progress.round, trainer.diloco.param_hash())
+        links: list[Snapshot] = []  # newest first: the mean that led to `wanted`, then the one before
+        wanted, num_bytes = canonical.param_hash, 0
         try:
-            report = self.swarm.fetch_state(decision, state_id=round_mean_id(canonical.param_hash))
+            for _ in range(canonical.round - ours[0]):
+                report = self.swarm.fetch_state(decision, state_id=round_mean_id(wanted))
+                num_bytes += sum(report.bytes_by_source.values())
+                links.append(report.snapshot)
+                previous, _ = round_mean_link(report.snapshot)
+                if previous == ours:
+                    break
+                wanted = previous[1]
+            else:
+                raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
+            state, previous = None, ours
+            for fetched in reversed(links):
+                _, target = round_mean_link(fetched)
+                state = caught_up_state(trainer.diloco, fetched, previous=previous, target=target,
+                                        corpus_sha256=trainer.corpus.sha256, start=state)  # fmt: skip
+                previous = target
+            if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
+                raise ValueError("the round means do not end at the swarm's state")
         except (StateSyncError, ValueError, TimeoutError) as error:
-            log.info("%s: no mean of round %d to step with (%s)", why, canonical.round, error)
+            log.info("%s: cannot step to round %d with its means (%s)", why, canonical.round, error)
+            self._bytes_state_sync += num_bytes
             return None
-        num_bytes = sum(report.bytes_by_source.values())
         self._bytes_state_sync += num_bytes
-        try:
-            state = caught_up_state(
-                trainer.diloco,
-                report.snapshot,
-                previous=previous,
-                target=(canonical.round, canonical.param_hash),
-                corpus_sha256=trainer.corpus.sha256,
-            )
-        except ValueError as error:
-            log.warning("%s: the mean of round %d from the swarm does not lead to its state: %s",
-                        why, canonical.round, error)  # fmt: skip
-            return None
-        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with the round's mean "
-                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], num_bytes / 1e6)  # fmt: skip
-        self._round_mean = state.round_mean  # serve it on too
+        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with the mean of %d round(s) "
+                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], len(links), num_bytes / 1e6)  # fmt: skip
+        self._round_mean = state.round_mean  # serve the last one on too
         self.num_caught_up += 1
         return state
 

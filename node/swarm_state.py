@@ -172,6 +172,21 @@ def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int
     return round_mean
 
 
+def round_mean_link(fetched: Snapshot) -> tuple[tuple[int, str], tuple[int, str]]:
+    """The ``(round, param_hash)`` a fetched round mean steps from, and the one it says it leads to
+    (ValueError if its metadata does not say)."""
+    try:
+        metadata = json.loads(fetched.metadata)
+        previous = (metadata["previous_round"], metadata["previous_param_hash"])
+        target = (fetched.round_id, metadata["state"]["param_hash"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"round mean metadata without its rounds: {error}") from None
+    for round, param_hash in (previous, target):
+        if not isinstance(round, int) or not isinstance(param_hash, str):
+            raise ValueError("round mean metadata with malformed rounds")
+    return previous, target
+
+
 def caught_up_state(
     diloco: DiLoCo,
     fetched: Snapshot,
@@ -179,11 +194,13 @@ def caught_up_state(
     previous: tuple[int, str],
     target: tuple[int, str],
     corpus_sha256: str,
+    start: AdoptedState | None = None,
 ) -> AdoptedState:
     """The state ``target = (round, param_hash)`` stepped to from ours (``previous``) with the round
     mean ``fetched`` (``round_mean_snapshot``); ValueError unless the step reproduces the target's
     global params and outer momentum bit for bit. Everything in ``fetched`` came from a peer: each
-    field is checked before use."""
+    field is checked before use. ``start``: step from this state instead (the previous link of a
+    chain of round means)."""
     metadata = json.loads(fetched.metadata)
     if not isinstance(metadata, dict) or not isinstance(metadata.get("state"), dict):
         raise ValueError("round mean metadata is not a JSON object with the state's")
@@ -195,7 +212,9 @@ def caught_up_state(
         metadata["state"], num_elements=diloco.num_elements, corpus_sha256=corpus_sha256
     )
     round_mean = _fetched_mean(fetched, metadata, diloco.num_elements)
-    params, momentum = diloco.stepped(round_mean.mean)
+    params, momentum = diloco.stepped(
+        round_mean.mean, start=None if start is None else (start.global_params, start.outer_momentum)
+    )
     if tensor_hash(params) != target[1]:
         raise ValueError("stepping with the round mean does not give the swarm's param_hash")
     momentum_sha256 = (

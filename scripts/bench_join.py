@@ -56,9 +56,9 @@ param_hash_matches_swarm: after that round the joiner's param_hash equals node 0
 Chasing. A leader waits (up to the join window) only for peers of its lineage, and a joiner enters
 the lineage once it holds the fetched state. If the swarm's inner phase is shorter than the joiner's
 fetch, the swarm is ready for the next round before the joiner holds its state, the round forms
-without it. If the swarm finished one round meanwhile, the joiner steps to it with that round's
-mean (``num_caught_up``: the wire codec's bytes, a fraction of the state); if more, it fetches the
-whole state again, possibly round after round. Choose ``--inner-steps`` so the swarm's inner phase
+without it. If the swarm finished one or two rounds meanwhile, the joiner steps to its state with
+their means (``num_caught_up``: the wire codec's bytes, a fraction of the state); if more, it
+fetches the whole state again, possibly round after round. Choose ``--inner-steps`` so the swarm's inner phase
 (``swarm_inner_phase_seconds``) exceeds the bound; ``num_adoptions`` > 1 shows when it did not.
 
     python scripts/bench_join.py                        # tiny model, 100 Mbit/s, 2 nodes + joiner

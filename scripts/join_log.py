@@ -25,7 +25,8 @@ FETCHED = re.compile(
 )
 ADOPTED = re.compile(r"now at round (?P<round>\d+)")
 CAUGHT_UP = re.compile(
-    r"stepped to the swarm's state \(round (?P<round>\d+), .*\) with the round's mean \((?P<megabytes>[\d.]+) MB fetched\)"
+    r"stepped to the swarm's state \(round (?P<round>\d+), .*\) with the mean of (?P<rounds>\d+) round\(s\) "
+    r"\((?P<megabytes>[\d.]+) MB fetched\)"
 )
 
 

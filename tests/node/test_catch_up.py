@@ -1,10 +1,10 @@
-"""A member one round behind steps to the swarm's state with the round's mean, over real sockets.
+"""A member behind the swarm steps to its state with the rounds' means, over real sockets.
 
-Two SwarmNodes on loopback (hivemind DHT, gRPC): the first serves a trainer's state after round 2
-with that round's mean beside it (``round_mean_snapshot``); the second holds the same trainer's
-state after round 1. Its SwarmSession fetches only the mean (its int8 bytes: under 1/7 of the
-state's), steps itself to the swarm's param_hash and outer momentum, and serves the mean on. When no source serves a mean,
-the session fetches the whole state instead.
+Two SwarmNodes on loopback (hivemind DHT, gRPC): the first serves a trainer's states after rounds 2
+and 3, each with its round's mean beside it (``round_mean_snapshot``); the second holds the same
+trainer's state after round 1. Its SwarmSession fetches only the two means (their int8 bytes, each
+under 1/7 of the state's), steps itself to the swarm's param_hash and outer momentum through round
+2's, and serves round 3's mean on. When no source serves a mean, it fetches the whole state instead.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def two_nodes() -> Iterator[list[SwarmNode]]:
 
 
 @pytest.mark.timeout(120)
-def test_a_member_one_round_behind_fetches_the_mean_not_the_state(
+def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     corpus_file: Path, tmp_path: Path, two_nodes: list[SwarmNode]
 ) -> None:
     server, client = two_nodes
@@ -60,38 +60,40 @@ def test_a_member_one_round_behind_fetches_the_mean_not_the_state(
                                corpus_sha256=behind.corpus.sha256))  # fmt: skip
     previous = (1, source.diloco.param_hash())
 
-    round_mean = one_round(source, RecordingAverager("int8"))  # round 2, without `behind`
-    assert round_mean.previous == previous
-    state = snapshot_of(source)
-    companion = round_mean_snapshot(state, round_mean)
-    server.publish(
-        round=2, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state, companions=[companion]
-    )
+    companions = []
+    for round in (2, 3):  # two rounds without `behind`; the server keeps both publishes
+        round_mean = one_round(source, RecordingAverager("int8"))
+        state = snapshot_of(source)
+        companions.append(round_mean_snapshot(state, round_mean))
+        server.publish(round=round, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state,
+                       companions=companions[-1:])  # fmt: skip
+    assert companions[0].state_id in server.server.state_provider.kept_state_ids
     session = SwarmSession(client, joining=False)
     session.start(behind)  # publishes round 1
     wait_for_lineages(
-        two_nodes, {server.peer_id: Lineage(2, state.state_id), client.peer_id: Lineage(*previous)}
+        two_nodes, {server.peer_id: Lineage(3, state.state_id), client.peer_id: Lineage(*previous)}
     )
 
     decision = client.lineage(round=1, param_hash=previous[1])
-    assert not decision.in_canonical and decision.canonical == Lineage(2, state.state_id)
+    assert not decision.in_canonical and decision.canonical == Lineage(3, state.state_id)
     adopted = session._fetch_canonical(decision, why="test")
     assert adopted is not None and session.num_caught_up == 1
-    assert session._bytes_state_sync == companion.num_bytes < state.num_bytes / 7  # int8 bytes
+    # Both rounds' int8 bytes, well under the one state's.
+    assert session._bytes_state_sync == sum(c.num_bytes for c in companions) < state.num_bytes / 3.5
     behind.adopt(adopted)
     session._adopted()
     assert behind.diloco.param_hash() == state.state_id
     assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
     assert client.server.state_provider.kept_state_ids[:2] == [state.state_id, round_mean_id(state.state_id)]
 
-    # Round 3 served without its mean (e.g. its members ran with --overlap): the whole state it is.
+    # Round 4 served without its mean (e.g. its members ran with --overlap): the whole state it is.
     one_round(source, RecordingAverager("int8"))
     newer = snapshot_of(source)
-    server.publish(round=3, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
-    wait_for_lineages(two_nodes, {server.peer_id: Lineage(3, newer.state_id)})
-    decision = client.lineage(round=2, param_hash=state.state_id)
-    assert decision.canonical == Lineage(3, newer.state_id)
+    server.publish(round=4, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
+    wait_for_lineages(two_nodes, {server.peer_id: Lineage(4, newer.state_id)})
+    decision = client.lineage(round=3, param_hash=state.state_id)
+    assert decision.canonical == Lineage(4, newer.state_id)
     before = session._bytes_state_sync
     adopted = session._fetch_canonical(decision, why="test")
-    assert adopted is not None and adopted.param_hash == newer.state_id and session.num_caught_up == 1
-    assert session._bytes_state_sync - before == newer.num_bytes
+    assert adopted is not None and adopted.param_hash == newer.state_id and not adopted.caught_up
+    assert session.num_caught_up == 1 and session._bytes_state_sync - before == newer.num_bytes
