@@ -371,22 +371,22 @@ class SwarmSession:
         assert trainer is not None
         canonical = decision.canonical
         ours = (trainer.progress.round, trainer.diloco.param_hash())
-        links: list[Snapshot] = []  # newest first: the mean that led to `wanted`, then the one before
+        # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.
+        links: list[tuple[Snapshot, tuple[int, str]]] = []
         wanted, num_bytes = canonical.param_hash, 0
         try:
             for _ in range(canonical.round - ours[0]):
                 report = self.swarm.fetch_state(decision, state_id=round_mean_id(wanted))
                 num_bytes += sum(report.bytes_by_source.values())
-                links.append(report.snapshot)
-                previous, _ = round_mean_link(report.snapshot)
+                previous, target = round_mean_link(report.snapshot)
+                links.append((report.snapshot, target))
                 if previous == ours:
                     break
                 wanted = previous[1]
             else:
                 raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
             state, previous = None, ours
-            for fetched in reversed(links):
-                _, target = round_mean_link(fetched)
+            for fetched, target in reversed(links):
                 state = caught_up_state(trainer.diloco, fetched, previous=previous, target=target,
                                         corpus_sha256=trainer.corpus.sha256, start=state)  # fmt: skip
                 previous = target

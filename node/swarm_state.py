@@ -201,10 +201,11 @@ def caught_up_state(
     global params and outer momentum bit for bit. Everything in ``fetched`` came from a peer: each
     field is checked before use. ``start``: step from this state instead (the previous link of a
     chain of round means)."""
+    stepped_from, _ = round_mean_link(fetched)
     metadata = json.loads(fetched.metadata)
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("state"), dict):
-        raise ValueError("round mean metadata is not a JSON object with the state's")
-    if (metadata.get("previous_round"), metadata.get("previous_param_hash")) != previous:
+    if not isinstance(metadata.get("state"), dict):
+        raise ValueError("round mean metadata without the state's")
+    if stepped_from != previous:
         raise ValueError(
             f"the round mean follows another state than ours ({previous[0]}, {previous[1][:12]})"
         )

@@ -21,6 +21,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -99,17 +100,14 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
     """Decode the bytes we decided (or hold as a replica) into our result, like any puller would."""
     if state.parts[reduced.part_index].in_result:
         return  # the replica was decoded into our result as it arrived
-    start = state.group.part_bounds[reduced.part_index]
-    offset = start
-    for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+    offsets = list(accumulate(reduced.chunk_sizes, initial=state.group.part_bounds[reduced.part_index]))[:-1]
+    chunks = list(zip(offsets, reduced.chunk_sizes, reduced.payloads, strict=True))
+    for offset, size, payload in chunks:
         state.keep_payload(offset, size, payload)
-        offset += size
 
     def decode() -> None:
-        offset = start
-        for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+        for offset, size, payload in chunks:
             state.codec.decode_into(payload, output[offset : offset + size])
-            offset += size
 
     await asyncio.get_running_loop().run_in_executor(state.executor, decode)
 

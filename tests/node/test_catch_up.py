@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -29,22 +28,14 @@ from tests.node.test_swarm_session import (
     one_round,
     small_config,
 )
-from tests.protocol.swarm.test_swarm_node import node_config, wait_for_lineages
+from tests.protocol.swarm.test_swarm_node import started_nodes, wait_for_lineages
 
 __all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
 
 
 @pytest.fixture
 def two_nodes() -> Iterator[list[SwarmNode]]:
-    run_name = f"catch-up-{uuid.uuid4().hex[:12]}"
-    started: list[SwarmNode] = []
-    with ExitStack() as stack:
-        for _ in range(2):
-            bootstrap = tuple(started[0].multiaddrs()) if started else ()
-            node = SwarmNode(node_config(run_name, bootstrap))
-            stack.callback(node.close)
-            stack.callback(node.leave)
-            started.append(node)
+    with started_nodes(2, f"catch-up-{uuid.uuid4().hex[:12]}") as started:
         yield started
 
 

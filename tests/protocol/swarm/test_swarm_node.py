@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import grpc
@@ -63,18 +63,24 @@ def node_config(run_name: str, initial_peers: tuple[str, ...]) -> SwarmConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[list[SwarmNode]]:
-    """Three nodes of one run; the 2nd and 3rd join through the 1st. Each leaves and closes at the end."""
-    run_name = f"swarm-test-{uuid.uuid4().hex[:12]}"
+@contextmanager
+def started_nodes(count: int, run_name: str) -> Iterator[list[SwarmNode]]:
+    """``count`` nodes of one run; the others join through the 1st. Each leaves and closes at the end."""
     started: list[SwarmNode] = []
     with ExitStack() as stack:  # runs every leave / close even if one of them raises
-        for _ in range(NUM_NODES):
+        for _ in range(count):
             bootstrap = tuple(started[0].multiaddrs()) if started else ()
             node = SwarmNode(node_config(run_name, bootstrap))
             stack.callback(node.close)
             stack.callback(node.leave)  # LIFO: leave runs before close
             started.append(node)
+        yield started
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[SwarmNode]]:
+    """Three nodes of one run (``started_nodes``)."""
+    with started_nodes(NUM_NODES, f"swarm-test-{uuid.uuid4().hex[:12]}") as started:
         yield started
 
 
