@@ -186,10 +186,12 @@ class DhtNode:
             _kill_dht_process(self._dht, grace=_SHUTDOWN_GRACE)
             raise DhtStartupError(f"the DHT peer failed to start ({error}); {_joining(config)}") from error
         try:
-            self._peer_id = str(self._call(_peer_id, config.startup_timeout, "peer id"))
+            identity = self._call(_identity, config.startup_timeout, "identity")
         except BaseException:
             self.shutdown()
             raise
+        assert isinstance(identity, tuple)  # what _identity returns
+        self._peer_id, self._multiaddrs = str(identity[0]), [str(address) for address in identity[1]]
 
     @property
     def peer_id(self) -> str:
@@ -204,17 +206,14 @@ class DhtNode:
     def is_alive(self) -> bool:
         return not self._closed and self._dht.is_alive()
 
-    def visible_multiaddrs(self, timeout: timedelta | None = None) -> list[str]:
+    def visible_multiaddrs(self) -> list[str]:
         """Addresses others can pass to ``--peers``, each ending in ``/p2p/<peer id>``.
 
-        A question to the local p2p daemon, not to a peer: its only delay is a DHT process still
-        busy joining on a loaded host, so the default deadline is the start-up one, not ``rpc_timeout``.
+        Read once at start-up (the daemon's listen or announced addresses do not change while it
+        runs): asking the p2p daemon again each time put a round trip through a DHT process that may
+        be busy on a loaded host in the way of every caller, and a start-up could time out on it.
         """
-        addresses = self._call(
-            _visible_multiaddrs, timeout or self.config.startup_timeout, "visible multiaddrs"
-        )
-        assert isinstance(addresses, list)  # what _visible_multiaddrs returns
-        return [str(address) for address in addresses]
+        return list(self._multiaddrs)
 
     def reconnect(self, peer_ids: Sequence[str], timeout: timedelta | None = None) -> int:
         """Ping ``peer_ids`` so they are back in the routing table; returns how many answered.
@@ -295,8 +294,10 @@ class DhtNode:
 # --- helpers run inside the DHT process (module-level so that they pickle by reference) ---
 
 
-async def _peer_id(_dht: DHT, node: DHTNode) -> str:
-    return node.peer_id.to_base58()
+async def _identity(_dht: DHT, node: DHTNode) -> tuple[str, list[str]]:
+    """Our peer id and the addresses the daemon reported when it started (no new daemon request)."""
+    addresses = await node.get_visible_maddrs(latest=False)
+    return node.peer_id.to_base58(), [str(address) for address in addresses]
 
 
 async def _ping_peers(peer_ids: tuple[str, ...], _dht: DHT, node: DHTNode) -> int:
@@ -305,10 +306,6 @@ async def _ping_peers(peer_ids: tuple[str, ...], _dht: DHT, node: DHTNode) -> in
         node.blacklist.register_success(peer)  # forget the backoff from the partition
     answers = await asyncio.gather(*(node.protocol.call_ping(peer) for peer in peers), return_exceptions=True)
     return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
-
-
-async def _visible_multiaddrs(_dht: DHT, node: DHTNode) -> list[str]:
-    return [str(address) for address in await node.get_visible_maddrs(latest=True)]
 
 
 # --- helpers run in the caller ---
