@@ -26,7 +26,9 @@ Catching up: every member of an averaged round serves the round's mean Δ̄ besi
 parameter; the whole state is 8). A node at most two rounds behind (MAX_CATCH_UP_ROUNDS: it missed
 a round, or fetched the state while the swarm finished one more) fetches only those rounds' Δ̄
 and runs the same outer steps itself (``caught_up_state``); each result must match the swarm's
-param_hash and outer momentum bit for bit, else it fetches the whole state.
+param_hash and outer momentum bit for bit, else it fetches the whole state. A node whose last round
+fell back stepped on its own Δ: no chain of means leads to its state, so it fetches the whole state
+without trying.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class SwarmSession:
         # new state (round_mean_snapshot) until the next publish.
         self._round_mean: RoundMean | None = None
         self.num_caught_up = 0  # missed rounds stepped through with the swarm's mean
+        # Our last round stepped on our own Δ (it fell back): no member's chain of means leads to our
+        # state, so a catch-up cannot start from it; the whole state is fetched at once.
+        self._stepped_alone = False
 
     # --- lifecycle ---
 
@@ -228,6 +233,7 @@ class SwarmSession:
             streams=None if allreduce is None or group is None else group.num_streams,
         )
         self._bytes_state_sync = self._state_sync_failures = 0
+        self._stepped_alone = outcome.fell_back
         return outcome
 
     def _average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
@@ -348,7 +354,8 @@ class SwarmSession:
         trainer = self._trainer
         assert trainer is not None
         canonical = decision.canonical
-        if not trainer.diloco.overlap and 0 < canonical.round - trainer.progress.round <= MAX_CATCH_UP_ROUNDS:
+        behind = canonical.round - trainer.progress.round
+        if not trainer.diloco.overlap and not self._stepped_alone and 0 < behind <= MAX_CATCH_UP_ROUNDS:
             caught_up = self._catch_up(decision, why=why)
             if caught_up is not None:
                 return caught_up
@@ -446,7 +453,7 @@ class SwarmSession:
         """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state."""
         trainer = self._trainer
         assert trainer is not None
-        self.catching_up = True
+        self.catching_up, self._stepped_alone = True, False
         self._adopted_lineage = (trainer.progress.round, trainer.diloco.param_hash())
         if self.error_feedback is not None:  # residuals of other params
             self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))

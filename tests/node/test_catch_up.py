@@ -41,7 +41,7 @@ def two_nodes() -> Iterator[list[SwarmNode]]:
 
 @pytest.mark.timeout(120)
 def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
-    corpus_file: Path, tmp_path: Path, two_nodes: list[SwarmNode]
+    corpus_file: Path, tmp_path: Path, two_nodes: list[SwarmNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, client = two_nodes
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
@@ -88,3 +88,29 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     adopted = session._fetch_canonical(decision, why="test")
     assert adopted is not None and adopted.param_hash == newer.state_id and not adopted.caught_up
     assert session.num_caught_up == 1 and session._bytes_state_sync - before == newer.num_bytes
+    behind.adopt(adopted)
+    session._adopted()
+
+    # Our round 5 fails (the swarm's loop misses its deadline) and we step on our own Δ, while the
+    # swarm steps to rounds 5 and 6 and serves both means: no chain of means leads to our state, so
+    # the whole state is fetched at once, without first trying (and paying for) a mean.
+    def late_round(*args: object, **kwargs: object) -> None:
+        raise TimeoutError("injected: the round's loop missed its deadline")
+
+    monkeypatch.setattr(client, "run_round", late_round)
+    behind.diloco.averager = session
+    behind.inner_step(), behind.inner_step()
+    report = behind.outer_round()
+    assert report is not None and report["round"] == 5 and session._stepped_alone
+    for round in (5, 6):
+        round_mean = one_round(source, RecordingAverager("int8"))
+        newest = snapshot_of(source)
+        server.publish(round=round, param_hash=newest.state_id, tokens_per_s=1.0, snapshot=newest,
+                       companions=[round_mean_snapshot(newest, round_mean)])  # fmt: skip
+    wait_for_lineages(two_nodes, {server.peer_id: Lineage(6, newest.state_id)})
+    decision = client.lineage(round=5, param_hash=behind.diloco.param_hash())
+    assert not decision.in_canonical and decision.canonical == Lineage(6, newest.state_id)
+    before = session._bytes_state_sync
+    adopted = session._fetch_canonical(decision, why="test")
+    assert adopted is not None and adopted.param_hash == newest.state_id and not adopted.caught_up
+    assert session.num_caught_up == 1 and session._bytes_state_sync - before == newest.num_bytes
