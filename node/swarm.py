@@ -266,7 +266,9 @@ class SwarmSession:
                 log.warning(
                     "round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3])
                 )
-            if not outcome.fell_back and not trainer.diloco.overlap:  # (overlap: applied a round late)
+            if not outcome.fell_back:
+                # With overlap too: the round steps θ_global from `previous` (the averaging thread
+                # starts only after the round before was applied), just a phase later.
                 codec = self.swarm.codec
                 self._round_mean = RoundMean(
                     previous=previous,
@@ -355,7 +357,7 @@ class SwarmSession:
         assert trainer is not None
         canonical = decision.canonical
         behind = canonical.round - trainer.progress.round
-        if not trainer.diloco.overlap and not self._stepped_alone and 0 < behind <= MAX_CATCH_UP_ROUNDS:
+        if not self._stepped_alone and 0 < behind <= MAX_CATCH_UP_ROUNDS:
             caught_up = self._catch_up(decision, why=why)
             if caught_up is not None:
                 return caught_up

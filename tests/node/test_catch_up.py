@@ -12,15 +12,20 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from node.swarm import SwarmSession
-from node.swarm_state import adopted_state, round_mean_id, round_mean_snapshot, snapshot_of
+from node.swarm_state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot, snapshot_of
 from node.trainer import Trainer
+from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
+from protocol.codecs import get_codec
+from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import Lineage
-from protocol.swarm.node import SwarmNode
+from protocol.swarm.node import RoundResult, SwarmNode
 from tests.node.test_swarm_session import (
     RecordingAverager,
     corpus_file,
@@ -114,3 +119,78 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     adopted = session._fetch_canonical(decision, why="test")
     assert adopted is not None and adopted.param_hash == newest.state_id and not adopted.caught_up
     assert session.num_caught_up == 1 and session._bytes_state_sync - before == newest.num_bytes
+
+
+class SwarmOfOne:
+    """Just enough of SwarmNode for a SwarmSession whose rounds have one member: each round's mean is
+    our vector through the int8 codec with error feedback, in chunks whose bytes are kept, as the
+    all-reduce hands them back (``keep_payloads``); every publish is recorded."""
+
+    CHUNK = 100_000
+
+    def __init__(self) -> None:
+        self.codec, self.peer_id, self.stream_addresses = get_codec("int8"), "solo", ()
+        self.published: list[dict[str, Any]] = []
+
+    def publish(self, **kwargs: Any) -> None:
+        self.published.append(kwargs)
+
+    def run_round(
+        self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
+    ) -> RoundResult:
+        assert error_feedback is not None
+        mean, chunks = torch.empty_like(vector), []
+        for offset in range(0, vector.numel(), self.CHUNK):
+            piece = vector[offset : offset + self.CHUNK]
+            payload = error_feedback.encode(self.codec, piece, offset)
+            self.codec.decode_into(payload, mean[offset : offset + piece.numel()])
+            chunks.append(EncodedChunk(offset, piece.numel(), payload.numpy().tobytes()))
+        allreduce = AllReduceResult(
+            averaged=mean, contributors=[[self.peer_id]], producers=[self.peer_id], fell_back=False,
+            failures=[], bytes_sent=0, bytes_recv=0, bytes_sent_by_phase={}, bytes_recv_by_phase={},
+            seconds=0.0, payloads=tuple(chunks),
+        )  # fmt: skip
+        group = SimpleNamespace(member_ids=(self.peer_id,), num_streams=1)
+        return RoundResult(kind="averaged", round=round + 1, group=group, allreduce=allreduce)  # type: ignore[arg-type]
+
+    def leave(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_an_overlapped_member_serves_means_that_step_a_member_behind_to_its_states(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    # With --overlap a round's mean is applied a phase late, on the averaging thread, but still to
+    # the state the round started from: served beside each new state, the means chain them.
+    swarm = SwarmOfOne()
+    source = Trainer(
+        small_config(corpus_file, tmp_path / "source", overlap=True, max_rounds=3),
+        swarm=SwarmSession(swarm, joining=False),  # type: ignore[arg-type]
+    )
+    source.run()
+    served = {p["round"]: p for p in swarm.published if p["snapshot"] is not None}
+    assert sorted(served) == [0, 1, 2, 3]
+    assert [len(served[r]["companions"]) for r in (1, 2, 3)] == [1, 1, 1]
+    assert source.diloco.param_hash() == served[3]["param_hash"]
+
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1))
+    behind.adopt(adopted_state(served[1]["snapshot"], num_elements=behind.diloco.num_elements,
+                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    state, previous = None, (1, served[1]["param_hash"])
+    for round in (2, 3):
+        (companion,) = served[round]["companions"]
+        assert companion.state_id == round_mean_id(served[round]["param_hash"])
+        target = (round, served[round]["param_hash"])
+        state = caught_up_state(behind.diloco, companion, previous=previous, target=target,
+                                corpus_sha256=behind.corpus.sha256, start=state)  # fmt: skip
+        previous = target
+    assert state is not None and state.param_hash == source.diloco.param_hash()
+    assert torch.equal(state.outer_momentum, source.diloco.momentum_buffer())
+    # Not a chain of anything: the mean of round 3 does not step round 1's state.
+    with pytest.raises(ValueError, match="another state"):
+        caught_up_state(behind.diloco, served[3]["companions"][0], previous=(1, served[1]["param_hash"]),
+                        target=(3, served[3]["param_hash"]), corpus_sha256=behind.corpus.sha256)  # fmt: skip
