@@ -292,6 +292,14 @@ class DiLoCo:
         """The round whose averaging is in flight (overlap), else None."""
         return self._pending_round if self._pending is not None else None
 
+    def pending_adopts(self) -> bool:
+        """Whether the round in flight has ended by sending us to adopt the swarm's state (overlap):
+        the phase under way trains on params that adoption discards, so the trainer takes it now."""
+        pending = self._pending
+        if pending is None or not pending.done() or pending.exception() is not None:
+            return False
+        return pending.result().adopted
+
     @torch.no_grad()
     def phase_delta(self) -> torch.Tensor:
         """Δ_k: the local progress since the phase started (overlap); θ_global − θ_local before any round."""

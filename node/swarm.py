@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -161,13 +161,16 @@ class SwarmSession:
         trainer.adopt(state)
         self._adopted()
 
-    def publish(self, round: int | None = None) -> None:
+    def publish(
+        self, round: int | None = None, *, boundary: tuple[int, dict[str, Any]] | None = None
+    ) -> None:
         """Advertise and serve the trainer's current global state (after ``round``, default the
-        trainer's count of applied rounds)."""
+        trainer's count of applied rounds; ``boundary``: see ``snapshot_of``), with the round's
+        mean beside it if this node stepped to it with one."""
         trainer = self._trainer
         assert trainer is not None
         round = trainer.progress.round if round is None else round
-        snapshot = snapshot_of(trainer, round=round)
+        snapshot = snapshot_of(trainer, round=round, boundary=boundary)
         companions = []
         if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
             companions.append(round_mean_snapshot(snapshot, self._round_mean))
@@ -181,20 +184,16 @@ class SwarmSession:
         )
 
     def _applied_in_background(self, report: OuterStepReport) -> None:
-        """Overlap: a round was applied on the averaging thread; advertise it now, not a phase later,
-        so the swarm's lineage check sees every member of the round on its new params at once.
+        """Overlap: a round was applied on the averaging thread; advertise and serve it now, not a
+        phase later, so the swarm's lineage check sees every member of the round on its new params
+        at once, and a node that sees that lineage can fetch it (or its mean) right away.
 
-        The snapshot follows at the phase's end (``after_round``), when the step and data position
-        are at a round boundary like every other member's; until then fetchers get NOT_FOUND here.
+        The snapshot carries the step and data position of the round's end, which the trainer kept
+        when it handed the round over: every member serves the same ones, while each is mid-phase.
         """
         trainer = self._trainer
-        assert trainer is not None
-        self.swarm.publish(
-            round=report.round_index,
-            param_hash=report.param_hash,
-            tokens_per_s=trainer.tokens_per_s(),
-            snapshot=None,
-        )
+        assert trainer is not None and trainer.submitted_boundary is not None
+        self.publish(report.round_index, boundary=trainer.submitted_boundary)
 
     def stop(self) -> None:
         """Leave the swarm (a tombstone, so rounds stop waiting for us) and close every connection."""
@@ -208,6 +207,7 @@ class SwarmSession:
     def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
         """The round's outcome (:meth:`_average`) with its metrics: codec error, state-sync bytes and
         failures since the previous round."""
+        self.catching_up = False  # we take part in a round (with overlap, in the background)
         outcome = self._average(vector, round_index=round_index, weight=weight)
         failures = Counter(outcome.failures_by_kind)
         if self._state_sync_failures:
@@ -329,7 +329,8 @@ class SwarmSession:
         if report.members and self.swarm.peer_id in report.members:
             shard = assign_shard(report.members, self.swarm.peer_id)
             trainer.batches.reshard(shard.shard_index, shard.num_shards)
-        self.publish()
+        if not trainer.diloco.overlap:  # (with overlap the round was served when it was applied)
+            self.publish()
 
     # --- adopting the canonical state ---
 
@@ -434,7 +435,7 @@ class SwarmSession:
         fewer steps costs nothing: the mean weights each member by its tokens.
         """
         trainer = self._trainer
-        if not self.catching_up or trainer is None or trainer.diloco.overlap:
+        if not self.catching_up or trainer is None:
             return False
         round, param_hash = self._adopted_lineage
         return any(

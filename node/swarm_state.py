@@ -48,16 +48,20 @@ class AdoptedState:
         return self.round_mean is not None
 
 
-def snapshot_of(trainer: Trainer, *, round: int | None = None) -> Snapshot:
+def snapshot_of(
+    trainer: Trainer, *, round: int | None = None, boundary: tuple[int, dict[str, Any]] | None = None
+) -> Snapshot:
     """The trainer's global state as served to joiners: params, momentum, counters, data position.
 
     ``round``: the rounds the global params went through (default the trainer's count; with overlap
-    the averaging thread publishes a round before the training thread counts it). The step and
-    data position are the training thread's at this moment, which with overlap may be mid-phase:
-    a joiner then reads its source's windows until the next round boundary (``shards.py``).
+    the averaging thread publishes a round before the training thread counts it). ``boundary``:
+    the (step, data position) of the round's end, as the trainer kept them when it handed the round
+    over (``Trainer.submitted_boundary``, with overlap, where the training thread is mid-phase by
+    the time the round is applied); default the training thread's at this moment.
     """
     diloco, progress = trainer.diloco, trainer.progress
     round = progress.round if round is None else round
+    step, data = boundary if boundary is not None else (progress.step, trainer.batches.state_dict())
     tensors = {GLOBAL_PARAMS: diloco.global_params.detach().to("cpu")}
     momentum = diloco.momentum_buffer()
     if momentum is not None:
@@ -65,14 +69,14 @@ def snapshot_of(trainer: Trainer, *, round: int | None = None) -> Snapshot:
     param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
     metadata = {
         "round": round,
-        "step": progress.step,
+        "step": step,
         "param_hash": param_hash,
         "model": trainer.config.model,
         "num_elements": diloco.num_elements,
         "corpus_sha256": trainer.corpus.sha256,
         # The lineage's shared data position, without this node's shard: every member of a round
         # serves byte-identical metadata, so a joiner can fetch from all of them at once.
-        "data": {k: v for k, v in trainer.batches.state_dict().items() if k != "shard_index"},
+        "data": {k: v for k, v in data.items() if k != "shard_index"},
     }
     return Snapshot(
         round_id=round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()

@@ -135,6 +135,9 @@ class Trainer:
             local=self.replica,
         )
         self.progress = Progress()
+        # With overlap: the (step, data position) at the end of the phase whose round is in flight,
+        # which the swarm serves with that round's state once it is applied (node/swarm.py).
+        self.submitted_boundary: tuple[int, dict[str, Any]] | None = None
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
@@ -341,6 +344,7 @@ class Trainer:
             if self.config.checkpoint_every and self.progress.round % self.config.checkpoint_every == 0:
                 self.save()  # before submit: no round in flight, so the saved state is consistent
         if delta is not None:
+            self.submitted_boundary = (progress.step, self.batches.state_dict())
             self.diloco.submit(delta, round_index=self._phase(), weight=weight)
         return record
 
@@ -441,16 +445,22 @@ class Trainer:
                 raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
             if self.progress.step % config.inner_steps == 0:
                 self.outer_round()
+            elif self.diloco.pending_adopts():
+                # Overlap: the round in flight sent us to adopt the swarm's state; this phase's
+                # steps are on params it replaces, so adopt now rather than at the phase's end,
+                # a round behind the swarm again (then catch up as any adopter does, below).
+                log.info("adopting the swarm's state mid-phase (the round in flight was not ours)")
+                self.outer_round()
             elif self.swarm is not None and self.swarm.phase_should_end():
                 # Catching up after adopting the swarm's state: join the round the swarm is
-                # forming now with the steps done so far (weighted by their tokens), then
-                # continue on the swarm's step count and data position.
+                # forming now with the steps done so far (weighted by their tokens), on the
+                # swarm's step count and data position (if the round sends us to adopt again,
+                # the adopted state sets both).
                 missing = -self.progress.step % config.inner_steps
                 log.info("ending the phase %d steps early to join the swarm's round", missing)
+                self.batches.skip(missing)
+                self.progress.step += missing
                 self.outer_round()
-                if not self.swarm.catching_up:  # (not when the round sent us to adopt again)
-                    self.batches.skip(missing)
-                    self.progress.step += missing
         if self._stop.is_set():
             log.info("stop requested: checkpointing at step %d", self.progress.step)
         self._finish_rounds()

@@ -118,6 +118,7 @@ class Settings:
     batch_size: int
     join_window_seconds: float
     wait_timeout: datetime.timedelta
+    overlap: bool = False  # every node runs with --overlap
 
     @property
     def min_peers(self) -> int:
@@ -144,6 +145,8 @@ def node_argv(settings: Settings, run_dir: Path, address: str, peers: str | None
     ]  # fmt: skip
     if peers is not None:
         argv += ["--peers", peers]
+    if settings.overlap:
+        argv.append("--overlap")
     return argv
 
 
@@ -309,6 +312,7 @@ def run_trial(settings: Settings, trial: int, workdir: Path) -> dict[str, Any]:
         "bound_link": "joiner_downlink" if settings.cap_downlink else "one_source_uplink",
         "nodes": settings.num_nodes,
         "inner_steps": settings.inner_steps,
+        "overlap": settings.overlap,
         "batch_size": settings.batch_size,
         "load_avg_1min_before": round(os.getloadavg()[0], 2),
     }
@@ -417,6 +421,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--join-window", type=float, default=30.0, help="seconds a leader waits for its lineage"
     )
+    parser.add_argument("--overlap", action="store_true", help="every node runs with --overlap")
     parser.add_argument("--trials", type=int, default=1, help="independent swarm + joiner runs")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each wait may take")
     parser.add_argument("--json-out", type=Path, default=None, help="also write all trials' records here")
@@ -450,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         join_window_seconds=args.join_window,
         wait_timeout=datetime.timedelta(seconds=args.timeout),
+        overlap=args.overlap,
     )
     records: list[dict[str, Any]] = []
     try:

@@ -9,6 +9,7 @@ under 1/7 of the state's), steps itself to the swarm's param_hash and outer mome
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,7 +174,10 @@ def test_an_overlapped_member_serves_means_that_step_a_member_behind_to_its_stat
     )
     source.run()
     served = {p["round"]: p for p in swarm.published if p["snapshot"] is not None}
-    assert sorted(served) == [0, 1, 2, 3]
+    # Each round served once, as soon as it was applied (not a phase later: a joiner that sees the
+    # swarm's lineage can fetch it at once), at the step of the round's end (H = 2), with its mean.
+    assert sorted(p["round"] for p in swarm.published if p["snapshot"] is not None) == [0, 1, 2, 3]
+    assert [json.loads(served[r]["snapshot"].metadata)["step"] for r in (0, 1, 2, 3)] == [0, 2, 4, 6]
     assert [len(served[r]["companions"]) for r in (1, 2, 3)] == [1, 1, 1]
     assert source.diloco.param_hash() == served[3]["param_hash"]
 

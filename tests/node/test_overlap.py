@@ -108,3 +108,48 @@ def _read(trainer: Trainer) -> list[dict]:
     from node.metrics import read_metrics
 
     return read_metrics(trainer.run_dir / "metrics.jsonl")
+
+
+class AdoptingAverager:
+    """Round 1 sends us to adopt ``state`` (as a swarm whose lineage moved on would); later rounds halve."""
+
+    def __init__(self, state: object) -> None:
+        self.state, self.rounds = state, []
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        self.rounds.append(round_index)
+        if round_index == 1:
+            return AveragingOutcome(averaged=vector, num_peers=0, adopted_state=self.state)
+        return AveragingOutcome(averaged=0.5 * vector, num_peers=2)
+
+
+def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
+    """Overlap: when the round in flight ends by sending us to adopt the swarm's state, the trainer
+    adopts at its next step, not at the phase's end: the steps in between would train params that
+    adoption throws away, and the node would reach the swarm a round late again."""
+    from node.swarm_state import adopted_state, snapshot_of
+
+    settings = dict(
+        model="nano", inner_steps=4, batch_size=2, eval_batches=1, log_every=100, swarm=False, threads=1
+    )
+    source = Trainer(NodeConfig(run_dir=str(tmp_path / "source"), max_rounds=2, **settings))  # type: ignore[arg-type]
+    source.run()  # round 2, step 8
+    state = adopted_state(
+        snapshot_of(source), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
+    )
+    averager = AdoptingAverager(state)
+    trainer = Trainer(
+        NodeConfig(run_dir=str(tmp_path / "run"), max_rounds=3, overlap=True, **settings),  # type: ignore[arg-type]
+        averager=averager,
+    )
+    trainer.run()
+    records = _read(trainer)
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    (adopted,) = [r for r in records if r["kind"] == "round" and r["adopted"]]
+    assert adopted["round"] == 2 and adopted["step"] == 8  # the swarm's counters, taken at once
+    before = [step for step in steps if step <= 8]
+    # Phase 1 (steps 1-4), then at most a few steps of phase 2 before the adoption (the averaging
+    # thread answers at once), then the swarm's phase from its step 8 on; never all of phase 2.
+    assert before[:4] == [1, 2, 3, 4] and 5 <= before[-1] < 8, steps
+    assert steps[len(before) :] == [9, 10, 11, 12], steps
+    assert averager.rounds == [1, 3] and trainer.progress.round == 3
