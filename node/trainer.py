@@ -15,6 +15,7 @@ Counters are global over the run (a resumed run continues them): ``step`` = inne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -333,6 +334,7 @@ class Trainer:
         if report is not None:
             if report.adopted:
                 self.adopt(report.adopted_state)  # type: ignore[arg-type]  # the swarm's AdoptedState
+                report = dataclasses.replace(report, param_hash=self.diloco.param_hash())  # (the record's)
                 delta = None  # this phase's progress belongs to other params
             else:
                 progress.round = report.round_index
@@ -397,6 +399,7 @@ class Trainer:
         if report is not None:
             if report.adopted:
                 self.adopt(report.adopted_state)  # type: ignore[arg-type]
+                report = dataclasses.replace(report, param_hash=self.diloco.param_hash())
             else:
                 progress = self.progress
                 progress.round = report.round_index

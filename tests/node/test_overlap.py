@@ -146,7 +146,8 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     records = _read(trainer)
     steps = [r["step"] for r in records if r["kind"] == "step"]
     (adopted,) = [r for r in records if r["kind"] == "round" and r["adopted"]]
-    assert adopted["round"] == 2 and adopted["step"] == 8  # the swarm's counters, taken at once
+    # The swarm's counters, taken at once, and the record names the params the node now holds.
+    assert adopted["round"] == 2 and adopted["step"] == 8 and adopted["param_hash"] == state.param_hash
     before = [step for step in steps if step <= 8]
     # Phase 1 (steps 1-4), then at most a few steps of phase 2 before the adoption (the averaging
     # thread answers at once), then the swarm's phase from its step 8 on; never all of phase 2.
