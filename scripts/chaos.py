@@ -181,11 +181,16 @@ def wait_until(
 
 
 def recovered_since(nodes: Sequence[ChaosNode], moment: float) -> bool:
-    """Every node wrote a round after ``moment``, and all agree on the hash of a round they all reached."""
-    later = [[r for r in n.rounds() if r["time"] > moment] for n in nodes]
+    """Every node took part in a round after ``moment`` (not fell back, not adopted: an adopted
+    record names the swarm's state, not a round the node took part in), and all agree on the hash of
+    a round they all reached."""
+    later = [
+        [r for r in n.rounds() if r["time"] > moment and not r["fell_back"] and not r["adopted"]]
+        for n in nodes
+    ]
     if not nodes or any(not rounds for rounds in later):
         return False
-    hashes = [{r["round"]: r["param_hash"] for r in rounds if not r["fell_back"]} for rounds in later]
+    hashes = [{r["round"]: r["param_hash"] for r in rounds} for rounds in later]
     shared = set.intersection(*(set(h) for h in hashes))
     return any(len({h[r] for h in hashes}) == 1 for r in shared)
 
