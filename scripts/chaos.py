@@ -19,8 +19,8 @@ a round all of them reached since: that wait is the trial's recovery time.
 
 Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/metrics.py``):
 
-    hangs         a trial whose live nodes did not all write a new round within the recovery
-                  timeout, plus rounds whose all-reduce outlasted ``--round-deadline`` (+ 10 s);
+    hangs         a trial whose live nodes did not all take part in a new round (not adopted, not
+                  fallen back) within the recovery timeout, plus rounds whose all-reduce outlasted ``--round-deadline`` (+ 10 s);
     divergences   two records of the same round and the same agreed group (``members``) with
                   different param_hash (fell-back and adopted records excepted: they are not the
                   group's result). A 2-vs-4 partition gives two groups per round, not a divergence;
