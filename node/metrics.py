@@ -10,7 +10,8 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   ``param_hash`` is the SHA-256 of the global params in canonical order, ``peers`` how many
   contributions the round's mean holds, ``fell_back`` that this node stepped on its own Δ (the
   swarm round failed), ``adopted`` that it replaced its state by the swarm's instead of stepping
-  (then ``round`` and ``param_hash`` are the swarm's, the state adopted), ``shard`` the ``[index, count]`` it reads in the next phase,
+  (then ``round`` and ``param_hash`` are those of the state adopted), ``shard`` the
+  ``[index, count]`` it reads in the next phase,
   ``members`` the peer ids of the round's agreed group (empty without one: solo, failed, adopted),
   ``rss_bytes`` the node's resident memory when the record was written (null off Linux).
   Also in every round record:

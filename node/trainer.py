@@ -264,6 +264,13 @@ class Trainer:
             "now at round %d, step %d, param_hash %s", state.round, self.progress.step, state.param_hash[:12]
         )
 
+    def _adopt_from(self, report: OuterStepReport) -> OuterStepReport:
+        """Adopt the swarm's state a round sent us to; the report with the adopted param_hash (the
+        round record names the params this node now holds; ``adopt`` checked they hash to it)."""
+        state: AdoptedState = report.adopted_state  # type: ignore[assignment]  # the swarm's AdoptedState
+        self.adopt(state)
+        return dataclasses.replace(report, param_hash=state.param_hash)
+
     def tokens_per_s(self) -> float:
         """This node's inner-phase throughput so far in the round (0 before its first step)."""
         progress = self.progress
@@ -333,8 +340,7 @@ class Trainer:
             report = self.diloco.finish_pending()
         if report is not None:
             if report.adopted:
-                self.adopt(report.adopted_state)  # type: ignore[arg-type]  # the swarm's AdoptedState
-                report = dataclasses.replace(report, param_hash=self.diloco.param_hash())  # (the record's)
+                report = self._adopt_from(report)
                 delta = None  # this phase's progress belongs to other params
             else:
                 progress.round = report.round_index
@@ -398,8 +404,7 @@ class Trainer:
         report = self.diloco.finish_pending()
         if report is not None:
             if report.adopted:
-                self.adopt(report.adopted_state)  # type: ignore[arg-type]
-                report = dataclasses.replace(report, param_hash=self.diloco.param_hash())
+                report = self._adopt_from(report)
             else:
                 progress = self.progress
                 progress.round = report.round_index
