@@ -101,7 +101,7 @@ class SwarmSession:
         self.streams: StreamRunner | None = None  # all-reduce streams 1..S-1 (--swarm-streams)
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
-        self.catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
+        self._catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
         self._adopted_lineage: tuple[int, str] = (0, "")
         self._trainer: Trainer | None = None
         # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
@@ -201,6 +201,18 @@ class SwarmSession:
             self.swarm.leave()
         finally:
             self.swarm.close()
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether we adopted the swarm's state mid-phase and end our phase when its round forms
+        (meanwhile the swarm's view is read every ``view_refresh``, to see that moment sooner)."""
+        return self._catching_up
+
+    @catching_up.setter
+    def catching_up(self, value: bool) -> None:
+        if value != self._catching_up:
+            self.swarm.watch_closely(value)
+        self._catching_up = value
 
     # --- the Averager ---
 

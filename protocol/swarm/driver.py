@@ -77,6 +77,9 @@ class RoundDriver:
         self.num_messages_in = 0
         self._warned_streams: set[str] = set()  # peers we told the user cannot share our rounds
         self.num_messages_dropped = 0
+        self.watch_closely = False
+        """Read the view every ``view_refresh`` between rounds, not every 5 x: a node that adopted the
+        swarm's state mid-phase ends its phase as soon as a peer is ready (set by the daemon)."""
 
     # --- records and views ---
 
@@ -250,18 +253,24 @@ class RoundDriver:
 
 
 async def watch_swarm(driver: RoundDriver, reconnect: Callable[[Sequence[str]], int]) -> None:
-    """Every ``view_refresh`` x 5 (x 2 while some are lost): read the view, knock on peers we lost.
+    """Every ``view_refresh`` x 5 (x 2 while some are lost, x 1 while ``driver.watch_closely``): read
+    the view, knock on peers we lost.
 
     A partition makes each side drop the other from its DHT routing table; without a knock,
     the two halves of the DHT would never merge again after the partition heals. The bootstrap
     peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent.
     """
-    period = 5 * driver.config.view_refresh.total_seconds()
+    tick = driver.config.view_refresh.total_seconds()
     bootstrap = [address.rpartition("/p2p/")[2] for address in driver.config.dht.initial_peers]
     lost: list[str] = []
+    last_read = time.monotonic()
     while True:
         # While peers are missing, knock sooner: a healed partition should merge well within a round.
-        await asyncio.sleep(period if not lost else 2 * driver.config.view_refresh.total_seconds())
+        await asyncio.sleep(tick)
+        period = tick if driver.watch_closely else (2 if lost else 5) * tick
+        if time.monotonic() - last_read < period - tick / 2:
+            continue
+        last_read = time.monotonic()
         lost = []
         try:
             view = await driver.refresh_view()

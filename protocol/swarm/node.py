@@ -194,6 +194,11 @@ class SwarmNode:
         if self._phase.phase is NodePhase.STARTING:
             self.set_phase(NodePhase.TRAINING)
 
+    def watch_closely(self, on: bool) -> None:
+        """Between rounds, read the swarm's view every ``view_refresh`` (on) or every 5 x (off): a node
+        that must end its inner phase as soon as a peer is ready for the next round sees it sooner."""
+        self.driver.watch_closely = on  # one bool, read by the watch task on the loop
+
     def set_phase(self, phase: NodePhase, *, round: int = 0) -> PhaseState:
         """Say what the node does now (``status.py``); returns the new state.
 

@@ -79,6 +79,7 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     assert session._bytes_state_sync == sum(c.num_bytes for c in companions) < state.num_bytes / 3.5
     behind.adopt(adopted)
     session._adopted()
+    assert session.catching_up and client.driver.watch_closely  # to see the swarm's next round sooner
     assert behind.diloco.param_hash() == state.state_id
     assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
     assert client.server.state_provider.kept_state_ids[:2] == [state.state_id, round_mean_id(state.state_id)]
@@ -132,9 +133,13 @@ class SwarmOfOne:
     def __init__(self) -> None:
         self.codec, self.peer_id, self.stream_addresses = get_codec("int8"), "solo", ()
         self.published: list[dict[str, Any]] = []
+        self.watching_closely = False
 
     def publish(self, **kwargs: Any) -> None:
         self.published.append(kwargs)
+
+    def watch_closely(self, on: bool) -> None:
+        self.watching_closely = on
 
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any

@@ -22,7 +22,7 @@ from protocol.membership.messages import Accept, Cancel, Message, Reason
 from protocol.membership.records import SwarmView
 from protocol.membership.transport import MembershipClient
 from protocol.swarm.config import PROTOCOL_VERSION
-from protocol.swarm.driver import RoundDriver
+from protocol.swarm.driver import RoundDriver, watch_swarm
 from tests.protocol.membership.fake_swarm import make_record
 from tests.protocol.membership.test_transport import serving
 from tests.protocol.swarm.test_swarm_node import node_config
@@ -132,3 +132,37 @@ def test_a_peer_with_another_number_of_streams_is_named_once_in_a_warning(
         await client.close()
 
     uvloop.run(scenario())
+
+
+class CountingRegistry(LaggingRegistry):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def fetch(self) -> SwarmView:
+        self.reads += 1
+        return self.view
+
+
+@pytest.mark.parametrize("closely", [False, True])
+def test_the_swarm_watch_reads_the_view_every_refresh_only_while_watching_closely(closely: bool) -> None:
+    # Between rounds the watch reads the DHT every 5 x view_refresh; a node that adopted the swarm's
+    # state mid-phase (and ends its phase when a peer is ready) reads it every view_refresh.
+    async def scenario() -> int:
+        registry = CountingRegistry()
+        client = MembershipClient(sender_id=ME, protocol_version=PROTOCOL_VERSION)
+        driver = make_driver(registry, client, proposal_timeout=5.0)
+        driver.config = dataclasses.replace(driver.config, view_refresh=timedelta(seconds=0.05))
+        driver.watch_closely = closely
+        watch = asyncio.ensure_future(watch_swarm(driver, reconnect=lambda peers: 0))
+        await asyncio.sleep(1.0)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await client.close()
+        return registry.reads
+
+    reads = uvloop.run(scenario())
+    if closely:
+        assert reads >= 8, reads  # ~20 in 1 s (fewer only if this process is starved)
+    else:
+        assert 1 <= reads <= 5, reads  # reads are >= 4.5 x 0.05 s apart
