@@ -59,6 +59,20 @@ def as_uint8(payload: Payload) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=torch.uint8)
 
 
+def fp32_view(values: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous 1-D fp32 tensor, without copying; valid while nobody writes to it."""
+    if values.dtype != torch.float32 or values.dim() != 1 or not values.is_contiguous():
+        raise ValueError(
+            f"expected a contiguous 1-D float32 tensor, got {values.dtype} {tuple(values.shape)}"
+        )
+    return values.numpy().data.cast("B")
+
+
+def wire_bytes(payload: bytes | memoryview) -> bytes:
+    """A payload as protobuf's bytes fields take it (a view is copied, one chunk at a time)."""
+    return payload if isinstance(payload, bytes) else bytes(payload)
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """True if no element is NaN or +-inf (min/max propagate NaN; one fused pass, no bool temporary)."""
     if values.numel() == 0:
@@ -72,6 +86,9 @@ class Codec(ABC):
 
     kind: ClassVar[pb.CodecKind]
     name: ClassVar[str]
+    payload_is_fp32: ClassVar[bool] = False
+    """A payload is its numbers' own fp32 bytes: once decoded into a tensor, that tensor's memory holds
+    the payload, so a holder may keep a view of the tensor instead of a second copy (``fp32_view``)."""
 
     def __init__(self, block_size: int = 0) -> None:
         self.block_size = block_size
@@ -135,6 +152,7 @@ class NoneCodec(Codec):
 
     kind = pb.CODEC_KIND_NONE
     name = "none"
+    payload_is_fp32 = True
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """The bytes of `values` (a view: it shares memory with a contiguous input, no copy)."""

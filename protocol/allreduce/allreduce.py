@@ -31,6 +31,7 @@ from protocol.allreduce.parts import PartRole, remaining
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
+from protocol.codecs import fp32_view
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,10 +72,12 @@ class EncodedChunk:
 
     offset: int
     num_elements: int
-    payload: bytes
+    payload: bytes | memoryview  # (fp32 codec: a view of ``averaged`` there)
 
 
-def tiled(kept: dict[int, tuple[int, bytes]], num_elements: int) -> tuple[EncodedChunk, ...] | None:
+def tiled(
+    kept: dict[int, tuple[int, bytes | memoryview]], num_elements: int
+) -> tuple[EncodedChunk, ...] | None:
     """The kept chunks in order if they tile ``[0, num_elements)`` exactly, else None."""
     chunks, end = [], 0
     for offset in sorted(kept):
@@ -161,7 +164,10 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
 
     async def decode_chunk(offset: int, size: int, payload: bytes) -> None:
         target = output[start + offset : start + offset + size]
-        state.keep_payload(start + offset, size, payload)
+        # (fp32 codec: what we keep is where it is decoded to, not a second copy)
+        state.keep_payload(
+            start + offset, size, fp32_view(target) if state.codec.payload_is_fp32 else payload
+        )
         await loop.run_in_executor(state.executor, state.codec.decode_into, payload, target)
 
     for position, target in enumerate(state.group.chain(part_index)):

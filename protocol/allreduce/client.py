@@ -22,7 +22,7 @@ from protocol.allreduce.faults import check_fault
 from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
 from protocol.auth.channels import SwarmAuth, open_channel
-from protocol.codecs import CodecError
+from protocol.codecs import CodecError, wire_bytes
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 
@@ -268,7 +268,7 @@ async def push_replica(
             zip(reduced.chunk_sizes, reduced.payloads, strict=True)
         ):
             message = pb.ReplicaMessage(
-                chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
+                chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
             )
             await _write(call, message, deadline, stall)
             state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))

@@ -46,7 +46,7 @@ import torch
 
 from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.robust import AggregationRule, clip_scales, squared_norm, trimmed_weighted_mean
-from protocol.codecs import Codec, CodecError, all_finite
+from protocol.codecs import Codec, CodecError, all_finite, fp32_view
 from protocol.error_feedback import ErrorFeedback
 
 
@@ -88,7 +88,9 @@ class ReducedPart:
     contributor_indices: tuple[int, ...]
     weight_sum: float
     chunk_sizes: tuple[int, ...]
-    payloads: tuple[bytes, ...]
+    payloads: tuple[bytes | memoryview, ...]
+    """The encoded chunks; with the fp32 codec, views of the numbers where they already lie (the
+    average's accumulator, or our result), not copies: nothing writes there while the part is held."""
 
     @property
     def num_elements(self) -> int:
@@ -386,15 +388,18 @@ class PartReducer:
         if not self._averaged_in_place:
             average.div_(weight_sum)
         sizes = chunk_sizes(self.num_elements, self.chunk_num_elements)
-        payloads: list[bytes] = []
+        payloads: list[bytes | memoryview] = []
         offset = 0
         for size in sizes:
             values = average[offset : offset + size]
-            if error_feedback is None:
-                encoded = self.codec.encode(values)
+            if error_feedback is None and self.codec.payload_is_fp32:
+                payloads.append(fp32_view(values))  # the average's own bytes: no second copy
             else:
-                encoded = error_feedback.encode(self.codec, values, part_offset + offset)
-            payloads.append(encoded.numpy().tobytes())
+                if error_feedback is None:
+                    encoded = self.codec.encode(values)
+                else:
+                    encoded = error_feedback.encode(self.codec, values, part_offset + offset)
+                payloads.append(encoded.numpy().tobytes())
             offset += size
         self._accumulator = self._scratch = torch.empty(0)  # the encoded chunks are all we keep
         return ReducedPart(

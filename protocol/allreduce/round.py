@@ -132,8 +132,8 @@ class RoundState(PartDecider):
         part = self.parts[part_index]
         if part.replica is None:
             raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} was forgotten here")
-        part.in_result = not part.replica.keep
-        part.decided = part.replica.complete()
+        decided = part.replica.complete()  # raises if truncated: then fail_replica, and nothing is in_result
+        part.in_result, part.decided = not part.replica.keep, decided
         part.role, part.replica = PartRole.DECIDED, None
         self.pulse.notify()
 
@@ -146,5 +146,5 @@ class RoundState(PartDecider):
         part = self.parts[part_index]
         if part.role is PartRole.RECEIVING_REPLICA:
             part.role = PartRole.MOVED if part.gave_up else PartRole.IDLE
-            part.replica = None
+            part.replica, part.in_result = None, False
             self.pulse.notify()

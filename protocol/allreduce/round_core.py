@@ -82,7 +82,9 @@ class RoundCore:
         self.local_done = False
         self.output: torch.Tensor | None = None  # (E,) our result while allreduce() runs
         # With config.keep_payloads: offset -> (numbers, bytes) decoded into our result there.
-        self.kept_payloads: dict[int, tuple[int, bytes]] | None = {} if config.keep_payloads else None
+        self.kept_payloads: dict[int, tuple[int, bytes | memoryview]] | None = (
+            {} if config.keep_payloads else None
+        )
         self.pulse = Pulse()
         self.source = ContributionSource(
             vector=vector,
@@ -118,7 +120,7 @@ class RoundCore:
         self.bytes_sent_reduce_scatter += sent
         self.bytes_recv_reduce_scatter += received
 
-    def keep_payload(self, offset: int, num_elements: int, payload: bytes) -> None:
+    def keep_payload(self, offset: int, num_elements: int, payload: bytes | memoryview) -> None:
         """Remember the bytes about to be decoded into our result at ``offset`` (with keep_payloads).
 
         Call it where the decode is queued on the compute thread, in the same order: a later decode

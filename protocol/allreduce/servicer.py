@@ -23,6 +23,7 @@ from protocol.allreduce.parts import PartRole, chunk_message_num_bytes, remainin
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
+from protocol.codecs import wire_bytes
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
@@ -342,7 +343,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             for chunk_index, (size, payload) in enumerate(
                 zip(reduced.chunk_sizes, reduced.payloads, strict=True)
             ):
-                chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
+                chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
                 await self._write(context, pb.AverageMessage(chunk=chunk))
                 state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
                 offset += size

@@ -167,3 +167,41 @@ def test_a_sender_far_ahead_of_a_lower_member_is_read_no_further_for_a_while() -
     assert released_after < 0.5
     half_stall = CONFIG.stall_timeout.total_seconds() / 2
     assert half_stall - 0.05 < held_alone < half_stall + 2.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_peers", [2, 3])
+def test_with_the_fp32_codec_an_owner_keeps_no_second_copy_of_its_part(num_peers: int) -> None:
+    """The fp32 codec's bytes are the numbers themselves: an owner serves its decided part from where
+    it summed it (its part of the result), and the bytes a member keeps for the caller
+    (keep_payloads) of its own part and of the parts it pulled are views of its result there, not a
+    copy. What it serves is still what it uses: the exact mean, bit for bit on every member."""
+    config = CONFIG.__class__(**{**CONFIG.__dict__, "keep_payloads": True})
+
+    async def scenario() -> list[AllReduceResult]:
+        async with local_peers(num_peers, config) as peers:
+            group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=NUM_ELEMENTS)
+            return await allreduce_all(peers, vectors_for(num_peers, 0), group, get_codec("none"))
+
+    results = uvloop.run(scenario())
+    expected = torch.stack(vectors_for(num_peers, 0)).sum(dim=0) / num_peers
+    group = GroupSpec.build(
+        round_id=0,
+        members=[Member(peer_id=f"p{i}", address="x:1") for i in range(num_peers)],
+        num_elements=NUM_ELEMENTS,
+    )
+    for index, result in enumerate(results):
+        assert not result.fell_back, result.failures
+        assert torch.equal(result.averaged.view(torch.int32), results[0].averaged.view(torch.int32))
+        torch.testing.assert_close(result.averaged, expected, rtol=0, atol=1e-6)
+        start = result.averaged.data_ptr()
+        own = range(group.part_bounds[index], group.part_bounds[index + 1])
+        own_chunks = [c for c in result.payloads or () if c.offset in own]
+        assert own_chunks
+        for chunk in result.payloads or ():
+            if chunk.offset in own:
+                assert isinstance(chunk.payload, memoryview), type(chunk.payload)
+            if isinstance(chunk.payload, memoryview):  # a view of the result where it decodes
+                address = torch.frombuffer(chunk.payload, dtype=torch.uint8).data_ptr()
+                assert address == start + 4 * chunk.offset
+                assert len(chunk.payload) == 4 * chunk.num_elements
