@@ -20,8 +20,11 @@ import uvloop
 
 from protocol.allreduce import AllReducePeer, AllReduceResult, GroupSpec, Member
 from protocol.allreduce.client import PeerClient
+from protocol.allreduce.errors import ProtocolError
+from protocol.allreduce.parts import PartRole
 from protocol.allreduce.round import RoundState
 from protocol.codecs import get_codec
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, local_peers, members_of
 
 NUM_ELEMENTS = 40_000
@@ -205,3 +208,32 @@ def test_with_the_fp32_codec_an_owner_keeps_no_second_copy_of_its_part(num_peers
                 address = torch.frombuffer(chunk.payload, dtype=torch.uint8).data_ptr()
                 assert address == start + 4 * chunk.offset
                 assert len(chunk.payload) == 4 * chunk.num_elements
+
+
+@pytest.mark.timeout(60)
+def test_a_truncated_replica_leaves_nothing_marked_as_decoded_into_the_result() -> None:
+    """With two members a replica goes straight into our result; one that stops short is dropped, and
+    the part must then be decoded from whatever version we do get, not skipped as if already there."""
+
+    async def scenario() -> tuple[bool, object]:
+        state = round_state_owning_part_0(2)
+        state.output = torch.zeros(NUM_ELEMENTS)
+        codec = get_codec("none")
+        size = state.group.part_num_elements(1)
+        header = pb.AverageHeader(
+            part_index=1, producer_index=1, codec=codec.spec(), num_elements=size,
+            contributor_indices=[0, 1], weight_sum=2.0,
+        )  # fmt: skip
+        state.open_replica(header, 1, committed=False)
+        half = torch.ones(size // 2)
+        await state.add_replica_chunk(1, 0, half.numel(), codec.encode(half).numpy().tobytes())
+        with pytest.raises(ProtocolError):
+            state.complete_replica(1)  # truncated
+        state.fail_replica(1)
+        part = state.parts[1]
+        await state.client.close()
+        return part.in_result, part.role
+
+    in_result, role = uvloop.run(scenario())
+    assert not in_result
+    assert role is PartRole.IDLE
