@@ -39,7 +39,9 @@ class AllReduceResult:
     """What one member got out of a round."""
 
     averaged: torch.Tensor
-    """(E,) fp32: per part, sum(w_i x_i) / sum(w_i) over that part's contributors; our own vector if fell_back."""
+    """(E,) fp32: per part, sum(w_i x_i) / sum(w_i) over that part's contributors; our own vector if fell_back.
+    Read-only: with the fp32 codec, slower members may still pull our part from it (and ``payloads``
+    are views of it) until the round is forgotten, so a caller that must write copies it first."""
     contributors: list[list[str]]
     """Per part, the peer ids whose contributions were averaged (identical on every member that did not fall back)."""
     producers: list[str | None]
