@@ -53,7 +53,7 @@ class ReplicaBuffer:
     keep: bool = True
     """False: the receiver decodes each chunk into its result and we keep no bytes (see open_replica)."""
     chunk_sizes: list[int] = field(default_factory=list)
-    payloads: list[bytes | memoryview] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
     num_received: int = 0
 
     def add_chunk(self, offset: int, num_elements: int, payload: bytes, codec: Codec) -> None:

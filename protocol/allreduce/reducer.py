@@ -392,14 +392,14 @@ class PartReducer:
         offset = 0
         for size in sizes:
             values = average[offset : offset + size]
-            if error_feedback is None and self.codec.payload_is_fp32:
+            if error_feedback is not None:
+                payloads.append(
+                    error_feedback.encode(self.codec, values, part_offset + offset).numpy().tobytes()
+                )
+            elif self.codec.payload_is_fp32:
                 payloads.append(fp32_view(values))  # the average's own bytes: no second copy
             else:
-                if error_feedback is None:
-                    encoded = self.codec.encode(values)
-                else:
-                    encoded = error_feedback.encode(self.codec, values, part_offset + offset)
-                payloads.append(encoded.numpy().tobytes())
+                payloads.append(self.codec.encode(values).numpy().tobytes())
             offset += size
         self._accumulator = self._scratch = torch.empty(0)  # the encoded chunks are all we keep
         return ReducedPart(

@@ -133,13 +133,12 @@ class SwarmOfOne:
     def __init__(self) -> None:
         self.codec, self.peer_id, self.stream_addresses = get_codec("int8"), "solo", ()
         self.published: list[dict[str, Any]] = []
-        self.watching_closely = False
 
     def publish(self, **kwargs: Any) -> None:
         self.published.append(kwargs)
 
     def watch_closely(self, on: bool) -> None:
-        self.watching_closely = on
+        pass  # no view to read: a swarm of one
 
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
