@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -115,6 +116,14 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
             state.codec.decode_into(payload, output[offset : offset + size])
 
     await asyncio.get_running_loop().run_in_executor(state.executor, decode)
+    part = state.parts[reduced.part_index]
+    if state.codec.payload_is_fp32 and part.decided is reduced and reduced.producer_index != state.my_index:
+        # A replica we hold as bytes is now also in our result, which nothing writes again (the one
+        # committed version of the part): keep views of it there instead of a second copy.
+        views = tuple(fp32_view(output[offset : offset + size]) for offset, size, _ in chunks)
+        part.decided = dataclasses.replace(reduced, payloads=views)
+        for (offset, size, _), view in zip(chunks, views, strict=True):
+            state.keep_payload(offset, size, view)
 
 
 async def _pull_or_use_replica(

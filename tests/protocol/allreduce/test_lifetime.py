@@ -211,6 +211,55 @@ def test_with_the_fp32_codec_an_owner_keeps_no_second_copy_of_its_part(num_peers
 
 
 @pytest.mark.timeout(60)
+def test_with_the_fp32_codec_a_replica_holder_keeps_views_of_its_result_once_it_used_the_replica() -> None:
+    """With more than two members the parts a member votes for arrive as replicas (bytes held until
+    their producer commits them); once decoded into the result, the member keeps (and would serve)
+    views of its result there instead of the received bytes. The results stay the exact mean."""
+    num_peers = 4
+    config = CONFIG.__class__(**{**CONFIG.__dict__, "keep_payloads": True})
+
+    Held = list[tuple[int, tuple[bytes | memoryview, ...]]]  # (part, payloads) of the replicas a member used
+
+    async def scenario() -> tuple[list[AllReduceResult], list[Held]]:
+        async with local_peers(num_peers, config) as peers:
+            group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=NUM_ELEMENTS)
+            results = await allreduce_all(peers, vectors_for(num_peers, 0), group, get_codec("none"))
+            held: list[Held] = []
+            for peer in peers:
+                state = peer.registry.get(0)
+                assert state is not None
+                held.append(
+                    [
+                        (k, part.decided.payloads)
+                        for k, part in enumerate(state.parts)
+                        if part.decided is not None and part.decided.producer_index != state.my_index
+                    ]
+                )
+            return results, held
+
+    results, held = uvloop.run(scenario())
+    expected = torch.stack(vectors_for(num_peers, 0)).sum(dim=0) / num_peers
+    group = GroupSpec.build(
+        round_id=0,
+        members=[Member(peer_id=f"p{i}", address="x:1") for i in range(num_peers)],
+        num_elements=NUM_ELEMENTS,
+    )
+    assert sum(len(replicas) for replicas in held) >= num_peers  # each part has N // 2 replica holders
+    for result, replicas in zip(results, held, strict=True):
+        assert not result.fell_back, result.failures
+        torch.testing.assert_close(result.averaged, expected, rtol=0, atol=1e-6)
+        start = result.averaged.data_ptr()
+        for part_index, payloads in replicas:
+            offset = group.part_bounds[part_index]
+            for payload in payloads:
+                assert isinstance(payload, memoryview), type(payload)
+                assert torch.frombuffer(payload, dtype=torch.uint8).data_ptr() == start + 4 * offset
+                offset += len(payload) // 4
+            assert offset == group.part_bounds[part_index + 1]
+        assert all(isinstance(chunk.payload, memoryview) for chunk in result.payloads or ())
+
+
+@pytest.mark.timeout(60)
 def test_a_truncated_replica_leaves_nothing_marked_as_decoded_into_the_result() -> None:
     """With two members a replica goes straight into our result; one that stops short is dropped, and
     the part must then be decoded from whatever version we do get, not skipped as if already there."""
