@@ -15,16 +15,16 @@ The inner optimizer's state is kept across rounds, as in the paper. This class w
 loop rather than replacing it: the loop stays ``zero_grad / backward / step``; the loop calls
 :meth:`DiLoCo.outer_step` every H steps.
 
-The outer state lives in one flat fp32 buffer in the canonical parameter order (``named_parameters``
-order), so the pseudo-gradient is one contiguous vector for the all-reduce and ``param_hash`` is a
-SHA-256 over it: identical global params on two nodes ⇔ identical hash.
+The outer state (``node.outer_state``) is one flat fp32 vector in the canonical parameter order
+(``named_parameters`` order), in this process or sharded over the node's local ranks, so the
+pseudo-gradient is one contiguous vector for the all-reduce and ``param_hash`` is a SHA-256 over it:
+identical global params on two nodes ⇔ identical hash.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +34,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from node.outer_state import SGD_SETTINGS, FlatOuterState, LocalParams, OuterState
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,6 @@ def flatten_params(params: list[nn.Parameter], *, device: torch.device | str) ->
     return torch.cat([p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params])
 
 
-class LocalParams(Protocol):
-    """The node's local params as one flat fp32 vector in the model's parameter order."""
-
-    def read_params(self, device: torch.device | str) -> torch.Tensor: ...
-    def write_params(self, flat: torch.Tensor) -> None: ...
-
-
 class ModuleParams:
     """``LocalParams`` of parameters in this process."""
 
@@ -134,17 +129,13 @@ class ModuleParams:
         assert offset == flat.numel()
 
 
-def tensor_hash(flat: torch.Tensor) -> str:
-    """SHA-256 of an fp32 vector's little-endian bytes."""
-    data = flat.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 class DiLoCo:
     """Outer state and outer step of DiLoCo around a model whose loop runs the inner steps.
 
     ``offload`` keeps the global params and the momentum on CPU (saves 2 x fp32 params of device
-    memory at the price of a device<->host copy per round).
+    memory at the price of a device<->host copy per round). ``outer`` (a node with local workers: the
+    state sharded over its ranks) replaces the flat state of this process built from ``local``; its own
+    settings then apply, not ``outer_lr``, ``outer_momentum``, ``nesterov`` and ``offload``.
     """
 
     def __init__(
@@ -158,6 +149,7 @@ class DiLoCo:
         offload: bool = False,
         overlap: bool = False,
         local: LocalParams | None = None,
+        outer: OuterState | None = None,
     ) -> None:
         self.model = model
         self.overlap = overlap
@@ -176,25 +168,31 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Where the local params live: this model, or a replica spread over the node's local workers.
         self.local: LocalParams = local if local is not None else ModuleParams(self.params)
+        settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
         model_device = self.params[0].device
-        self.outer_device = torch.device("cpu") if offload or model_device.type == "meta" else model_device
-        # The global params: leaf fp32 tensor optimized by the outer SGD; its .grad is Δ̄.
-        self.global_params = self.local.read_params(self.outer_device)
-        self.outer_optimizer = torch.optim.SGD(
-            [self.global_params], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
-        )
+        if outer is None:
+            device = torch.device("cpu") if offload or model_device.type == "meta" else model_device
+            outer = FlatOuterState(self.local, device=device, **settings)
+        self.outer: OuterState = outer
+        self.outer_device = outer.device
 
     @property
     def num_elements(self) -> int:
-        return self.global_params.numel()
+        return self.outer.num_elements
+
+    @property
+    def global_params(self) -> torch.Tensor:
+        """θ_global (N,) fp32 on the outer device: read-only (sharded: a copy gathered from the ranks)."""
+        with self._lock:
+            return self.outer.params()
 
     def param_hash(self) -> str:
         with self._lock:
-            return tensor_hash(self.global_params)
+            return self.outer.hash()
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_global − θ_local, flat fp32 on the outer device."""
-        return self.global_params - self.local.read_params(self.outer_device)
+        return self.outer.delta()
 
     @torch.no_grad()
     def outer_step(self, *, round_index: int, weight: float) -> OuterStepReport:
@@ -219,13 +217,11 @@ class DiLoCo:
         norm = 0.0
         if outcome.adopted_state is None:
             averaged = outcome.averaged.to(self.outer_device, torch.float32)
-            if averaged.shape != self.global_params.shape:
+            if averaged.shape != (self.num_elements,):
                 raise RuntimeError(
-                    f"averager returned shape {tuple(averaged.shape)}, expected {tuple(self.global_params.shape)}"
+                    f"averager returned shape {tuple(averaged.shape)}, expected ({self.num_elements},)"
                 )
-            self.global_params.grad = averaged
-            self.outer_optimizer.step()
-            self.global_params.grad = None
+            self.outer.step(averaged)
             norm = float(averaged.norm())
         return OuterStepReport(
             round_index=round_index,
@@ -258,13 +254,10 @@ class DiLoCo:
         untouched): the same ``torch.optim.SGD`` with the same settings as ``outer_step``, so a
         member's step is reproduced bit for bit."""
         with self._lock:
-            settings = self.outer_optimizer.param_groups[0]
-            params, momentum = start if start is not None else (self.global_params, self.momentum_buffer())
+            settings = self.outer.settings()
+            params, momentum = start if start is not None else (self.outer.params(), self.outer.momentum())
             params = params.detach().to(self.outer_device, torch.float32).clone().requires_grad_(True)
-            optimizer = torch.optim.SGD(
-                [params],
-                **{key: settings[key] for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov")},
-            )
+            optimizer = torch.optim.SGD([params], **{key: settings[key] for key in SGD_SETTINGS})
             if momentum is not None:
                 optimizer.state[params]["momentum_buffer"] = momentum.to(
                     self.outer_device, torch.float32
@@ -303,8 +296,9 @@ class DiLoCo:
     @torch.no_grad()
     def phase_delta(self) -> torch.Tensor:
         """Δ_k: the local progress since the phase started (overlap); θ_global − θ_local before any round."""
-        anchor = self._anchor if self._anchor is not None else self.global_params
-        return anchor - self.local.read_params(self.outer_device)
+        if self._anchor is None:
+            return self.outer.delta()
+        return self._anchor - self.local.read_params(self.outer_device)
 
     @torch.no_grad()
     def finish_pending(self) -> OuterStepReport | None:
@@ -321,7 +315,7 @@ class DiLoCo:
         """Start averaging ``delta`` for ``round_index`` in the background; the model continues from
         θ_global − delta (see above)."""
         assert self._executor is not None and self._pending is None
-        start = self.global_params - delta  # before the averaging thread may step θ_global
+        start = self.outer.params() - delta  # before the averaging thread may step θ_global
         self._load_into_model(start)
         self._anchor = start
         self._pending = self._executor.submit(self._average_and_apply, delta.clone(), round_index, weight)
@@ -346,7 +340,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def load_global_into_model(self) -> None:
-        self._load_into_model(self.global_params)
+        self.outer.write_to_model()
         self._anchor = None
 
     @torch.no_grad()
@@ -355,42 +349,38 @@ class DiLoCo:
 
     def momentum_buffer(self) -> torch.Tensor | None:
         """The outer Nesterov momentum (flat fp32), None before the first outer step."""
-        state = self.outer_optimizer.state.get(self.global_params, {})
-        buffer = state.get("momentum_buffer")
-        return buffer if isinstance(buffer, torch.Tensor) else None
+        with self._lock:
+            return self.outer.momentum()
 
     @torch.no_grad()
     def load_global_state(self, global_params: torch.Tensor, momentum: torch.Tensor | None) -> None:
         """Replace the global params and the outer momentum (e.g. with the swarm's), and the model's params."""
-        if global_params.shape != self.global_params.shape:
+        if global_params.shape != (self.num_elements,):
             raise ValueError(f"got {global_params.numel()} global params, the model has {self.num_elements}")
-        if momentum is not None and momentum.shape != self.global_params.shape:
+        if momentum is not None and momentum.shape != global_params.shape:
             raise ValueError("the outer momentum does not match the global params")
-        self.global_params.copy_(global_params)
-        state = self.outer_optimizer.state[self.global_params]
-        if momentum is None:
-            state.pop("momentum_buffer", None)
-        else:
-            state["momentum_buffer"] = momentum.to(self.outer_device, torch.float32).clone()
+        with self._lock:
+            self.outer.load(global_params.to(self.outer_device, torch.float32), momentum)
         self.load_global_into_model()
 
     # --- checkpoint state ---
     def state_dict(self) -> dict[str, object]:
         with self._lock:  # copies: the averaging thread may step the outer state right after
             return {
-                "global_params": self.global_params.detach().clone(),
-                "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+                "global_params": self.outer.params().detach().clone(),
+                "outer_optimizer": copy.deepcopy(self.outer.optimizer_state_dict()),
             }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, object]) -> None:
         global_params = state["global_params"]
         assert isinstance(global_params, torch.Tensor)
-        if global_params.shape != self.global_params.shape:
+        if global_params.shape != (self.num_elements,):
             raise ValueError(
-                f"checkpoint holds {global_params.numel()} global params, the model has {self.global_params.numel()}"
+                f"checkpoint holds {global_params.numel()} global params, the model has {self.num_elements}"
             )
-        self.global_params.copy_(global_params)
         outer_state = state["outer_optimizer"]
         assert isinstance(outer_state, dict)
-        self.outer_optimizer.load_state_dict(outer_state)
+        with self._lock:
+            self.outer.load(global_params.to(self.outer_device, torch.float32), None)
+            self.outer.load_optimizer_state_dict(outer_state)

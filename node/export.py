@@ -39,8 +39,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from node.corpus import BOS, EOS, PAD
-from node.diloco import flatten_params, tensor_hash
+from node.diloco import flatten_params
 from node.model import GPT, ModelConfig
+from node.outer_state import tensor_hash
 
 MODEL_FILE = "model.safetensors"
 MODEL_JSON = "model.json"

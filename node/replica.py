@@ -7,6 +7,7 @@ drives the others. Both offer the same calls, so the loop, DiLoCo and the swarm 
     train_step(batches, lr) -> loss     one inner AdamW step over the node's batch (grad accumulation: a list)
     eval_loss(batches) -> loss          mean held-out loss
     read_params() / write_params(flat)  the node's flat fp32 parameter vector, the full model's order
+    outer_state(...)                    where DiLoCo's outer state lives (None: flat, in this process)
     model_state() / load_model_state()  named full parameters, for checkpoints
 
 ``build_replica`` picks one from the config: ``--local-workers K`` (or one per GPU) with the layout of
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from node.config import NodeConfig
 from node.diloco import ModuleParams
 from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.outer_state import OuterState
 from protocol.swarm.streams import StreamRunner
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ class Replica(Protocol):
     def optimizer_state(self) -> dict[str, Any] | None: ...
     def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
     def open_streams(self) -> StreamRunner: ...
+    def outer_state(self, *, offload: bool, **settings: Any) -> OuterState | None: ...
     def close(self) -> None: ...
 
 
@@ -131,6 +134,10 @@ class SingleReplica:
             )
             return
         self.optimizer.load_state_dict(state)
+
+    def outer_state(self, *, offload: bool, **settings: Any) -> OuterState | None:
+        """None: DiLoCo keeps its flat outer state in this process (``node.outer_state.FlatOuterState``)."""
+        return None
 
     def open_streams(self) -> StreamRunner:
         """The extra all-reduce streams (``--swarm-streams``), all in this process; closed with us."""
@@ -205,6 +212,12 @@ class ParallelReplica:
     def _layout_key(self) -> list[int]:
         layout = self.workers.layout
         return [layout.dp, layout.tp, layout.pp, layout.zero]
+
+    def outer_state(self, *, offload: bool, **settings: Any) -> OuterState:
+        """DiLoCo's outer state sharded over the local ranks (``node.parallel.outer``)."""
+        from node.parallel.outer import ShardedOuterState
+
+        return ShardedOuterState(self.workers, offload=offload, **settings)
 
     def open_streams(self) -> StreamRunner:
         """The extra all-reduce streams (``--swarm-streams``): stream s on local rank s mod K."""

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.diloco import DiLoCo, tensor_hash
+from node.diloco import DiLoCo
+from node.outer_state import tensor_hash
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot

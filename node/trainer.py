@@ -134,6 +134,12 @@ class Trainer:
             offload=config.outer_offload,
             overlap=config.overlap,
             local=self.replica,
+            outer=self.replica.outer_state(
+                offload=config.outer_offload,
+                lr=config.outer_lr,
+                momentum=config.outer_momentum,
+                nesterov=config.outer_nesterov,
+            ),
         )
         self.progress = Progress()
         # With overlap: the (step, data position) at the end of the phase whose round is in flight,

@@ -27,8 +27,9 @@ from torch import nn
 from node.config import NodeConfig
 from node.corpus import Corpus
 from node.data import ShardedBatches, eval_batches, load_corpus
-from node.diloco import AveragingOutcome, DiLoCo, flatten_params, tensor_hash
+from node.diloco import AveragingOutcome, DiLoCo, flatten_params
 from node.model import GPT, cross_entropy_loss, model_config
+from node.outer_state import tensor_hash
 from node.replica import build_inner_optimizer
 from node.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig

@@ -31,7 +31,7 @@ and hashes, so nodes with different layouts meet in one swarm.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from node.config import NodeConfig
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.mesh import build_mesh
+from node.parallel.outer import OuterShard
 from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device
 from node.parallel.streams import RankStreams, open_streams, run_streams
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, device_type, full_tensor
@@ -54,6 +55,7 @@ from protocol.allreduce.allreduce import AllReduceResult
 from protocol.swarm.streams import StreamJob
 
 Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
+Ranges = dict[int, tuple[int, int]]  # local rank -> its range [first, last) of the node's flat vector
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ class RankEngine:
 
             self.optimizer = build_inner_optimizer(model, config)
         self.commands: dist.ProcessGroup | None = None  # the node's gloo command group (set by local.py)
+        self.outer: OuterShard | None = None  # this rank's range of DiLoCo's outer state, once opened
         self.streams: RankStreams | None = None  # this rank's all-reduce streams, once opened
         self.runner: PipelineRunner | None = None
         if layout.pp > 1:
@@ -306,6 +309,28 @@ class RankEngine:
         (each number is written by exactly one rank, so the sum is exact).
         """
         flat = torch.empty(self.num_elements, dtype=torch.float32) if dist.get_rank() == 0 else None
+        for _, low, high, values in self.param_pieces({0: (0, self.num_elements)}):
+            if flat is not None:
+                assert values is not None
+                flat[low:high].copy_(values)
+        return flat
+
+    def _pieces(self, start: int, end: int, ranges: Ranges) -> list[tuple[int, int, int]]:
+        """(rank, low, high): the parts of bucket [start, end) that fall in each rank's range."""
+        pieces = []
+        for rank, (first, last) in sorted(ranges.items()):
+            low, high = max(start, first), min(end, last)
+            if low < high:
+                pieces.append((rank, low, high))
+        return pieces
+
+    def param_pieces(self, ranges: Ranges) -> Iterator[tuple[int, int, int, Tensor | None]]:
+        """Collective: the node's flat parameter vector in pieces, each on the rank whose range holds it.
+
+        Yields (rank, low, high, values): numbers [low, high) of the flat vector, values on that rank
+        (None on the others), walking the vector bucket by bucket (see read_params); ``ranges`` maps
+        each receiving rank to its range [first, last) of the vector.
+        """
         writes = self.dp_index == 0 and self.tp_index == 0
         placed = self._placed_parameters()
         current: tuple[int, Tensor] | None = None  # (index in placed, its full flat values)
@@ -323,33 +348,46 @@ class RankEngine:
                 if offset + numel <= end:
                     next_index, current = index + 1, None  # done with it
                 index += 1
-            work = dist.reduce(bucket, dst=0, op=dist.ReduceOp.SUM, async_op=True)
-            assert work is not None
-            work.wait(self.timeout)
-            if flat is not None:
-                flat[start:end].copy_(bucket)
-        return flat
+            for rank, low, high in self._pieces(start, end, ranges):
+                piece = bucket[low - start : high - start]
+                work = dist.reduce(piece, dst=rank, op=dist.ReduceOp.SUM, async_op=True)
+                assert work is not None
+                work.wait(self.timeout)
+                yield rank, low, high, piece if dist.get_rank() == rank else None
 
     @torch.no_grad()
     def write_params(self, flat: Tensor | None) -> None:
-        """Set every rank's parameters from rank 0's flat vector (N,) (broadcast by buckets; others pass None).
-
-        A parameter is staged in full on the device until its last bucket has arrived, then each rank cuts
-        its own shard from it (``distribute_tensor`` without communication) or copies it whole.
-        """
+        """Set every rank's parameters from rank 0's flat vector (N,) (broadcast by buckets; others pass None)."""
         if dist.get_rank() == 0:
             assert flat is not None and flat.numel() == self.num_elements, "rank 0 passes the node's vector"
+        self.write_pieces(
+            {0: (0, self.num_elements)}, lambda low, high: None if flat is None else flat[low:high]
+        )
+
+    @torch.no_grad()
+    def write_pieces(self, ranges: Ranges, values: Callable[[int, int], Tensor | None]) -> None:
+        """Collective: set every rank's parameters from the node's flat vector, held in pieces: numbers
+        [low, high) come from the rank whose range (``ranges``) holds them, which passes
+        ``values(low, high)`` (the other ranks' are not read); together the ranges cover the vector.
+
+        Bucket by bucket: each piece of a bucket is broadcast from its rank; a parameter is staged in full on
+        the device until its last bucket has arrived, then each rank cuts its own shard from it
+        (``distribute_tensor`` without communication) or copies it whole.
+        """
         placed = self._placed_parameters()
         staged: Tensor | None = None  # the full values of the parameter being assembled
         index = 0
         for start, end in self._buckets():
-            if flat is not None:
-                bucket = flat[start:end].detach().to(self.device, torch.float32).contiguous()
-            else:
-                bucket = torch.empty(end - start, dtype=torch.float32, device=self.device)
-            work = dist.broadcast(bucket, src=0, async_op=True)
-            assert work is not None
-            work.wait(self.timeout)
+            bucket = torch.empty(end - start, dtype=torch.float32, device=self.device)
+            for rank, low, high in self._pieces(start, end, ranges):
+                piece = bucket[low - start : high - start]
+                if dist.get_rank() == rank:
+                    given = values(low, high)
+                    assert given is not None and given.numel() == high - low
+                    piece.copy_(given.detach())
+                work = dist.broadcast(piece, src=rank, async_op=True)
+                assert work is not None
+                work.wait(self.timeout)
             while index < len(placed) and placed[index][0] < end:
                 offset, numel, param = placed[index]
                 if staged is None:
@@ -432,6 +470,24 @@ class RankEngine:
         if self.streams is not None:
             self.streams.reset_error_feedback()
 
+    # --- this rank's range of DiLoCo's outer state (node/parallel/outer.py) ---
+
+    def open_outer(self, settings: dict[str, Any], offload: bool) -> int:
+        self.outer = OuterShard(self, settings, offload=offload)
+        return self.num_elements
+
+    def outer_bytes(self) -> list[int] | None:
+        """Bytes of outer state every rank holds, on rank 0 (None elsewhere)."""
+        held = 0 if self.outer is None else self.outer.num_bytes()
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(held, gathered if dist.get_rank() == 0 else None, dst=0, group=self.commands)
+        return gathered if dist.get_rank() == 0 else None
+
+    def _outer(self) -> OuterShard:
+        if self.outer is None:
+            raise RuntimeError("the outer state was not opened on this rank")
+        return self.outer
+
     def close(self) -> None:
         """Close what outlives a call: the stream servers."""
         if self.streams is not None:
@@ -453,4 +509,12 @@ COMMANDS: dict[str, Dispatch] = {
     "open_streams": lambda engine, payload: engine.open_streams(),
     "run_streams": lambda engine, payload: engine.run_streams(*payload),
     "reset_streams": lambda engine, payload: engine.reset_streams(),
+    "outer_open": lambda engine, payload: engine.open_outer(*payload),
+    "outer_delta": lambda engine, payload: engine._outer().delta(),
+    "outer_step": lambda engine, payload: engine._outer().step(payload),
+    "outer_write": lambda engine, payload: engine._outer().write_to_model(),
+    "outer_gather": lambda engine, payload: engine._outer().gather(payload),
+    "outer_load": lambda engine, payload: engine._outer().load(*payload),
+    "outer_settings": lambda engine, payload: engine._outer().set_settings(payload),
+    "outer_bytes": lambda engine, payload: engine.outer_bytes(),
 }

@@ -120,6 +120,7 @@ class LocalWorkers:
         self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
     ) -> None:
         self.layout = layout
+        self._calling = threading.Lock()
         world_size = layout.world_size
         self._store_dir = tempfile.mkdtemp(prefix="dtnode-local-")  # mode 0700: only this user
         store_path = os.path.join(self._store_dir, "store")
@@ -164,16 +165,17 @@ class LocalWorkers:
         The other ranks get ``payload`` with the command; rank 0 runs with ``rank0_payload`` when given
         (data a collective of the command distributes, e.g. the flat vector ``write_params`` broadcasts).
         """
-        self._check_workers()
-        try:
-            dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
-            return COMMANDS[name](self.engine, payload if rank0_payload is None else rank0_payload)
-        except (RuntimeError, dist.DistError) as error:
-            # A rank that was killed resets its connections before it is reaped: give it a moment to
-            # show up as dead, so the error names it rather than the socket.
-            self._await_exit(DEATH_GRACE)
+        with self._calling:  # one call at a time: with --overlap the outer step comes from its own thread
             self._check_workers()
-            raise LocalWorkerError(f"local call {name!r} failed: {error}") from error
+            try:
+                dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
+                return COMMANDS[name](self.engine, payload if rank0_payload is None else rank0_payload)
+            except (RuntimeError, dist.DistError) as error:
+                # A rank that was killed resets its connections before it is reaped: give it a moment to
+                # show up as dead, so the error names it rather than the socket.
+                self._await_exit(DEATH_GRACE)
+                self._check_workers()
+                raise LocalWorkerError(f"local call {name!r} failed: {error}") from error
 
     def _await_exit(self, grace: timedelta) -> None:
         """Return once some rank has exited, or after ``grace``."""

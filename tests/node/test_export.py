@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 
 import node
 from node.cli import main
-from node.diloco import flatten_params, tensor_hash
+from node.diloco import flatten_params
 from node.export import MODEL_FILE, export_model, find_model_file, read_metadata
 from node.metrics import read_metrics
 from node.model import GPT, model_config
+from node.outer_state import tensor_hash
 from node.sample import generate, sample_text
 from node.trainer import Trainer
 from tests.node.run_support import one_torch_thread, train_short_run, write_corpus

@@ -179,6 +179,21 @@ def test_an_impossible_layout_is_a_clear_error(
     assert message in result.stderr
 
 
+@pytest.mark.timeout(300)
+def test_an_overlapped_node_with_local_workers_trains_like_a_single_process(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """With --overlap the outer step (on the ranks' ranges of the sharded outer state) runs on the
+    averaging thread while the next inner steps run: both go through the node's one command channel,
+    one call at a time, and three overlapped rounds end where a single process's do."""
+    rounds = ["--overlap", "--inner-steps", "4", "--max-rounds", "3"]
+    single_losses, single_params = run_node(tmp_path / "single", corpus, rounds)
+    losses, params = run_node(tmp_path / "tp2", corpus, [*LAYOUTS["tp2"], *rounds])
+    assert len(losses) == len(single_losses) == 12
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, single_losses, strict=True)) <= LOSS_TOLERANCE
+    assert relative_error(params, single_params) <= PARAMS_TOLERANCE
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {record["step"]: record["loss"] for record in records if record["kind"] == "step"}

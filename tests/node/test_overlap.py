@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from node.config import NodeConfig
-from node.diloco import AveragingOutcome, DiLoCo, tensor_hash
+from node.diloco import AveragingOutcome, DiLoCo
+from node.outer_state import tensor_hash
 from node.trainer import Trainer
 
 LR, MOMENTUM = 0.7, 0.9

@@ -17,8 +17,9 @@ import torch
 
 from node.config import NodeConfig
 from node.data import ShardedBatches, load_corpus
-from node.diloco import flatten_params, tensor_hash
+from node.diloco import flatten_params
 from node.model import GPT, cross_entropy_loss, model_config
+from node.outer_state import tensor_hash
 from node.replica import build_inner_optimizer
 from node.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
