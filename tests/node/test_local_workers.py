@@ -97,6 +97,9 @@ def run_node(run_dir: Path, corpus: Path, extra: list[str]) -> tuple[list[float]
         [*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # With local workers the outer state is sharded over them (node/parallel/outer.py).
+    sharded = "DiLoCo outer state sharded over" in result.stderr
+    assert sharded == ("--local-workers" in extra and extra[extra.index("--local-workers") + 1] != "1")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [record["loss"] for record in records if record["kind"] == "step"]
     tensors = load_file(str(run_dir / "model.safetensors"))

@@ -46,12 +46,16 @@ def build(layout: dict[str, int], tmp_path: Path) -> ParallelReplica:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "layout", [{"local_workers": 2, "tp": 2}, {"local_workers": 3, "pp": 3, "microbatches": 4}]
+    ("layout", "offload"),
+    [({"local_workers": 2, "tp": 2}, False), ({"local_workers": 3, "pp": 3, "microbatches": 4}, True)],
 )
-def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(layout: dict[str, int], tmp_path: Path) -> None:
+def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
+    layout: dict[str, int], offload: bool, tmp_path: Path
+) -> None:
+    """(``offload``: the ranks keep their ranges on the CPU; on this CPU machine the same place.)"""
     replica = build(layout, tmp_path)
     try:
-        sharded = replica.outer_state(offload=False, **SETTINGS)
+        sharded = replica.outer_state(offload=offload, **SETTINGS)
         assert isinstance(sharded, ShardedOuterState)
         flat = FlatOuterState(replica, device=torch.device("cpu"), **SETTINGS)
         diloco = DiLoCo(replica.model, averager=Halver(), local=replica, outer=sharded)
