@@ -27,6 +27,7 @@ ENV_PREFIX = "DTNODE_"
 RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV"})
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
+OUTER_SHARDING = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -190,6 +191,14 @@ class NodeConfig:
         default=False,
         metadata=_help("Keep the outer state (global params, momentum) on CPU instead of the device."),
     )
+    outer_sharding: str = field(
+        default="auto",
+        metadata=_help(
+            "With local workers: split the outer state over them, 1/K per rank (on), keep it whole on "
+            "rank 0 (off), or auto: on when they run on GPUs (on CPU every rank shares one host memory, "
+            "and the state a joiner fetches is then a gathered copy beside the shards)."
+        ),
+    )
 
     # --- checkpoints ---
     checkpoint_every: int = field(
@@ -317,7 +326,7 @@ class NodeConfig:
             raise ConfigError(f"swarm_streams must be in 1..{MAX_STREAMS}, got {self.swarm_streams}")
         choices = (
             ("lr_schedule", LR_SCHEDULES), ("pp_schedule", PP_SCHEDULES), ("precision", PRECISIONS),
-            ("device", DEVICES), ("log_format", LOG_FORMATS),
+            ("device", DEVICES), ("log_format", LOG_FORMATS), ("outer_sharding", OUTER_SHARDING),
         )  # fmt: skip
         for key, allowed in choices:
             if getattr(self, key) not in allowed:

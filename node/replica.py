@@ -161,11 +161,15 @@ class ParallelReplica:
     ) -> None:
         from node.parallel.engine import parameter_offsets
         from node.parallel.local import LocalWorkers
+        from node.parallel.tensor import device_type
 
         with torch.device("meta"):
             self.model = GPT(model_config)  # names and shapes for export and checkpoints; no memory
         self.offsets = parameter_offsets(model_config)
         self.workers = LocalWorkers(model_config, config, layout, timeout=timeout)
+        self.shard_outer = config.outer_sharding == "on" or (
+            config.outer_sharding == "auto" and device_type() == "cuda"
+        )
         self._streams: StreamRunner | None = None
 
     def train_step(self, batches: Sequence[Batch], lr: float) -> float:
@@ -213,10 +217,13 @@ class ParallelReplica:
         layout = self.workers.layout
         return [layout.dp, layout.tp, layout.pp, layout.zero]
 
-    def outer_state(self, *, offload: bool, **settings: Any) -> OuterState:
-        """DiLoCo's outer state sharded over the local ranks (``node.parallel.outer``)."""
+    def outer_state(self, *, offload: bool, **settings: Any) -> OuterState | None:
+        """DiLoCo's outer state sharded over the local ranks (``node.parallel.outer``), unless
+        ``--outer-sharding`` says otherwise (then None: flat on rank 0's host)."""
         from node.parallel.outer import ShardedOuterState
 
+        if not self.shard_outer:
+            return None
         return ShardedOuterState(self.workers, offload=offload, **settings)
 
     def open_streams(self) -> StreamRunner:

@@ -56,7 +56,13 @@ def timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 def run_layout(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-outer-") as run_dir:
         config = NodeConfig(
-            run_dir=run_dir, model=args.model, seq_len=args.seq_len, batch_size=4, threads=1, **LAYOUTS[name]
+            run_dir=run_dir,
+            model=args.model,
+            seq_len=args.seq_len,
+            batch_size=4,
+            threads=1,
+            outer_sharding="on",
+            **LAYOUTS[name],
         )  # type: ignore[arg-type]
         replica = build_replica(config, model_config(args.model, seq_len=args.seq_len), torch.device("cpu"))
         assert isinstance(replica, ParallelReplica)

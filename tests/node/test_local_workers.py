@@ -34,6 +34,7 @@ COMMON_ARGS = [
     "--no-swarm", "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
     "--inner-steps", "10", "--max-rounds", "1", "--lr-schedule", "constant", "--warmup-steps", "1",
     "--threads", "1", "--checkpoint-every", "0", "--log-every", "100",
+    "--outer-sharding", "on",  # (auto keeps it flat on CPU; test_local_workers_swarm runs that)
 ]  # fmt: skip
 
 LAYOUTS = {

@@ -34,10 +34,10 @@ class Halver:
         return AveragingOutcome(averaged=(vector - vector / 3) / 2 + 0.005, num_peers=2)
 
 
-def build(layout: dict[str, int], tmp_path: Path) -> ParallelReplica:
+def build(layout: dict[str, int], tmp_path: Path, sharding: str = "on") -> ParallelReplica:
     config = NodeConfig(
         run_dir=str(tmp_path), model="nano", seq_len=32, batch_size=4, threads=1, seed=7,
-        local_bucket_mb=0.1, **layout,  # ~37 buckets, each cut by the ranks' ranges
+        local_bucket_mb=0.1, outer_sharding=sharding, **layout,  # ~37 buckets, each cut by the ranks' ranges
     )  # fmt: skip
     replica = build_replica(config, model_config("nano", seq_len=32), torch.device("cpu"))
     assert isinstance(replica, ParallelReplica)
@@ -112,3 +112,15 @@ def test_shard_ranges_tile_the_vector_in_nearly_equal_pieces() -> None:
         assert all(ends[i][1] == ends[i + 1][0] for i in range(world_size - 1))
         sizes = [last - first for first, last in ends]
         assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto shards on GPUs")
+def test_on_cpu_the_outer_state_stays_flat_unless_asked(tmp_path: Path) -> None:
+    """``--outer-sharding auto`` (the default) keeps it whole on rank 0 when the ranks share the host's
+    memory: shards would only add the gathered copy a joiner fetches beside them."""
+    replica = build({"local_workers": 2, "tp": 2}, tmp_path, sharding="auto")
+    try:
+        assert replica.outer_state(offload=False, **SETTINGS) is None
+    finally:
+        replica.close()
