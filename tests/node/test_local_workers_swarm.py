@@ -68,7 +68,8 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         flags = ["--min-peers", "2", "--swarm-streams", "2"]  # no round limit: stopped by SIGTERM below
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
-        parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=peers)
+        # The tp node keeps its outer state sharded over its ranks; the dp joiner whole on rank 0.
+        parallel = cluster.start([*flags, *TENSOR_PARALLEL, "--outer-sharding", "on"], peers=peers)
         wait_for(lambda: len(parallel.records()) >= 2, 150, "two rounds of the tp node", parallel)
         joiner = cluster.start([*flags, *DATA_PARALLEL], peers=peers)
         wait_for(lambda: len(joiner.hashes()) >= 2, 180, "two rounds of the dp joiner", joiner)
@@ -78,6 +79,8 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         assert "2 local workers: dp=1 x tp=2 x pp=1" in parallel.log()
         assert "2 local workers: dp=2 x tp=1 x pp=1" in joiner.log()
         assert "adopting the swarm's state" in joiner.log()
+        assert "outer state sharded over 2 local ranks" in parallel.log()
+        assert "outer state sharded" not in joiner.log()
         for node in cluster.nodes:
             assert "all-reduce on 2 streams" in node.log(), tail(node)
         rounds = sorted(set(first.hashes()) & set(parallel.hashes()))
