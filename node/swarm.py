@@ -439,24 +439,30 @@ class SwarmSession:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
 
     def phase_should_end(self) -> bool:
-        """Whether a node catching up should end its inner phase now: a peer of its lineage is ready
-        for the next round (read from the view the swarm watch refreshes every few seconds).
+        """Whether a node catching up should end its inner phase now (read from the view the swarm
+        watch refreshes every ``view_refresh`` while we catch up):
 
-        After adopting, a node starts its phase later than the swarm (by its startup and the fetch);
-        with a full phase it would miss every round and re-sync forever. Joining the round with
-        fewer steps costs nothing: the mean weights each member by its tokens.
+        - a peer of its lineage is ready for the next round: join that round. After adopting, a node
+          starts its phase later than the swarm (by its startup and the fetch); with a full phase it
+          would miss every round and re-sync forever. Joining the round with fewer steps costs
+          nothing: the mean weights each member by its tokens.
+        - a peer is past the adopted round: the swarm's next round formed before we held the state
+          (or while we loaded it). Steps on these params are wasted; ending the phase now makes the
+          round's lineage check catch us up with that round's mean at once, in time for the swarm's
+          next round, instead of a phase later, one round behind again.
         """
         trainer = self._trainer
         if not self.catching_up or trainer is None:
             return False
         round, param_hash = self._adopted_lineage
-        return any(
-            peer.peer_id != self.swarm.peer_id
-            and peer.round == round
-            and peer.param_hash == param_hash
-            and peer.ready_for_round == round + 1
-            for peer in self.swarm.driver.view
-        )
+        for peer in self.swarm.driver.view:
+            if peer.peer_id == self.swarm.peer_id:
+                continue
+            if peer.round == round and peer.param_hash == param_hash and peer.ready_for_round == round + 1:
+                return True
+            if peer.round > round:
+                return True
+        return False
 
     def _feedback_elements(self, trainer: Trainer) -> int:
         """The numbers our own residual covers: the whole vector, or with streams stream 0's shard

@@ -467,9 +467,10 @@ class Trainer:
                 self.outer_round()
             elif self.swarm is not None and self.swarm.phase_should_end():
                 # Catching up after adopting the swarm's state: join the round the swarm is
-                # forming now with the steps done so far (weighted by their tokens), on the
-                # swarm's step count and data position (if the round sends us to adopt again,
-                # the adopted state sets both).
+                # forming now with the steps done so far (weighted by their tokens), or, if the
+                # swarm already moved past our state, let the round's lineage check catch us up;
+                # on the swarm's step count and data position (if the round sends us to adopt
+                # again, the adopted state sets both).
                 missing = -self.progress.step % config.inner_steps
                 log.info("ending the phase %d steps early to join the swarm's round", missing)
                 self.batches.skip(missing)

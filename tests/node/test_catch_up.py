@@ -10,8 +10,9 @@ under 1/7 of the state's), steps itself to the swarm's param_hash and outer mome
 from __future__ import annotations
 
 import json
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,6 +38,16 @@ from tests.node.test_swarm_session import (
 from tests.protocol.swarm.test_swarm_node import started_nodes, wait_for_lineages
 
 __all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Poll ``condition`` every 0.1 s for up to ``seconds``; whether it held."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
 
 
 @pytest.fixture
@@ -87,8 +98,12 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     # Round 4 served without its mean (e.g. its members ran with --overlap): the whole state it is.
     one_round(source, RecordingAverager("int8"))
     newer = snapshot_of(source)
+    assert not session.phase_should_end()  # the swarm is where we are, and not ready yet
     server.publish(round=4, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(4, newer.state_id)})
+    # The swarm moved past the state we adopted: end the phase now (its round catches us up),
+    # rather than train a whole phase on params nobody else holds (the view is read every second).
+    assert wait_until(session.phase_should_end, 10)
     decision = client.lineage(round=3, param_hash=state.state_id)
     assert decision.canonical == Lineage(4, newer.state_id)
     before = session._bytes_state_sync
