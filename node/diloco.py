@@ -35,7 +35,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from node.outer_state import SGD_SETTINGS, FlatOuterState, LocalParams, OuterState
+from node.outer_state import (
+    SGD_SETTINGS,
+    FlatOuterState,
+    LocalParams,
+    OuterState,
+    sgd_momentum_and_settings,
+    sgd_state_dict,
+)
 
 
 @dataclass(frozen=True)
@@ -368,7 +375,9 @@ class DiLoCo:
         with self._lock:  # copies: the averaging thread may step the outer state right after
             return {
                 "global_params": self.outer.params().detach().clone(),
-                "outer_optimizer": copy.deepcopy(self.outer.optimizer_state_dict()),
+                "outer_optimizer": copy.deepcopy(
+                    sgd_state_dict(self.outer.settings(), self.outer.momentum())
+                ),
             }
 
     @torch.no_grad()
@@ -381,6 +390,9 @@ class DiLoCo:
             )
         outer_state = state["outer_optimizer"]
         assert isinstance(outer_state, dict)
+        momentum, settings = sgd_momentum_and_settings(outer_state)
+        if momentum is not None and momentum.shape != global_params.shape:
+            raise ValueError("the checkpoint's outer momentum does not match its global params")
         with self._lock:
-            self.outer.load(global_params.to(self.outer_device, torch.float32), None)
-            self.outer.load_optimizer_state_dict(outer_state)
+            self.outer.set_settings(settings)
+            self.outer.load(global_params.to(self.outer_device, torch.float32), momentum)

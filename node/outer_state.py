@@ -9,7 +9,8 @@
   that range of the flat vector would).
 
 Either way the vectors are in the canonical parameter order (``named_parameters``), and a checkpoint
-holds them in the same format (``state_dict``), so a node may resume with another layout.
+holds them in the same format (``DiLoCo.state_dict``: the momentum and settings as
+``torch.optim.SGD.state_dict()`` of one flat parameter), so a node may resume with another layout.
 """
 
 from __future__ import annotations
@@ -70,15 +71,13 @@ class OuterState(Protocol):
         """Replace θ_global and the momentum (the model's params are not touched)."""
         ...
 
+    def set_settings(self, settings: dict[str, Any]) -> None:
+        """Replace the outer SGD's settings (``SGD_SETTINGS``; a checkpoint's)."""
+        ...
+
     def hash(self) -> str:
         """``tensor_hash`` of θ_global."""
         ...
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's state as ``torch.optim.SGD.state_dict()`` of one flat parameter."""
-        ...
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class FlatOuterState:
@@ -123,14 +122,11 @@ class FlatOuterState:
         else:
             state["momentum_buffer"] = momentum.to(self.device, torch.float32).clone()
 
+    def set_settings(self, settings: dict[str, Any]) -> None:
+        self.optimizer.param_groups[0].update(settings)
+
     def hash(self) -> str:
         return tensor_hash(self.global_params)
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
 
 def sgd_state_dict(settings: dict[str, Any], momentum: Tensor | None) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from node.config import NodeConfig
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.mesh import build_mesh
-from node.parallel.outer import OuterShard
+from node.parallel.outer import OUTER_COMMANDS, OuterShard
 from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device
 from node.parallel.streams import RankStreams, open_streams, run_streams
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, device_type, full_tensor
@@ -56,6 +56,12 @@ from protocol.swarm.streams import StreamJob
 
 Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
 Ranges = dict[int, tuple[int, int]]  # local rank -> its range [first, last) of the node's flat vector
+
+
+def bucket_pieces(start: int, end: int, ranges: Ranges) -> list[tuple[int, int, int]]:
+    """(rank, low, high): the parts of bucket [start, end) that fall in each rank's range."""
+    cuts = [(rank, max(start, first), min(end, last)) for rank, (first, last) in sorted(ranges.items())]
+    return [(rank, low, high) for rank, low, high in cuts if low < high]
 
 
 @dataclass(frozen=True)
@@ -315,15 +321,6 @@ class RankEngine:
                 flat[low:high].copy_(values)
         return flat
 
-    def _pieces(self, start: int, end: int, ranges: Ranges) -> list[tuple[int, int, int]]:
-        """(rank, low, high): the parts of bucket [start, end) that fall in each rank's range."""
-        pieces = []
-        for rank, (first, last) in sorted(ranges.items()):
-            low, high = max(start, first), min(end, last)
-            if low < high:
-                pieces.append((rank, low, high))
-        return pieces
-
     def param_pieces(self, ranges: Ranges) -> Iterator[tuple[int, int, int, Tensor | None]]:
         """Collective: the node's flat parameter vector in pieces, each on the rank whose range holds it.
 
@@ -348,7 +345,7 @@ class RankEngine:
                 if offset + numel <= end:
                     next_index, current = index + 1, None  # done with it
                 index += 1
-            for rank, low, high in self._pieces(start, end, ranges):
+            for rank, low, high in bucket_pieces(start, end, ranges):
                 piece = bucket[low - start : high - start]
                 work = dist.reduce(piece, dst=rank, op=dist.ReduceOp.SUM, async_op=True)
                 assert work is not None
@@ -379,7 +376,7 @@ class RankEngine:
         index = 0
         for start, end in self._buckets():
             bucket = torch.empty(end - start, dtype=torch.float32, device=self.device)
-            for rank, low, high in self._pieces(start, end, ranges):
+            for rank, low, high in bucket_pieces(start, end, ranges):
                 piece = bucket[low - start : high - start]
                 if dist.get_rank() == rank:
                     given = values(low, high)
@@ -470,24 +467,6 @@ class RankEngine:
         if self.streams is not None:
             self.streams.reset_error_feedback()
 
-    # --- this rank's range of DiLoCo's outer state (node/parallel/outer.py) ---
-
-    def open_outer(self, settings: dict[str, Any], offload: bool) -> int:
-        self.outer = OuterShard(self, settings, offload=offload)
-        return self.num_elements
-
-    def outer_bytes(self) -> list[int] | None:
-        """Bytes of outer state every rank holds, on rank 0 (None elsewhere)."""
-        held = 0 if self.outer is None else self.outer.num_bytes()
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(held, gathered if dist.get_rank() == 0 else None, dst=0, group=self.commands)
-        return gathered if dist.get_rank() == 0 else None
-
-    def _outer(self) -> OuterShard:
-        if self.outer is None:
-            raise RuntimeError("the outer state was not opened on this rank")
-        return self.outer
-
     def close(self) -> None:
         """Close what outlives a call: the stream servers."""
         if self.streams is not None:
@@ -509,12 +488,5 @@ COMMANDS: dict[str, Dispatch] = {
     "open_streams": lambda engine, payload: engine.open_streams(),
     "run_streams": lambda engine, payload: engine.run_streams(*payload),
     "reset_streams": lambda engine, payload: engine.reset_streams(),
-    "outer_open": lambda engine, payload: engine.open_outer(*payload),
-    "outer_delta": lambda engine, payload: engine._outer().delta(),
-    "outer_step": lambda engine, payload: engine._outer().step(payload),
-    "outer_write": lambda engine, payload: engine._outer().write_to_model(),
-    "outer_gather": lambda engine, payload: engine._outer().gather(payload),
-    "outer_load": lambda engine, payload: engine._outer().load(*payload),
-    "outer_settings": lambda engine, payload: engine._outer().set_settings(payload),
-    "outer_bytes": lambda engine, payload: engine.outer_bytes(),
+    **OUTER_COMMANDS,  # this rank's range of DiLoCo's outer state
 }

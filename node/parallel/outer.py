@@ -25,13 +25,14 @@ group with the engine's deadline.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from node.outer_state import SGD_SETTINGS, sgd_momentum_and_settings, sgd_state_dict, tensor_hash
+from node.outer_state import SGD_SETTINGS, tensor_hash
 
 if TYPE_CHECKING:
     from node.parallel.engine import Ranges, RankEngine
@@ -225,24 +226,51 @@ class ShardedOuterState:
             "outer_load", (None, momentum is not None), rank0_payload=(payload, momentum is not None)
         )
 
+    def set_settings(self, settings: dict[str, Any]) -> None:
+        self._settings = {key: settings[key] for key in SGD_SETTINGS}
+        self._workers.call("outer_settings", self._settings)
+
     def hash(self) -> str:
         if self._hash is None:
             self._hash = tensor_hash(self.params())
         return self._hash
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        return sgd_state_dict(self._settings, self.momentum())
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        momentum, settings = sgd_momentum_and_settings(state)
-        if momentum is not None and momentum.shape != (self.num_elements,):
-            raise ValueError("the outer momentum does not match the global params")
-        self._settings = settings
-        self._workers.call("outer_settings", settings)
-        self.load(self.params(), momentum)
 
     def num_bytes_per_rank(self) -> list[int]:
         """Bytes of outer state each local rank holds."""
         held = self._workers.call("outer_bytes")
         assert isinstance(held, list)
         return held
+
+
+# --- the commands rank 0 sends every rank (merged into ``node.parallel.engine.COMMANDS``) ---
+
+
+def _open(engine: RankEngine, settings: dict[str, Any], offload: bool) -> int:
+    engine.outer = OuterShard(engine, settings, offload=offload)
+    return engine.num_elements
+
+
+def _shard(engine: RankEngine) -> OuterShard:
+    if engine.outer is None:
+        raise RuntimeError("the outer state was not opened on this rank")
+    return engine.outer
+
+
+def _bytes_per_rank(engine: RankEngine) -> list[int] | None:
+    """Bytes of outer state every rank holds, on rank 0 (None elsewhere)."""
+    held = 0 if engine.outer is None else engine.outer.num_bytes()
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(held, gathered if dist.get_rank() == 0 else None, dst=0, group=engine.commands)
+    return gathered if dist.get_rank() == 0 else None
+
+
+OUTER_COMMANDS: dict[str, Callable[[RankEngine, Any], object]] = {
+    "outer_open": lambda engine, payload: _open(engine, *payload),
+    "outer_delta": lambda engine, payload: _shard(engine).delta(),
+    "outer_step": lambda engine, payload: _shard(engine).step(payload),
+    "outer_write": lambda engine, payload: _shard(engine).write_to_model(),
+    "outer_gather": lambda engine, payload: _shard(engine).gather(payload),
+    "outer_load": lambda engine, payload: _shard(engine).load(*payload),
+    "outer_settings": lambda engine, payload: _shard(engine).set_settings(payload),
+    "outer_bytes": lambda engine, payload: _bytes_per_rank(engine),
+}

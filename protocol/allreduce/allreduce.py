@@ -103,12 +103,20 @@ def _nothing() -> None:
 
 
 async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch.Tensor) -> None:
-    """Decode the bytes we decided (or hold as a replica) into our result, like any puller would."""
+    """Decode the bytes we decided (or hold as a replica) into our result, like any puller would.
+
+    With the fp32 codec we keep views of our result there, not the bytes, from then on: nothing writes
+    that slice again (one committed version per part), so a replica's received bytes go at once.
+    """
     if state.parts[reduced.part_index].in_result:
         return  # the replica was decoded into our result as it arrived
     offsets = list(accumulate(reduced.chunk_sizes, initial=state.group.part_bounds[reduced.part_index]))[:-1]
     chunks = list(zip(offsets, reduced.chunk_sizes, reduced.payloads, strict=True))
-    for offset, size, payload in chunks:
+    fp32 = state.codec.payload_is_fp32
+    kept = [
+        fp32_view(output[offset : offset + size]) if fp32 else payload for offset, size, payload in chunks
+    ]
+    for (offset, size, _), payload in zip(chunks, kept, strict=True):
         state.keep_payload(offset, size, payload)
 
     def decode() -> None:
@@ -117,13 +125,8 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
 
     await asyncio.get_running_loop().run_in_executor(state.executor, decode)
     part = state.parts[reduced.part_index]
-    if state.codec.payload_is_fp32 and part.decided is reduced and reduced.producer_index != state.my_index:
-        # A replica we hold as bytes is now also in our result, which nothing writes again (the one
-        # committed version of the part): keep views of it there instead of a second copy.
-        views = tuple(fp32_view(output[offset : offset + size]) for offset, size, _ in chunks)
-        part.decided = dataclasses.replace(reduced, payloads=views)
-        for (offset, size, _), view in zip(chunks, views, strict=True):
-            state.keep_payload(offset, size, view)
+    if fp32 and part.decided is reduced:
+        part.decided = dataclasses.replace(reduced, payloads=tuple(kept))
 
 
 async def _pull_or_use_replica(

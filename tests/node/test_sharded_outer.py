@@ -88,14 +88,13 @@ def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
         # A checkpoint of either loads into the other (the flat SGD's state-dict format).
         state = diloco.state_dict()
         other = FlatOuterState(replica, device=torch.device("cpu"), **SETTINGS)
-        other.load(state["global_params"], None)  # type: ignore[arg-type]
-        other.load_optimizer_state_dict(state["outer_optimizer"])  # type: ignore[arg-type]
+        DiLoCo(replica.model, averager=Halver(), local=replica, outer=other).load_state_dict(state)
         assert torch.equal(other.params(), flat.params())
         assert torch.equal(other.momentum(), flat.momentum())  # type: ignore[arg-type]
         diloco.load_global_state(torch.zeros(num_elements), None)
         assert sharded.momentum() is None and diloco.param_hash() == tensor_hash(torch.zeros(num_elements))
-        diloco.load_state_dict(
-            {"global_params": flat.params().clone(), "outer_optimizer": flat.optimizer_state_dict()}
+        diloco.load_state_dict(  # torch's own SGD state dict, as a single-process node saves it
+            {"global_params": flat.params().clone(), "outer_optimizer": flat.optimizer.state_dict()}
         )
         assert diloco.param_hash() == flat.hash()
         assert torch.equal(sharded.momentum(), flat.momentum())  # type: ignore[arg-type]
