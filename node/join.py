@@ -54,7 +54,7 @@ class Prefetch:
                  decision.canonical.round, decision.canonical.param_hash[:12],
                  len(decision.sync_sources))  # fmt: skip
         try:
-            self.report = self.swarm.fetch_state(decision)
+            self.report = self.swarm.fetch_state(decision, announce=True)
             self.decision = decision
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state ahead (joining): %s", error)

@@ -128,17 +128,22 @@ class SwarmSession:
             self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
             self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))
-        self.publish()
         if not self.joining:
+            self.publish()
             return
+        # A joiner publishes the state it holds only once it knows it is the swarm's (or adopted
+        # the swarm's): until then its record would count for a lineage of its own, and fresh
+        # joiners on the same seeded init could outnumber the swarm and send it back to round 0.
         ahead = self.prefetch.result() if self.prefetch is not None else None
         view = self.swarm.wait_for_peers(1, self.join_timeout)
         if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
             log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
+            self.publish()
             return
         decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
         if decision.in_canonical:
+            self.publish()
             return
         state, behind = None, False
         if ahead is not None and ahead[0].canonical == decision.canonical:
@@ -152,11 +157,13 @@ class SwarmSession:
                 # (its wire bytes) may take us the rest of the way (_catch_up).
                 trainer.adopt(self._checked(ahead[1]))
                 behind = True
-            state = self._fetch_canonical(decision, why="joining")
+            state = self._fetch_canonical(decision, why="joining", announce=True)
         if state is None:
+            log.warning("training on our own state until the next round's lineage check")
             if behind:  # behind the swarm, on its lineage: the next round's check catches us up
                 self._adopted()
-            log.warning("training on our own state until the next round's lineage check")
+            else:
+                self.publish()
             return
         trainer.adopt(state)
         self._adopted()
@@ -359,9 +366,11 @@ class SwarmSession:
             time.sleep(self.swarm.config.view_refresh.total_seconds())
         return None
 
-    def _fetch_canonical(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
+    def _fetch_canonical(
+        self, decision: LineageDecision, *, why: str, announce: bool = False
+    ) -> AdoptedState | None:
         """Fetch the canonical state, checked against this node's model and corpus; None (logged) if
-        no source delivered it in time.
+        no source delivered it in time (``announce``: as a joiner, ``SwarmNode.fetch_state``).
 
         A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
         healed yet), and the next round's lineage check tries again.
@@ -377,7 +386,7 @@ class SwarmSession:
         log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
                  why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
         try:
-            report = self.swarm.fetch_state(decision)
+            report = self.swarm.fetch_state(decision, announce=announce)
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
             self._state_sync_failures += 1

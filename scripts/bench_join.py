@@ -53,15 +53,17 @@ seconds_to_state:       to the "now at round" line of the first adoption: the jo
                         it has a pseudo-gradient to contribute, which the target does not scale with.
 param_hash_matches_swarm: after that round the joiner's param_hash equals node 0's.
 
-Chasing. A leader waits (up to the join window) only for peers of its lineage, and a joiner enters
-the lineage once it holds the fetched state. If the swarm's inner phase is shorter than the joiner's
-fetch, the swarm is ready for the next round before the joiner holds its state, the round forms
-without it. If the swarm finished one or two rounds meanwhile, the joiner steps to its state with
-their means (``num_caught_up``: the wire codec's bytes, a fraction of the state); if more, it
-fetches the whole state again, possibly round after round. Choose ``--inner-steps`` so the swarm's inner phase
-(``swarm_inner_phase_seconds``) exceeds the bound; ``num_adoptions`` > 1 shows when it did not.
+Round boundaries. A leader waits (up to the join window) for the peers of its lineage and for a
+joiner that says (its ``syncing`` record) it will hold the lineage's state before the window ends;
+the joiner then trains one inner step and joins that round. So the first contribution comes at
+about max(state held + one step, the swarm's next round boundary) + the round itself: the target
+is within reach only when the swarm's round period (``swarm_round_period_seconds``) is, which is
+why the default is H=10 (a ~15 s period for the tiny model on 2 cores; H=20 gives ~30 s). A joiner
+whose fetch outlasts the window misses rounds and steps to the swarm's state with their means
+(``num_caught_up``: the wire codec's bytes, a fraction of the state); ``num_adoptions`` > 1 shows
+that it fetched the whole state again.
 
-    python scripts/bench_join.py                        # tiny model, 100 Mbit/s, 2 nodes + joiner
+    python scripts/bench_join.py                        # tiny model, 100 Mbit/s, H=10, 2 nodes + joiner
     python scripts/bench_join.py --model nano --inner-steps 10 --link-mbit 20 --trials 3
 
 Exit code: 0 if every trial reached its first contributed round (the verdicts are in the output),
@@ -415,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--nodes", type=int, default=2, help="size of the swarm the joiner joins")
     parser.add_argument(
-        "--inner-steps", type=int, default=20, help="H, inner steps per round (see Chasing above)"
+        "--inner-steps", type=int, default=10, help="H, inner steps per round (see Round boundaries above)"
     )
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per inner step")
     parser.add_argument(

@@ -121,8 +121,8 @@ class SwarmRegistry:
             raise ValueError(
                 f"record speaks protocol {record.protocol_version}, registry {self.protocol_version}"
             )
-        if record.status != "active":
-            raise ValueError("publish an active record; leave() writes the tombstone")
+        if record.status == "left":
+            raise ValueError("publish an active or syncing record; leave() writes the tombstone")
         done: Future[bool] = Future()
         with self._changed:
             if self._stopping:
@@ -147,7 +147,7 @@ class SwarmRegistry:
             record = self._latest
         if record is None:
             return True  # nothing was ever published, so there is nothing to retract
-        tombstone = dataclasses.replace(record, status="left", ready_for_round=None)
+        tombstone = dataclasses.replace(record, status="left", ready_for_round=None, ready_at=None)
         remaining = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
         try:
             stored = self._store(tombstone, timeout=remaining)

@@ -5,7 +5,10 @@ peer id) with a TTL. A record is the peer's public state: where to reach it, whi
 it holds (``round``, ``param_hash``), whether it is ready for the next outer round, and how fast
 it computes and communicates. A dead peer's record lingers until ``expires_at``; a peer that
 leaves gracefully overwrites its record with a ``status="left"`` tombstone so the others drop it
-at once.
+at once. A node that is still fetching the swarm's state to join it publishes ``status="syncing"``:
+``(round, param_hash)`` then name the state it fetches, not one it holds, and ``ready_at`` when it
+expects to hold it. A syncing peer counts for no lineage and takes part in no round; a leader may
+wait for it (``rounds.py``).
 
 Records come from untrusted peers: :meth:`PeerRecord.from_dict` validates every field (types,
 lengths, ranges, finiteness) and raises ``ValueError`` naming the field, never anything else.
@@ -24,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Final, Literal, cast
 
-PeerStatus = Literal["active", "left"]
+PeerStatus = Literal["active", "left", "syncing"]
 
 MAX_PEER_ID_CHARS: Final = 128
 MAX_ADDRESS_CHARS: Final = 256
@@ -32,9 +35,10 @@ MAX_ID_CHARS: Final = 256  # proposal and group ids
 PARAM_HASH_HEX_CHARS: Final = 64  # SHA-256, as ``node.diloco.tensor_hash`` prints it
 MAX_COUNTER: Final = 2**63 - 1  # rounds, token counts: what a protobuf int64 holds
 MAX_PROTOCOL_VERSION: Final = 2**31 - 1
-STATUSES: Final = ("active", "left")
+STATUSES: Final = ("active", "left", "syncing")
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
+_OPTIONAL_FIELDS: Final = frozenset({"ready_at"})
 
 
 # --- field validators: each takes an untrusted object and returns it typed, or raises ValueError ---
@@ -121,9 +125,13 @@ class PeerRecord:
     bandwidth_bytes_per_s: float
     """Measured or configured uplink bandwidth; the all-reduce gives fast peers larger parts."""
     status: PeerStatus
-    """``"active"``, or ``"left"`` for the tombstone a peer writes when it leaves gracefully."""
+    """``"active"``; ``"left"`` for the tombstone a peer writes when it leaves gracefully;
+    ``"syncing"`` while it fetches the state ``(round, param_hash)`` to join the swarm."""
     expires_at: float
     """Clock time (seconds, the DHT's clock) after which the record is stale."""
+    ready_at: float | None = None
+    """Syncing only: the clock time (the DHT's) by which the peer expects to hold the state it
+    fetches; None while it cannot tell yet. Optional in a stored record (absent = None)."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -145,26 +153,37 @@ class PeerRecord:
         if not isinstance(self.status, str) or self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
         object.__setattr__(self, "expires_at", check_rate("expires_at", self.expires_at))
+        if self.status == "syncing" and self.ready_for_round is not None:
+            raise ValueError("a syncing peer is ready for no round (ready_for_round must be None)")
+        if self.ready_at is not None:
+            if self.status != "syncing":
+                raise ValueError(f"ready_at is for syncing records only, not {self.status!r} ones")
+            object.__setattr__(self, "ready_at", check_rate("ready_at", self.ready_at))
 
     def to_dict(self) -> dict[str, object]:
-        """Plain JSON/msgpack-able dict for DHT storage."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain JSON/msgpack-able dict for DHT storage (an optional field that is None is left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if not (f.name in _OPTIONAL_FIELDS and getattr(self, f.name) is None)
+        }
 
     @classmethod
     def from_dict(cls, data: object, *, expected_peer_id: str | None = None) -> PeerRecord:
         """Parse an untrusted DHT value; ``ValueError`` on anything malformed.
 
         Unknown keys are ignored so a later minor version can add fields; a missing one is an
-        error. ``expected_peer_id`` is the DHT subkey the value was stored under: a record that
-        claims another peer's id is rejected, so a peer cannot speak for someone else.
+        error, except the optional ``ready_at``. ``expected_peer_id`` is the DHT subkey the value
+        was stored under: a record that claims another peer's id is rejected, so a peer cannot
+        speak for someone else.
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"a peer record must be a mapping, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
-        missing = [name for name in names if name not in data]
+        missing = [name for name in names if name not in data and name not in _OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"peer record lacks field(s) {missing}")
-        record = cls(**{name: data[name] for name in names})
+        record = cls(**{name: data[name] for name in names if name in data})
         if expected_peer_id is not None and record.peer_id != expected_peer_id:
             raise ValueError(f"record of {record.peer_id!r} stored under subkey {expected_peer_id!r}")
         return record
@@ -199,6 +218,9 @@ class SwarmView:
     peers: tuple[PeerRecord, ...]
     left_peer_ids: frozenset[str] = frozenset()
     """Peers whose newest record is an unexpired tombstone: they said goodbye."""
+    syncing: tuple[PeerRecord, ...] = ()
+    """Peers whose newest live record says they fetch the swarm's state to join it, by peer id.
+    Not in ``peers``: they hold no lineage yet."""
     _by_id: Mapping[str, PeerRecord] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,7 +236,19 @@ class SwarmView:
         left = frozenset(
             record.peer_id for record in newest if record.status == "left" and record.expires_at > now
         )
-        return cls(now=now, peers=tuple(sorted(live, key=lambda record: record.peer_id)), left_peer_ids=left)
+        syncing = [
+            record
+            for record in newest
+            if record.status == "syncing"
+            and record.expires_at > now
+            and record.protocol_version == protocol_version
+        ]
+        return cls(
+            now=now,
+            peers=tuple(sorted(live, key=lambda record: record.peer_id)),
+            left_peer_ids=left,
+            syncing=tuple(sorted(syncing, key=lambda record: record.peer_id)),
+        )
 
     @property
     def peer_ids(self) -> tuple[str, ...]:

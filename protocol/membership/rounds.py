@@ -19,7 +19,9 @@ Protocol
 2. Leader: gathers until every live peer of its lineage is ready, or the join window (counted
    from when it became ready) is over, provided at least ``min_peers`` are ready (peers known
    from their JoinRequest count even if the DHT view lacks them); otherwise it keeps waiting
-   until ``max_wait``. It sends a ``Proposal`` to the ready peers and collects ``Accept`` /
+   until ``max_wait``. A joiner still fetching the lineage's state (a ``syncing`` record) that
+   expects to hold it before the window ends is waited for too: it needs one inner step after
+   its fetch, and otherwise would miss the round by seconds and wait a whole inner phase. It sends a ``Proposal`` to the ready peers and collects ``Accept`` /
    ``Reject`` until all answered or ``proposal_timeout``. With ``>= min_peers`` accepted
    (itself included) it fixes the :class:`~protocol.membership.messages.GroupSpec` (members
    sorted by id, weights = tokens from their Accepts, parts from ``parts.py``) and sends it in
@@ -238,7 +240,7 @@ class RoundFormation(FormationRoles):
                 self._watched_leader = None
                 requesters = self._requesters - self._suspected - self._unavailable
                 candidates = sorted(set(ready) | requesters)
-                not_ready = {peer.peer_id for peer in lineage_peers} - set(candidates)
+                not_ready = {peer.peer_id for peer in lineage_peers} - set(candidates) | self._joiners_due()
                 if self._may_propose(now, candidates, not_ready):
                     actions += self._propose(now, candidates)
                 return actions
@@ -260,6 +262,20 @@ class RoundFormation(FormationRoles):
             # Enough peers were ready for a whole join window and the leader stayed silent.
             self._suspected.add(leader)
             self._watched_leader = None
+
+    def _joiners_due(self) -> set[str]:
+        """Peers fetching our lineage's state to join it that expect to hold it before our join
+        window ends: a leader waits for them as for a lineage peer still training."""
+        window_end = self.started_at + _seconds(self.config.join_window)
+        excluded = self._suspected | self._unavailable | {self.peer_id}
+        return {
+            peer.peer_id
+            for peer in self._view.syncing
+            if (peer.round, peer.param_hash) == (self.local.round, self.local.param_hash)
+            and peer.ready_at is not None
+            and peer.ready_at <= window_end
+            and peer.peer_id not in excluded
+        }
 
     def _may_propose(self, now: float, candidates: list[str], not_ready: set[str]) -> bool:
         if now < self._retry_at or len(candidates) < self.config.min_peers:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,8 +102,10 @@ async def fetch_state_with_report(
     range_bytes: int = DEFAULT_RANGE_BYTES,
     stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
     auth: SwarmAuth | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> FetchReport:
-    """`fetch_state`, also saying which source delivered how many bytes and which were dropped."""
+    """`fetch_state`, also saying which source delivered how many bytes and which were dropped;
+    ``on_progress(bytes verified, bytes in all)`` is called on the loop as blocks are verified."""
     _check_arguments(sources, deadline, max_parallel, chunk_bytes, range_bytes, stall_timeout)
     started = time.monotonic()
     options = fetcher_options(chunk_bytes=chunk_bytes, stall_timeout=stall_timeout)
@@ -129,6 +132,7 @@ async def fetch_state_with_report(
                 stall_timeout=stall_timeout,
                 executor=executor,
                 deadline=started + deadline.total_seconds(),
+                on_progress=on_progress,
             )
             await transfer.run()
             _verify_tensors(transfer.assembly)

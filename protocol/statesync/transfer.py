@@ -22,6 +22,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -59,8 +60,11 @@ class RangeTransfer:
         stall_timeout: timedelta,
         executor: ThreadPoolExecutor,
         deadline: float,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.manifest = manifest
+        self.on_progress = on_progress
+        """Called on the loop with (bytes verified, bytes in all) each time a block is verified."""
         self.sources = sources
         self.assembly = Assembly(manifest)
         max_range_bytes = min(source.manifest.max_range_bytes for source in sources if source.manifest)
@@ -205,6 +209,8 @@ class RangeTransfer:
                     source.num_bytes_verified += end - verified_end
                     self.assembly.mark_verified(name, verified_end, end)
                     self._feed_tensor_hash(name)
+                    if self.on_progress is not None:
+                        self.on_progress(self.assembly.num_bytes_verified, self.assembly.num_bytes)
                     verified_end = end
         except grpc.aio.AioRpcError as error:
             code = error.code()

@@ -28,13 +28,13 @@ methods run, and answers ``dtnode status`` from it and its last view (``status.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from hivemind.utils import get_dht_time
@@ -46,15 +46,17 @@ from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
 from protocol.error_feedback import ErrorFeedback
 from protocol.loop import BackgroundLoop
-from protocol.membership.actions import MissedRound, Resync, RoundFailed, StartAllReduce
-from protocol.membership.lineage import LineageDecision, decide_lineage
+from protocol.membership.actions import StartAllReduce
+from protocol.membership.lineage import Lineage, LineageDecision, decide_lineage
 from protocol.membership.messages import GroupSpec
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.transport import MAX_MESSAGE_BYTES, MembershipClient
 from protocol.statesync.fetch import FetchReport, fetch_state_with_report
+from protocol.statesync.progress import FetchEstimate
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig, routable_host
 from protocol.swarm.driver import RoundDriver, watch_swarm
+from protocol.swarm.result import RoundResult, not_averaged
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
 from protocol.swarm.streams import StreamRunner, run_streamed, stream_group, to_allreduce_group
@@ -65,24 +67,6 @@ MARGIN = timedelta(seconds=10)
 """How much longer than a call's own deadline the caller waits before declaring the loop wedged."""
 
 T = TypeVar("T")
-
-RoundKind = Literal["averaged", "missed", "failed", "resync"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoundResult:
-    """What one ``run_round`` came to."""
-
-    kind: RoundKind
-    round: int
-    group: GroupSpec | None = None
-    """The agreed group (``averaged`` only)."""
-    allreduce: AllReduceResult | None = None
-    """The all-reduce's result (``averaged`` only; it may still have ``fell_back``)."""
-    resync: LineageDecision | None = None
-    """Where to fetch the canonical state from (``resync`` only)."""
-    reason: str = ""
-    seconds_forming: float = 0.0
 
 
 class SwarmNode:
@@ -278,20 +262,42 @@ class SwarmNode:
                 return view
             time.sleep(min(self.config.view_refresh.total_seconds(), max(deadline - time.monotonic(), 0.0)))
 
-    def fetch_state(self, decision: LineageDecision, *, state_id: str | None = None) -> FetchReport:
+    def announce_syncing(self, target: Lineage, *, ready_at: float | None = None) -> None:
+        """Say that we fetch the state ``target`` to join the swarm and expect to hold it at
+        ``ready_at`` (the DHT's clock; None: cannot tell yet). Until we publish the state we hold,
+        no lineage counts us and no round takes us; a leader of ``target``'s next round waits for
+        us if we expect to hold it within its join window. Never blocks on the network."""
+        record = self._local_record(round=target.round, param_hash=target.param_hash)
+        self.driver.publish(dataclasses.replace(record, status="syncing", ready_at=ready_at))
+
+    def fetch_state(
+        self, decision: LineageDecision, *, state_id: str | None = None, announce: bool = False
+    ) -> FetchReport:
         """Fetch the canonical state from ``decision.sync_sources`` in parallel, verified against its
-        hash; or, with ``state_id``, the snapshot of that id they serve beside it (a companion)."""
+        hash; or, with ``state_id``, the snapshot of that id they serve beside it (a companion).
+
+        ``announce`` (a joiner): say so first, then when we expect to hold the state, from the
+        fetch's progress (``announce_syncing``)."""
         addresses = [
             record.grpc_address for pid in decision.sync_sources if (record := self.driver.view.get(pid))
         ]
         if not addresses:
             raise ValueError("no sync source is in the view any more")
+        on_progress = None
+        if announce:
+            self.announce_syncing(decision.canonical)
+            on_progress = FetchEstimate(
+                lambda ready_at: self.announce_syncing(decision.canonical, ready_at=ready_at),
+                every=self.config.view_refresh,
+                clock=get_dht_time,
+            )
         deadline = self.config.sync_deadline
         coroutine = fetch_state_with_report(
             addresses,
             expected_state_id=state_id or decision.canonical.param_hash,
             deadline=deadline,
             auth=self.config.auth,
+            on_progress=on_progress,
         )
         before = self._phase
         syncing = self.set_phase(NodePhase.SYNCING, round=decision.canonical.round)
@@ -345,7 +351,9 @@ class SwarmNode:
             seconds_forming = time.monotonic() - started
             next_round = round + 1
             if not isinstance(outcome, StartAllReduce):
-                return self._not_averaged(outcome, local, round=next_round, seconds_forming=seconds_forming)
+                return not_averaged(
+                    outcome, self.driver.view, local, round=next_round, seconds_forming=seconds_forming
+                )
             group = outcome.group
             self.rounds_formed += 1
             self._last_group = group
@@ -384,25 +392,6 @@ class SwarmNode:
                 allreduce=result,
                 seconds_forming=seconds_forming,
             )
-
-    def _not_averaged(
-        self,
-        outcome: Resync | MissedRound | RoundFailed,
-        local: PeerRecord,
-        *,
-        round: int,
-        seconds_forming: float,
-    ) -> RoundResult:
-        """A formation that ended without an all-reduce of ours, as a round result."""
-        if isinstance(outcome, Resync):
-            decision = decide_lineage(self.driver.view.peers, local)
-            return RoundResult(
-                kind="resync", round=round, resync=decision, reason="lineage", seconds_forming=seconds_forming
-            )
-        kind: RoundKind = "missed" if isinstance(outcome, MissedRound) else "failed"
-        return RoundResult(
-            kind=kind, round=round, reason=str(outcome.reason), seconds_forming=seconds_forming
-        )
 
     def _run_streams(
         self, vector: torch.Tensor, group: GroupSpec, weight: float, error_feedback: ErrorFeedback | None

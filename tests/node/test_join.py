@@ -2,26 +2,37 @@
 
 The fetched snapshot must be the one the swarm serves, byte for byte, and verified against its
 advertised param_hash; a swarm still at round 0 (every node on the same seeded init) is not
-fetched, and a joiner that sees no peer gives up after its join timeout.
+fetched, and a joiner that sees no peer gives up after its join timeout. While it fetches, a
+joiner says so (a ``syncing`` record) and publishes no state of its own, so fresh joiners never
+count as a lineage, however many join at once.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
 from node.join import Prefetch
+from node.swarm import SwarmSession
+from node.swarm_state import snapshot_of
+from node.trainer import Trainer
 from protocol.membership.lineage import Lineage
+from protocol.membership.records import PeerRecord
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
-from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of
+from tests.node.test_swarm_session import corpus_file, one_intra_op_thread, small_config
+from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of, started_nodes, wait_for_lineages
+
+__all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -79,3 +90,54 @@ def test_a_joiner_that_sees_no_peer_gives_up_after_its_join_timeout() -> None:
         started = time.monotonic()
         assert Prefetch(alone, join_timeout=timedelta(seconds=2)).result() is None
         assert 2.0 <= time.monotonic() - started < 10.0
+
+
+@pytest.mark.timeout(180)
+def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a_lineage(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fresh nodes join a one-node swarm at once. Both start from the same seeded init: had they
+    published it, it would be the larger lineage (2 peers to 1) and the swarm would go back to round 0."""
+    with started_nodes(3, f"join-test-{uuid.uuid4().hex[:12]}") as (source_node, *joiner_nodes):
+        source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
+        source.run()  # round 1
+        state = snapshot_of(source)
+        source_node.publish(round=1, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state)
+        published: list[PeerRecord] = []
+        for node in joiner_nodes:  # every record a joiner publishes goes through its registry
+            assert node.registry is not None
+            real_publish = node.registry.publish
+            monkeypatch.setattr(
+                node.registry, "publish", lambda r, real=real_publish: (published.append(r), real(r))[1]
+            )
+        prefetches = [Prefetch(node, join_timeout=timedelta(seconds=20)) for node in joiner_nodes]
+        joiners = [Trainer(small_config(corpus_file, tmp_path / f"joiner-{i}")) for i in range(2)]
+        init_hash = joiners[0].diloco.param_hash()
+        assert joiners[1].diloco.param_hash() == init_hash != state.state_id  # one seeded init
+        sessions = [
+            SwarmSession(node, joining=True, prefetch=prefetch)
+            for node, prefetch in zip(joiner_nodes, prefetches, strict=True)
+        ]
+        threads = [
+            threading.Thread(target=session.start, args=(trainer,))
+            for session, trainer in zip(sessions, joiners, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive()
+
+        for trainer in joiners:
+            assert (trainer.progress.round, trainer.diloco.param_hash()) == (1, state.state_id)
+        # Each said it fetched the swarm's state, then published that state; never its own init.
+        for node in joiner_nodes:
+            mine = [(r.status, r.round, r.param_hash) for r in published if r.peer_id == node.peer_id]
+            assert mine[0] == ("syncing", 1, state.state_id) and mine[-1] == ("active", 1, state.state_id)
+            assert all(r.param_hash != init_hash for r in published)
+        syncing = [r for r in published if r.status == "syncing" and r.ready_at is not None]
+        assert syncing, "a joiner announces when it expects to hold the state, from the fetch's progress"
+        lineage = Lineage(1, state.state_id)
+        wait_for_lineages([source_node], {node.peer_id: lineage for node in (source_node, *joiner_nodes)})
+        decision = source_node.lineage(round=1, param_hash=state.state_id)
+        assert decision.in_canonical and decision.num_canonical_peers == 3

@@ -201,7 +201,7 @@ class FakeSwarm:
         for peer_id in sorted(self.machines):
             view = self.view_for(peer_id)
             last = self._last_views.get(peer_id)
-            if last is None or last.peers != view.peers:
+            if last is None or (last.peers, last.syncing) != (view.peers, view.syncing):
                 self._last_views[peer_id] = view
                 self._route(peer_id, self.machines[peer_id].on_view(view, self.now))
 

@@ -98,6 +98,8 @@ def test_unknown_keys_are_ignored_for_forward_compatibility() -> None:
         ("expires_at", math.nan),
         ("expires_at", -1.0),
         ("expires_at", None),
+        ("ready_at", 5.0),  # an active record says nothing of a fetch
+        ("ready_at", "soon"),
     ],
 )
 def test_each_malformed_field_is_a_value_error_that_names_it(field: str, value: object) -> None:
@@ -170,6 +172,39 @@ def test_one_hostile_field_in_an_otherwise_valid_record(field: str, value: objec
         assert field in str(error) or "ready_for_round" in str(error)
         return
     assert getattr(record, field) == value
+
+
+def test_a_syncing_record_names_the_state_it_fetches_and_when_it_expects_to_hold_it() -> None:
+    record = replace(make_record("joiner", round=4, expires_at=100.0), status="syncing", ready_at=42.5)
+    data = record.to_dict()
+    assert data["status"] == "syncing" and data["ready_at"] == 42.5
+    assert PeerRecord.from_dict(data) == record
+    assert "ready_at" not in make_record("peer").to_dict()  # optional: absent means None
+    unknown = replace(record, ready_at=None)
+    assert PeerRecord.from_dict(unknown.to_dict()) == unknown
+    for value in (math.nan, math.inf, -1.0, True):
+        with pytest.raises(ValueError, match="ready_at"):
+            PeerRecord.from_dict({**data, "ready_at": value})
+    with pytest.raises(ValueError, match="ready for no round"):
+        PeerRecord.from_dict({**data, "ready_for_round": 5})
+
+
+def test_syncing_peers_are_listed_apart_and_count_for_no_lineage() -> None:
+    """A joiner still fetching holds no params: it must not swell a lineage (two fresh joiners on the
+    same seeded init would otherwise outnumber a one-node swarm and send it back to round 0)."""
+    member = make_record("m", round=3, param_hash=H0, expires_at=50.0)
+    joiners = [
+        replace(make_record(peer, expires_at=50.0), status="syncing", ready_at=20.0) for peer in ("j1", "j2")
+    ]
+    stale = replace(make_record("j0", expires_at=5.0), status="syncing")
+    other_version = replace(joiners[0], peer_id="j3", protocol_version=VERSION + 1)
+    view = SwarmView.build([member, *joiners, stale, other_version], now=10.0, protocol_version=VERSION)
+    assert view.peer_ids == ("m",)
+    assert [peer.peer_id for peer in view.syncing] == ["j1", "j2"]
+    # Once a joiner holds the state its newer active record replaces the syncing one.
+    adopted = replace(make_record("j1", round=3, expires_at=60.0))
+    view = SwarmView.build([member, *joiners, adopted], now=10.0, protocol_version=VERSION)
+    assert view.peer_ids == ("j1", "m") and [peer.peer_id for peer in view.syncing] == ["j2"]
 
 
 def test_view_keeps_live_compatible_active_peers_sorted() -> None:

@@ -125,6 +125,45 @@ def test_leader_waits_out_the_join_window_for_a_lineage_peer() -> None:
     assert min(swarm.outcome_times.values()) >= WINDOW
 
 
+def syncing_record(peer_id: str, *, ready_at: float | None, param_hash: str = H0) -> PeerRecord:
+    """``peer_id`` fetches the state ``(0, param_hash)`` and expects to hold it at ``ready_at``."""
+    return replace(make_record(peer_id, param_hash=param_hash), status="syncing", ready_at=ready_at)
+
+
+def test_leader_waits_for_a_joiner_that_will_hold_its_lineage_state_within_the_window() -> None:
+    swarm = FakeSwarm(CONFIG, [make_record("a"), make_record("b"), syncing_record("j", ready_at=10.0)])
+    for peer_id in "ab":
+        swarm.make_ready(peer_id)
+    swarm.run_until(10.0)
+    assert swarm.outcomes == {}  # j said it holds the state at t=10: worth waiting for
+    swarm.set_record(make_record("j"))  # j holds (0, H0) and trains its first inner step
+    swarm.run_until(12.0)
+    assert swarm.outcomes == {}  # j is in the lineage now, not ready yet: waited for as any member
+    swarm.make_ready("j")
+    swarm.run_until(MAX_WAIT)
+    group = assert_one_agreed_group(swarm, ["a", "b", "j"], leader="a")
+    assert group.round == 1 and max(swarm.outcome_times.values()) < 13.0  # long before the window's end
+
+
+@pytest.mark.parametrize(
+    "joiner",
+    [
+        syncing_record("j", ready_at=WINDOW + 1.0),  # holds the state only after the window: next round
+        syncing_record("j", ready_at=None),  # cannot tell yet
+        syncing_record("j", ready_at=1.0, param_hash=fake_hash("other params")),  # another lineage's state
+        replace(syncing_record("j", ready_at=1.0), expires_at=0.0),  # its record expired (a crashed joiner)
+    ],
+    ids=["due-after-the-window", "no-estimate", "other-lineage", "expired"],
+)
+def test_leader_does_not_wait_for_a_joiner_not_due_in_its_window(joiner: PeerRecord) -> None:
+    swarm = FakeSwarm(CONFIG, [make_record("a"), make_record("b"), joiner])
+    for peer_id in "ab":
+        swarm.make_ready(peer_id)
+    swarm.run_until(MAX_WAIT)
+    assert_one_agreed_group(swarm, ["a", "b"], leader="a")
+    assert max(swarm.outcome_times.values()) == pytest.approx(0.3)  # one round trip and Begin
+
+
 def test_late_peer_misses_the_round_resyncs_and_joins_the_next() -> None:
     records = [make_record(p) for p in "abcd"]
     swarm = FakeSwarm(CONFIG, records)
