@@ -252,7 +252,7 @@ class NodeConfig:
     )
     min_peers: int = field(default=1, metadata=_help("Fewest nodes an outer round may have."))
     join_window: float = field(
-        default=15.0, metadata=_help("Seconds a round's leader waits for the other nodes to be ready.")
+        default=15.0, metadata=_help("Seconds a round's leader waits for its lineage (and joiners due).")
     )
     max_wait: float = field(
         default=120.0, metadata=_help("Seconds a node tries to get into a round before it gives up on it.")
