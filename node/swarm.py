@@ -131,9 +131,8 @@ class SwarmSession:
         if not self.joining:
             self.publish()
             return
-        # A joiner publishes the state it holds only once it knows it is the swarm's (or adopted
-        # the swarm's): until then its record would count for a lineage of its own, and fresh
-        # joiners on the same seeded init could outnumber the swarm and send it back to round 0.
+        # A joiner publishes the state it holds only once it is the swarm's: a record of any other would
+        # count for a lineage the swarm could be sent back to (several joiners on one seeded init).
         ahead = self.prefetch.result() if self.prefetch is not None else None
         view = self.swarm.wait_for_peers(1, self.join_timeout)
         if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
@@ -161,9 +160,8 @@ class SwarmSession:
         if state is None:
             log.warning("training on our own state until the next round's lineage check")
             if behind:  # behind the swarm, on its lineage: the next round's check catches us up
-                self._adopted()
-            else:
-                self.publish()
+                self._adopted(publish=False)
+            self.swarm.announce_syncing(decision.canonical)  # still syncing (see above)
             return
         trainer.adopt(state)
         self._adopted()
@@ -479,8 +477,9 @@ class SwarmSession:
         num_streams = 1 + len(self.swarm.stream_addresses)
         return stream_bounds(trainer.diloco.num_elements, num_streams)[1]
 
-    def _adopted(self) -> None:
-        """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state."""
+    def _adopted(self, *, publish: bool = True) -> None:
+        """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state
+        (unless ``publish`` is False: an older state of the swarm's, which only catches us up)."""
         trainer = self._trainer
         assert trainer is not None
         self.catching_up, self._stepped_alone = True, False
@@ -490,7 +489,8 @@ class SwarmSession:
             if self.streams is not None:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1
-        self.publish()
+        if publish:
+            self.publish()
 
 
 def _own_delta(vector: torch.Tensor, reason: str, failure_kind: str) -> AveragingOutcome:

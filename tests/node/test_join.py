@@ -141,3 +141,33 @@ def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a
         wait_for_lineages([source_node], {node.peer_id: lineage for node in (source_node, *joiner_nodes)})
         decision = source_node.lineage(round=1, param_hash=state.state_id)
         assert decision.in_canonical and decision.num_canonical_peers == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_whose_fetch_fails_stays_syncing_and_publishes_no_state_of_its_own(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swarm's state cannot be fetched (its node advertises round 1 but serves nothing): the
+    joiner trains on its own params until the next round's lineage check, announced as syncing."""
+    with started_nodes(2, f"join-test-{uuid.uuid4().hex[:12]}") as (source_node, joiner_node):
+        swarm_hash = param_hash_of(torch.arange(10.0))
+        source_node.publish(round=1, param_hash=swarm_hash, tokens_per_s=1.0, snapshot=None)
+        assert joiner_node.registry is not None
+        published: list[PeerRecord] = []
+        real_publish = joiner_node.registry.publish
+        monkeypatch.setattr(
+            joiner_node.registry, "publish", lambda r: (published.append(r), real_publish(r))[1]
+        )
+        joiner = Trainer(small_config(corpus_file, tmp_path / "joiner"))
+        session = SwarmSession(joiner_node, joining=True)
+        session.start(joiner)
+
+        assert joiner.progress.round == 0 and session._state_sync_failures == 1
+        assert published and all(
+            (r.status, r.round, r.param_hash) == ("syncing", 1, swarm_hash) for r in published
+        )
+        deadline = time.monotonic() + 20
+        while joiner_node.peer_id not in [r.peer_id for r in source_node.view().syncing]:
+            assert time.monotonic() < deadline, "the source never saw the joiner's syncing record"
+            time.sleep(0.2)
+        assert source_node.lineage(round=1, param_hash=swarm_hash).num_canonical_peers == 1
