@@ -181,7 +181,11 @@ class RoundFormation(FormationRoles):
         elif self.phase is Phase.BOUND:
             deadlines.append(self._begin_deadline)
         elif self.phase is Phase.GATHERING:
-            deadlines += [self._retry_at, self.started_at + _seconds(self.config.join_window)]
+            window = _seconds(self.config.join_window)
+            deadlines += [self._retry_at, self.started_at + window]
+            deadlines += [
+                ready_at + window for ready_at in self._due_estimates().values()
+            ]  # when each goes stale
         elif self.phase is Phase.WAITING:
             deadlines += [self._leader_deadline, self._ask_again_at]
         future = [deadline for deadline in deadlines if deadline > self._now]
@@ -265,15 +269,21 @@ class RoundFormation(FormationRoles):
 
     def _joiners_due(self) -> set[str]:
         """Peers fetching our lineage's state to join it that expect to hold it before our join
-        window ends: a leader waits for them as for a lineage peer still training."""
-        window_end = self.started_at + _seconds(self.config.join_window)
+        window ends: a leader waits for them as for a lineage peer still training. An estimate a
+        whole window old is stale (a fetch that progresses renews it every second): a stuck joiner
+        holds up no round for longer than that."""
+        return set(self._due_estimates())
+
+    def _due_estimates(self) -> dict[str, float]:
+        """``_joiners_due`` with the time each expects to hold the state."""
+        window = _seconds(self.config.join_window)
         excluded = self._suspected | self._unavailable | {self.peer_id}
         return {
-            peer.peer_id
+            peer.peer_id: peer.ready_at
             for peer in self._view.syncing
             if (peer.round, peer.param_hash) == (self.local.round, self.local.param_hash)
             and peer.ready_at is not None
-            and peer.ready_at <= window_end
+            and self._now - window < peer.ready_at <= self.started_at + window
             and peer.peer_id not in excluded
         }
 

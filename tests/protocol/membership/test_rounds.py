@@ -164,6 +164,25 @@ def test_leader_does_not_wait_for_a_joiner_not_due_in_its_window(joiner: PeerRec
     assert max(swarm.outcome_times.values()) == pytest.approx(0.3)  # one round trip and Begin
 
 
+def test_a_joiner_whose_estimate_went_stale_holds_up_the_round_one_window_at_most() -> None:
+    """j said at t=0 it would hold the state at t=5, then went silent (a stuck fetch)."""
+    swarm = FakeSwarm(CONFIG, [make_record("a"), make_record("b"), syncing_record("j", ready_at=5.0)])
+    swarm.run_until(20.0)
+    for peer_id in "ab":
+        swarm.make_ready(peer_id)  # at t=20: j's estimate is 15 s old, within a window: wait
+    swarm.run_until(MAX_WAIT)
+    assert_one_agreed_group(swarm, ["a", "b"], leader="a")
+    assert max(swarm.outcome_times.values()) == pytest.approx(5.0 + WINDOW + 0.3)  # stale at t=35
+
+    later = FakeSwarm(CONFIG, [make_record("a"), make_record("b"), syncing_record("j", ready_at=5.0)])
+    later.run_until(40.0)
+    for peer_id in "ab":
+        later.make_ready(peer_id)  # at t=40 the estimate is already stale: no wait at all
+    later.run_until(MAX_WAIT)
+    assert_one_agreed_group(later, ["a", "b"], leader="a")
+    assert max(later.outcome_times.values()) == pytest.approx(40.3)
+
+
 def test_late_peer_misses_the_round_resyncs_and_joins_the_next() -> None:
     records = [make_record(p) for p in "abcd"]
     swarm = FakeSwarm(CONFIG, records)
