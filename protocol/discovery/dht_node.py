@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -168,6 +169,10 @@ class DhtNode:
         self.config = config
         self._send_lock = threading.Lock()
         self._closed = False
+        # hivemind's DHT is a forked process. Garbage the child inherits and collects there may hold
+        # gRPC objects whose finalizers wait on gRPC's threads, which a forked child does not have:
+        # it hangs, and every DHT call times out. Collect it here, where those threads exist.
+        gc.collect()
         self._dht = _OwnedDHT(
             start=True,
             await_ready=False,
