@@ -113,6 +113,12 @@ def summary_lines(status: NodeStatus) -> list[str]:
     else:
         lines.append("last group: none yet")
     lines.append(f"view: {len(status.peers)} peer(s), read {status.view_age_seconds:.1f} s ago")
+    if status.syncing_peers:
+        lines.append("syncing to join: " + ", ".join(
+            f"{_short(p.peer_id, SHORT_ID_CHARS)} to round {p.round}"
+            + ("" if p.seconds_until_ready is None else f", due in {p.seconds_until_ready:.0f} s")
+            for p in status.syncing_peers
+        ))  # fmt: skip
     if status.lost_peers:
         lost = ", ".join(
             f"{_short(p.peer_id, SHORT_ID_CHARS)} ({p.seconds_since_seen:.0f} s ago)"

@@ -93,6 +93,18 @@ class LostPeer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncingPeer:
+    """A peer of the last view that fetches the swarm's state to join it (``SyncingPeer`` in the proto)."""
+
+    peer_id: str
+    grpc_address: str
+    round: int
+    param_hash: str
+    seconds_until_ready: float | None
+    """None: it gave no estimate yet; negative once the time it gave has passed."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupStatus:
     """The group of the node's last round."""
 
@@ -122,6 +134,7 @@ class NodeStatus:
     lost_peers: tuple[LostPeer, ...]
     view_age_seconds: float
     record_ttl_seconds: float
+    syncing_peers: tuple[SyncingPeer, ...] = ()
 
 
 def build_status(
@@ -170,6 +183,18 @@ def build_status(
         for lost_id, seen in last_seen.items()
         if lost_id not in view and lost_id != peer_id
     )
+    syncing = tuple(
+        SyncingPeer(
+            peer_id=record.peer_id,
+            grpc_address=record.grpc_address,
+            round=record.round,
+            param_hash=record.param_hash,
+            seconds_until_ready=None if record.ready_at is None else record.ready_at - now,
+        )
+        for record in view.syncing
+    )
+    if local is not None and local.status != "active":
+        local = None  # a joiner's record names the state it fetches, not params it holds
     if phase.phase is NodePhase.STARTING:
         phase_round = 0
     elif phase.phase is NodePhase.TRAINING:
@@ -198,6 +223,7 @@ def build_status(
         lost_peers=lost,
         view_age_seconds=max(now - view.now, 0.0),
         record_ttl_seconds=ttl,
+        syncing_peers=syncing,
     )
 
 
@@ -228,6 +254,9 @@ _PEER_SCALAR_FIELDS = (
 )  # fmt: skip
 
 
+_SYNCING_SCALAR_FIELDS = ("peer_id", "grpc_address", "round", "param_hash")
+
+
 def to_proto(status: NodeStatus) -> pb.NodeStatus:
     reply = pb.NodeStatus(
         **{name: getattr(status, name) for name in _SCALAR_FIELDS},
@@ -240,6 +269,12 @@ def to_proto(status: NodeStatus) -> pb.NodeStatus:
         reply.peers.add(
             **{name: getattr(peer, name) for name in _PEER_SCALAR_FIELDS},
             ready_for_round=peer.ready_for_round or 0,
+        )
+    for syncing in status.syncing_peers:
+        reply.syncing_peers.add(
+            **{name: getattr(syncing, name) for name in _SYNCING_SCALAR_FIELDS},
+            has_estimate=syncing.seconds_until_ready is not None,
+            seconds_until_ready=syncing.seconds_until_ready or 0.0,
         )
     if status.group is not None:
         group = status.group
@@ -271,11 +306,19 @@ def from_proto(reply: pb.NodeStatus) -> NodeStatus:
         )
         for p in reply.peers
     )
+    syncing = tuple(
+        SyncingPeer(
+            **{name: getattr(p, name) for name in _SYNCING_SCALAR_FIELDS},
+            seconds_until_ready=p.seconds_until_ready if p.has_estimate else None,
+        )
+        for p in reply.syncing_peers
+    )
     return NodeStatus(
         **{name: getattr(reply, name) for name in _SCALAR_FIELDS},
         phase=_phase_from_proto(reply.phase),
         group=group,
         peers=peers,
+        syncing_peers=syncing,
         lost_peers=tuple(
             LostPeer(peer_id=p.peer_id, seconds_since_seen=p.seconds_since_seen) for p in reply.lost_peers
         ),

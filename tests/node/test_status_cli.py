@@ -140,6 +140,7 @@ def test_json_and_text_of_a_served_status(capsys: pytest.CaptureFixture[str]) ->
     assert lines[0] == "node me (run 'demo', gRPC 10.0.0.2:7000)"
     assert "phase: allreduce toward round 4, for 7.5 s" in lines
     assert f"params: round 3, param_hash {'a' * 64}" in lines
+    assert "syncing to join: new to round 3, due in 4 s, newer to round 3" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("PEER"))
     rows = [line.split() for line in lines[header + 1 :]]
     # far: not self, round 2; me: self (marked *); other: ready for round 4, in the group.

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -85,7 +86,13 @@ def sample_status() -> NodeStatus:
     """A status with every field set, including the optional ones."""
     me = record("me", round=3, param_hash=HASH_A, expires_at=NOW + 15.0)
     other = record("other", round=3, param_hash=HASH_A, expires_at=NOW + 12.5, ready=True)
-    view = SwarmView.build([me, other, record("far", round=2, param_hash=HASH_B, expires_at=NOW + 1)],
+    joiners = [  # fetching round 3's state: one said when it will hold it, one cannot tell yet
+        replace(
+            record(peer, round=3, param_hash=HASH_A, expires_at=NOW + 9), status="syncing", ready_at=ready
+        )
+        for peer, ready in (("new", NOW + 4.0), ("newer", None))
+    ]
+    view = SwarmView.build([me, other, record("far", round=2, param_hash=HASH_B, expires_at=NOW + 1), *joiners],
                            now=NOW - 2.0, protocol_version=PROTOCOL_VERSION)  # fmt: skip
     return build_status(
         run_name="demo",
@@ -123,6 +130,10 @@ def test_build_status_computes_ages_from_expirations_by_hand() -> None:
     assert [p for p in by_id if by_id[p].is_self] == ["me"]
     assert (by_id["far"].round, by_id["far"].param_hash) == (2, HASH_B)
     assert status.lost_peers == (LostPeer(peer_id="gone", seconds_since_seen=30.0),)
+    assert [(p.peer_id, p.round, p.param_hash, p.seconds_until_ready) for p in status.syncing_peers] == [
+        ("new", 3, HASH_A, 4.0),
+        ("newer", 3, HASH_A, None),
+    ]
 
 
 def test_build_status_before_publishing_and_while_training() -> None:
@@ -140,6 +151,10 @@ def test_build_status_before_publishing_and_while_training() -> None:
     local = record("me", round=7, param_hash=HASH_B, expires_at=NOW + 20)
     training = build_status(local=local, phase=PhaseState(NodePhase.TRAINING, 0, 1.0), **common)  # type: ignore[arg-type]
     assert (training.phase, training.phase_round, training.round) == (NodePhase.TRAINING, 8, 7)
+    # A joiner's record names the state it fetches, not params it holds: nothing published yet.
+    joining = replace(local, status="syncing", ready_at=NOW + 3)
+    syncing = build_status(local=joining, phase=PhaseState(NodePhase.SYNCING, 7, 1.0), **common)  # type: ignore[arg-type]
+    assert (syncing.published, syncing.round, syncing.param_hash, syncing.phase_round) == (False, 0, "", 7)
 
 
 def test_proto_round_trip_keeps_every_field() -> None:
@@ -148,7 +163,10 @@ def test_proto_round_trip_keeps_every_field() -> None:
     from protocol.gen.dtnode.v1 import status_pb2 as pb
 
     assert from_proto(pb.NodeStatus.FromString(wire)) == status
-    no_group = NodeStatus(**{**status.__dict__, "group": None, "peers": (), "lost_peers": ()})
+    assert status.syncing_peers and status.peers and status.lost_peers and status.group  # all on the wire
+    no_group = NodeStatus(
+        **{**status.__dict__, "group": None, "peers": (), "lost_peers": (), "syncing_peers": ()}
+    )
     assert from_proto(to_proto(no_group)) == no_group
     unknown_phase = to_proto(status)
     unknown_phase.phase = 99

@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64tnode/v1/status.proto\x12\tdtnode.v1\"\x12\n\x10GetStatusRequest\"\x86\x02\n\nPeerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nparam_hash\x18\x04 \x01(\t\x12\x17\n\x0fready_for_round\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x07 \x01(\x01\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\x12\x1c\n\x14seconds_until_expiry\x18\t \x01(\x01\x12\x10\n\x08in_group\x18\n \x01(\x08\x12\x0f\n\x07is_self\x18\x0b \x01(\x08\"7\n\x08LostPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x1a\n\x12seconds_since_seen\x18\x02 \x01(\x01\"U\n\x0bGroupStatus\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x12\n\nmember_ids\x18\x04 \x03(\t\"\xac\x03\n\nNodeStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x11\n\tpublished\x18\x05 \x01(\x08\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x12\n\nparam_hash\x18\x07 \x01(\t\x12#\n\x05phase\x18\x08 \x01(\x0e\x32\x14.dtnode.v1.NodePhase\x12\x13\n\x0bphase_round\x18\t \x01(\x04\x12\x18\n\x10seconds_in_phase\x18\n \x01(\x01\x12\x15\n\rrounds_formed\x18\x0b \x01(\x04\x12%\n\x05group\x18\x0c \x01(\x0b\x32\x16.dtnode.v1.GroupStatus\x12$\n\x05peers\x18\r \x03(\x0b\x32\x15.dtnode.v1.PeerStatus\x12\'\n\nlost_peers\x18\x0e \x03(\x0b\x32\x13.dtnode.v1.LostPeer\x12\x18\n\x10view_age_seconds\x18\x0f \x01(\x01\x12\x1a\n\x12record_ttl_seconds\x18\x10 \x01(\x01*\xa3\x01\n\tNodePhase\x12\x1a\n\x16NODE_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13NODE_PHASE_STARTING\x10\x01\x12\x17\n\x13NODE_PHASE_TRAINING\x10\x02\x12\x16\n\x12NODE_PHASE_FORMING\x10\x03\x12\x18\n\x14NODE_PHASE_ALLREDUCE\x10\x04\x12\x16\n\x12NODE_PHASE_SYNCING\x10\x05\x32I\n\x06Status\x12?\n\tGetStatus\x12\x1b.dtnode.v1.GetStatusRequest\x1a\x15.dtnode.v1.NodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64tnode/v1/status.proto\x12\tdtnode.v1\"\x12\n\x10GetStatusRequest\"\x86\x02\n\nPeerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nparam_hash\x18\x04 \x01(\t\x12\x17\n\x0fready_for_round\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x07 \x01(\x01\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\x12\x1c\n\x14seconds_until_expiry\x18\t \x01(\x01\x12\x10\n\x08in_group\x18\n \x01(\x08\x12\x0f\n\x07is_self\x18\x0b \x01(\x08\"7\n\x08LostPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x1a\n\x12seconds_since_seen\x18\x02 \x01(\x01\"\x8a\x01\n\x0bSyncingPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nparam_hash\x18\x04 \x01(\t\x12\x14\n\x0chas_estimate\x18\x05 \x01(\x08\x12\x1b\n\x13seconds_until_ready\x18\x06 \x01(\x01\"U\n\x0bGroupStatus\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x12\n\nmember_ids\x18\x04 \x03(\t\"\xdb\x03\n\nNodeStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x11\n\tpublished\x18\x05 \x01(\x08\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x12\n\nparam_hash\x18\x07 \x01(\t\x12#\n\x05phase\x18\x08 \x01(\x0e\x32\x14.dtnode.v1.NodePhase\x12\x13\n\x0bphase_round\x18\t \x01(\x04\x12\x18\n\x10seconds_in_phase\x18\n \x01(\x01\x12\x15\n\rrounds_formed\x18\x0b \x01(\x04\x12%\n\x05group\x18\x0c \x01(\x0b\x32\x16.dtnode.v1.GroupStatus\x12$\n\x05peers\x18\r \x03(\x0b\x32\x15.dtnode.v1.PeerStatus\x12\'\n\nlost_peers\x18\x0e \x03(\x0b\x32\x13.dtnode.v1.LostPeer\x12\x18\n\x10view_age_seconds\x18\x0f \x01(\x01\x12\x1a\n\x12record_ttl_seconds\x18\x10 \x01(\x01\x12-\n\rsyncing_peers\x18\x11 \x03(\x0b\x32\x16.dtnode.v1.SyncingPeer*\xa3\x01\n\tNodePhase\x12\x1a\n\x16NODE_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13NODE_PHASE_STARTING\x10\x01\x12\x17\n\x13NODE_PHASE_TRAINING\x10\x02\x12\x16\n\x12NODE_PHASE_FORMING\x10\x03\x12\x18\n\x14NODE_PHASE_ALLREDUCE\x10\x04\x12\x16\n\x12NODE_PHASE_SYNCING\x10\x05\x32I\n\x06Status\x12?\n\tGetStatus\x12\x1b.dtnode.v1.GetStatusRequest\x1a\x15.dtnode.v1.NodeStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dtnode.v1.status_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEPHASE']._serialized_start=898
-  _globals['_NODEPHASE']._serialized_end=1061
+  _globals['_NODEPHASE']._serialized_start=1086
+  _globals['_NODEPHASE']._serialized_end=1249
   _globals['_GETSTATUSREQUEST']._serialized_start=37
   _globals['_GETSTATUSREQUEST']._serialized_end=55
   _globals['_PEERSTATUS']._serialized_start=58
   _globals['_PEERSTATUS']._serialized_end=320
   _globals['_LOSTPEER']._serialized_start=322
   _globals['_LOSTPEER']._serialized_end=377
-  _globals['_GROUPSTATUS']._serialized_start=379
-  _globals['_GROUPSTATUS']._serialized_end=464
-  _globals['_NODESTATUS']._serialized_start=467
-  _globals['_NODESTATUS']._serialized_end=895
-  _globals['_STATUS']._serialized_start=1063
-  _globals['_STATUS']._serialized_end=1136
+  _globals['_SYNCINGPEER']._serialized_start=380
+  _globals['_SYNCINGPEER']._serialized_end=518
+  _globals['_GROUPSTATUS']._serialized_start=520
+  _globals['_GROUPSTATUS']._serialized_end=605
+  _globals['_NODESTATUS']._serialized_start=608
+  _globals['_NODESTATUS']._serialized_end=1083
+  _globals['_STATUS']._serialized_start=1251
+  _globals['_STATUS']._serialized_end=1324
 # @@protoc_insertion_point(module_scope)

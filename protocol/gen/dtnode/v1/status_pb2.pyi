@@ -60,6 +60,22 @@ class LostPeer(_message.Message):
     seconds_since_seen: float
     def __init__(self, peer_id: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ...) -> None: ...
 
+class SyncingPeer(_message.Message):
+    __slots__ = ("peer_id", "grpc_address", "round", "param_hash", "has_estimate", "seconds_until_ready")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAM_HASH_FIELD_NUMBER: _ClassVar[int]
+    HAS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_UNTIL_READY_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    grpc_address: str
+    round: int
+    param_hash: str
+    has_estimate: bool
+    seconds_until_ready: float
+    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., round: _Optional[int] = ..., param_hash: _Optional[str] = ..., has_estimate: _Optional[bool] = ..., seconds_until_ready: _Optional[float] = ...) -> None: ...
+
 class GroupStatus(_message.Message):
     __slots__ = ("round", "group_id", "leader_id", "member_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -73,7 +89,7 @@ class GroupStatus(_message.Message):
     def __init__(self, round: _Optional[int] = ..., group_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., member_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash", "phase", "phase_round", "seconds_in_phase", "rounds_formed", "group", "peers", "lost_peers", "view_age_seconds", "record_ttl_seconds")
+    __slots__ = ("run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash", "phase", "phase_round", "seconds_in_phase", "rounds_formed", "group", "peers", "lost_peers", "view_age_seconds", "record_ttl_seconds", "syncing_peers")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +106,7 @@ class NodeStatus(_message.Message):
     LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
     VIEW_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNCING_PEERS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     protocol_version: int
     peer_id: str
@@ -106,4 +123,5 @@ class NodeStatus(_message.Message):
     lost_peers: _containers.RepeatedCompositeFieldContainer[LostPeer]
     view_age_seconds: float
     record_ttl_seconds: float
-    def __init__(self, run_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., published: _Optional[bool] = ..., round: _Optional[int] = ..., param_hash: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., phase_round: _Optional[int] = ..., seconds_in_phase: _Optional[float] = ..., rounds_formed: _Optional[int] = ..., group: _Optional[_Union[GroupStatus, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., lost_peers: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., view_age_seconds: _Optional[float] = ..., record_ttl_seconds: _Optional[float] = ...) -> None: ...
+    syncing_peers: _containers.RepeatedCompositeFieldContainer[SyncingPeer]
+    def __init__(self, run_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., published: _Optional[bool] = ..., round: _Optional[int] = ..., param_hash: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., phase_round: _Optional[int] = ..., seconds_in_phase: _Optional[float] = ..., rounds_formed: _Optional[int] = ..., group: _Optional[_Union[GroupStatus, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., lost_peers: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., view_age_seconds: _Optional[float] = ..., record_ttl_seconds: _Optional[float] = ..., syncing_peers: _Optional[_Iterable[_Union[SyncingPeer, _Mapping]]] = ...) -> None: ...
