@@ -21,8 +21,8 @@ Protocol
    from their JoinRequest count even if the DHT view lacks them); otherwise it keeps waiting
    until ``max_wait``. A joiner still fetching the lineage's state (a ``syncing`` record) that
    expects to hold it before the window ends is waited for too: it needs one inner step after
-   its fetch, and otherwise would miss the round by seconds and wait a whole inner phase. It sends a ``Proposal`` to the ready peers and collects ``Accept`` /
-   ``Reject`` until all answered or ``proposal_timeout``. With ``>= min_peers`` accepted
+   its fetch, and otherwise would miss the round by seconds and wait a whole inner phase. It
+   sends a ``Proposal`` to the ready peers and collects ``Accept`` / ``Reject`` until all answered or ``proposal_timeout``. With ``>= min_peers`` accepted
    (itself included) it fixes the :class:`~protocol.membership.messages.GroupSpec` (members
    sorted by id, weights = tokens from their Accepts, parts from ``parts.py``) and sends it in
    ``Begin``; with fewer it cancels, suspects the silent and proposes again later.
@@ -182,10 +182,8 @@ class RoundFormation(FormationRoles):
             deadlines.append(self._begin_deadline)
         elif self.phase is Phase.GATHERING:
             window = _seconds(self.config.join_window)
-            deadlines += [self._retry_at, self.started_at + window]
-            deadlines += [
-                ready_at + window for ready_at in self._due_estimates().values()
-            ]  # when each goes stale
+            stale_at = [ready_at + window for ready_at in self._joiners_due().values()]
+            deadlines += [self._retry_at, self.started_at + window, *stale_at]
         elif self.phase is Phase.WAITING:
             deadlines += [self._leader_deadline, self._ask_again_at]
         future = [deadline for deadline in deadlines if deadline > self._now]
@@ -244,7 +242,9 @@ class RoundFormation(FormationRoles):
                 self._watched_leader = None
                 requesters = self._requesters - self._suspected - self._unavailable
                 candidates = sorted(set(ready) | requesters)
-                not_ready = {peer.peer_id for peer in lineage_peers} - set(candidates) | self._joiners_due()
+                not_ready = {peer.peer_id for peer in lineage_peers} - set(candidates) | set(
+                    self._joiners_due()
+                )
                 if self._may_propose(now, candidates, not_ready):
                     actions += self._propose(now, candidates)
                 return actions
@@ -267,15 +267,11 @@ class RoundFormation(FormationRoles):
             self._suspected.add(leader)
             self._watched_leader = None
 
-    def _joiners_due(self) -> set[str]:
+    def _joiners_due(self) -> dict[str, float]:
         """Peers fetching our lineage's state to join it that expect to hold it before our join
-        window ends: a leader waits for them as for a lineage peer still training. An estimate a
-        whole window old is stale (a fetch that progresses renews it every second): a stuck joiner
-        holds up no round for longer than that."""
-        return set(self._due_estimates())
-
-    def _due_estimates(self) -> dict[str, float]:
-        """``_joiners_due`` with the time each expects to hold the state."""
+        window ends, with that time: a leader waits for them as for a lineage peer still training.
+        An estimate a whole window old is stale (a fetch that progresses renews it every second): a
+        stuck joiner holds up no round for longer than that."""
         window = _seconds(self.config.join_window)
         excluded = self._suspected | self._unavailable | {self.peer_id}
         return {

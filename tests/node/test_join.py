@@ -92,6 +92,16 @@ def test_a_joiner_that_sees_no_peer_gives_up_after_its_join_timeout() -> None:
         assert 2.0 <= time.monotonic() - started < 10.0
 
 
+def record_publishes(nodes: list[SwarmNode], monkeypatch: pytest.MonkeyPatch) -> list[PeerRecord]:
+    """Every record ``nodes`` publish from now on (all go through their registries), in order."""
+    published: list[PeerRecord] = []
+    for node in nodes:
+        assert node.registry is not None
+        real = node.registry.publish
+        monkeypatch.setattr(node.registry, "publish", lambda r, real=real: (published.append(r), real(r))[1])
+    return published
+
+
 @pytest.mark.timeout(180)
 def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a_lineage(
     corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -103,13 +113,7 @@ def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a
         source.run()  # round 1
         state = snapshot_of(source)
         source_node.publish(round=1, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state)
-        published: list[PeerRecord] = []
-        for node in joiner_nodes:  # every record a joiner publishes goes through its registry
-            assert node.registry is not None
-            real_publish = node.registry.publish
-            monkeypatch.setattr(
-                node.registry, "publish", lambda r, real=real_publish: (published.append(r), real(r))[1]
-            )
+        published = record_publishes(joiner_nodes, monkeypatch)
         prefetches = [Prefetch(node, join_timeout=timedelta(seconds=20)) for node in joiner_nodes]
         joiners = [Trainer(small_config(corpus_file, tmp_path / f"joiner-{i}")) for i in range(2)]
         init_hash = joiners[0].diloco.param_hash()
@@ -152,12 +156,7 @@ def test_a_joiner_whose_fetch_fails_stays_syncing_and_publishes_no_state_of_its_
     with started_nodes(2, f"join-test-{uuid.uuid4().hex[:12]}") as (source_node, joiner_node):
         swarm_hash = param_hash_of(torch.arange(10.0))
         source_node.publish(round=1, param_hash=swarm_hash, tokens_per_s=1.0, snapshot=None)
-        assert joiner_node.registry is not None
-        published: list[PeerRecord] = []
-        real_publish = joiner_node.registry.publish
-        monkeypatch.setattr(
-            joiner_node.registry, "publish", lambda r: (published.append(r), real_publish(r))[1]
-        )
+        published = record_publishes([joiner_node], monkeypatch)
         joiner = Trainer(small_config(corpus_file, tmp_path / "joiner"))
         session = SwarmSession(joiner_node, joining=True)
         session.start(joiner)
