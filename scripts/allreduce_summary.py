@@ -40,6 +40,8 @@ class Setup:
     seed: int
     chunk_num_elements: int | None = None
     """Numbers per streamed chunk; None = the all-reduce's default for the codec."""
+    in_place: bool = True
+    """dtnode writes the average into each peer's vector (``allreduce(in_place=True)``), else a new tensor."""
 
     @property
     def vector_bytes(self) -> int:

@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="keep the result's encoded bytes and report the SHA-256 of the result rebuilt from them",
     )
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="write the average into the vector itself (saves the result's memory: one vector)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.num_peers:
         parser.error("--index must be in [0, --num-peers)")
@@ -321,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 codec=codec,
                 error_feedback=error_feedback,
                 deadline=timedelta(seconds=args.deadline_seconds),
+                in_place=args.in_place,
             )
             cpu_seconds = time.process_time() - cpu_start
             if args.lockstep:

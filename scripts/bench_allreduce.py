@@ -110,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chunk-elements", type=int, default=None, help="numbers per streamed chunk (default: per codec)"
     )
+    parser.add_argument(
+        "--result",
+        choices=("in-place", "copy"),
+        default="in-place",
+        help="dtnode writes the average into each peer's vector (default; as torch.distributed's all_reduce)"
+        " or into a new tensor, which costs one more vector of memory",
+    )
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
     parser.add_argument("--json-out", type=Path, default=None, help="also write all records here")
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep every peer's stdout/stderr here")
@@ -166,6 +173,7 @@ def dtnode_argv(setup: Setup, index: int, address: str, rendezvous: Path) -> lis
         *["--rendezvous-timeout-seconds", str(RENDEZVOUS_SECONDS)],
         "--lockstep",
         *([] if setup.chunk_num_elements is None else ["--chunk-elements", str(setup.chunk_num_elements)]),
+        *(["--in-place"] if setup.in_place else []),
     ]
 
 
@@ -189,6 +197,7 @@ def run_setup(setup: Setup, with_hivemind: bool, workdir: Path) -> dict[str, obj
         "elements": setup.num_elements,
         "link_mbit": setup.link_mbit,
         "rounds": setup.num_rounds,
+        "result": "in-place" if setup.in_place else "copy",
         "load_avg_1min_before": round(os.getloadavg()[0], 2),
     }
     with PeerHosts(setup.num_peers, setup.link_mbit) as hosts:
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_rounds": args.rounds,
         "seed": args.seed,
         "chunk_num_elements": args.chunk_elements,
+        "in_place": args.result == "in-place",
     }
     setups = [
         Setup(num_peers=n, num_elements=e, codec=c, **common)  # type: ignore[arg-type]

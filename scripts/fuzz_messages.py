@@ -293,6 +293,8 @@ def build_rpcs(context: Context, round_ref: allreduce_pb.RoundRef, part_sizes: t
             allreduce_pb.ReplicaMessage(chunk=chunk)), allreduce_pb.ReplicaReply),
         Rpc("PullAverage", allreduce + "PullAverage", allreduce_pb.PullAverageRequest.DESCRIPTOR, False, True, (
             allreduce_pb.PullAverageRequest(round=round_ref, part_index=1),)),
+        Rpc("FinishRound", allreduce + "FinishRound", allreduce_pb.RoundFinished.DESCRIPTOR, False, False, (
+            allreduce_pb.RoundFinished(round=round_ref),)),
         Rpc("Deliver", membership + "Deliver", envelope.DESCRIPTOR, False, False, (
             envelope(sender_id=peer_id, protocol_version=PROTOCOL_VERSION, join_request=join),
             envelope(sender_id=peer_id, protocol_version=PROTOCOL_VERSION, begin=membership_pb.Begin(group=group)))),

@@ -364,6 +364,7 @@ def build_rpc_names() -> list[str]:
         "PushContribution",
         "PushReplica",
         "PullAverage",
+        "FinishRound",
         "Deliver",
         "GetManifest",
         "FetchRange",

@@ -28,6 +28,7 @@ import torch
 
 from protocol.allreduce.client import PeerFailed, PushOutcome, pull_average, push_contribution
 from protocol.allreduce.faults import check_fault
+from protocol.allreduce.memory import release_free_memory
 from protocol.allreduce.parts import PartRole, remaining
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
@@ -41,8 +42,10 @@ class AllReduceResult:
 
     averaged: torch.Tensor
     """(E,) fp32: per part, sum(w_i x_i) / sum(w_i) over that part's contributors; our own vector if fell_back.
-    Read-only: with the fp32 codec, slower members may still pull our part from it (and ``payloads``
-    are views of it) until the round is forgotten, so a caller that must write copies it first."""
+    With ``in_place`` it is the caller's vector itself, and if fell_back it holds the parts we got and
+    our own numbers elsewhere (``contributors`` says which). Read-only: with the fp32 codec, slower
+    members may still pull our part from it (and ``payloads`` are views of it) until the round is
+    forgotten, so a caller that must write copies it first."""
     contributors: list[list[str]]
     """Per part, the peer ids whose contributions were averaged (identical on every member that did not fall back)."""
     producers: list[str | None]
@@ -110,6 +113,7 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
     """
     if state.parts[reduced.part_index].in_result:
         return  # the replica was decoded into our result as it arrived
+    state.spend(reduced.part_index)
     offsets = list(accumulate(reduced.chunk_sizes, initial=state.group.part_bounds[reduced.part_index]))[:-1]
     chunks = list(zip(offsets, reduced.chunk_sizes, reduced.payloads, strict=True))
     fp32 = state.codec.payload_is_fp32
@@ -177,6 +181,7 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
     me = state.my_index
 
     async def decode_chunk(offset: int, size: int, payload: bytes) -> None:
+        state.spend(part_index)  # (pulled bytes are committed: no member will need our numbers there)
         target = output[start + offset : start + offset + size]
         # (fp32 codec: what we keep is where it is decoded to, not a second copy)
         state.keep_payload(
@@ -197,6 +202,13 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
             return None
         if target in state.failed:
             continue
+        if not state.contributes_to(part_index):
+            # In place, a pull of this part broke off midway: our numbers there are partly the average.
+            # The chain members after it hold the same committed bytes; we only pull.
+            outcome_of_pull = await _pull_from(state, target, part_index, decode_chunk, output)
+            if outcome_of_pull is None:
+                continue
+            return outcome_of_pull
         # Our first push goes to the owner within the reduce-scatter phase; a resend to a backup may
         # take until the all-gather deadline (the backup applies its own, shorter, deadline).
         push_deadline = state.reduce_scatter_deadline if position == 0 else state.all_gather_deadline
@@ -208,26 +220,53 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
             continue
         if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
             state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
-        await state.own_part_settled()
-        try:
-            outcome_of_pull = await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
-        except PeerFailed as error:
-            if not error.moved:
-                state.mark_failed(target, f"pull of part {part_index}: {error}")
+        outcome_of_pull = await _pull_from(state, target, part_index, decode_chunk, output)
+        if outcome_of_pull is None:
             continue
         return outcome_of_pull
     state.record_failure(f"no member of part {part_index}'s chain could serve it")
     return None
 
 
+async def _pull_from(
+    state: RoundState,
+    target: int,
+    part_index: int,
+    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+    output: torch.Tensor,
+) -> _PartOutcome | None:
+    """Once our own part is settled, get the part from `target`; None if the chain must go on."""
+    await state.own_part_settled()
+    try:
+        return await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
+    except PeerFailed as error:
+        if not error.moved:
+            state.mark_failed(target, f"pull of part {part_index}: {error}")
+        return None
+
+
+async def _trim_memory_every(interval: float) -> None:
+    """Give freed heap memory back to the OS every `interval` seconds (on a thread: it locks the arenas)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        await loop.run_in_executor(None, release_free_memory)
+
+
 async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduceResult:
     """Run the round described by `state` to completion (or to its deadline)."""
     group, me = state.group, state.my_index
     registry.open(state)
+    trim_interval = state.config.memory_trim_interval
+    trimming = (
+        None
+        if trim_interval is None
+        else asyncio.ensure_future(_trim_memory_every(trim_interval.total_seconds()))
+    )
     try:
         # Handshakes first, while the links are still quiet (see AllReduceConfig.connect_timeout).
         state.client.connect([m.address for i, m in enumerate(group.members) if i != me])
-        output = torch.empty_like(state.vector)  # (E,)
+        output = state.vector if state.in_place else torch.empty_like(state.vector)  # (E,)
         state.output = output
         if group.part_num_elements(me) > 0:
             state.start_owner(output)
@@ -251,10 +290,28 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
         outcomes = {k: t.result() if not t.cancelled() else None for k, t in tasks.items()}
         fell_back = any(outcome is None for outcome in outcomes.values())
         peer_ids = [m.peer_id for m in group.members]
-        if fell_back:
+        if fell_back and state.in_place:
+            # Our vector holds the parts we got; elsewhere our own numbers (or, in a part whose pull
+            # broke off with nobody left to serve it, some of each): that is our result.
+            averaged = output
+            got = {k: outcome for k, outcome in outcomes.items() if outcome is not None}
+            contributors = [
+                [peer_ids[i] for i in got[k].contributor_indices] if k in got else [peer_ids[me]]
+                for k in range(group.num_members)
+            ]
+            producers: list[str | None] = [
+                peer_ids[got[k].producer_index] if k in got else peer_ids[me]
+                for k in range(group.num_members)
+            ]
+            mixed = sorted(k for k in state.spent if k not in got)
+            state.record_failure(
+                "fell back to our own numbers in the parts we could not get (in place"
+                + (f"; parts {mixed} hold some of the average)" if mixed else ")")
+            )
+        elif fell_back:
             averaged = state.vector.clone()
             contributors = [[peer_ids[me]] for _ in range(group.num_members)]
-            producers: list[str | None] = [peer_ids[me]] * group.num_members
+            producers = [peer_ids[me]] * group.num_members
             state.record_failure("fell back to our own vector")
         else:
             averaged = output
@@ -290,4 +347,6 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
             else tiled(state.kept_payloads, averaged.numel()),
         )
     finally:
+        if trimming is not None:
+            trimming.cancel()
         registry.finished(state)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,6 +27,8 @@ from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.codecs import CodecError, wire_bytes
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from protocol.allreduce.round_core import RoundCore
@@ -290,6 +294,22 @@ async def push_replica(
     except (PeerFailed, asyncio.CancelledError):
         call.cancel()
         raise
+
+
+async def tell_finished(state: RoundCore, targets: list[int], timeout: timedelta) -> None:
+    """Tell `targets` we returned from the round (RoundFinished), so they can forget it; best effort."""
+    request = pb.RoundFinished(round=state.round_ref())
+
+    async def tell(target: int) -> None:
+        stub = state.client.stub(state.group.members[target].address)
+        try:
+            await stub.FinishRound(request, timeout=timeout.total_seconds())
+        except grpc.aio.AioRpcError as error:
+            logger.debug(
+                "round %d: member %d did not take our RoundFinished: %s", state.round_id, target, error.code()
+            )
+
+    await asyncio.gather(*(tell(target) for target in targets))
 
 
 async def pull_average(

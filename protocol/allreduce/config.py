@@ -54,6 +54,11 @@ class AllReduceConfig:
     starts and sends a member nothing until its connection is up or has failed, at most this long."""
     server_grace: timedelta = timedelta(seconds=2)
     """On stop, in-flight RPCs get this long to finish."""
+    memory_trim_interval: timedelta | None = timedelta(milliseconds=250)
+    """While a round runs, give freed heap memory back to the OS this often (`memory.py`); None: only
+    between rounds. A round frees chunk-sized buffers on several threads, which glibc keeps in its
+    arenas rather than reuse, so without it the peak grows by ~0.3-0.5x the vector (fp32, 4 members);
+    every 250 ms costs no measurable time, every 20 ms about a third of the round's speed."""
     keep_payloads: bool = False
     """Return the encoded bytes every part of the result was decoded from (``AllReduceResult.payloads``),
     so the round's mean can be served on compressed (the daemon's catch-up); costs the result's
@@ -92,6 +97,10 @@ class AllReduceConfig:
         for name in ("reduce_scatter_fraction", "takeover_fraction"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in (0, 1)")
+        if self.memory_trim_interval is not None and self.memory_trim_interval <= timedelta(0):
+            raise ValueError(
+                f"memory_trim_interval must be positive or None, got {self.memory_trim_interval}"
+            )
         if self.max_rounds_kept < 1 or self.max_waiting_requests < 1 or self.max_chunks_ahead < 1:
             raise ValueError("max_rounds_kept, max_waiting_requests and max_chunks_ahead must be >= 1")
         _ = self.aggregation_rule  # raises ValueError for a bad rule

@@ -70,6 +70,17 @@ class ContributionSource:
             )
         return await asyncio.shield(self._cache[key])
 
+    def holds(self, part_index: int) -> bool:
+        """Whether every chunk of our contribution to the part is cached (encoded, with error feedback),
+        so it can be resent without reading the vector again."""
+        return all(
+            (future := self._cache.get((part_index, chunk_index))) is not None
+            and future.done()
+            and not future.cancelled()
+            and future.exception() is None
+            for chunk_index in range(len(self.chunk_sizes(part_index)))
+        )
+
     def release(self) -> None:
         """Drop cached chunks once no resend can be needed."""
         for future in self._cache.values():

@@ -60,11 +60,14 @@ class PartDecider(RoundCore):
         """Start reducing our own part, with our fp32 vector as our own contribution.
 
         The sum accumulates in our part of `output` (the result buffer): that slice is only written
-        again when we decode the decided average into it, after the sum was encoded.
+        again when we decode the decided average into it, after the sum was encoded. With in_place,
+        `output` is our vector, whose numbers there are our contribution: the sum gets its own buffer
+        (1/N of the vector) and the average is copied into `output` once decided.
         """
         part = self.parts[self.my_index]
         assert part.role is PartRole.IDLE
-        reducer = self._new_reducer(self.my_index, accumulator=output[self.group.part_slice(self.my_index)])
+        accumulator = None if self.in_place else output[self.group.part_slice(self.my_index)]
+        reducer = self._new_reducer(self.my_index, accumulator=accumulator)
         reducer.add_local(self.my_index, self.weight, self.vector[self.group.part_slice(self.my_index)])
         part.role, part.reducer = PartRole.REDUCING, reducer
         self._spawn(self._decide(self.my_index, self.reduce_scatter_deadline, taken_over=False))
@@ -82,8 +85,9 @@ class PartDecider(RoundCore):
 
     async def _feed_own_contribution(self, part_index: int, reducer: PartReducer) -> None:
         """Our contribution to a part we took over: the same encoded chunks we pushed to its owner."""
-        if self.local_done:
-            reducer.exclude(self.my_index, "this member had already finished the round")
+        if self.local_done or not self.contributes_to(part_index):
+            why = "had already finished the round" if self.local_done else "holds the part's average already"
+            reducer.exclude(self.my_index, f"this member {why}")
             self.pulse.notify()
             return
         offset = 0

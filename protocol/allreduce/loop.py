@@ -78,6 +78,7 @@ class SyncAllReducePeer:
         codec: Codec,
         error_feedback: ErrorFeedback | None,
         deadline: timedelta,
+        in_place: bool = False,
     ) -> AllReduceResult:
         """Blocking `AllReducePeer.allreduce` (see there); returns within deadline + RESULT_MARGIN."""
         coroutine = self._peer.allreduce(
@@ -88,6 +89,7 @@ class SyncAllReducePeer:
             codec=codec,
             error_feedback=error_feedback,
             deadline=deadline,
+            in_place=in_place,
         )
         return self._loop.run(coroutine, deadline + RESULT_MARGIN)
 

@@ -99,7 +99,9 @@ class PartState:
     telling: set[int] = field(default_factory=set)  # members we hand our replica or the commit to
     holders: set[int] = field(default_factory=set)  # members known to hold our decided bytes
     released: bool = False  # we dropped our decided bytes: every live member has them
-    in_result: bool = False  # the replica went straight into our result; `decided` holds no bytes
+    in_result: bool = (
+        False  # the replica went straight into our result; `decided` holds no bytes (fp32: views)
+    )
 
     @property
     def servable(self) -> bool:

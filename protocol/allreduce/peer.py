@@ -22,6 +22,7 @@ A daemon that hosts several services on one server builds the peer without a ser
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol.allreduce.allreduce import AllReduceResult, run_allreduce
-from protocol.allreduce.client import PeerClient
+from protocol.allreduce.client import PeerClient, tell_finished
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.faults import FaultPlan
 from protocol.allreduce.group import GroupSpec
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 SERVICE_NAME = "dtnode.v1.AllReduce"
+FINISH_ROUND_TIMEOUT = timedelta(seconds=5)
 
 
 class AllReducePeer:
@@ -66,6 +68,7 @@ class AllReducePeer:
         self._health = health.HealthServicer()
         self._attached = False
         self._closed = False
+        self._telling: set[asyncio.Task[None]] = set()  # RoundFinished calls in flight
         self.host = ""
         self.port = 0
 
@@ -118,12 +121,15 @@ class AllReducePeer:
         codec: Codec,
         error_feedback: ErrorFeedback | None,
         deadline: timedelta,
+        in_place: bool = False,
     ) -> AllReduceResult:
         """Average `vector` with the group: per part, sum(w_i x_i) / sum(w_i) over the members that delivered.
 
-        `vector` (E,) fp32 is read, never written. Returns within `deadline`; if some part cannot be had,
-        the result falls back to a copy of `vector` and says so. Every member that does not fall back
-        gets a bit-identical `averaged`.
+        `vector` (E,) fp32 is read, never written, unless `in_place`: then the average is written into
+        `vector` itself (as torch.distributed's all_reduce does), which saves the result's memory (one
+        vector), and `averaged` is `vector`. Returns within `deadline`; if some part cannot be had, the
+        result falls back to a copy of `vector` (in place: `vector` with our own numbers in the parts we
+        could not get) and says so. Every member that does not fall back gets a bit-identical `averaged`.
         """
         if not self._attached or self._closed:
             raise RuntimeError("start() the peer (or add it to a started server) before calling allreduce()")
@@ -131,6 +137,8 @@ class AllReducePeer:
             raise ValueError(
                 f"vector must be a 1-D fp32 CPU tensor, got {vector.dtype} {tuple(vector.shape)}"
             )
+        if in_place and not vector.is_contiguous():
+            raise ValueError("an in-place all-reduce needs a contiguous vector")
         if vector.numel() != group.num_elements:
             raise ValueError(f"vector has {vector.numel()} numbers, the group spec {group.num_elements}")
         if error_feedback is not None and error_feedback.num_elements != vector.numel():
@@ -153,8 +161,16 @@ class AllReducePeer:
             executor=self.executor,
             client=self.client,
             fault_plan=self.fault_plan,
+            in_place=in_place,
         )
-        return await run_allreduce(state, self.registry)
+        result = await run_allreduce(state, self.registry)
+        # Best effort: a member that misses it keeps the round until its linger ends.
+        others = [i for i in range(group.num_members) if i not in (state.my_index, *state.failed)]
+        if others and not self._closed:
+            task = asyncio.ensure_future(tell_finished(state, others, FINISH_ROUND_TIMEOUT))
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
+        return result
 
     async def stop(self, grace: timedelta | None = None) -> None:
         """Graceful stop of the server start() built: refuse new RPCs, let in-flight ones finish for
@@ -171,6 +187,8 @@ class AllReducePeer:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._telling):
+            task.cancel()
         self.registry.close()
         await self.client.close()
         self.executor.shutdown(wait=True, cancel_futures=True)

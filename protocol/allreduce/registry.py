@@ -5,9 +5,10 @@ request for a round newer than any we opened waits, bounded in time and in numbe
 round to open. Rounds only move forward: a request for an older round we no longer hold is refused
 as expired. A round we finished stays servable for slower members until `linger` after its deadline,
 at most `max_rounds_kept` rounds are held at once, and a finished round is forgotten as soon as every
-other member of it has sent us a message of a later round: a member runs its rounds one after the
-other, so it has returned from this one and will not ask for its parts again. In steady state that
-frees a round's buffers early in the next round, before that round's own buffers peak.
+other member of it has returned from it: it told us so (RoundFinished, sent by each member as its
+all-reduce returns), or it sent us a message of a later round (a member runs its rounds one after the
+other). It will not ask for the round's parts again. That frees a round's buffers (with the fp32
+codec, views that pin the whole result) as the round ends, not after its linger.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class RoundRegistry:
         self._opened = Pulse()
         self._num_waiting = 0
         self._latest_round_of: dict[str, int] = {}  # peer id -> the newest round it sent us a message of
+        self._finished_round_of: dict[str, int] = {}  # peer id -> the newest round it told us it finished
 
     def open(self, state: RoundState) -> None:
         """Register a new round; round ids must increase."""
@@ -65,6 +67,7 @@ class RoundRegistry:
             self._forget(round_id)
         self._highest_opened = -1
         self._latest_round_of.clear()
+        self._finished_round_of.clear()
 
     def finished(self, state: RoundState) -> None:
         """allreduce() returned for this round; forget it once no other member needs it, or its linger
@@ -87,11 +90,20 @@ class RoundRegistry:
             self._latest_round_of[peer_id] = round_id
             self._forget_superseded()
 
+    def note_member_finished(self, peer_id: str, round_id: int) -> None:
+        """Member `peer_id` told us it returned from round `round_id` (and so from every earlier one)."""
+        if round_id > self._finished_round_of.get(peer_id, -1):
+            self._finished_round_of[peer_id] = round_id
+            self._forget_superseded()
+
     def _forget_superseded(self) -> None:
-        """Forget the rounds we finished whose other members have all moved on to later rounds."""
+        """Forget the rounds we finished whose other members have all returned from them."""
         for round_id, state in list(self._rounds.items()):
             others = [m.peer_id for i, m in enumerate(state.group.members) if i != state.my_index]
-            if state.local_done and all(self._latest_round_of.get(p, -1) > round_id for p in others):
+            if state.local_done and all(
+                self._latest_round_of.get(p, -1) > round_id or self._finished_round_of.get(p, -1) >= round_id
+                for p in others
+            ):
                 self._forget(round_id)
 
     def _forget(self, round_id: int) -> None:

@@ -22,6 +22,8 @@ For every part this member is in one role:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from itertools import accumulate
 
 import grpc
 
@@ -29,7 +31,7 @@ from protocol.allreduce.deciding import PartDecider
 from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.parts import PartRole, ReplicaBuffer, remaining
 from protocol.allreduce.reducer import PartReducer
-from protocol.codecs import CodecError
+from protocol.codecs import CodecError, fp32_view
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
 
@@ -99,12 +101,16 @@ class RoundState(PartDecider):
             raise ProtocolError(grpc.StatusCode.ALREADY_EXISTS, f"already hold your part {part_index}")
         if part.role not in (PartRole.IDLE, PartRole.MOVED):
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} is {part.role.value} here")
-        # With two members nobody but its producer and us could ever want this part, and the producer
-        # holds it: we decode it into our result as it arrives instead of keeping a copy (half a
-        # vector less at the end of the round). The other member is the only producer a replica can
-        # come from, so no other version can land in that slice; one that is never committed is
-        # overwritten by the part we do get, or our result is not used (we fall back).
-        keep = self.group.num_members > 2 or self.output is None
+        # We decode the replica into our result as it arrives instead of keeping a copy (a part less
+        # at the end of the round) where we need no bytes to serve it and no other version of the
+        # part can land in that slice later. With two members nobody but its producer and us could
+        # ever want this part, the producer holds it, and it is the only producer a replica can come
+        # from; a version never committed is overwritten by the part we do get, or our result is not
+        # used (we fall back). In place with the fp32 codec, always: we serve the numbers from our
+        # result, a version we get later is decoded over it in turn, and our numbers there are spent
+        # (should we have to reduce the part again, we are left out unless cached; see `spend`).
+        decode_on_arrival = self.group.num_members <= 2 or (self.in_place and self.codec.payload_is_fp32)
+        keep = self.output is None or not decode_on_arrival
         part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header, keep=keep)
         self.pulse.notify()
 
@@ -118,6 +124,7 @@ class RoundState(PartDecider):
         if not replica.keep:
             if self.output is None:
                 raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} is over here")
+            self.spend(part_index)
             start = self.group.part_bounds[part_index] + offset
             target = self.output[start : start + num_elements]
             self.keep_payload(start, num_elements, payload)
@@ -133,6 +140,17 @@ class RoundState(PartDecider):
         if part.replica is None:
             raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} was forgotten here")
         decided = part.replica.complete()  # raises if truncated: then fail_replica, and nothing is in_result
+        if not part.replica.keep and self.codec.payload_is_fp32 and self.output is not None:
+            # The numbers are in our result, which are the fp32 bytes: we can serve them from there.
+            start = self.group.part_bounds[part_index]
+            offsets = accumulate(decided.chunk_sizes, initial=start)
+            decided = dataclasses.replace(
+                decided,
+                payloads=tuple(
+                    fp32_view(self.output[offset : offset + size])
+                    for offset, size in zip(offsets, decided.chunk_sizes, strict=False)
+                ),
+            )
         part.in_result, part.decided = not part.replica.keep, decided
         part.role, part.replica = PartRole.DECIDED, None
         self.pulse.notify()

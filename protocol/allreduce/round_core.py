@@ -54,6 +54,7 @@ class RoundCore:
         executor: Executor,
         client: PeerClient,
         fault_plan: FaultPlan | None,
+        in_place: bool = False,
     ) -> None:
         self.group = group
         self.my_index = my_index
@@ -81,6 +82,10 @@ class RoundCore:
         self.bytes_recv_reduce_scatter = 0
         self.local_done = False
         self.output: torch.Tensor | None = None  # (E,) our result while allreduce() runs
+        # With in_place our result is `vector` itself: each part's average overwrites our numbers there,
+        # once they are no longer needed (see `spend`).
+        self.in_place = in_place
+        self.spent: set[int] = set()  # parts whose slice of `vector` may already hold (some of) the average
         # With config.keep_payloads: offset -> (numbers, bytes) decoded into our result there.
         self.kept_payloads: dict[int, tuple[int, bytes | memoryview]] | None = (
             {} if config.keep_payloads else None
@@ -128,6 +133,23 @@ class RoundCore:
         the result."""
         if self.kept_payloads is not None:
             self.kept_payloads[offset] = (num_elements, payload)
+
+    def spend(self, part_index: int) -> None:
+        """With in_place: the average of a part is about to be written over our numbers there.
+
+        A pulled average is committed (one version per part), so our contribution to that part is
+        never asked for again. A replica is decoded as it arrives, before it is committed: should a
+        backup reduce the part again after all, we resend our contribution only if it is cached
+        (`contributes_to`), else we are left out of it, never counted with the average in place of
+        our numbers.
+        """
+        if self.in_place:
+            self.spent.add(part_index)
+
+    def contributes_to(self, part_index: int) -> bool:
+        """Whether we can still send our contribution to the part: our numbers there are still in
+        `vector` (always, unless in_place), or it is cached encoded (with error feedback)."""
+        return part_index not in self.spent or self.source.holds(part_index)
 
     def record_failure(self, message: str) -> None:
         self.failures.append(message)

@@ -51,6 +51,19 @@ def _detached(error: ProtocolError) -> ProtocolError:
     return error
 
 
+def _member_of(state: RoundState, ref: pb.RoundRef) -> int:
+    """The sender's member index in the round, if it speaks of our group and is who it says it is."""
+    if ref.group_digest != state.group.digest:
+        raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, "your group spec differs from mine")
+    sender = ref.sender_index
+    if sender >= state.group.num_members or state.group.members[sender].peer_id != ref.sender_peer_id:
+        raise ProtocolError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{ref.sender_peer_id!r} is not member {sender} of round {ref.round_id}",
+        )
+    return sender
+
+
 def add_servicer_to_server(servicer: AllReduceServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated helper, but with lenient request deserializers."""
     service = pb.DESCRIPTOR.services_by_name["AllReduce"]
@@ -70,13 +83,18 @@ def add_servicer_to_server(servicer: AllReduceServicer, server: grpc.aio.Server)
             request_deserializer=lenient(pb.PullAverageRequest),
             response_serializer=pb.AverageMessage.SerializeToString,
         ),
+        "FinishRound": grpc.unary_unary_rpc_method_handler(
+            servicer.FinishRound,
+            request_deserializer=lenient(pb.RoundFinished),
+            response_serializer=pb.RoundFinishedReply.SerializeToString,
+        ),
     }
     assert set(handlers) == {method.name for method in service.methods}, "servicer out of date with the proto"
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class AllReduceServicer(pb_grpc.AllReduceServicer):
-    """Serves PushContribution, PushReplica and PullAverage for every round in the registry."""
+    """Serves PushContribution, PushReplica, PullAverage and FinishRound for every round in the registry."""
 
     def __init__(self, registry: RoundRegistry, config: AllReduceConfig) -> None:
         self._registry = registry
@@ -95,18 +113,28 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
     ) -> tuple[RoundState, int]:
         """The round and the sender's member index, once the round is open here and the sender is in it."""
         state = await self._registry.wait_for_round(ref.round_id, self._early_wait(context))
-        if ref.group_digest != state.group.digest:
-            raise ProtocolError(grpc.StatusCode.FAILED_PRECONDITION, "your group spec differs from mine")
-        sender = ref.sender_index
-        if sender >= state.group.num_members or state.group.members[sender].peer_id != ref.sender_peer_id:
-            raise ProtocolError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{ref.sender_peer_id!r} is not member {sender} of round {ref.round_id}",
-            )
+        sender = _member_of(state, ref)
         if part_index >= state.group.num_members:
             raise invalid(f"part {part_index} does not exist (the group has {state.group.num_members})")
         self._registry.note_member_seen(ref.sender_peer_id, ref.round_id)
         return state, sender
+
+    # --- after the round -------------------------------------------------------------------------------
+
+    async def FinishRound(
+        self, request: pb.RoundFinished, context: grpc.aio.ServicerContext
+    ) -> pb.RoundFinishedReply:
+        """A member returned from a round: the round is forgotten here once all have (RoundRegistry)."""
+        try:
+            if isinstance(request, Malformed):
+                raise invalid(request.error)
+            state = self._registry.get(request.round.round_id)
+            if state is not None:  # (a round unknown here holds nothing to free)
+                _member_of(state, request.round)
+                self._registry.note_member_finished(request.round.sender_peer_id, request.round.round_id)
+        except ProtocolError as error:
+            await self._reject(context, "FinishRound", _detached(error))
+        return pb.RoundFinishedReply()
 
     async def _read(self, context: grpc.aio.ServicerContext, message_type: type[Message]) -> Message | None:
         """The next request message, or None at the end of the stream; a silent sender is stalled."""
@@ -375,7 +403,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "part not decided before the deadline")
             num_bytes = await self._write(context, pb.AverageMessage(still_working=pb.StillWorking()))
             state.bytes_sent += num_bytes
-        if not part.servable or part.decided is None or part.in_result:
+        # (A replica decoded into our result as it arrived holds no bytes to serve, unless fp32.)
+        if not part.servable or part.decided is None or (part.in_result and not part.decided.payloads):
             reason = "was released here" if part.released or part.in_result else "moved to a backup"
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
         return part.decided

@@ -61,8 +61,9 @@ async def allreduce_all(
     weights: Sequence[float] | None = None,
     feedbacks: Sequence[ErrorFeedback | None] | None = None,
     deadline: timedelta = timedelta(seconds=20),
+    in_place: bool = False,
 ) -> list[AllReduceResult]:
-    """Run one round on every peer at once."""
+    """Run one round on every peer at once (`in_place`: each writes the average into its vector)."""
     import asyncio
 
     return list(
@@ -76,6 +77,7 @@ async def allreduce_all(
                     codec=codec,
                     error_feedback=None if feedbacks is None else feedbacks[i],
                     deadline=deadline,
+                    in_place=in_place,
                 )
                 for i, peer in enumerate(peers)
             )

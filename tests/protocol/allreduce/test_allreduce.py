@@ -261,3 +261,44 @@ def test_kept_payloads_rebuild_the_result_bit_for_bit_on_every_member(
             return await allreduce_all(peers, [v[:1000] for v in vectors[:2]], group, get_codec(codec_name))
 
     assert all(result.payloads is None for result in uvloop.run(without()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("codec_name", "num_peers"), [("none", 2), ("none", 4), ("int8", 3), ("fp16", 2)])
+def test_in_place_writes_the_same_average_into_each_vector(codec_name: str, num_peers: int) -> None:
+    """In place, each member's vector becomes its result, bit for bit what a copying round returns; with
+    two members the replica is decoded straight into the vector, with more it is kept until committed."""
+    vectors = random_vectors(num_peers, 40_009, seed=7)
+    config = dataclasses.replace(FAST_CONFIG, keep_payloads=True)
+
+    async def scenario(inputs: list[torch.Tensor], in_place: bool) -> list[AllReduceResult]:
+        async with local_peers(num_peers, config) as peers:
+            group = GroupSpec.build(
+                round_id=0,
+                members=members_of(peers),
+                num_elements=40_009,
+                bandwidths=[1.0 + i for i in range(num_peers)],
+            )
+            return await allreduce_all(peers, inputs, group, get_codec(codec_name), in_place=in_place)
+
+    copied = uvloop.run(scenario(vectors, in_place=False))
+    inputs = [vector.clone() for vector in vectors]
+    written = uvloop.run(scenario(inputs, in_place=True))
+    assert_all_identical(written)
+    for result, vector in zip(written, inputs, strict=True):
+        assert result.averaged.data_ptr() == vector.data_ptr()  # no second vector
+        assert torch.equal(result.averaged.view(torch.int32), copied[0].averaged.view(torch.int32))
+        assert result.payloads == copied[0].payloads
+        assert torch.equal(decoded(codec_name, result).view(torch.int32), result.averaged.view(torch.int32))
+    if codec_name == "none":
+        assert torch.equal(written[0].averaged, torch.stack(vectors).mean(dim=0))
+    with pytest.raises(ValueError, match="contiguous"):
+
+        async def strided() -> None:
+            async with local_peers(1) as peers:
+                group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=100)
+                await allreduce_all(
+                    peers, [torch.zeros(200)[::2]], group, get_codec(codec_name), in_place=True
+                )
+
+        uvloop.run(strided())

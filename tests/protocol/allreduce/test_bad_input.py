@@ -130,6 +130,16 @@ async def pull(target: Target, request: object) -> grpc.StatusCode:
         return await call.code()
 
 
+async def finish(target: Target, request: object) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        call = channel.unary_unary(SERVICE + "FinishRound", request_serializer=_serialize)
+        try:
+            await call(request, timeout=8.0)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
 def nan_chunk(offset: int = 0) -> pb.ContributionMessage:
     payload = bytearray(CODEC.encode(torch.randn(4096)).numpy().tobytes())
     payload[:4] = struct.pack("<f", math.nan)
@@ -162,6 +172,9 @@ CASES: list[tuple[str, grpc.StatusCode, str, Callable[[Target], Awaitable[grpc.S
     ("non-finite after a summed chunk", INVALID, MOVED, lambda t: push(t, [t.header(), chunk(0, 4096), nan_chunk(4096)])),
     ("pull from outside group", DENIED, KEPT, lambda t: pull(t, pb.PullAverageRequest(round=t.ref(peer_id="mallory")))),
     ("garbage pull", INVALID, KEPT, lambda t: pull(t, b"\x0a\xff\xff\xff\xff")),
+    ("finished from outside group", DENIED, KEPT, lambda t: finish(t, pb.RoundFinished(round=t.ref(peer_id="mallory")))),
+    ("finished in other group", grpc.StatusCode.FAILED_PRECONDITION, KEPT, lambda t: finish(t, pb.RoundFinished(round=t.ref(digest=b"x" * 32)))),
+    ("garbage finished", INVALID, KEPT, lambda t: finish(t, b"\x0a\xff\xff\xff\xff")),
 ]  # fmt: skip
 
 

@@ -4,7 +4,8 @@ weighted mean of the contributors they report; the next round runs without the d
 
 Each test runs scripts/allreduce_worker.py processes on loopback with the `none` codec, so the
 worker's own check (the exact float32 weighted mean over each part's reported contributors, summed in
-member order) must come out at an error of exactly 0.
+member order) must come out at an error of exactly 0. Every case runs with the result written into a
+new tensor and in place (into each peer's vector, whose numbers are then no longer there to resend).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ COMMON_ARGS = [
 EVERYONE = [f"peer-{i}" for i in range(NUM_PEERS)]
 
 
-def run_workers(tmp_path: Path, faults: dict[int, str]) -> tuple[Workers, dict[int, list[dict[str, object]]]]:
+def run_workers(
+    tmp_path: Path, faults: dict[int, str], result: str
+) -> tuple[Workers, dict[int, list[dict[str, object]]]]:
     """Start the workers with the given fault plans; return the survivors' per-round records."""
-    workers = Workers(tmp_path, NUM_PEERS, COMMON_ARGS)
+    workers = Workers(tmp_path, NUM_PEERS, COMMON_ARGS + (["--in-place"] if result == "in-place" else []))
     workers.start({index: ["--fault", plan] for index, plan in faults.items()})
     survivors = [i for i in range(NUM_PEERS) if i not in faults]
     records = {i: workers.read_records(i, NUM_ROUNDS, timeout=90) for i in survivors}
@@ -77,10 +80,14 @@ FAULT_POINTS = [
 ]
 
 
+RESULTS = ["copy", "in-place"]
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("result", RESULTS)
 @pytest.mark.parametrize("plan", FAULT_POINTS)
-def test_survivors_agree_when_a_peer_is_killed(tmp_path: Path, plan: str) -> None:
-    workers, records = run_workers(tmp_path, {VICTIM: plan})
+def test_survivors_agree_when_a_peer_is_killed(tmp_path: Path, plan: str, result: str) -> None:
+    workers, records = run_workers(tmp_path, {VICTIM: plan}, result)
     try:
         check_survivors(workers, records)
         assert workers.wait(VICTIM, timeout=10) == -9  # it really was SIGKILLed at the point
@@ -101,9 +108,10 @@ def test_survivors_agree_when_a_peer_is_killed(tmp_path: Path, plan: str) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_survivors_agree_when_an_owner_freezes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("result", RESULTS)
+def test_survivors_agree_when_an_owner_freezes(tmp_path: Path, result: str) -> None:
     """SIGSTOP keeps the victim's sockets open: only heartbeats and the stall timeout reveal it."""
-    workers, records = run_workers(tmp_path, {VICTIM: "reduce_done:0:0:stall"})
+    workers, records = run_workers(tmp_path, {VICTIM: "reduce_done:0:0:stall"}, result)
     try:
         check_survivors(workers, records)
         assert producers(records, 0)[1] == "peer-2"
@@ -117,10 +125,11 @@ def test_survivors_agree_when_an_owner_freezes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_last_survivor_returns_on_time_with_its_own_vector(tmp_path: Path) -> None:
+@pytest.mark.parametrize("result", RESULTS)
+def test_last_survivor_returns_on_time_with_its_own_vector(tmp_path: Path, result: str) -> None:
     """N - 1 peers vanish at once: the survivor cannot tell them from live peers it cannot reach, which
     could still form a majority and agree without it, so it falls back to its own vector, on time."""
-    workers, records = run_workers(tmp_path, {i: "round_open:0" for i in range(1, NUM_PEERS)})
+    workers, records = run_workers(tmp_path, {i: "round_open:0" for i in range(1, NUM_PEERS)}, result)
     try:
         (rounds,) = records.values()
         assert len(rounds) == NUM_ROUNDS, workers.stderr(0)[-3000:]

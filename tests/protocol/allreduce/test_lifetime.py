@@ -1,8 +1,9 @@
 """How long a peer keeps a round's buffers: only while another member may still ask for them.
 
-A member runs its rounds one after the other, so once every other member of a round has sent us a
-message of a later round, none of them will pull that round's parts again: the round is forgotten at
-once (not `linger` later) with its buffers. Within a round, a copy of a part is dropped once every
+A member runs its rounds one after the other, so once every other member of a round has told us it
+returned from it (RoundFinished) or sent us a message of a later round, none of them will pull that
+round's parts again: the round is forgotten at once (not `linger` later) with its buffers. The tests
+that look at a round after it ended keep its members from telling (`silent_members`). Within a round, a copy of a part is dropped once every
 live member is known to hold the part; with two members that is as soon as both decoded it. And an
 owner holds only a few chunks of a sender that runs ahead of a lower member (summed first).
 """
@@ -19,6 +20,7 @@ import torch
 import uvloop
 
 from protocol.allreduce import AllReducePeer, AllReduceResult, GroupSpec, Member
+from protocol.allreduce import peer as peer_module
 from protocol.allreduce.client import PeerClient
 from protocol.allreduce.errors import ProtocolError
 from protocol.allreduce.parts import PartRole
@@ -48,7 +50,61 @@ def holds_no_buffer(state: RoundState) -> bool:
     return all(p.decided is None and p.replica is None and p.reducer is None for p in state.parts)
 
 
+@pytest.fixture
+def silent_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members do not send RoundFinished, as if every such call were lost."""
+
+    async def lost(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(peer_module, "tell_finished", lost)
+
+
 @pytest.mark.timeout(60)
+def test_a_round_is_forgotten_by_every_member_as_soon_as_all_returned_from_it() -> None:
+    """Each member tells the others it returned; one that finished and heard it from all forgets the
+    round there and then, with its buffers (the fp32 views of its result among them), long before
+    its linger (60 s) would."""
+
+    async def scenario() -> None:
+        async with local_peers(3, CONFIG) as peers:
+            running = asyncio.ensure_future(run_round(peers, 0))
+            deadline = time.monotonic() + 5
+            while any(peer.registry.get(0) is None for peer in peers) and time.monotonic() < deadline:
+                await asyncio.sleep(0)
+            states = [peer.registry.get(0) for peer in peers]  # the rounds, caught while open
+            await running
+            while any(peer.registry.get(0) is not None for peer in peers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            for peer, state in zip(peers, states, strict=True):
+                assert peer.registry.get(0) is None
+                assert state is not None and state.local_done and holds_no_buffer(state)
+
+    uvloop.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_finished_tells_from_outsiders_or_of_unknown_rounds_forget_nothing() -> None:
+    async def scenario() -> None:
+        async with local_peers(2, CONFIG) as peers:
+            group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=NUM_ELEMENTS)
+            state = peers[0].registry.get(0)
+            assert state is None
+            client = PeerClient(CONFIG.grpc_options(server=False))
+            try:
+                stub = client.stub(peers[0].address)
+                ref = pb.RoundRef(round_id=0, group_digest=group.digest, sender_index=1, sender_peer_id="p1")
+                await stub.FinishRound(pb.RoundFinished(round=ref), timeout=5)  # round unknown: fine
+                results = await allreduce_all(peers, vectors_for(2, 0), group, get_codec("none"))
+                assert not any(result.fell_back for result in results)
+            finally:
+                await client.close()
+
+    uvloop.run(scenario())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("silent_members")
 def test_a_round_is_forgotten_once_every_other_member_moved_on() -> None:
     async def scenario() -> None:
         async with local_peers(3, CONFIG) as peers:
@@ -71,6 +127,7 @@ def test_a_round_is_forgotten_once_every_other_member_moved_on() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("silent_members")
 def test_two_members_keep_no_copy_of_any_part_after_the_round() -> None:
     """Each holds both parts once it decoded them, and the other one produced or holds them too."""
 
@@ -211,6 +268,7 @@ def test_with_the_fp32_codec_an_owner_keeps_no_second_copy_of_its_part(num_peers
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("silent_members")
 def test_with_the_fp32_codec_a_replica_holder_keeps_views_of_its_result_once_it_used_the_replica() -> None:
     """With more than two members the parts a member votes for arrive as replicas (bytes held until
     their producer commits them); once decoded into the result, the member keeps (and would serve)

@@ -169,3 +169,13 @@ class ReplicaReply(_message.Message):
     receipt: ReplicaReceipt
     still_working: StillWorking
     def __init__(self, send_chunks: _Optional[_Union[SendChunks, _Mapping]] = ..., receipt: _Optional[_Union[ReplicaReceipt, _Mapping]] = ..., still_working: _Optional[_Union[StillWorking, _Mapping]] = ...) -> None: ...
+
+class RoundFinished(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: RoundRef
+    def __init__(self, round: _Optional[_Union[RoundRef, _Mapping]] = ...) -> None: ...
+
+class RoundFinishedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -51,6 +51,11 @@ class AllReduceStub:
                 request_serializer=dtnode_dot_v1_dot_allreduce__pb2.PullAverageRequest.SerializeToString,
                 response_deserializer=dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.FromString,
                 _registered_method=True)
+        self.FinishRound = channel.unary_unary(
+                '/dtnode.v1.AllReduce/FinishRound',
+                request_serializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.SerializeToString,
+                response_deserializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.FromString,
+                _registered_method=True)
 
 
 class AllReduceServicer:
@@ -82,6 +87,15 @@ class AllReduceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishRound(self, request, context):
+        """After the round: "I returned from this round." Statuses: INVALID_ARGUMENT "malformed",
+        FAILED_PRECONDITION "your group spec differs from mine", PERMISSION_DENIED "you are not that
+        member of this round".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllReduceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +113,11 @@ def add_AllReduceServicer_to_server(servicer, server):
                     servicer.PullAverage,
                     request_deserializer=dtnode_dot_v1_dot_allreduce__pb2.PullAverageRequest.FromString,
                     response_serializer=dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.SerializeToString,
+            ),
+            'FinishRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishRound,
+                    request_deserializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.FromString,
+                    response_serializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +203,33 @@ class AllReduce:
             '/dtnode.v1.AllReduce/PullAverage',
             dtnode_dot_v1_dot_allreduce__pb2.PullAverageRequest.SerializeToString,
             dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtnode.v1.AllReduce/FinishRound',
+            dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.SerializeToString,
+            dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.FromString,
             options,
             channel_credentials,
             insecure,
