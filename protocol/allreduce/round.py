@@ -102,14 +102,13 @@ class RoundState(PartDecider):
         if part.role not in (PartRole.IDLE, PartRole.MOVED):
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} is {part.role.value} here")
         # We decode the replica into our result as it arrives instead of keeping a copy (a part less
-        # at the end of the round) where we need no bytes to serve it and no other version of the
-        # part can land in that slice later. With two members nobody but its producer and us could
-        # ever want this part, the producer holds it, and it is the only producer a replica can come
-        # from; a version never committed is overwritten by the part we do get, or our result is not
-        # used (we fall back). In place with the fp32 codec, always: we serve the numbers from our
-        # result, a version we get later is decoded over it in turn, and our numbers there are spent
-        # (should we have to reduce the part again, we are left out unless cached; see `spend`).
-        decode_on_arrival = self.group.num_members <= 2 or (self.in_place and self.codec.payload_is_fp32)
+        # at the end of the round) where we need no bytes to serve it later. With two members nobody
+        # but its producer and us could ever want this part, and the producer holds it. With the fp32
+        # codec the numbers in our result are the bytes, which we serve from there. A version never
+        # committed is overwritten by the part we do get, or our result is not used (we fall back);
+        # in place, our numbers there are spent (should we have to reduce the part again, we are
+        # left out unless our contribution is cached; see `spend`).
+        decode_on_arrival = self.group.num_members <= 2 or self.codec.payload_is_fp32
         keep = self.output is None or not decode_on_arrival
         part.role, part.replica = PartRole.RECEIVING_REPLICA, ReplicaBuffer(header=header, keep=keep)
         self.pulse.notify()
@@ -127,7 +126,10 @@ class RoundState(PartDecider):
             self.spend(part_index)
             start = self.group.part_bounds[part_index] + offset
             target = self.output[start : start + num_elements]
-            self.keep_payload(start, num_elements, payload)
+            # (fp32 codec: what we keep is where it is decoded to, not a second copy)
+            self.keep_payload(
+                start, num_elements, fp32_view(target) if self.codec.payload_is_fp32 else payload
+            )
             try:
                 await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.codec.decode_into, payload, target

@@ -270,9 +270,9 @@ def test_with_the_fp32_codec_an_owner_keeps_no_second_copy_of_its_part(num_peers
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("silent_members")
 def test_with_the_fp32_codec_a_replica_holder_keeps_views_of_its_result_once_it_used_the_replica() -> None:
-    """With more than two members the parts a member votes for arrive as replicas (bytes held until
-    their producer commits them); once decoded into the result, the member keeps (and would serve)
-    views of its result there instead of the received bytes. The results stay the exact mean."""
+    """With more than two members the parts a member votes for arrive as replicas; with the fp32 codec
+    they are decoded into the result as they arrive, and the member keeps (and would serve) views of
+    its result there instead of the received bytes. The results stay the exact mean."""
     num_peers = 4
     config = CONFIG.__class__(**{**CONFIG.__dict__, "keep_payloads": True})
 
