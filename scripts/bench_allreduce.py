@@ -9,7 +9,9 @@ Both generate peer i's vector with ``allreduce_worker.make_vector(seed, i, round
 averages the inputs of dtnode's round 0, so both average bit-identical inputs; both check their
 result against torch's exact mean of the regenerated vectors. With ``--link-mbit M`` the peers run
 in ``scripts/wan_emulator.py``'s network namespaces, each uplink capped at M Mbit/s (needs root,
-else exit 2); without it, on loopback 127.0.0.1. The two never run at the same time.
+else exit 2); without it, on loopback 127.0.0.1. The two never run at the same time. dtnode writes
+each peer's average into its vector (``allreduce(in_place=True)``, as torch.distributed does;
+``result: "in-place"``) unless ``--result copy`` asks for a new tensor, one more vector of memory.
 
 Fields of the JSON object printed per configuration (a one-line summary follows it):
 

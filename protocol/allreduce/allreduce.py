@@ -12,6 +12,10 @@ member walks the part's chain (owner, then the next members): a member that is g
 skipped, and the next one gets our contribution again and is asked for the average; when the chain
 reaches us we take the part over ourselves. If some part cannot be had before the deadline, we fall
 back to our own vector and say so; the call always returns by its deadline.
+
+In place (`state.in_place`) our result is our vector: a part's average is decoded over our numbers
+there once it arrives (a pulled part is committed, so our contribution to it is not needed again;
+see RoundCore.spend), and a fallback leaves our own numbers in the parts we could not get.
 """
 
 from __future__ import annotations
