@@ -207,8 +207,9 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
         if target in state.failed:
             continue
         if not state.contributes_to(part_index):
-            # In place, a pull of this part broke off midway: our numbers there are partly the average.
-            # The chain members after it hold the same committed bytes; we only pull.
+            # In place, our numbers there are (partly) overwritten: a pull of the part broke off midway
+            # (the chain members after it hold the same committed bytes), or a replica we decoded as
+            # it arrived was never committed. We only pull.
             outcome_of_pull = await _pull_from(state, target, part_index, decode_chunk, output)
             if outcome_of_pull is None:
                 continue

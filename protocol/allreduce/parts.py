@@ -99,9 +99,8 @@ class PartState:
     telling: set[int] = field(default_factory=set)  # members we hand our replica or the commit to
     holders: set[int] = field(default_factory=set)  # members known to hold our decided bytes
     released: bool = False  # we dropped our decided bytes: every live member has them
-    in_result: bool = (
-        False  # the replica went straight into our result; `decided` holds no bytes (fp32: views)
-    )
+    # The replica went straight into our result: `decided` holds no bytes (with fp32, views of the result).
+    in_result: bool = False
 
     @property
     def servable(self) -> bool:
