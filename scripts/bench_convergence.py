@@ -301,7 +301,11 @@ _SETTING_FLAGS: list[tuple[str, type, str]] = [
     ("warmup_steps", int, "linear LR warmup steps, then cosine decay to 0.1 x peak"),
     ("inner_lr", float, "peak AdamW learning rate (default 1e-3, the node's)"),
     ("beta2", float, "AdamW beta2 (default 0.95)"),
-    ("grad_clip", float, "clip the (averaged, for DDP) gradient norm to this before each step (default 1.0; 0 = off)"),
+    (
+        "grad_clip",
+        float,
+        "clip the (averaged, for DDP) gradient norm to this before each step (default 1.0; 0 = off)",
+    ),
     ("outer_lr", float, "DiLoCo outer Nesterov learning rate (default 0.7, the node's)"),
     ("outer_momentum", float, "DiLoCo outer Nesterov momentum (default 0.9, the node's; 0 = plain SGD)"),
     ("seed", int, "seed of the model initialisation"),
