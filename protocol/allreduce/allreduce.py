@@ -33,7 +33,7 @@ import torch
 from protocol.allreduce.client import PeerFailed, PushOutcome, pull_average, push_contribution
 from protocol.allreduce.faults import check_fault
 from protocol.allreduce.memory import release_free_memory
-from protocol.allreduce.parts import PartRole, remaining
+from protocol.allreduce.parts import PartRole, remaining, result_views
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
@@ -118,12 +118,11 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
     if state.parts[reduced.part_index].in_result:
         return  # the replica was decoded into our result as it arrived
     state.spend(reduced.part_index)
-    offsets = list(accumulate(reduced.chunk_sizes, initial=state.group.part_bounds[reduced.part_index]))[:-1]
+    start = state.group.part_bounds[reduced.part_index]
+    offsets = list(accumulate(reduced.chunk_sizes, initial=start))[:-1]
     chunks = list(zip(offsets, reduced.chunk_sizes, reduced.payloads, strict=True))
     fp32 = state.codec.payload_is_fp32
-    kept = [
-        fp32_view(output[offset : offset + size]) if fp32 else payload for offset, size, payload in chunks
-    ]
+    kept = result_views(output, start, reduced.chunk_sizes) if fp32 else reduced.payloads
     for (offset, size, _), payload in zip(chunks, kept, strict=True):
         state.keep_payload(offset, size, payload)
 
@@ -206,48 +205,29 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
             return None
         if target in state.failed:
             continue
-        if not state.contributes_to(part_index):
-            # In place, our numbers there are (partly) overwritten: a pull of the part broke off midway
-            # (the chain members after it hold the same committed bytes), or a replica we decoded as
-            # it arrived was never committed. We only pull.
-            outcome_of_pull = await _pull_from(state, target, part_index, decode_chunk, output)
-            if outcome_of_pull is None:
+        # In place, our numbers for the part may be (partly) overwritten already: a pull of it broke
+        # off midway (the chain members after it hold the same committed bytes), or a replica we
+        # decoded as it arrived was never committed. Then we only pull.
+        if state.contributes_to(part_index):
+            # Our first push goes to the owner within the reduce-scatter phase; a resend to a backup
+            # may take until the all-gather deadline (the backup applies its own, shorter, deadline).
+            push_deadline = state.reduce_scatter_deadline if position == 0 else state.all_gather_deadline
+            outcome, detail = await push_contribution(state, target, part_index, push_deadline)
+            if outcome is PushOutcome.FAILED:
+                state.mark_failed(target, f"push of part {part_index}: {detail}")
                 continue
-            return outcome_of_pull
-        # Our first push goes to the owner within the reduce-scatter phase; a resend to a backup may
-        # take until the all-gather deadline (the backup applies its own, shorter, deadline).
-        push_deadline = state.reduce_scatter_deadline if position == 0 else state.all_gather_deadline
-        outcome, detail = await push_contribution(state, target, part_index, push_deadline)
-        if outcome is PushOutcome.FAILED:
-            state.mark_failed(target, f"push of part {part_index}: {detail}")
-            continue
-        if outcome is PushOutcome.MOVED:
-            continue
-        if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
-            state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
-        outcome_of_pull = await _pull_from(state, target, part_index, decode_chunk, output)
-        if outcome_of_pull is None:
-            continue
-        return outcome_of_pull
+            if outcome is PushOutcome.MOVED:
+                continue
+            if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
+                state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
+        await state.own_part_settled()
+        try:
+            return await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
+        except PeerFailed as error:
+            if not error.moved:
+                state.mark_failed(target, f"pull of part {part_index}: {error}")
     state.record_failure(f"no member of part {part_index}'s chain could serve it")
     return None
-
-
-async def _pull_from(
-    state: RoundState,
-    target: int,
-    part_index: int,
-    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
-    output: torch.Tensor,
-) -> _PartOutcome | None:
-    """Once our own part is settled, get the part from `target`; None if the chain must go on."""
-    await state.own_part_settled()
-    try:
-        return await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
-    except PeerFailed as error:
-        if not error.moved:
-            state.mark_failed(target, f"pull of part {part_index}: {error}")
-        return None
 
 
 async def _trim_memory_every(interval: float) -> None:
@@ -295,39 +275,33 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
         outcomes = {k: t.result() if not t.cancelled() else None for k, t in tasks.items()}
         fell_back = any(outcome is None for outcome in outcomes.values())
         peer_ids = [m.peer_id for m in group.members]
-        if fell_back and state.in_place:
-            # Our vector holds the parts we got; elsewhere our own numbers (or, in a part whose pull
-            # broke off with nobody left to serve it, some of each): that is our result.
-            averaged = output
-            got = {k: outcome for k, outcome in outcomes.items() if outcome is not None}
-            contributors = [
-                [peer_ids[i] for i in got[k].contributor_indices] if k in got else [peer_ids[me]]
-                for k in range(group.num_members)
-            ]
-            producers: list[str | None] = [
-                peer_ids[got[k].producer_index] if k in got else peer_ids[me]
-                for k in range(group.num_members)
-            ]
-            mixed = sorted(k for k in state.spent if k not in got)
-            state.record_failure(
-                "fell back to our own numbers in the parts we could not get (in place"
-                + (f"; parts {mixed} hold some of the average)" if mixed else ")")
-            )
-        elif fell_back:
+        if fell_back and not state.in_place:
             averaged = state.vector.clone()
             contributors = [[peer_ids[me]] for _ in range(group.num_members)]
-            producers = [peer_ids[me]] * group.num_members
+            producers: list[str | None] = [peer_ids[me]] * group.num_members
             state.record_failure("fell back to our own vector")
         else:
+            # In place, a fallen-back vector holds the parts we got and our own numbers elsewhere
+            # (or, in a part whose pull broke off with nobody left to serve it, some of each).
             averaged = output
+            missing_contributors, missing_producer = (
+                ([peer_ids[me]], peer_ids[me]) if fell_back else ([], None)
+            )
+            got = {k: outcome for k, outcome in outcomes.items() if outcome is not None}
             contributors = [
-                [peer_ids[i] for i in outcomes[k].contributor_indices] if k in outcomes else []  # type: ignore[union-attr]
+                [peer_ids[i] for i in got[k].contributor_indices] if k in got else list(missing_contributors)
                 for k in range(group.num_members)
             ]
             producers = [
-                peer_ids[outcomes[k].producer_index] if k in outcomes else None  # type: ignore[union-attr]
+                peer_ids[got[k].producer_index] if k in got else missing_producer
                 for k in range(group.num_members)
             ]
+            if fell_back:
+                mixed = sorted(k for k in state.spent if k not in got)
+                state.record_failure(
+                    "fell back to our own numbers in the parts we could not get (in place"
+                    + (f"; parts {mixed} hold some of the average)" if mixed else ")")
+                )
         check_fault(state.fault_plan, "round_done", state.round_id)
         return AllReduceResult(
             averaged=averaged,

@@ -8,13 +8,16 @@ import contextlib
 import enum
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
 
 from protocol.allreduce.errors import invalid
 from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.reducer import PartReducer, ReducedPart
-from protocol.codecs import Codec, CodecError
+from protocol.codecs import Codec, CodecError, fp32_view
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
 
@@ -157,6 +160,14 @@ def chunk_message_num_bytes(offset: int, num_elements: int, payload_num_bytes: i
     if payload_num_bytes:
         inner += 1 + _varint_num_bytes(payload_num_bytes) + payload_num_bytes
     return 1 + _varint_num_bytes(inner) + inner
+
+
+def result_views(output: torch.Tensor, start: int, chunk_sizes: Sequence[int]) -> tuple[memoryview, ...]:
+    """The fp32 bytes of a part's chunks where they lie in our result (the part starts at `start`)."""
+    offsets = accumulate(chunk_sizes, initial=start)
+    return tuple(
+        fp32_view(output[offset : offset + size]) for offset, size in zip(offsets, chunk_sizes, strict=False)
+    )
 
 
 def remaining(deadline: float) -> float:

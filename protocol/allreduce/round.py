@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from itertools import accumulate
 
 import grpc
 
 from protocol.allreduce.deciding import PartDecider
 from protocol.allreduce.errors import ProtocolError, invalid
-from protocol.allreduce.parts import PartRole, ReplicaBuffer, remaining
+from protocol.allreduce.parts import PartRole, ReplicaBuffer, remaining, result_views
 from protocol.allreduce.reducer import PartReducer
 from protocol.codecs import CodecError, fp32_view
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
@@ -144,15 +143,8 @@ class RoundState(PartDecider):
         decided = part.replica.complete()  # raises if truncated: then fail_replica, and nothing is in_result
         if not part.replica.keep and self.codec.payload_is_fp32 and self.output is not None:
             # The numbers are in our result, which are the fp32 bytes: we can serve them from there.
-            start = self.group.part_bounds[part_index]
-            offsets = accumulate(decided.chunk_sizes, initial=start)
-            decided = dataclasses.replace(
-                decided,
-                payloads=tuple(
-                    fp32_view(self.output[offset : offset + size])
-                    for offset, size in zip(offsets, decided.chunk_sizes, strict=False)
-                ),
-            )
+            views = result_views(self.output, self.group.part_bounds[part_index], decided.chunk_sizes)
+            decided = dataclasses.replace(decided, payloads=views)
         part.in_result, part.decided = not part.replica.keep, decided
         part.role, part.replica = PartRole.DECIDED, None
         self.pulse.notify()

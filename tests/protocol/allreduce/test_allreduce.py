@@ -10,7 +10,7 @@ import pytest
 import torch
 import uvloop
 
-from protocol.allreduce import AllReduceResult, GroupSpec, Member, SyncAllReducePeer
+from protocol.allreduce import AllReducePeer, AllReduceResult, GroupSpec, Member, SyncAllReducePeer
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback
 from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, exact_mean, local_peers, members_of
@@ -19,6 +19,14 @@ from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, exact_m
 def random_vectors(num_peers: int, num_elements: int, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(num_elements, generator=generator) * (i + 1) for i in range(num_peers)]
+
+
+def uneven_group(peers: list[AllReducePeer], num_elements: int) -> GroupSpec:
+    """Round 0 of `peers`, member i's part sized by bandwidth i + 1 (so no two parts are equal)."""
+    bandwidths = [1.0 + i for i in range(len(peers))]
+    return GroupSpec.build(
+        round_id=0, members=members_of(peers), num_elements=num_elements, bandwidths=bandwidths
+    )
 
 
 def assert_all_identical(results: list[AllReduceResult]) -> None:
@@ -237,12 +245,7 @@ def test_kept_payloads_rebuild_the_result_bit_for_bit_on_every_member(
 
     async def scenario() -> list[AllReduceResult]:
         async with local_peers(num_peers, config) as peers:
-            group = GroupSpec.build(
-                round_id=0,
-                members=members_of(peers),
-                num_elements=30_011,
-                bandwidths=[1.0 + i for i in range(num_peers)],
-            )
+            group = uneven_group(peers, 30_011)
             return await allreduce_all(peers, vectors, group, get_codec(codec_name))
 
     results = uvloop.run(scenario())
@@ -273,12 +276,7 @@ def test_in_place_writes_the_same_average_into_each_vector(codec_name: str, num_
 
     async def scenario(inputs: list[torch.Tensor], in_place: bool) -> list[AllReduceResult]:
         async with local_peers(num_peers, config) as peers:
-            group = GroupSpec.build(
-                round_id=0,
-                members=members_of(peers),
-                num_elements=40_009,
-                bandwidths=[1.0 + i for i in range(num_peers)],
-            )
+            group = uneven_group(peers, 40_009)
             return await allreduce_all(peers, inputs, group, get_codec(codec_name), in_place=in_place)
 
     copied = uvloop.run(scenario(vectors, in_place=False))
