@@ -299,7 +299,8 @@ _SETTING_FLAGS: list[tuple[str, type, str]] = [
     ("num_workers", int, "N: DDP ranks / DiLoCo workers"),
     ("steps", int, "inner steps per worker (a multiple of every H)"),
     ("warmup_steps", int, "linear LR warmup steps, then cosine decay to 0.1 x peak"),
-    ("inner_lr", float, "peak AdamW learning rate (default 1e-3, the node's)"),
+    ("inner_lr", float, "peak AdamW learning rate of the variants (default 1e-3, the node's)"),
+    ("warm_start_lr", float, "peak AdamW learning rate of the warm start (default 1e-3, the node's)"),
     ("beta2", float, "AdamW beta2 (default 0.95)"),
     (
         "grad_clip",
@@ -340,6 +341,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--jobs", type=int, default=2, help="variants run at once (DDP = one job of N processes)"
     )
     parser.add_argument(
+        "--reuse-warm-start",
+        action="store_true",
+        help="take --out-dir's warm_start.pt if a run with the same warm-start settings wrote it",
+    )
+    parser.add_argument(
         "--timeout-minutes", type=float, default=240.0, help="a variant still running then is killed"
     )
     for name, kind, text in _SETTING_FLAGS:
@@ -377,14 +383,33 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous_handler)
 
 
-def _warm_start(settings: BenchSettings, out_dir: Path) -> tuple[BenchSettings, dict[str, Any]]:
-    """Train the shared warm start in this process; the settings every variant then starts from."""
+# Settings that only shape the variants, not the one-worker warm start they all start from.
+_NOT_IN_WARM_START = ("steps", "inner_lr", "min_lr_ratio", "outer_lr", "outer_momentum", "eval_every",
+                      "num_workers", "chunk_num_elements", "warm_start_path")  # fmt: skip
+
+
+def _warm_start(
+    settings: BenchSettings, out_dir: Path, *, reuse: bool
+) -> tuple[BenchSettings, dict[str, Any]]:
+    """Train the shared warm start in this process (or, with ``reuse``, take the one ``out_dir`` holds
+    if it was trained with the same settings); the settings every variant then starts from."""
     path = (out_dir / "warm_start.pt").resolve()
-    threads = torch.get_num_threads()
-    try:
-        warm = warm_start(settings, path)
-    finally:
-        torch.set_num_threads(threads)  # load_data set the children's count in this process
+    record_path = path.with_suffix(".json")
+    key = {k: v for k, v in dataclasses.asdict(settings).items() if k not in _NOT_IN_WARM_START}
+    saved = json.loads(record_path.read_text()) if reuse and record_path.exists() and path.exists() else None
+    if saved is not None and saved["settings"] == key:
+        warm = saved["warm_start"] | {"reused": str(path)}
+    else:
+        if saved is not None:
+            print(
+                "bench_convergence: the saved warm start has other settings: training anew", file=sys.stderr
+            )
+        threads = torch.get_num_threads()
+        try:
+            warm = warm_start(settings, path)
+        finally:
+            torch.set_num_threads(threads)  # load_data set the children's count in this process
+        record_path.write_text(json.dumps({"settings": key, "warm_start": warm}, indent=1) + "\n")
     print(f"bench_convergence: warm start {json.dumps(warm)}", file=sys.stderr, flush=True)
     return dataclasses.replace(settings, warm_start_path=str(path)), warm
 
@@ -415,7 +440,7 @@ def _main(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     warm: dict[str, Any] | None = None
     if settings.warm_start_steps > 0:
-        settings, warm = _warm_start(settings, args.out_dir)
+        settings, warm = _warm_start(settings, args.out_dir, reuse=args.reuse_warm_start)
     records = run_variants(
         settings, runnable, args.out_dir, jobs=args.jobs, timeout=timedelta(minutes=args.timeout_minutes)
     )

@@ -88,6 +88,9 @@ class BenchSettings:
     """Streamed chunk size of the simulated all-reduce (the swarm's default)."""
     warm_start_steps: int = 0
     """Steps of the one-worker warm start every variant starts from (0: from the seeded init)."""
+    warm_start_lr: float = 1e-3
+    """Peak AdamW learning rate of the warm start (the node's default), whatever ``inner_lr`` the
+    variants then use: a sweep of ``inner_lr`` starts every point from the same params."""
     warm_start_path: str | None = None
     """The warm-start params (``torch.save`` of the model's state dict), written by ``warm_start``."""
 
@@ -263,7 +266,7 @@ def warm_start(settings: BenchSettings, path: Path) -> dict[str, Any]:
     worker.batches = ShardedBatches(
         corpus.train, seq_len=settings.seq_len, batch_size=settings.batch_size, seed=settings.data_seed + 1
     )
-    schedule = LRSchedule(kind="constant", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
+    schedule = LRSchedule(kind="constant", peak_lr=settings.warm_start_lr, warmup_steps=settings.warmup_steps,
                           horizon_steps=settings.warm_start_steps)  # fmt: skip
     initial_loss = evaluate(worker.model, eval_set)
     for step in range(settings.warm_start_steps):

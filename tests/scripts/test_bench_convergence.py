@@ -188,3 +188,32 @@ def test_parse_variant_outer_lr() -> None:
     for bad in ("diloco:150:int4:x", "diloco:150:int4:0", "diloco:150"):
         with pytest.raises(ValueError):
             variants.parse_variant(bad)
+
+
+@pytest.mark.timeout(180)
+def test_a_saved_warm_start_is_reused_only_with_the_same_warm_start_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--variants", "diloco:2:none", "--out-dir", str(tmp_path), "--jobs", "1", "--eval-every", "2",
+            "--num-eval-batches", "1", "--eval-batch-size", "4", "--warm-start-steps", "3", "--reuse-warm-start"]  # fmt: skip
+    for name, value in TINY.items():
+        base += ["--" + name.replace("_", "-"), str(value)]
+
+    def run(*extra: str) -> dict[str, Any]:
+        assert bench.main([*base, *extra]) == 0
+        capsys.readouterr()
+        return json.loads((tmp_path / "results.json").read_text())
+
+    first = run()
+    trained = (tmp_path / "warm_start.pt").read_bytes()
+    assert "reused" not in first["warm_start"]
+    # The variants' inner LR is not the warm start's: the saved params are taken as they are.
+    second = run("--inner-lr", "2e-3")
+    assert second["warm_start"]["reused"] == str((tmp_path / "warm_start.pt").resolve())
+    assert second["warm_start"]["eval_loss"] == first["warm_start"]["eval_loss"]
+    assert (tmp_path / "warm_start.pt").read_bytes() == trained
+    assert second["variants"][0]["history"][0][2] == first["warm_start"]["eval_loss"]
+    # Another warm-start LR: trained anew, from other params.
+    third = run("--warm-start-lr", "3e-3")
+    assert "reused" not in third["warm_start"]
+    assert third["warm_start"]["eval_loss"] != first["warm_start"]["eval_loss"]
