@@ -179,7 +179,9 @@ class NodeConfig:
     # --- outer optimizer (Nesterov SGD) ---
     outer_lr: float = field(default=0.7, metadata=_help("Outer Nesterov SGD learning rate."))
     outer_momentum: float = field(default=0.9, metadata=_help("Outer Nesterov SGD momentum."))
-    outer_nesterov: bool = field(default=True, metadata=_help("Use Nesterov momentum in the outer step."))
+    outer_nesterov: bool = field(
+        default=True, metadata=_help("Use Nesterov momentum in the outer step (momentum 0: plain SGD).")
+    )
     overlap: bool = field(
         default=False,
         metadata=_help(

@@ -125,12 +125,13 @@ class Trainer:
             batch_size=config.batch_size,
             num_batches=config.eval_batches,
         )
+        nesterov = config.outer_nesterov and config.outer_momentum > 0  # momentum 0: plain SGD
         self.diloco = DiLoCo(
             self.model,
             averager=averager or swarm or SoloAverager(),
             outer_lr=config.outer_lr,
             outer_momentum=config.outer_momentum,
-            nesterov=config.outer_nesterov,
+            nesterov=nesterov,
             offload=config.outer_offload,
             overlap=config.overlap,
             local=self.replica,
@@ -138,7 +139,7 @@ class Trainer:
                 offload=config.outer_offload,
                 lr=config.outer_lr,
                 momentum=config.outer_momentum,
-                nesterov=config.outer_nesterov,
+                nesterov=nesterov,
             ),
         )
         self.progress = Progress()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from node.config import ConfigError, NodeConfig
 from node.metrics import read_metrics
@@ -112,3 +113,22 @@ def test_signal_stops_gracefully_with_checkpoint(corpus_file: Path, tmp_path: Pa
     checkpoint = (tmp_path / "checkpoints" / "LATEST").read_text()
     assert checkpoint == f"step-{steps[-1]['step']:010d}"
     assert "stop requested" in output
+
+
+@pytest.mark.timeout(120)
+def test_outer_momentum_zero_is_plain_sgd_whatever_the_nesterov_flag(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    # torch refuses Nesterov without momentum; the node takes momentum 0 as plain SGD instead: the
+    # outer step is θ - lr·Δ, so the lr 0.5 step lands halfway between the start and the lr 1 step.
+    landed = {}
+    for lr in (1.0, 0.5):
+        config = small_config(corpus_file, tmp_path / str(lr), max_rounds=1, outer_lr=lr, outer_momentum=0.0)
+        assert config.outer_nesterov
+        trainer = Trainer(config)
+        assert trainer.diloco.outer.settings()["nesterov"] is False
+        start = trainer.diloco.global_params.clone()
+        trainer.run()
+        landed[lr] = trainer.diloco.global_params.clone()
+    assert not torch.equal(landed[1.0], start)
+    torch.testing.assert_close(landed[0.5], (start + landed[1.0]) / 2, rtol=0, atol=1e-6)
