@@ -40,6 +40,7 @@ from node.outer_state import (
     FlatOuterState,
     LocalParams,
     OuterState,
+    outer_sgd_settings,
     sgd_momentum_and_settings,
     sgd_state_dict,
 )
@@ -175,7 +176,7 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Where the local params live: this model, or a replica spread over the node's local workers.
         self.local: LocalParams = local if local is not None else ModuleParams(self.params)
-        settings = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
+        settings = outer_sgd_settings(outer_lr, outer_momentum, nesterov)
         model_device = self.params[0].device
         if outer is None:
             device = torch.device("cpu") if offload or model_device.type == "meta" else model_device

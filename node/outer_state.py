@@ -24,6 +24,12 @@ from torch import Tensor
 SGD_SETTINGS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 
 
+def outer_sgd_settings(lr: float, momentum: float, nesterov: bool) -> dict[str, Any]:
+    """The outer ``torch.optim.SGD``'s settings; momentum 0 is plain SGD whatever ``nesterov`` says
+    (torch refuses Nesterov without momentum)."""
+    return {"lr": lr, "momentum": momentum, "nesterov": nesterov and momentum > 0}
+
+
 def tensor_hash(flat: Tensor) -> str:
     """SHA-256 of an fp32 vector's little-endian bytes."""
     data = flat.detach().to("cpu", torch.float32).contiguous()

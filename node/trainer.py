@@ -34,6 +34,7 @@ from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.export import export_model, tokenizer_info
 from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes
 from node.model import ModelConfig, model_config
+from node.outer_state import outer_sgd_settings
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
 from node.replica import ParallelReplica, Replica, SingleReplica
@@ -125,21 +126,18 @@ class Trainer:
             batch_size=config.batch_size,
             num_batches=config.eval_batches,
         )
-        nesterov = config.outer_nesterov and config.outer_momentum > 0  # momentum 0: plain SGD
         self.diloco = DiLoCo(
             self.model,
             averager=averager or swarm or SoloAverager(),
             outer_lr=config.outer_lr,
             outer_momentum=config.outer_momentum,
-            nesterov=nesterov,
+            nesterov=config.outer_nesterov,
             offload=config.outer_offload,
             overlap=config.overlap,
             local=self.replica,
             outer=self.replica.outer_state(
                 offload=config.outer_offload,
-                lr=config.outer_lr,
-                momentum=config.outer_momentum,
-                nesterov=nesterov,
+                **outer_sgd_settings(config.outer_lr, config.outer_momentum, config.outer_nesterov),
             ),
         )
         self.progress = Progress()

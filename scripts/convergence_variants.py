@@ -335,7 +335,6 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             averager=a,
             outer_lr=settings.outer_lr if variant.outer_lr is None else variant.outer_lr,
             outer_momentum=settings.outer_momentum,
-            nesterov=settings.outer_momentum > 0,  # torch refuses Nesterov without momentum
             overlap=overlap,
         )
         for w, a in zip(workers, averagers, strict=True)
