@@ -25,7 +25,7 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
     diloco:H:CODEC[:OUTER_LR]
                         DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
                         then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD, lr 0.7,
-                        momentum 0.9 by default, plain SGD lr 1.3 with --quick; OUTER_LR replaces
+                        momentum 0.9 by default, lr 1.0 momentum 0.5 with --quick; OUTER_LR replaces
                         --outer-lr for this variant) on the mean pseudo-gradient. Codecs other than
                         none use error feedback, as the swarm does.
     overlap:H:CODEC     the overlapped / delayed outer update of ``dtnode join --overlap`` (Streaming
@@ -115,11 +115,11 @@ TARGET_REDUCTION = 1000.0
 PROFILES: dict[str, dict[str, Any]] = {
     # quick: a shared 3000-step one-worker warm start (~4.5 CPU-min at batch 8 x 128 tokens), then 600
     # steps x 4 workers per variant (~4 CPU-min each): ~11 min wall on the 2 cores here with the quick
-    # variants; longer with other work on the cores. Its outer step is tuned for its 4 rounds (plain SGD,
-    # lr 1.3; BENCHMARKS.md has the sweep); the node's default, Nesterov 0.7 / 0.9, is for long runs.
+    # variants; longer with other work on the cores. Its outer step is tuned for its 4 rounds (Nesterov
+    # lr 1.0, momentum 0.5; BENCHMARKS.md has the sweep); the node's default, 0.7 / 0.9, is for long runs.
     # full: ~10x the tokens per variant, from scratch; not calibrated here.
     "quick": {"preset": "nano", "seq_len": 128, "batch_size": 8, "num_workers": 4, "steps": 600, "warmup_steps": 40,
-              "warm_start_steps": 3000, "outer_lr": 1.3, "outer_momentum": 0.0},
+              "warm_start_steps": 3000, "outer_lr": 1.0, "outer_momentum": 0.5},
     "full": {"preset": "nano", "seq_len": 128, "batch_size": 8, "num_workers": 4, "steps": 4000, "warmup_steps": 200},
 }  # fmt: skip
 
@@ -309,11 +309,11 @@ _SETTING_FLAGS: list[tuple[str, type, str]] = [
         float,
         "clip the (averaged, for DDP) gradient norm to this before each step (default 1.0; 0 = off)",
     ),
-    ("outer_lr", float, "DiLoCo outer learning rate (default 0.7, the node's; --quick: 1.3)"),
+    ("outer_lr", float, "DiLoCo outer learning rate (default 0.7, the node's; --quick: 1.0)"),
     (
         "outer_momentum",
         float,
-        "DiLoCo outer Nesterov momentum (default 0.9, the node's; 0 = plain SGD, as --quick)",
+        "DiLoCo outer Nesterov momentum (default 0.9, the node's; --quick: 0.5; 0 = plain SGD)",
     ),
     ("seed", int, "seed of the model initialisation"),
     ("data_seed", int, "seed of the data order"),
