@@ -24,10 +24,10 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         clip and the AdamW step, so the N replicas stay identical.
     diloco:H:CODEC[:OUTER_LR]
                         DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
-                        then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD, lr 0.7,
-                        momentum 0.9 by default, lr 1.0 momentum 0.5 with --quick; OUTER_LR replaces
-                        --outer-lr for this variant) on the mean pseudo-gradient. Codecs other than
-                        none use error feedback, as the swarm does.
+                        then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD with
+                        --outer-lr and --outer-momentum; OUTER_LR replaces --outer-lr for this
+                        variant) on the mean pseudo-gradient. Codecs other than none use error
+                        feedback, as the swarm does.
     overlap:H:CODEC     the overlapped / delayed outer update of ``dtnode join --overlap`` (Streaming
                         DiLoCo, Douillard et al. 2025, arXiv:2501.18512): round k's mean lands during
                         phase k+1, each worker restarts from the newest global params minus its own
@@ -300,29 +300,37 @@ _SETTING_FLAGS: list[tuple[str, type, str]] = [
     ("batch_size", int, "sequences per worker per step"),
     ("num_workers", int, "N: DDP ranks / DiLoCo workers"),
     ("steps", int, "inner steps per worker (a multiple of every H)"),
-    ("warmup_steps", int, "linear LR warmup steps, then cosine decay to 0.1 x peak"),
-    ("inner_lr", float, "peak AdamW learning rate of the variants (default 1e-3, the node's)"),
-    ("warm_start_lr", float, "peak AdamW learning rate of the warm start (default 1e-3, the node's)"),
-    ("beta2", float, "AdamW beta2 (default 0.95)"),
-    (
-        "grad_clip",
-        float,
-        "clip the (averaged, for DDP) gradient norm to this before each step (default 1.0; 0 = off)",
-    ),
-    ("outer_lr", float, "DiLoCo outer learning rate (default 0.7, the node's; --quick: 1.0)"),
-    (
-        "outer_momentum",
-        float,
-        "DiLoCo outer Nesterov momentum (default 0.9, the node's; --quick: 0.5; 0 = plain SGD)",
-    ),
+    ("warmup_steps", int, "linear LR warmup steps, then cosine decay to the node's final LR ratio"),
+    ("inner_lr", float, "peak AdamW learning rate of the variants"),
+    ("warm_start_lr", float, "peak AdamW learning rate of the warm start"),
+    ("beta2", float, "AdamW beta2"),
+    ("grad_clip", float, "clip the (averaged, for DDP) gradient norm to this before each step (0 = off)"),
+    ("outer_lr", float, "DiLoCo outer learning rate"),
+    ("outer_momentum", float, "DiLoCo outer Nesterov momentum (0 = plain SGD)"),
     ("seed", int, "seed of the model initialisation"),
     ("data_seed", int, "seed of the data order"),
-    ("eval_every", int, "DDP eval interval in steps, and the train-loss window (default 25)"),
-    ("eval_batch_size", int, "sequences per held-out batch (default 16)"),
-    ("num_eval_batches", int, "held-out batches (default 8)"),
-    ("threads", int, "torch threads per process (default 1)"),
+    ("eval_every", int, "DDP eval interval in steps, and the train-loss window"),
+    ("eval_batch_size", int, "sequences per held-out batch"),
+    ("num_eval_batches", int, "held-out batches"),
+    ("threads", int, "torch threads per process"),
     ("warm_start_steps", int, "steps of ONE worker all variants start from (0 = from the seeded init)"),
 ]
+
+
+def _profile_settings(profile: str) -> dict[str, Any]:
+    """A profile's values over ``BenchSettings``' defaults (the fields without one stay unset)."""
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(BenchSettings) if f.default is not dataclasses.MISSING
+    }
+    return defaults | PROFILES[profile]
+
+
+def _setting_help(name: str, text: str) -> str:
+    """``text`` with the value the flag takes without it, in the full and the quick profile."""
+    full, quick = _profile_settings("full").get(name), _profile_settings("quick").get(name)
+    if full == quick:
+        return f"{text} (default {full})" if full is not None else text
+    return f"{text} (default {full}; --quick: {quick})"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -355,7 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout-minutes", type=float, default=240.0, help="a variant still running then is killed"
     )
     for name, kind, text in _SETTING_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=_setting_help(name, text)
+        )
     for hidden in ("--settings-file", "--result-file", "--store"):
         parser.add_argument(hidden, type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-variant", default=None, help=argparse.SUPPRESS)

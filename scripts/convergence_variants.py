@@ -38,6 +38,7 @@ from protocol.codecs import CODEC_NAMES, get_codec
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest a DDP rank waits in the rendezvous or one all_reduce before gloo raises."""
 PENDING_KINDS: dict[str, str] = {}  # kinds announced but not runnable yet, and why
+_NODE = NodeConfig()  # the node's defaults, which the benchmark's settings default to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,22 +57,22 @@ class BenchSettings:
     """Inner steps per worker (a multiple of every DiLoCo H)."""
     warmup_steps: int
     """Linear LR warmup; then cosine decay to ``min_lr_ratio`` at ``steps``."""
-    inner_lr: float = 1e-3
+    inner_lr: float = _NODE.inner_lr
     """Peak AdamW learning rate (the node's default)."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = _NODE.min_lr_ratio
     """Final LR as a fraction of the peak."""
-    weight_decay: float = 0.1
+    weight_decay: float = _NODE.weight_decay
     """AdamW weight decay on matrices (norm gains are not decayed), as the node."""
-    beta1: float = 0.9
+    beta1: float = _NODE.beta1
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = _NODE.beta2
     """AdamW beta2."""
-    grad_clip: float = 1.0
+    grad_clip: float = _NODE.grad_clip
     """Clip the (averaged, for DDP) gradient norm to this before every AdamW step."""
-    outer_lr: float = 0.7
+    outer_lr: float = _NODE.outer_lr
     """DiLoCo outer Nesterov learning rate (the node's default)."""
-    outer_momentum: float = 0.9
-    """DiLoCo outer Nesterov momentum (the node's default)."""
+    outer_momentum: float = _NODE.outer_momentum
+    """DiLoCo outer Nesterov momentum (the node's default; 0 = plain SGD)."""
     seed: int = 0
     """Seed of the model initialisation (every worker starts from the same params)."""
     data_seed: int = 0
@@ -88,7 +89,7 @@ class BenchSettings:
     """Streamed chunk size of the simulated all-reduce (the swarm's default)."""
     warm_start_steps: int = 0
     """Steps of the one-worker warm start every variant starts from (0: from the seeded init)."""
-    warm_start_lr: float = 1e-3
+    warm_start_lr: float = _NODE.inner_lr
     """Peak AdamW learning rate of the warm start (the node's default), whatever ``inner_lr`` the
     variants then use: a sweep of ``inner_lr`` starts every point from the same params."""
     warm_start_path: str | None = None
@@ -246,7 +247,7 @@ def evaluate(model: GPT, eval_set: list[tuple[torch.Tensor, torch.Tensor]]) -> f
 
 def load_data(settings: BenchSettings) -> tuple[Corpus, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.set_num_threads(settings.threads)
-    corpus = load_corpus(None, val_fraction=NodeConfig().val_fraction)
+    corpus = load_corpus(None, val_fraction=_NODE.val_fraction)
     val = eval_batches(corpus.val, settings.seq_len, settings.eval_batch_size, settings.num_eval_batches)
     return corpus, val
 
