@@ -114,13 +114,15 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H, codec and an
-    optional outer LR replacing ``BenchSettings.outer_lr`` for this variant only."""
+    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H, codec, an
+    optional outer LR replacing ``BenchSettings.outer_lr`` (DiLoCo kinds) and an optional peak inner LR
+    replacing ``BenchSettings.inner_lr`` (DDP: the baseline at another LR than the shared one)."""
 
     kind: str
     inner_steps: int = 1
     codec: str = "none"
     outer_lr: float | None = None
+    inner_lr: float | None = None
 
     @property
     def error_feedback(self) -> bool:
@@ -129,36 +131,44 @@ class Variant:
     @property
     def name(self) -> str:
         if self.kind == "ddp":
-            return "ddp"
+            return "ddp" if self.inner_lr is None else f"ddp-lr{self.inner_lr:g}"
         lr = "" if self.outer_lr is None else f"-olr{self.outer_lr:g}"
         return f"{self.kind}-H{self.inner_steps}-{self.codec}" + ("-ef" if self.error_feedback else "") + lr
 
     def spec(self) -> str:
         if self.kind == "ddp":
-            return "ddp"
+            return "ddp" if self.inner_lr is None else f"ddp:{self.inner_lr!r}"
         lr = "" if self.outer_lr is None else f":{self.outer_lr!r}"
         return f"{self.kind}:{self.inner_steps}:{self.codec}{lr}"
 
+    def settings(self, shared: BenchSettings) -> BenchSettings:
+        """The settings this variant trains with: the shared ones, with its own inner LR if it has one."""
+        return shared if self.inner_lr is None else dataclasses.replace(shared, inner_lr=self.inner_lr)
+
+
+def _positive(text: str, field: str, spec: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"bad variant {spec!r}: {field} must be a number") from None
+    if not value > 0:
+        raise ValueError(f"bad variant {spec!r}: {field} must be > 0")
+    return value
+
 
 def parse_variant(text: str) -> Variant:
-    """``ddp`` or ``KIND:H:CODEC[:OUTER_LR]`` (e.g. ``diloco:100:int4``, ``diloco:150:int4:0.9``)."""
-    if text == "ddp":
-        return Variant("ddp")
+    """``ddp[:INNER_LR]`` or ``KIND:H:CODEC[:OUTER_LR]`` (e.g. ``ddp:2e-3``, ``diloco:100:int4``,
+    ``diloco:150:int4:0.9``)."""
     fields = text.split(":")
+    if fields[0] == "ddp" and len(fields) <= 2:
+        return Variant("ddp", inner_lr=_positive(fields[1], "INNER_LR", text) if len(fields) == 2 else None)
     if len(fields) not in (3, 4) or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
         raise ValueError(
-            f"bad variant {text!r}: use ddp or KIND:H:CODEC[:OUTER_LR] with KIND in diloco, overlap"
+            f"bad variant {text!r}: use ddp[:INNER_LR] or KIND:H:CODEC[:OUTER_LR] with KIND in diloco, overlap"
         )
     if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
         raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
-    outer_lr = None
-    if len(fields) == 4:
-        try:
-            outer_lr = float(fields[3])
-        except ValueError:
-            raise ValueError(f"bad variant {text!r}: OUTER_LR must be a number") from None
-        if not outer_lr > 0:
-            raise ValueError(f"bad variant {text!r}: OUTER_LR must be > 0")
+    outer_lr = _positive(fields[3], "OUTER_LR", text) if len(fields) == 4 else None
     return Variant(fields[0], int(fields[1]), fields[2], outer_lr)
 
 

@@ -89,10 +89,10 @@ def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
         assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * 4 * num_elements)
 
 
-def _reference_ddp_hash(warm_start_path: Path) -> str:
+def _reference_ddp_hash(warm_start_path: Path, **overrides: float) -> str:
     """Single process, from the warm start: each step, the mean of both shards' gradients, then clip and
     AdamW (as DDP must)."""
-    settings = variants.BenchSettings(**TINY)
+    settings = variants.BenchSettings(**(TINY | overrides))
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)  # the ranks' thread count: the same matmul reduction order
     try:
@@ -130,14 +130,15 @@ def _reference_ddp_hash(warm_start_path: Path) -> str:
 
 @pytest.mark.timeout(180)
 def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--variants", "ddp,diloco:2:none,diloco:2:int4,overlap:2:int4", "--out-dir", str(tmp_path), "--jobs", "3",
+    argv = ["--variants", "ddp,diloco:2:none,diloco:2:int4,overlap:2:int4,ddp:0.003", "--out-dir", str(tmp_path), "--jobs", "3",
             "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4", "--warm-start-steps", "3"]  # fmt: skip
     for name, value in TINY.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     printed = {r["variant"]: r for r in (json.loads(line) for line in lines if line.startswith("{"))}
-    assert list(printed) == ["ddp", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef"]
+    names = ["ddp", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef", "ddp-lr0.003"]
+    assert list(printed) == names
     assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
     results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
     records = {r["variant"]: r for r in results["variants"]}
@@ -160,6 +161,19 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ddp_bytes = 4 * 2 * (2 - 1) / 2 * 4 * num_params  # steps x ring all-reduce of fp32 grads
     assert ddp["bytes_sent_per_worker"] == pytest.approx(ddp_bytes) and ddp["reduction_vs_ddp"] == 1.0
     assert records["ddp"]["param_hashes"][0] == _reference_ddp_hash(tmp_path / "warm_start.pt")
+    # DDP at its own LR: trained with that LR, and every gap is to plain ddp, plus one to the best DDP.
+    tuned = printed["ddp-lr0.003"]
+    assert tuned["inner_lr"] == 0.003 and ddp["inner_lr"] == variants.BenchSettings(**TINY).inner_lr
+    assert records["ddp-lr0.003"]["param_hashes"][0] == _reference_ddp_hash(
+        tmp_path / "warm_start.pt", inner_lr=0.003
+    )
+    best = min((ddp, tuned), key=lambda r: r["eval_loss"])
+    for record in printed.values():
+        assert record["ddp_baseline"] == "ddp" and record["best_ddp"] == best["variant"]
+        assert record["eval_gap_vs_ddp"] == pytest.approx(record["eval_loss"] / ddp["eval_loss"] - 1)
+        assert record["eval_gap_vs_best_ddp"] == pytest.approx(record["eval_loss"] / best["eval_loss"] - 1)
+    int4_gap = printed["diloco-H2-int4-ef"]["eval_gap_vs_best_ddp"]
+    assert f"vs the best DDP ({best['variant']}): diloco-H2-int4-ef {int4_gap:+.2%}" in lines[-2]
     for name, codec_name in (
         ("diloco-H2-none", "none"),
         ("diloco-H2-int4-ef", "int4"),
@@ -177,6 +191,18 @@ def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     delayed, synchronous = records["overlap-H2-int4-ef"]["history"], records["diloco-H2-int4-ef"]["history"]
     assert len(delayed) == len(synchronous) + 1 and delayed[-1][0] == delayed[-2][0]
     assert delayed[1][2] == delayed[0][2] != synchronous[1][2]
+
+
+def test_parse_variant_ddp_inner_lr() -> None:
+    variant = variants.parse_variant("ddp:2e-3")
+    assert (variant.kind, variant.inner_lr, variant.name) == ("ddp", 0.002, "ddp-lr0.002")
+    assert variants.parse_variant(variant.spec()) == variant
+    plain, shared = variants.parse_variant("ddp"), variants.BenchSettings(**TINY)
+    assert plain.inner_lr is None and plain.settings(shared) == shared
+    assert variant.settings(shared).inner_lr == 0.002
+    for bad in ("ddp:x", "ddp:0", "ddp:-1e-3", "ddp:1e-3:2"):
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)
 
 
 def test_parse_variant_outer_lr() -> None:
