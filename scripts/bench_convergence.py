@@ -144,7 +144,7 @@ def _launch(variant: Variant, settings: BenchSettings, work_dir: Path) -> _Job:
     num_workers = settings.num_workers
     script = [sys.executable, str(Path(__file__).resolve()), "--settings-file", str(settings_path)]
     if variant.kind == "ddp":
-        store = work_dir / "ddp.store"
+        store = work_dir / f"{variant.name}.store"  # its own: DDP variants may run at once
         store.unlink(missing_ok=True)  # a FileStore must start empty
         roles = [["--ddp-rank", str(r), "--store", str(store)] for r in range(num_workers)]
     else:

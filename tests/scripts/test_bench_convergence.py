@@ -130,14 +130,15 @@ def _reference_ddp_hash(warm_start_path: Path, **overrides: float) -> str:
 
 @pytest.mark.timeout(180)
 def test_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--variants", "ddp,diloco:2:none,diloco:2:int4,overlap:2:int4,ddp:0.003", "--out-dir", str(tmp_path), "--jobs", "3",
+    # Both DDP variants first, so that they run at once (each rendezvous in its own store).
+    argv = ["--variants", "ddp,ddp:0.003,diloco:2:none,diloco:2:int4,overlap:2:int4", "--out-dir", str(tmp_path), "--jobs", "3",
             "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4", "--warm-start-steps", "3"]  # fmt: skip
     for name, value in TINY.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     printed = {r["variant"]: r for r in (json.loads(line) for line in lines if line.startswith("{"))}
-    names = ["ddp", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef", "ddp-lr0.003"]
+    names = ["ddp", "ddp-lr0.003", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef"]
     assert list(printed) == names
     assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
     results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
