@@ -22,9 +22,8 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
     ddp[:INNER_LR]      N processes, torch.distributed (gloo, FileStore rendezvous). Every step the
                         gradients are averaged (one flat fp32 all_reduce, divided by N) before the
                         clip and the AdamW step, so the N replicas stay identical. INNER_LR replaces
-                        --inner-lr for this variant: the baseline at its own best LR (``ddp:2e-3``).
-                        The gaps are to plain ``ddp`` (the shared settings); with several DDP
-                        variants each record also has ``eval_gap_vs_best_ddp``.
+                        --inner-lr (``ddp:2e-3``: DDP at its own LR); the gaps are to plain ``ddp``,
+                        and with several DDP variants also to the best (``eval_gap_vs_best_ddp``).
     diloco:H:CODEC[:OUTER_LR]
                         DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
                         then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD with
@@ -141,12 +140,11 @@ class _Job:
 def _launch(variant: Variant, settings: BenchSettings, work_dir: Path) -> _Job:
     settings_path = work_dir / f"{variant.name}.settings.json"  # the shared settings or the variant's own
     settings_path.write_text(json.dumps(dataclasses.asdict(variant.settings(settings))))
-    num_workers = settings.num_workers
     script = [sys.executable, str(Path(__file__).resolve()), "--settings-file", str(settings_path)]
     if variant.kind == "ddp":
         store = work_dir / f"{variant.name}.store"  # its own: DDP variants may run at once
         store.unlink(missing_ok=True)  # a FileStore must start empty
-        roles = [["--ddp-rank", str(r), "--store", str(store)] for r in range(num_workers)]
+        roles = [["--ddp-rank", str(r), "--store", str(store)] for r in range(settings.num_workers)]
     else:
         roles = [["--run-variant", variant.spec()]]
     processes, results = [], []
@@ -162,12 +160,12 @@ def _launch(variant: Variant, settings: BenchSettings, work_dir: Path) -> _Job:
 def _collect(job: _Job, settings: BenchSettings) -> dict[str, Any]:
     """The variant's record from its processes' result files (or an ``error``)."""
     variant = job.variant
-    outer_lr = None if variant.kind == "ddp" else variant.outer_lr or settings.outer_lr
+    own = variant.settings(settings)
     warm_start_tokens = settings.warm_start_steps * settings.batch_size * settings.seq_len  # one worker
     record: dict[str, Any] = {"variant": variant.name, "kind": variant.kind, "workers": settings.num_workers,
                               "inner_steps": variant.inner_steps, "codec": variant.codec,
-                              "error_feedback": variant.error_feedback, "outer_lr": outer_lr,
-                              "inner_lr": variant.settings(settings).inner_lr,
+                              "error_feedback": variant.error_feedback, "inner_lr": own.inner_lr,
+                              "outer_lr": None if variant.kind == "ddp" else own.outer_lr,
                               "tokens": settings.steps * settings.tokens_per_step, "steps_per_worker": settings.steps,
                               "warm_start_tokens": warm_start_tokens}  # fmt: skip
     codes = [p.returncode for p in job.processes]
@@ -223,9 +221,8 @@ def run_variants(
         record["eval_loss"] = record["history"][-1][2]
         ddp_bytes = settings.steps * ddp_bytes_per_step(settings.num_workers, record["num_params"])
         record["reduction_vs_ddp"] = ddp_bytes / record["bytes_sent_per_worker"]
-    # The baseline is DDP at the shared settings (plain ``ddp``; else the first DDP variant). With more
-    # than one DDP variant (``ddp:INNER_LR``: DDP at its own LR), every record also gets its gap to the
-    # best of them, so a DiLoCo variant is measured against DDP tuned as well as against DDP as set.
+    # The baseline is DDP at the shared settings (plain ``ddp``; else the first DDP variant); with several
+    # DDP variants (``ddp:INNER_LR``) every record also gets its gap to the best of them (DDP tuned).
     ddps = [r for r in finished if r["kind"] == "ddp"]
     ddp = next((r for r in ddps if r["inner_lr"] == settings.inner_lr), ddps[0] if ddps else None)
     best = min(ddps, key=lambda r: r["eval_loss"]) if len(ddps) > 1 else None
@@ -253,18 +250,15 @@ def target_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
         for r in int4
         if r["eval_gap_vs_ddp"] <= TARGET_LOSS_GAP and r["reduction_vs_ddp"] >= TARGET_REDUCTION
     ]
+    gaps = "; ".join(
+        f"{r['variant']} {r['eval_gap_vs_ddp']:+.2%} loss at {r['reduction_vs_ddp']:,.0f}x" for r in int4
+    )
     baseline = int4[0]["ddp_baseline"]
-    if met:
-        text = f"target MET vs {baseline} by {', '.join(met)}"
-    else:
-        text = f"target NOT MET vs {baseline}: " + "; ".join(
-            f"{r['variant']} {r['eval_gap_vs_ddp']:+.2%} loss at {r['reduction_vs_ddp']:,.0f}x" for r in int4
-        )
+    text = f"target MET vs {baseline} by {', '.join(met)}" if met else f"target NOT MET vs {baseline}: {gaps}"
     if "best_ddp" in int4[0]:
-        within = [r["variant"] for r in int4 if r["eval_gap_vs_best_ddp"] <= TARGET_LOSS_GAP]
-        gaps = ", ".join(f"{r['variant']} {r['eval_gap_vs_best_ddp']:+.2%}" for r in int4)
-        verdict = "within" if within else "NOT within"
-        text += f"; vs the best DDP ({int4[0]['best_ddp']}): {gaps} ({verdict} 2%)"
+        within = "within" if any(r["eval_gap_vs_best_ddp"] <= TARGET_LOSS_GAP for r in int4) else "NOT within"
+        best_gaps = ", ".join(f"{r['variant']} {r['eval_gap_vs_best_ddp']:+.2%}" for r in int4)
+        text += f"; vs the best DDP ({int4[0]['best_ddp']}): {best_gaps} ({within} 2%)"
     return bool(met), text
 
 

@@ -142,8 +142,9 @@ class Variant:
         return f"{self.kind}:{self.inner_steps}:{self.codec}{lr}"
 
     def settings(self, shared: BenchSettings) -> BenchSettings:
-        """The settings this variant trains with: the shared ones, with its own inner LR if it has one."""
-        return shared if self.inner_lr is None else dataclasses.replace(shared, inner_lr=self.inner_lr)
+        """The settings this variant trains with: the shared ones, with its own LRs where it has them."""
+        own = {"inner_lr": self.inner_lr, "outer_lr": self.outer_lr}
+        return dataclasses.replace(shared, **{k: v for k, v in own.items() if v is not None})
 
 
 def _positive(text: str, field: str, spec: str) -> float:
@@ -164,7 +165,7 @@ def parse_variant(text: str) -> Variant:
         return Variant("ddp", inner_lr=_positive(fields[1], "INNER_LR", text) if len(fields) == 2 else None)
     if len(fields) not in (3, 4) or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
         raise ValueError(
-            f"bad variant {text!r}: use ddp[:INNER_LR] or KIND:H:CODEC[:OUTER_LR] with KIND in diloco, overlap"
+            f"bad variant {text!r}: use ddp[:INNER_LR] or KIND:H:CODEC[:OUTER_LR], KIND diloco or overlap"
         )
     if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
         raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
@@ -344,7 +345,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         DiLoCo(
             w.model,
             averager=a,
-            outer_lr=settings.outer_lr if variant.outer_lr is None else variant.outer_lr,
+            outer_lr=variant.settings(settings).outer_lr,
             outer_momentum=settings.outer_momentum,
             overlap=overlap,
         )
