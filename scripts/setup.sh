@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make a virtualenv and install dtnode into it.
 #
-#   bash scripts/setup.sh            # venv in ./.venv (or $DTNODE_VENV), with the dev tools
+#   bash scripts/setup.sh            # venv in ./.venv (or $DTNODE_VENV), with the dev tools and
+#                                    # the Hugging Face extra (dtnode[hf]: transformers, tokenizers, datasets)
 #
 # On a machine without a CUDA device, torch's CPU build (torch==2.13.0) is installed first, so pip
 # does not pull a multi-GB CUDA build. A GPU user who already has a CUDA torch in the venv keeps it.
@@ -24,5 +25,5 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     "${pip[@]}" ${DTNODE_TORCH_PIP_ARGS:-} torch==2.13.0
   fi
 fi
-"${pip[@]}" -e ".[dev]"
+"${pip[@]}" -e ".[dev,hf]"
 "$venv/bin/python" -c 'import torch, hivemind, grpc, node, protocol; print(f"setup: ok: torch {torch.__version__}, hivemind {hivemind.__version__}, grpc {grpc.__version__}")'
