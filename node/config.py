@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -253,6 +254,23 @@ class NodeConfig:
         default=1, metadata=_help("--aggregation trimmed: values dropped per number on each side.")
     )
     min_peers: int = field(default=1, metadata=_help("Fewest nodes an outer round may have."))
+    start_peers: int = field(
+        default=1,
+        metadata=_help(
+            "Start barrier: before its first inner step a node waits (up to --sync-deadline) until this "
+            "many nodes of the run are live, itself included, so that none trains rounds alone while the "
+            "others start; `dtnode swarm` sets it to --nodes. 1 = start at once."
+        ),
+    )
+    round_seconds: float = field(
+        default=0.0,
+        metadata=_help(
+            "Rounds due by time: each node trains until its inner phase has lasted this many seconds (at "
+            "least one step, and longer while a node of its lineage that is catching up is due) instead "
+            "of --inner-steps steps, so nodes of uneven speeds reach each round together, each weighted "
+            "by its tokens. 0 = every round is --inner-steps steps."
+        ),
+    )
     join_window: float = field(
         default=15.0, metadata=_help("Seconds a round's leader waits for its lineage (and joiners due).")
     )
@@ -350,6 +368,10 @@ class NodeConfig:
             raise ConfigError(
                 f"record_ttl must be at least 3 x heartbeat + 10 s = {3 * self.heartbeat + 10:g}, got {self.record_ttl:g}"
             )
+        if self.start_peers < 1:
+            raise ConfigError(f"start_peers must be >= 1, got {self.start_peers}")
+        if not (self.round_seconds >= 0 and math.isfinite(self.round_seconds)):
+            raise ConfigError(f"round_seconds must be >= 0, got {self.round_seconds}")
         if self.min_peers < 1:
             raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
         for key in ("listen", "dht_listen"):
