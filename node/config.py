@@ -12,8 +12,8 @@ CLI turns into a one-line message and exit code 2.
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
