@@ -31,11 +31,11 @@ from collections import deque
 import torch
 
 from protocol.allreduce.client import PeerFailed, push_replica
-from protocol.allreduce.errors import ProtocolError
 from protocol.allreduce.faults import check_fault
 from protocol.allreduce.parts import PartRole, remaining
 from protocol.allreduce.reducer import PartReducer, ReducedPart, SenderStatus
 from protocol.allreduce.round_core import RoundCore
+from protocol.errors import ProtocolError
 
 
 class PartDecider(RoundCore):

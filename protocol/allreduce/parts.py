@@ -14,10 +14,10 @@ from itertools import accumulate
 
 import torch
 
-from protocol.allreduce.errors import invalid
 from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.reducer import PartReducer, ReducedPart
 from protocol.codecs import Codec, CodecError, fp32_view
+from protocol.errors import invalid
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
 

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.robust import AggregationRule, clip_scales, squared_norm, trimmed_weighted_mean
 from protocol.codecs import Codec, CodecError, all_finite, fp32_view
 from protocol.error_feedback import ErrorFeedback
+from protocol.errors import ProtocolError, invalid
 
 
 class SenderStatus(enum.Enum):

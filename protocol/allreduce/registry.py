@@ -19,10 +19,10 @@ import time
 import grpc
 
 from protocol.allreduce.config import AllReduceConfig
-from protocol.allreduce.errors import ProtocolError
 from protocol.allreduce.memory import release_free_memory
 from protocol.allreduce.parts import Pulse
 from protocol.allreduce.round import RoundState
+from protocol.errors import ProtocolError
 
 
 class RoundRegistry:

@@ -27,10 +27,10 @@ import dataclasses
 import grpc
 
 from protocol.allreduce.deciding import PartDecider
-from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.parts import PartRole, ReplicaBuffer, remaining, result_views
 from protocol.allreduce.reducer import PartReducer
 from protocol.codecs import CodecError, fp32_view
+from protocol.errors import ProtocolError, invalid
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
 

@@ -17,13 +17,13 @@ import grpc.aio
 from google.protobuf.message import Message as ProtoMessage
 
 from protocol.allreduce.config import AllReduceConfig
-from protocol.allreduce.errors import ProtocolError, invalid
 from protocol.allreduce.faults import check_fault
 from protocol.allreduce.parts import PartRole, chunk_message_num_bytes, remaining
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
 from protocol.codecs import wire_bytes
+from protocol.errors import ProtocolError, invalid
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient

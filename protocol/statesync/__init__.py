@@ -6,7 +6,7 @@ Start here: `Snapshot` (what is served: round, state id, named flat tensors, met
 facade for the training loop). The wire contract is protos/dtnode/v1/statesync.proto.
 """
 
-from protocol.statesync.config import StateSyncConfig
+from protocol.statesync.config import FetchOptions, StateSyncConfig
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.faults import ServeFaultPlan
 from protocol.statesync.fetch import FetchReport, fetch_state, fetch_state_with_report
@@ -17,6 +17,7 @@ from protocol.statesync.snapshot import Snapshot, TensorEntry
 
 __all__ = [
     "SERVICE_NAME",
+    "FetchOptions",
     "FetchReport",
     "ServeFaultPlan",
     "Snapshot",

@@ -19,6 +19,33 @@ DEFAULT_RANGE_BYTES = 32 * MiB
 """A fetcher asks one source for this many bytes per FetchRange unless told otherwise."""
 DEFAULT_FETCH_STALL_TIMEOUT = timedelta(seconds=15)
 """A fetcher drops a source that sends nothing for this long unless told otherwise."""
+MAX_CHUNK_BYTES = 64 * MiB
+"""The largest chunk a fetcher may ask for (it sizes the channel's receive limit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FetchOptions:
+    """How a fetcher moves a snapshot; every fetch entry point takes one (the defaults suit WAN links)."""
+
+    max_parallel: int = 4
+    """FetchRange streams open at once, over all sources."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """The largest streamed message asked for (sources may cap it lower)."""
+    range_bytes: int = DEFAULT_RANGE_BYTES
+    """Bytes asked of one source per FetchRange (rounded down to whole blocks, capped by every
+    source's max_range_bytes); smaller ranges spread the work finer."""
+    stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT
+    """A source that sends nothing for this long is dropped and its range re-queued."""
+
+    def __post_init__(self) -> None:
+        if self.max_parallel < 1:
+            raise ValueError(f"max_parallel must be >= 1, got {self.max_parallel}")
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        if self.range_bytes <= 0:
+            raise ValueError(f"range_bytes must be positive, got {self.range_bytes}")
+        if self.stall_timeout <= timedelta(0):
+            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,3 +110,7 @@ def fetcher_options(*, chunk_bytes: int, stall_timeout: timedelta) -> list[tuple
         ("grpc.keepalive_timeout_ms", keepalive_ms),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+DEFAULT_FETCH_OPTIONS = FetchOptions()
+"""The options of a fetch that names none."""

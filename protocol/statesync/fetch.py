@@ -1,12 +1,12 @@
 """fetch_state: assemble a verified snapshot from several sources in parallel, surviving their failures.
 
     snapshot = await fetch_state(["10.0.0.2:7000", "10.0.0.3:7000"], expected_state_id=param_hash,
-                                 deadline=timedelta(minutes=10), max_parallel=4,
-                                 chunk_bytes=4 << 20)
+                                 deadline=timedelta(minutes=10),
+                                 options=FetchOptions(max_parallel=4, chunk_bytes=4 << 20))
 
 Step 1, manifests (sources.py): ask every source which snapshot it serves; keep those that agree on
         the one we want (`expected_state_id`, or the newest offered when None).
-Step 2, ranges (transfer.py): cut every tensor into block-aligned ranges; `max_parallel` streams
+Step 2, ranges (transfer.py): cut every tensor into block-aligned ranges; `options.max_parallel` streams
         fetch them from the least-loaded sources into preallocated buffers, checking every block
         against the manifest's SHA-256 as it completes. The rest of a range whose source died,
         stalled, lied or moved on to a newer snapshot goes to another source.
@@ -31,21 +31,13 @@ from datetime import timedelta
 from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.statesync.assembly import Assembly
-from protocol.statesync.config import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_FETCH_STALL_TIMEOUT,
-    DEFAULT_RANGE_BYTES,
-    fetcher_options,
-)
+from protocol.statesync.config import DEFAULT_FETCH_OPTIONS, FetchOptions, fetcher_options
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
 from protocol.statesync.sources import Source, choose_snapshot, describe_exclusions, get_manifests
 from protocol.statesync.transfer import RangeTransfer
 
 logger = logging.getLogger(__name__)
-
-MAX_CHUNK_BYTES = 64 << 20
-"""The largest chunk a fetcher may ask for (it sizes the channel's receive limit)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,26 +62,13 @@ def _verify_tensors(assembly: Assembly) -> None:
             )
 
 
-def _check_arguments(
-    sources: list[str],
-    deadline: timedelta,
-    max_parallel: int,
-    chunk_bytes: int,
-    range_bytes: int,
-    stall: timedelta,
-) -> None:
+def _check_sources(sources: list[str], deadline: timedelta) -> None:
     if not sources:
         raise ValueError("fetch_state needs at least one source")
     if len(set(sources)) != len(sources):
         raise ValueError(f"sources are repeated: {sources}")
-    if deadline <= timedelta(0) or stall <= timedelta(0):
-        raise ValueError("deadline and stall_timeout must be positive")
-    if max_parallel < 1:
-        raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
-    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-    if range_bytes <= 0:
-        raise ValueError(f"range_bytes must be positive, got {range_bytes}")
+    if deadline <= timedelta(0):
+        raise ValueError(f"deadline must be positive, got {deadline}")
 
 
 async def fetch_state_with_report(
@@ -97,19 +76,17 @@ async def fetch_state_with_report(
     *,
     expected_state_id: str | None,
     deadline: timedelta,
-    max_parallel: int = 4,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    range_bytes: int = DEFAULT_RANGE_BYTES,
-    stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+    options: FetchOptions = DEFAULT_FETCH_OPTIONS,
     auth: SwarmAuth | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> FetchReport:
     """`fetch_state`, also saying which source delivered how many bytes and which were dropped;
     ``on_progress(bytes verified, bytes in all)`` is called on the loop as blocks are verified."""
-    _check_arguments(sources, deadline, max_parallel, chunk_bytes, range_bytes, stall_timeout)
+    _check_sources(sources, deadline)
     started = time.monotonic()
-    options = fetcher_options(chunk_bytes=chunk_bytes, stall_timeout=stall_timeout)
-    channels = [open_channel(address, options=options, auth=auth) for address in sources]
+    stall_timeout = options.stall_timeout
+    channel_options = fetcher_options(chunk_bytes=options.chunk_bytes, stall_timeout=stall_timeout)
+    channels = [open_channel(address, options=channel_options, auth=auth) for address in sources]
     states = [
         Source(address, pb_grpc.StateSyncStub(channel))
         for address, channel in zip(sources, channels, strict=True)
@@ -126,9 +103,9 @@ async def fetch_state_with_report(
             transfer = RangeTransfer(
                 manifest,
                 serving,
-                max_parallel=max_parallel,
-                chunk_bytes=chunk_bytes,
-                range_bytes=range_bytes,
+                max_parallel=options.max_parallel,
+                chunk_bytes=options.chunk_bytes,
+                range_bytes=options.range_bytes,
                 stall_timeout=stall_timeout,
                 executor=executor,
                 deadline=started + deadline.total_seconds(),
@@ -173,31 +150,17 @@ async def fetch_state(
     *,
     expected_state_id: str | None,
     deadline: timedelta,
-    max_parallel: int = 4,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    range_bytes: int = DEFAULT_RANGE_BYTES,
-    stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+    options: FetchOptions = DEFAULT_FETCH_OPTIONS,
     auth: SwarmAuth | None = None,
 ) -> Snapshot:
     """Fetch the snapshot `expected_state_id` (None: the newest the sources agree on) from `sources`
     (host:port), verified block by block and tensor by tensor; StateSyncError if that cannot be done
     within `deadline`.
 
-    max_parallel:  FetchRange streams open at once, over all sources.
-    chunk_bytes:   largest streamed message asked for (sources may cap it lower).
-    range_bytes:   bytes asked of one source per FetchRange (rounded down to whole blocks, capped by
-                   every source's max_range_bytes); smaller ranges spread the work finer.
-    stall_timeout: a source that sends nothing for this long is dropped and its range re-queued.
-    auth:          presented on every call, as a closed swarm's sources require (``protocol.auth``).
+    options: how the snapshot moves (streams, chunk and range sizes, stall timeout: ``FetchOptions``).
+    auth:    presented on every call, as a closed swarm's sources require (``protocol.auth``).
     """
     report = await fetch_state_with_report(
-        sources,
-        expected_state_id=expected_state_id,
-        deadline=deadline,
-        max_parallel=max_parallel,
-        chunk_bytes=chunk_bytes,
-        range_bytes=range_bytes,
-        stall_timeout=stall_timeout,
-        auth=auth,
+        sources, expected_state_id=expected_state_id, deadline=deadline, options=options, auth=auth
     )
     return report.snapshot

@@ -19,12 +19,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from protocol.loop import BackgroundLoop
-from protocol.statesync.config import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_FETCH_STALL_TIMEOUT,
-    DEFAULT_RANGE_BYTES,
-    StateSyncConfig,
-)
+from protocol.statesync.config import DEFAULT_FETCH_OPTIONS, FetchOptions, StateSyncConfig
 from protocol.statesync.faults import ServeFaultPlan
 from protocol.statesync.fetch import FetchReport, fetch_state_with_report
 from protocol.statesync.provider import StateProvider
@@ -83,20 +78,11 @@ class SyncStateSync:
         *,
         expected_state_id: str | None,
         deadline: timedelta,
-        max_parallel: int = 4,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        range_bytes: int = DEFAULT_RANGE_BYTES,
-        stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+        options: FetchOptions = DEFAULT_FETCH_OPTIONS,
     ) -> FetchReport:
         """Blocking `fetch_state_with_report` (see there); returns or raises within deadline + RESULT_MARGIN."""
         coroutine = fetch_state_with_report(
-            sources,
-            expected_state_id=expected_state_id,
-            deadline=deadline,
-            max_parallel=max_parallel,
-            chunk_bytes=chunk_bytes,
-            range_bytes=range_bytes,
-            stall_timeout=stall_timeout,
+            sources, expected_state_id=expected_state_id, deadline=deadline, options=options
         )
         return self._loop.run(coroutine, deadline + RESULT_MARGIN)
 
@@ -106,20 +92,11 @@ class SyncStateSync:
         *,
         expected_state_id: str | None,
         deadline: timedelta,
-        max_parallel: int = 4,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        range_bytes: int = DEFAULT_RANGE_BYTES,
-        stall_timeout: timedelta = DEFAULT_FETCH_STALL_TIMEOUT,
+        options: FetchOptions = DEFAULT_FETCH_OPTIONS,
     ) -> Snapshot:
         """Blocking `fetch_state` (see there): the verified snapshot, or StateSyncError."""
         return self.fetch_with_report(
-            sources,
-            expected_state_id=expected_state_id,
-            deadline=deadline,
-            max_parallel=max_parallel,
-            chunk_bytes=chunk_bytes,
-            range_bytes=range_bytes,
-            stall_timeout=stall_timeout,
+            sources, expected_state_id=expected_state_id, deadline=deadline, options=options
         ).snapshot
 
     def close(self, grace: timedelta | None = None) -> None:

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
+from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
 from protocol.statesync.config import MESSAGE_OVERHEAD_BYTES, StateSyncConfig
-from protocol.statesync.errors import Refusal
 from protocol.statesync.faults import ServeFaultPlan, flip_first_byte
 from protocol.statesync.manifest import to_manifest
 from protocol.statesync.snapshot import Snapshot, byte_view
@@ -147,9 +147,9 @@ class StateProvider(pb_grpc.StateSyncServicer):
             await self._resumed.wait()
         elif action == "stall":
             await self._closed.wait()  # until close(), or the fetcher cancels the call
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, "shutting down")
+            raise ProtocolError(grpc.StatusCode.UNAVAILABLE, "shutting down")
         elif action in ("abort", "die"):
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"injected fault: {action}")
+            raise ProtocolError(grpc.StatusCode.UNAVAILABLE, f"injected fault: {action}")
 
     async def _check_alive(self) -> None:
         """A provider that "died" or "stalled" does so for every call, not only at its fault point."""
@@ -161,19 +161,19 @@ class StateProvider(pb_grpc.StateSyncServicer):
     def _find(self, state_id: str) -> tuple[Snapshot, pb.StateManifest]:
         kept = self._kept
         if not kept:
-            raise Refusal(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
+            raise ProtocolError(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
         if not state_id:
             return kept[0][0]
         for served in kept:
             for snapshot, manifest in served:
                 if snapshot.state_id == state_id:
                     return snapshot, manifest
-        raise Refusal(
+        raise ProtocolError(
             grpc.StatusCode.NOT_FOUND,
             f"I no longer keep snapshot {state_id!r}; I serve {self.kept_state_ids}",
         )
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, refusal: Refusal) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, refusal: ProtocolError) -> None:
         self.num_refusals[refusal.code.name] += 1
         level = logging.INFO if refusal.code in _ROUTINE_CODES else logging.WARNING
         logger.log(level, "refused %s from %s: %s", rpc, context.peer(), refusal)
@@ -184,7 +184,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
     ) -> pb.StateManifest:
         try:
             if isinstance(request, Malformed):
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                raise ProtocolError(grpc.StatusCode.INVALID_ARGUMENT, request.error)
             await self._check_alive()
             _, manifest = self._find(request.state_id)
             action = self._fault_at("manifest")
@@ -195,7 +195,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
                 lying.tensors[0].sha256 = flip_first_byte(lying.tensors[0].sha256)
                 return lying
             return manifest
-        except Refusal as refusal:
+        except ProtocolError as refusal:
             await self._refuse(context, "GetManifest", refusal)
             raise AssertionError("context.abort returned") from refusal
 
@@ -203,14 +203,14 @@ class StateProvider(pb_grpc.StateSyncServicer):
         snapshot, _ = self._find(request.state_id)
         entry = snapshot.entries.get(request.tensor_name)
         if entry is None:
-            raise Refusal(
+            raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"snapshot {request.state_id!r} has no tensor {request.tensor_name!r}",
             )
         if request.length == 0:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "you asked for an empty range")
+            raise ProtocolError(grpc.StatusCode.INVALID_ARGUMENT, "you asked for an empty range")
         if request.length > self.config.max_range_bytes:
-            raise Refusal(
+            raise ProtocolError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"you asked for {request.length} bytes; I serve at most {self.config.max_range_bytes} per request",
             )
@@ -218,13 +218,13 @@ class StateProvider(pb_grpc.StateSyncServicer):
         if -(-request.length // chunk_bytes) > MAX_CHUNKS_PER_RANGE:
             # Tiny chunks cost a gRPC message each: 1-byte chunks of a 256 MiB range would hold a
             # transfer slot for 256M writes (found by scripts/fuzz_rpcs.py).
-            raise Refusal(
+            raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.length} bytes in chunks of {chunk_bytes} take more than {MAX_CHUNKS_PER_RANGE} "
                 "chunks; ask for larger chunks",
             )
         if request.offset + request.length > entry.num_bytes:
-            raise Refusal(
+            raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"bytes [{request.offset}, {request.offset + request.length}) pass the end of "
                 f"{request.tensor_name!r} ({entry.num_bytes} bytes)",
@@ -236,11 +236,11 @@ class StateProvider(pb_grpc.StateSyncServicer):
     ) -> None:
         try:
             if isinstance(request, Malformed):
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                raise ProtocolError(grpc.StatusCode.INVALID_ARGUMENT, request.error)
             await self._check_alive()
             snapshot = self._check_range(request)
             if self._num_active_transfers >= self.config.max_concurrent_transfers:
-                raise Refusal(
+                raise ProtocolError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"I am serving {self._num_active_transfers} transfers already; try again shortly",
                 )
@@ -249,7 +249,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
                 await self._stream(snapshot, request, context)
             finally:
                 self._num_active_transfers -= 1
-        except Refusal as refusal:
+        except ProtocolError as refusal:
             await self._refuse(context, "FetchRange", refusal)
 
     async def _stream(
@@ -270,7 +270,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
                 async with asyncio.timeout(stall):
                     await context.write(pb.StateChunk(offset=start, data=payload))
             except TimeoutError as error:
-                raise Refusal(
+                raise ProtocolError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"you read nothing for {stall:.1f}s"
                 ) from error
             self.num_chunks_served += 1

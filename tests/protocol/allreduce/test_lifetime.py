@@ -22,10 +22,10 @@ import uvloop
 from protocol.allreduce import AllReducePeer, AllReduceResult, GroupSpec, Member
 from protocol.allreduce import peer as peer_module
 from protocol.allreduce.client import PeerClient
-from protocol.allreduce.errors import ProtocolError
 from protocol.allreduce.parts import PartRole
 from protocol.allreduce.round import RoundState
 from protocol.codecs import get_codec
+from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, local_peers, members_of
 

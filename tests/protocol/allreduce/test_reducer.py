@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 
-from protocol.allreduce.errors import ProtocolError
 from protocol.allreduce.reducer import PartReducer, chunk_sizes
 from protocol.codecs import get_codec
+from protocol.errors import ProtocolError
 
 NUM_ELEMENTS = 1000
 CHUNK = 300

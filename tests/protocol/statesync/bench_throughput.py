@@ -22,7 +22,13 @@ from multiprocessing.connection import Connection
 import torch
 import uvloop
 
-from protocol.statesync import Snapshot, StateSyncConfig, StateSyncServer, fetch_state_with_report
+from protocol.statesync import (
+    FetchOptions,
+    Snapshot,
+    StateSyncConfig,
+    StateSyncServer,
+    fetch_state_with_report,
+)
 
 MiB = 1 << 20
 
@@ -97,9 +103,11 @@ def main() -> None:
                         addresses[:num_providers],
                         expected_state_id="bench",
                         deadline=timedelta(minutes=5),
-                        max_parallel=args.max_parallel,
-                        chunk_bytes=args.chunk_mib * MiB,
-                        range_bytes=args.range_mib * MiB,
+                        options=FetchOptions(
+                            max_parallel=args.max_parallel,
+                            chunk_bytes=args.chunk_mib * MiB,
+                            range_bytes=args.range_mib * MiB,
+                        ),
                     )
                 )
                 seconds.append(time.perf_counter() - started)

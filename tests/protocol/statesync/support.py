@@ -6,11 +6,10 @@ import hashlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch
 
-from protocol.statesync import ServeFaultPlan, Snapshot, StateSyncConfig, StateSyncServer
+from protocol.statesync import FetchOptions, ServeFaultPlan, Snapshot, StateSyncConfig, StateSyncServer
 
 MiB = 1 << 20
 
@@ -22,12 +21,9 @@ TEST_CONFIG = StateSyncConfig(
     stall_timeout=timedelta(seconds=5),
     server_grace=timedelta(milliseconds=100),
 )
-FETCH_KNOBS: dict[str, Any] = {
-    "max_parallel": 4,
-    "chunk_bytes": 256 * 1024,
-    "range_bytes": 2 * MiB,
-    "stall_timeout": timedelta(seconds=5),
-}
+FETCH_OPTIONS = FetchOptions(
+    max_parallel=4, chunk_bytes=256 * 1024, range_bytes=2 * MiB, stall_timeout=timedelta(seconds=5)
+)
 
 
 def make_snapshot(

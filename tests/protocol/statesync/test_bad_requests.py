@@ -20,7 +20,7 @@ from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.statesync import SERVICE_NAME, fetch_state
 from tests.protocol.statesync.support import (
-    FETCH_KNOBS,
+    FETCH_OPTIONS,
     TEST_CONFIG,
     MiB,
     assert_identical,
@@ -52,7 +52,7 @@ async def _status_of_fetch(stub: pb_grpc.StateSyncStub, **fields: object) -> grp
 
 async def _still_serves(address: str) -> None:
     fetched = await fetch_state(
-        [address], expected_state_id=SNAPSHOT.state_id, deadline=timedelta(seconds=10), **FETCH_KNOBS
+        [address], expected_state_id=SNAPSHOT.state_id, deadline=timedelta(seconds=10), options=FETCH_OPTIONS
     )
     assert_identical(fetched, SNAPSHOT)
 

@@ -14,6 +14,7 @@ import pytest
 import uvloop
 
 from protocol.statesync import (
+    FetchOptions,
     FetchReport,
     ServeFaultPlan,
     StateSyncError,
@@ -21,7 +22,7 @@ from protocol.statesync import (
     fetch_state_with_report,
 )
 from tests.protocol.statesync.support import (
-    FETCH_KNOBS,
+    FETCH_OPTIONS,
     TEST_CONFIG,
     MiB,
     assert_identical,
@@ -33,10 +34,16 @@ SNAPSHOT = make_snapshot()  # ~21 MB; built once (hashing takes a moment)
 
 
 async def _fetch(
-    addresses: list[str], *, expected: str | None = SNAPSHOT.state_id, **knobs: Any
+    addresses: list[str],
+    *,
+    expected: str | None = SNAPSHOT.state_id,
+    deadline: timedelta = timedelta(seconds=20),
+    **knobs: Any,
 ) -> FetchReport:
-    arguments: dict[str, Any] = {**FETCH_KNOBS, "deadline": timedelta(seconds=20), **knobs}
-    return await fetch_state_with_report(addresses, expected_state_id=expected, **arguments)
+    options = replace(FETCH_OPTIONS, **knobs)
+    return await fetch_state_with_report(
+        addresses, expected_state_id=expected, deadline=deadline, options=options
+    )
 
 
 @pytest.mark.timeout(30)
@@ -262,9 +269,11 @@ def test_a_busy_provider_is_retried_not_dropped() -> None:
     ],
 )
 def test_bad_arguments_are_value_errors(sources: list[str], knobs: dict[str, Any]) -> None:
-    arguments: dict[str, Any] = {"expected_state_id": None, "deadline": timedelta(seconds=1), **knobs}
+    deadline = knobs.pop("deadline", timedelta(seconds=1))
     with pytest.raises(ValueError):
-        uvloop.run(fetch_state(sources, **arguments))
+        uvloop.run(
+            fetch_state(sources, expected_state_id=None, deadline=deadline, options=FetchOptions(**knobs))
+        )
 
 
 @pytest.mark.timeout(30)

@@ -8,7 +8,7 @@ import pytest
 
 from protocol.loop import BackgroundLoop
 from protocol.statesync import StateSyncError, SyncStateSync
-from tests.protocol.statesync.support import FETCH_KNOBS, TEST_CONFIG, MiB, assert_identical, make_snapshot
+from tests.protocol.statesync.support import FETCH_OPTIONS, TEST_CONFIG, MiB, assert_identical, make_snapshot
 
 
 @pytest.mark.timeout(30)
@@ -26,7 +26,7 @@ def test_join_then_resync_after_falling_behind() -> None:
             for node in (old_a, old_b):
                 node.publish(first)
             joined = joiner.fetch(
-                sources, expected_state_id=None, deadline=timedelta(seconds=10), **FETCH_KNOBS
+                sources, expected_state_id=None, deadline=timedelta(seconds=10), options=FETCH_OPTIONS
             )
             assert_identical(joined, first)
             joiner.publish(joined)  # the joiner now serves what it fetched
@@ -39,7 +39,7 @@ def test_join_then_resync_after_falling_behind() -> None:
                 [*sources, joiner.address],
                 expected_state_id=second.state_id,
                 deadline=timedelta(seconds=10),
-                **FETCH_KNOBS,
+                options=FETCH_OPTIONS,
             )
             assert_identical(report.snapshot, second)
             assert list(report.excluded) == [joiner.address]
