@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from node import __version__
 from node.config import ConfigError, NodeConfig, field_types, load_config
 from node.logs import configure_logging
+from node.tokenizer import add_tokenizer_command
 
 log = logging.getLogger("dtnode")
 
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument(
         "path", metavar="PATH", help="the key file to create (an existing file is not overwritten)"
     )
+    add_tokenizer_command(commands)  # dtnode tokenizer train (node/tokenizer.py)
     return parser
 
 
@@ -398,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sample(args)
         if args.command == "keygen":
             return run_keygen(args)
+        if args.command == "tokenizer":
+            from node.tokenizer import run_tokenizer
+
+            return run_tokenizer(args)
     except ConfigError as error:
         print(f"dtnode: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -86,14 +86,39 @@ class NodeConfig:
         metadata=_help("Model preset: nano (~1M), tiny (~10M), small (~50M), 350m, 1b, 7b."),
     )
     seq_len: int = field(default=0, metadata=_help("Context length in tokens (0 = the preset's)."))
+    model_config: str = field(
+        default="",
+        metadata=_help(
+            "A Hugging Face Llama-family config.json (or its folder) to build the model from instead "
+            "of --model's preset (node/hf.py); seq_len defaults to its max_position_embeddings."
+        ),
+    )
+    init_from: str = field(
+        default="",
+        metadata=_help(
+            "Start from the weights of a local Hugging Face checkpoint folder (config.json and "
+            "*.safetensors); its config.json is the model's unless --model-config is given."
+        ),
+    )
 
     # --- data ---
     data: str = field(
         default="",
         metadata=_help(
-            "Training data: a text file, a folder of text files or a uint16 .bin of token ids. "
-            "Empty means the embedded corpus: this Python's standard library sources."
+            "Training data: a text file, a folder of text files, a .bin of token ids (uint16; uint32 "
+            "for a tokenizer over 65,535 ids), a .jsonl, a .parquet or a datasets save_to_disk "
+            "folder. Empty means the embedded corpus: this Python's standard library sources."
         ),
+    )
+    tokenizer: str = field(
+        default="",
+        metadata=_help(
+            "A Hugging Face tokenizer.json (or its folder), e.g. from `dtnode tokenizer train`. "
+            "Empty means byte tokens (256 bytes + 4 specials)."
+        ),
+    )
+    text_field: str = field(
+        default="text", metadata=_help("The text column of .jsonl, .parquet and save_to_disk data.")
     )
     val_fraction: float = field(default=0.01, metadata=_help("Fraction of the corpus held out for eval."))
     data_seed: int = field(default=0, metadata=_help("Seed of the data order (shared by the whole swarm)."))
@@ -355,6 +380,9 @@ class NodeConfig:
             raise ConfigError(f"metrics_port must be in [0, 65535] (0 = off), got {self.metrics_port}")
         if self.data and not Path(self.data).exists():
             raise ConfigError(f"data path does not exist: {self.data}")
+        for key in ("tokenizer", "model_config", "init_from"):
+            if getattr(self, key) and not Path(getattr(self, key)).exists():
+                raise ConfigError(f"{key} path does not exist: {getattr(self, key)}")
         positive_reals = (
             "inner_lr", "outer_lr", "local_bucket_mb", "local_timeout", "join_window", "max_wait",
             "round_deadline", "sync_deadline", "bandwidth_mbit", "heartbeat",

@@ -26,6 +26,15 @@ Corpus
 
 Each document becomes its bytes followed by ``EOS``, so the model sees where one file ends.
 
+Other tokenizers and data sets
+------------------------------
+With ``--tokenizer tokenizer.json`` (``node/tokenizer.py``) the same sources are tokenized by it, each
+document followed by the tokenizer's end-of-text id; so are the record data sets of ``node/records.py``
+(``.jsonl``, ``.parquet``, a ``datasets`` ``save_to_disk`` folder: one document per record). A
+vocabulary over 65,535 ids makes the streams, and a ``.bin`` file's ids, uint32 (``token_dtype``). The
+tokenizer file's digest is part of ``Corpus.sha256``, so a peer or a resume with another tokenizer
+does not match.
+
 Held-out split
 --------------
 The split must be identical on every peer and stable when files are added, so a document goes to
@@ -49,10 +58,13 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from node.tokenizer import Tokenizer
 
 NUM_BYTE_TOKENS: Final = 256
 BOS: Final = 256
@@ -65,14 +77,22 @@ RESERVED: Final = 259
 VOCAB_SIZE: Final = 260
 
 TOKEN_DTYPE: Final = np.dtype("<u2")
-"""Every token stream is uint16 little-endian, the layout of nanoGPT's ``.bin`` files."""
+"""Token streams are uint16 little-endian, the layout of nanoGPT's ``.bin`` files, unless the
+tokenizer's vocabulary needs more (:func:`token_dtype`)."""
+WIDE_TOKEN_DTYPE: Final = np.dtype("<u4")
+"""Token streams of a vocabulary over 65,535 ids (``--tokenizer``), ``.bin`` files included."""
 
 _EXCLUDED_DIR_NAMES: Final = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SPLIT_BUCKETS: Final = 10_000
 _HASH_CHUNK_TOKENS: Final = 1 << 24  # 32 MB per step: bounded memory when scanning a memmap
 _HASH_FORMAT_TAG: Final = b"dtnode-corpus-v1|uint16le"
 
-TokenArray = npt.NDArray[np.uint16]
+TokenArray = npt.NDArray[np.uint16] | npt.NDArray[np.uint32]
+
+
+def token_dtype(vocab_size: int) -> np.dtype[np.unsignedinteger]:
+    """uint16 little-endian for a vocabulary of at most 65,535 ids, else uint32."""
+    return TOKEN_DTYPE if vocab_size <= 65_535 else WIDE_TOKEN_DTYPE
 
 
 def encode(text: str | bytes) -> TokenArray:
@@ -108,16 +128,38 @@ class Corpus:
     num_documents: int
     """Documents in train + val; a ``.bin`` stream counts as one opaque document."""
     vocab_size: int
-    """Smallest vocabulary covering every id: ``VOCAB_SIZE`` for text, maybe more for ``.bin``."""
+    """Smallest vocabulary covering every id: ``VOCAB_SIZE`` for text, maybe more for ``.bin``.
+    With a ``tokenizer.json`` this is the ids seen; the model takes the tokenizer's vocabulary."""
+    tokenizer_sha256: str | None = None
+    """SHA-256 of the ``tokenizer.json`` the text was tokenized with (folded into ``sha256``); None
+    for byte tokens."""
 
 
-def load_corpus(path: str | None, *, val_fraction: float = 0.01) -> Corpus:
+def load_corpus(
+    path: str | None,
+    *,
+    val_fraction: float = 0.01,
+    tokenizer: Tokenizer | None = None,
+    text_field: str = "text",
+) -> Corpus:
     """Load the corpus at ``path`` (see the module docstring), or the stdlib default if ``None``.
 
     An empty string also means the default (the config's "no data given"), never the current folder.
+    With a ``tokenizer.json`` (``node/tokenizer.py``), or for record data sets (``.jsonl``,
+    ``.parquet``, a ``save_to_disk`` folder: ``node/records.py``, reading ``text_field``), documents
+    are tokenized batch by batch as they are read (``node/records.py``).
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    from node import records  # records builds on this module's helpers
+
+    has_tokenizer_file = tokenizer is not None and tokenizer.sha256 is not None
+    if path and Path(path).suffix == ".bin" and Path(path).is_file():
+        return _load_token_file(Path(path), val_fraction=val_fraction, tokenizer=tokenizer)
+    if has_tokenizer_file or (path and records.is_record_source(Path(path))):
+        return records.load_tokenized(
+            path or None, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction
+        )
     if path is None or path == "":
         root = Path(sysconfig.get_paths()["stdlib"])
         documents = _read_documents(root, _stdlib_files(root))
@@ -134,8 +176,6 @@ def load_corpus(path: str | None, *, val_fraction: float = 0.01) -> Corpus:
         return _corpus_from_documents(documents, label=f"folder {path}", val_fraction=val_fraction)
     if not source.is_file():
         raise ValueError(f"corpus path {path!r} is neither a regular file nor a folder")
-    if source.suffix == ".bin":
-        return _load_token_file(source, val_fraction=val_fraction)
     return _load_text_file(source, val_fraction=val_fraction)
 
 
@@ -224,30 +264,74 @@ def _load_text_file(source: Path, *, val_fraction: float) -> Corpus:
     return _split_stream(tokens, label=description, num_documents=1, val_fraction=val_fraction)
 
 
-def _load_token_file(source: Path, *, val_fraction: float) -> Corpus:
+def _load_token_file(source: Path, *, val_fraction: float, tokenizer: Tokenizer | None) -> Corpus:
+    vocab_size = VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
+    dtype = token_dtype(vocab_size)
     num_bytes = source.stat().st_size
-    if num_bytes % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"token file {str(source)!r} has {num_bytes} bytes, not a whole number of uint16")
-    if num_bytes < 2 * TOKEN_DTYPE.itemsize:
+    width = f"uint{8 * dtype.itemsize}"
+    if num_bytes % dtype.itemsize:
+        raise ValueError(f"token file {str(source)!r} has {num_bytes} bytes, not a whole number of {width}")
+    if num_bytes < 2 * dtype.itemsize:
         raise ValueError(f"token file {str(source)!r} holds fewer than 2 tokens")
-    tokens = np.memmap(source, dtype=TOKEN_DTYPE, mode="r")
-    description = f"token file {source}: {tokens.size:,} tokens"
-    return _split_stream(tokens, label=description, num_documents=1, val_fraction=val_fraction)
+    tokens = np.memmap(source, dtype=dtype, mode="r")
+    description = f"token file {source}: {tokens.size:,} {width} tokens"
+    return _split_stream(
+        tokens,
+        label=description,
+        num_documents=1,
+        val_fraction=val_fraction,
+        tokenizer_sha256=None if tokenizer is None else tokenizer.sha256,
+        min_vocab_size=vocab_size,
+    )
 
 
-def _split_stream(tokens: TokenArray, *, label: str, num_documents: int, val_fraction: float) -> Corpus:
+def _split_stream(
+    tokens: TokenArray,
+    *,
+    label: str,
+    num_documents: int,
+    val_fraction: float,
+    tokenizer_sha256: str | None = None,
+    min_vocab_size: int = VOCAB_SIZE,
+) -> Corpus:
     """Validation is the last ``val_fraction`` of ``tokens`` (at least one token on each side)."""
     if tokens.size < 2:
         raise ValueError(f"{label}: need at least 2 tokens to split into train and val")
     num_val = min(max(math.ceil(val_fraction * tokens.size), 1), tokens.size - 1)
     split = tokens.size - num_val
-    return _make_corpus(tokens[:split], tokens[split:], description=label, num_documents=num_documents)
+    return _make_corpus(
+        tokens[:split],
+        tokens[split:],
+        description=label,
+        num_documents=num_documents,
+        tokenizer_sha256=tokenizer_sha256,
+        min_vocab_size=min_vocab_size,
+    )
 
 
-def _make_corpus(train: TokenArray, val: TokenArray, *, description: str, num_documents: int) -> Corpus:
-    assert train.ndim == 1 and val.ndim == 1 and train.dtype == val.dtype == TOKEN_DTYPE
+def _make_corpus(
+    train: TokenArray,
+    val: TokenArray,
+    *,
+    description: str,
+    num_documents: int,
+    tokenizer_sha256: str | None = None,
+    min_vocab_size: int = VOCAB_SIZE,
+) -> Corpus:
+    """The corpus of two streams; its digest covers the tokens and, if any, the tokenizer file.
+
+    Byte-token uint16 streams keep the original tag, so their digests (and old run dirs) are unchanged;
+    a ``tokenizer.json``'s digest and a uint32 layout extend it.
+    """
+    assert train.ndim == 1 and val.ndim == 1 and train.dtype == val.dtype
+    assert train.dtype in (TOKEN_DTYPE, WIDE_TOKEN_DTYPE)
     assert train.size > 0 and val.size > 0
-    digest = hashlib.sha256(_HASH_FORMAT_TAG + f"|train={train.size}|val={val.size}|".encode())
+    tag = _HASH_FORMAT_TAG
+    if train.dtype == WIDE_TOKEN_DTYPE:
+        tag += b"|uint32le"
+    if tokenizer_sha256 is not None:
+        tag += f"|tokenizer={tokenizer_sha256}".encode()
+    digest = hashlib.sha256(tag + f"|train={train.size}|val={val.size}|".encode())
     max_id = 0
     # One chunked pass over both streams: a memmap is paged in a bounded slice at a time.
     for stream in (train, val):
@@ -261,5 +345,6 @@ def _make_corpus(train: TokenArray, val: TokenArray, *, description: str, num_do
         sha256=digest.hexdigest(),
         description=description,
         num_documents=num_documents,
-        vocab_size=max(VOCAB_SIZE, max_id + 1),
+        vocab_size=max(min_vocab_size, max_id + 1),
+        tokenizer_sha256=tokenizer_sha256,
     )

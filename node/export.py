@@ -24,15 +24,23 @@ model with no other file:
 
 ``model.json`` beside it repeats the metadata for people and scripts. Both files are written to a
 temporary name and renamed into place, so a crash leaves the previous export or none.
+
+``RUN_DIR/hf/`` holds the same parameters as a Hugging Face Llama checkpoint (``node/hf.py``):
+``config.json`` and ``model.safetensors`` that ``transformers.AutoModelForCausalLM.from_pretrained``
+loads, and ``tokenizer.json`` + ``tokenizer_config.json`` for ``AutoTokenizer``: the run's
+``--tokenizer``, or for byte tokens a ``tokenizer.json`` that encodes text to the same byte ids
+(``node/tokenizer.py``). A pre-tokenized ``.bin`` with no ``--tokenizer`` has no tokenizer files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -40,17 +48,34 @@ from safetensors.torch import save_file
 
 from node.corpus import BOS, EOS, PAD
 from node.diloco import flatten_params
+from node.hf import write_hf_folder
 from node.model import GPT, ModelConfig
 from node.outer_state import tensor_hash
+from node.tokenizer import write_byte_tokenizer_json
+
+if TYPE_CHECKING:
+    from node.tokenizer import Tokenizer
 
 MODEL_FILE = "model.safetensors"
 MODEL_JSON = "model.json"
+HF_FOLDER = "hf"
 FORMAT = "dtnode-gpt-v1"
 BYTE_TOKENIZER = "dtnode-bytes-v1"
+HF_TOKENIZER = "tokenizer.json"
 
 
-def tokenizer_info(data: str, vocab_size: int) -> dict[str, Any]:
-    """How text becomes the model's token ids: bytes, unless the corpus was a pre-tokenized ``.bin``."""
+def tokenizer_info(data: str, vocab_size: int, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """How text becomes the model's token ids: a ``tokenizer.json`` (``--tokenizer``: its digest, its
+    end-of-text id and its path, copied into the ``hf/`` export), else bytes, unless the corpus was a
+    pre-tokenized ``.bin``."""
+    if tokenizer is not None and tokenizer.path is not None:
+        return {
+            "name": HF_TOKENIZER,
+            "vocab_size": vocab_size,
+            "eos": tokenizer.eos_id,
+            "sha256": tokenizer.sha256,
+            "path": str(tokenizer.path.resolve()),
+        }
     if data and Path(data).suffix == ".bin":
         return {"name": "token-ids", "vocab_size": vocab_size}
     return {"name": BYTE_TOKENIZER, "vocab_size": vocab_size, "bos": BOS, "eos": EOS, "pad": PAD}
@@ -110,7 +135,27 @@ def export_model(
     json_tmp = run_dir / f"{MODEL_JSON}.tmp-{os.getpid()}"
     json_tmp.write_text(json.dumps(metadata, indent=2) + "\n")
     os.replace(json_tmp, run_dir / MODEL_JSON)
+    export_hf(run_dir / HF_FOLDER, model.config, tensors, tokenizer)
     return path
+
+
+def export_hf(
+    folder: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: dict[str, Any]
+) -> Path:
+    """The Hugging Face folder of the export (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer_file: Path | None = None
+        bos = pad = None
+        eos = tokenizer.get("eos")
+        if tokenizer["name"] == HF_TOKENIZER:
+            tokenizer_file = Path(tokenizer["path"])
+        elif tokenizer["name"] == BYTE_TOKENIZER and importlib.util.find_spec("tokenizers") is not None:
+            # Without the hf extra the folder still loads in transformers, with no tokenizer files.
+            tokenizer_file = write_byte_tokenizer_json(Path(scratch) / "tokenizer.json")
+            bos, pad = BOS, PAD
+        return write_hf_folder(
+            folder, config, tensors, tokenizer_file=tokenizer_file, bos_id=bos, eos_id=eos, pad_id=pad
+        )
 
 
 def find_model_file(run_dir: Path) -> Path:

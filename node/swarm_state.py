@@ -248,7 +248,7 @@ def _checked_metadata(metadata: object, *, num_elements: int, corpus_sha256: str
             f"this node {num_elements}: use the swarm's --model and --seq-len"
         )
     if metadata.get("corpus_sha256") != corpus_sha256:
-        raise ValueError("the swarm trains on another corpus: use the swarm's --data")
+        raise ValueError("the swarm trains on another corpus: use the swarm's --data and --tokenizer")
     return metadata
 
 

@@ -29,14 +29,16 @@ import torch
 
 from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from node.config import ConfigError, NodeConfig
-from node.data import ShardedBatches, eval_batches, load_corpus
+from node.data import ShardedBatches, eval_batches
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.export import export_model, tokenizer_info
+from node.hf import init_state, node_model_config
 from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes
 from node.model import ModelConfig, model_config
 from node.outer_state import outer_sgd_settings
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
+from node.records import load_node_corpus
 from node.replica import ParallelReplica, Replica, SingleReplica
 from node.schedule import LRSchedule
 
@@ -96,13 +98,19 @@ class Trainer:
             torch.set_num_threads(config.threads)
         self._stop = threading.Event()
 
-        self.corpus = load_corpus(config.data or None, val_fraction=config.val_fraction)
+        self.tokenizer, self.corpus = load_node_corpus(config)  # --tokenizer, --data (node/records.py)
         overrides: dict[str, Any] = {"vocab_size": self.corpus.vocab_size}
         if config.seq_len:
             overrides["seq_len"] = config.seq_len
-        self.model_config = model_config(config.model, **overrides)
+        # --model-config / --init-from (an HF Llama config.json: node/hf.py), else the preset.
+        self.model_config = node_model_config(config, self.corpus.vocab_size) or model_config(
+            config.model, **overrides
+        )
         torch.manual_seed(config.seed)
         self.replica = build_replica(config, self.model_config, self.device)
+        initial_state = init_state(config, self.model_config)
+        if initial_state is not None:  # --init-from: before DiLoCo copies the params as the global ones
+            self.replica.load_model_state(initial_state)
         self.model = self.replica.model  # plain GPT (on the meta device when the local workers hold it)
         self.schedule = LRSchedule(
             kind=config.lr_schedule,
@@ -173,7 +181,11 @@ class Trainer:
         latest = latest_checkpoint(self.checkpoint_root)
         if latest is not None:
             self._restore(latest)
-        corpus_record.write_text(f"sha256 = {self.corpus.sha256}\ndescription = {self.corpus.description}\n")
+        tokenizer_sha256 = self.corpus.tokenizer_sha256 or "none (byte tokens)"
+        corpus_record.write_text(
+            f"sha256 = {self.corpus.sha256}\ndescription = {self.corpus.description}\n"
+            f"tokenizer_sha256 = {tokenizer_sha256}\n"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         optimizer_state = self.replica.optimizer_state()
@@ -221,7 +233,7 @@ class Trainer:
         if meta["corpus_sha256"] != self.corpus.sha256:
             raise ConfigError(
                 f"{path} was trained on corpus {meta['corpus_sha256'][:12]}, this run reads {self.corpus.sha256[:12]}; "
-                "use the same --data or a new --run-dir"
+                "use the same --data and --tokenizer or a new --run-dir"
             )
         try:
             self.replica.load_model_state(state["model"])
@@ -487,7 +499,7 @@ class Trainer:
             self.model,
             self.diloco.global_params,  # the averaging thread is closed: nothing steps it now
             preset=self.config.model,
-            tokenizer=tokenizer_info(self.config.data, self.corpus.vocab_size),
+            tokenizer=tokenizer_info(self.config.data, self.corpus.vocab_size, self.tokenizer),
             round_index=progress.round,
             step=progress.step,
             tokens=progress.tokens,
