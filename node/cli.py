@@ -20,12 +20,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from typing import Any, NoReturn
 
 from node import __version__
-from node.config import ConfigError, NodeConfig, field_types, load_config
+from node.cli_flags import add_config_flags
+from node.config import ConfigError, NodeConfig, load_config
 from node.logs import configure_logging
 from node.tokenizer import add_tokenizer_command
 
@@ -35,7 +37,13 @@ EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; a user mistake here is one line and exit code 2."""
+    """argparse prints usage plus the error; a user mistake here is one line and exit code 2.
+
+    Flags are never matched by prefix: ``--inner-step 5`` is an error, not ``--inner-steps 5``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
@@ -75,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser(
         "join",
         help="start a node and train",
+        usage="%(prog)s [--config FILE] [--SETTING VALUE ...]  (settings by group below)",
         description="Start a node. Settings: flag > DTNODE_* env > --config TOML > default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -169,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens; 0 = all")
     sample.add_argument("--seed", type=int, default=0, help="seed of the sampler: same seed, same text")
     sample.add_argument("--device", default="cpu", help="device to run the model on")
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the node at ADDR serves (gRPC health SERVING), else 1",
+        description="Ask a node's gRPC port (HOST:PORT) for its grpc.health.v1 status and print it; exit 0 "
+        "when SERVING, 1 otherwise or without an answer within --timeout (see node/health.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    health.add_argument("address", metavar="ADDR", help="the node's gRPC HOST:PORT (its --listen)")
+    health.add_argument("--service", default="", help="one service's health ('': the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    health.add_argument("--swarm-key-file", default=None, help="the swarm key (to reach a --tls node)")
+    health.add_argument("--tls", action="store_true", help="the node speaks mutual TLS (needs the key)")
     keygen = commands.add_parser(
         "keygen",
         help="write a new swarm key file (mode 0600) for --swarm-key-file",
@@ -196,6 +217,10 @@ def run_join(args: argparse.Namespace) -> int:
     if config.log_format != "text":
         setup_logging(config.log_format)
     log.info("config: %s", " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)))
+    from node.preflight import check_before_sockets
+
+    check_before_sockets(config)  # the layout, the swarm key, the addresses: exit 2 before any socket
+    started = time.time()
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.trainer import Trainer
 
@@ -203,6 +228,7 @@ def run_join(args: argparse.Namespace) -> int:
         trainer = Trainer(config)
         stop.attach(trainer)
         trainer.run()
+        log_run_summary(config, started=started)
         return 0
     from node.checkpoint import latest_checkpoint
     from node.join import JOIN_TIMEOUT, Prefetch
@@ -221,7 +247,17 @@ def run_join(args: argparse.Namespace) -> int:
     finally:
         swarm.leave()
         swarm.close()
+    log_run_summary(config, started=started)
     return 0
+
+
+def log_run_summary(config: NodeConfig, *, started: float) -> None:
+    """One line when the run ends: rounds, held-out loss, bytes, wall time (``node/run_summary.py``)."""
+    from node.run_summary import summarize_run, summary_line
+
+    run_dir = config.resolved_run_dir
+    summary = summarize_run(run_dir / "metrics.jsonl", started=started, ended=time.time())
+    log.info("%s", summary_line(summary, run_dir))
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -298,6 +334,29 @@ def run_keygen(args: argparse.Namespace) -> int:
     print(f"wrote a swarm key to {args.path} (fingerprint {key.fingerprint}); start every node with "
           f"--swarm-key-file {args.path}")  # fmt: skip
     return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the node at ADDR is SERVING, 1 otherwise; a bad ADDR or key is exit 2."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    from node.health import run_health as check
+    from node.status import check_address
+    from protocol.auth.channels import SwarmAuth
+    from protocol.auth.key import SwarmKey
+
+    if not args.timeout > 0:
+        raise ConfigError("--timeout must be positive")
+    if args.tls and not args.swarm_key_file:
+        raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
+    try:
+        address = check_address(args.address)
+        key = SwarmKey.from_file(Path(args.swarm_key_file)) if args.swarm_key_file else None
+    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
+        raise ConfigError(str(error)) from None
+    auth = None if key is None else SwarmAuth(key, tls=args.tls)
+    return check(address, service=args.service, timeout=timedelta(seconds=args.timeout), auth=auth)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -400,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sample(args)
         if args.command == "keygen":
             return run_keygen(args)
+        if args.command == "health":
+            return run_health(args)
         if args.command == "tokenizer":
             from node.tokenizer import run_tokenizer
 

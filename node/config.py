@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -468,9 +469,14 @@ def field_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(NodeConfig)}
 
 
-def _coerce(key: str, value: Any, source: str) -> Any:
-    """Convert a raw value (TOML value or env string) to the field's type, or raise ConfigError."""
+def _coerce(key: str, value: Any, source: str, *, typed: bool = False) -> Any:
+    """Convert a raw value (TOML value or env string) to the field's type, or raise ConfigError.
+
+    ``typed``: the source has types of its own (TOML), so a string for a number or a bool is a
+    mistake (``inner_steps = "5"``), not text to parse as an environment variable's is."""
     kind = field_types()[key]
+    if isinstance(value, str) and kind is not str and typed:
+        raise ConfigError(f"{source}: {key} expects {kind.__name__}, got the string {value!r}")
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
@@ -508,7 +514,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
     raw = {key.replace("-", "_"): value for key, value in raw.items()}
     _check_keys(raw, str(path))
-    return {key: _coerce(key, value, str(path)) for key, value in raw.items()}
+    return {key: _coerce(key, value, str(path), typed=True) for key, value in raw.items()}
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -542,6 +548,25 @@ def load_config(
         return NodeConfig(**values)
     except TypeError as error:  # a wrong type that slipped through coercion
         raise ConfigError(str(error)) from None
+    except ConfigError as error:  # a bad value: say it with the flags a user types
+        raise ConfigError(name_flags(str(error))) from None
+
+
+def name_flags(message: str) -> str:
+    """``message`` with the settings it names written as flags (``inner_steps`` → ``--inner-steps``).
+
+    A setting with an underscore is renamed wherever it stands; a one-word setting (``model``,
+    ``data``) only where it opens the message, as in "model must be one of …", so that the same
+    word used as a word elsewhere is left alone."""
+    names = {f.name for f in fields(NodeConfig)}
+
+    def flag(match: re.Match[str]) -> str:
+        word = match.group(0)
+        if word in names and ("_" in word or match.start() == 0):
+            return "--" + word.replace("_", "-")
+        return word
+
+    return re.sub(r"(?<![\w\-'\".=/])[a-z][a-z0-9_]*(?![\w\-'\"])", flag, message)
 
 
 def replace(config: NodeConfig, **changes: Any) -> NodeConfig:

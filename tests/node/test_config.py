@@ -53,11 +53,11 @@ def test_to_toml_round_trips(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"flags": {"inner_steps": 0}}, "inner_steps must be >= 1"),
+        ({"flags": {"inner_steps": 0}}, "--inner-steps must be >= 1"),
         ({"flags": {"model": "huge"}}, "model must be one of"),
-        ({"flags": {"lr_schedule": "linear"}}, "lr_schedule must be one of"),
-        ({"flags": {"outer_momentum": 1.5}}, "outer_momentum must be in"),
-        ({"flags": {"shard_index": 2, "num_shards": 2}}, "shard_index must be in"),
+        ({"flags": {"lr_schedule": "linear"}}, "--lr-schedule must be one of"),
+        ({"flags": {"outer_momentum": 1.5}}, "--outer-momentum must be in"),
+        ({"flags": {"shard_index": 2, "num_shards": 2}}, "--shard-index must be in"),
         ({"flags": {"data": "/no/such/file"}}, "data path does not exist"),
         ({"flags": {"bogus": 1}}, "unknown setting(s): bogus"),
         ({"environ": {"DTNODE_BOGUS": "1"}}, "DTNODE_BOGUS: unknown setting"),

@@ -1,0 +1,57 @@
+"""``dtnode health ADDR``: ask a node's gRPC port whether it serves (the standard health protocol).
+
+Every node serves ``grpc.health.v1.Health`` on its ``--listen`` port (``protocol/swarm/server.py``):
+the whole server (service ``""``) and each dtnode service are SERVING while the node runs, and
+NOT_SERVING once it leaves. This is the check a container orchestrator runs (``docker/Dockerfile``'s
+HEALTHCHECK): exit 0 when the answer is SERVING, 1 for any other answer, an unreachable node or no
+answer within the timeout. Health needs no swarm-key token; a node started with ``--tls`` answers
+only over mutual TLS, so ``auth`` brings the swarm's certificate then.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protocol.auth.channels import SwarmAuth
+from protocol.auth.tls import SERVER_NAME, channel_credentials
+
+EXIT_SERVING = 0
+EXIT_UNHEALTHY = 1
+
+
+def check_health(
+    address: str, *, service: str = "", timeout: timedelta, auth: SwarmAuth | None = None
+) -> tuple[bool, str]:
+    """Ask ``address`` (``host:port``) for ``service``'s health (``""``: the whole server).
+
+    Returns (serving, what was heard): the status name (``SERVING``, ``NOT_SERVING``, …) or the gRPC
+    error (``UNAVAILABLE: …``, ``DEADLINE_EXCEEDED: …``). Blocks for at most ``timeout``.
+    """
+    options: list[tuple[str, int | str]] = [("grpc.enable_retries", 0)]
+    if auth is not None and auth.tls:
+        options.append(("grpc.ssl_target_name_override", SERVER_NAME))
+        channel = grpc.secure_channel(address, channel_credentials(auth.identity), options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout.total_seconds()
+            )
+        except grpc.RpcError as error:
+            code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+            details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+            return False, f"{code.name}: {details}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def run_health(address: str, *, service: str, timeout: timedelta, auth: SwarmAuth | None) -> int:
+    """Print one line (``ADDR: SERVING``) and return the exit code: 0 serving, 1 otherwise."""
+    serving, heard = check_health(address, service=service, timeout=timeout, auth=auth)
+    label = f"{address} ({service})" if service else address
+    print(f"{label}: {heard}", flush=True)
+    return EXIT_SERVING if serving else EXIT_UNHEALTHY

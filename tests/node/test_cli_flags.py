@@ -1,0 +1,201 @@
+"""The join flags: help groups, no prefix matching, errors that name the flag, typed TOML and env,
+checks before any socket opens, the warm-up warning, and ``dtnode health``."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import fields
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from node.cli import build_parser, main
+from node.cli_flags import HELP_GROUPS, add_config_flags, codec_names, setting_groups
+from node.config import ConfigError, NodeConfig, load_config
+from node.preflight import run_length_steps, run_warnings
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def test_every_field_is_in_exactly_one_help_group_in_declaration_order() -> None:
+    groups = setting_groups()
+    assert list(groups) == list(HELP_GROUPS)
+    placed = [name for names in groups.values() for name in names]
+    assert sorted(placed) == sorted(f.name for f in fields(NodeConfig))
+    order = [f.name for f in fields(NodeConfig)]
+    for names in groups.values():
+        assert names == sorted(names, key=order.index)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    by_title = add_config_flags(parser)
+    for title, group in by_title.items():
+        assert [action.dest for action in group._group_actions] == groups[title]
+
+
+def test_codec_choices_are_the_codecs() -> None:
+    from protocol.codecs import CODEC_NAMES
+
+    assert codec_names() == CODEC_NAMES
+
+
+@pytest.mark.parametrize("argv", [["join", "--inner-step", "5"], ["join", "--inner", "5"]])
+def test_a_flag_prefix_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert "unrecognized arguments: " + " ".join(argv[1:]) in capsys.readouterr().err
+
+
+def test_the_full_flag_parses() -> None:
+    args = build_parser().parse_args(["join", "--inner-steps", "5", "--codec", "int4"])
+    assert (args.inner_steps, args.codec) == (5, "int4")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["join", "--inner-steps", "0"], "--inner-steps must be >= 1, got 0"),
+        (
+            ["join", "--max-wait", "5", "--join-window", "15"],
+            "--max-wait (5.0) must be at least --join-window",
+        ),
+        (["join", "--codec", "int3"], "argument --codec: invalid choice: 'int3'"),
+        (["join", "--lr-schedule", "linear"], "argument --lr-schedule: invalid choice"),
+        (["join", "--inner-steps", "x"], "argument --inner-steps: invalid int value"),
+    ],
+)
+def test_an_error_names_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exited:  # argparse's own errors
+        code = int(exited.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_toml_string_for_a_number_or_bool_is_an_error_naming_the_key(tmp_path: Path) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text('inner_steps = "5"\n')
+    with pytest.raises(ConfigError, match=r"node\.toml: inner_steps expects int, got the string '5'"):
+        load_config(config_file=toml, environ={})
+    toml.write_text('overlap = "true"\n')
+    with pytest.raises(ConfigError, match="overlap expects bool"):
+        load_config(config_file=toml, environ={})
+    toml.write_text("inner_lr = 0.5\ninner_steps = 2.0\n")
+    with pytest.raises(ConfigError, match="inner_steps expects int, got 2.0"):
+        load_config(config_file=toml, environ={})
+    toml.write_text('inner_lr = 1\nname = "x"\n')  # an integer for a real is a number all the same
+    config = load_config(config_file=toml, environ={})
+    assert config.inner_lr == 1.0 and isinstance(config.inner_lr, float) and config.name == "x"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("DTNODE_INNER_STEPS", "5.0", "DTNODE_INNER_STEPS: inner_steps expects int, got '5.0'"),
+        ("DTNODE_INNER_LR", "fast", "inner_lr expects float"),
+        ("DTNODE_OVERLAP", "2", "overlap expects true/false"),
+    ],
+)
+def test_an_env_value_of_the_wrong_type_is_an_error(name: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ={name: value})
+    assert load_config(environ={"DTNODE_INNER_STEPS": " 7 "}).inner_steps == 7
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about() -> None:
+    short = NodeConfig(max_rounds=3, inner_steps=12, warmup_steps=50)
+    assert run_length_steps(short) == 36
+    (warning,) = run_warnings(short)
+    assert "--warmup-steps 50 exceeds the run (36 inner steps)" in warning
+    assert run_length_steps(NodeConfig(max_rounds=3, inner_steps=12, max_steps=20)) == 20
+    assert run_warnings(NodeConfig(max_rounds=3, inner_steps=12, warmup_steps=36)) == []
+    assert run_warnings(NodeConfig(warmup_steps=10**6)) == []  # a run without an end
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_layout_exits_2_before_any_socket_opens(tmp_path: Path) -> None:
+    port = free_port()
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "join", "--model", "nano", "--local-workers", "2", "--tp", "3", "--run-dir", str(run_dir),
+        "--listen", f"127.0.0.1:{port}", "--max-rounds", "1",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "dp * tp * pp = 1 * 3 * 1 = 3 must equal the number of local workers (2" in result.stderr
+    # Nothing of the swarm side started: no gRPC server or DHT log line, no banner, no node.json.
+    assert "To join it" not in result.stdout and result.stdout == ""
+    assert "gRPC server" not in result.stderr and "DHT" not in result.stderr
+    assert not (run_dir / "node.json").exists()
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_swarm_key_exits_2_before_any_socket_opens(tmp_path: Path) -> None:
+    result = run_cli(
+        "join", "--model", "nano", "--swarm-key-file", str(tmp_path / "no.key"),
+        "--run-dir", str(tmp_path / "run"), "--listen", "127.0.0.1:0",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "no.key" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "run" / "node.json").exists()
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    """A gRPC server with the stock health service on loopback, as every node serves it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(grace=None)
+
+
+@pytest.mark.timeout(60)
+def test_health_exits_0_when_serving_and_1_otherwise(
+    health_server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert main(["health", address]) == 0
+    assert capsys.readouterr().out.strip() == f"{address}: SERVING"
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert main(["health", address]) == 1
+    assert capsys.readouterr().out.strip() == f"{address}: NOT_SERVING"
+    servicer.set("dtnode.v1.AllReduce", health_pb2.HealthCheckResponse.SERVING)
+    assert main(["health", address, "--service", "dtnode.v1.AllReduce"]) == 0
+    assert main(["health", address, "--service", "no.such.Service"]) == 1  # NOT_FOUND
+    assert "NOT_FOUND" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_health_of_an_address_nobody_serves_is_1_and_a_bad_address_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["health", address, "--timeout", "3"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().out
+    assert main(["health", "nowhere"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
