@@ -49,33 +49,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field; absent flags stay absent (SUPPRESS) so lower layers show through."""
-    types = field_types()
-    for f in fields(NodeConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        help_text = f"{f.metadata.get('help', '')} [default: {default!r}; env DTNODE_{f.name.upper()}]"
-        kind = types[f.name]
-        if kind is bool:
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                type=kind,
-                default=argparse.SUPPRESS,
-                metavar=f.name.upper(),
-                help=help_text,
-            )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dtnode", description="Decentralized low-bandwidth training node (DiLoCo).")
     parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
