@@ -88,7 +88,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
             raise ValueError("a snapshot and its companions need distinct state ids")
         older = tuple(kept for kept in self._kept if kept[0][0].state_id != snapshot.state_id)
         self._kept = (tuple(served), *older)[: self.config.num_snapshots_kept]
-        logger.info("serving %r (keeping %s)", snapshot, self.kept_state_ids)
+        logger.debug("serving %r (keeping %s)", snapshot, self.kept_state_ids)
 
     def _manifest_of(self, snapshot: Snapshot) -> pb.StateManifest:
         manifest = to_manifest(
