@@ -31,7 +31,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "swarm": ("swarm", "peers", "listen", "dht_listen", "announce", "codec", "swarm_streams",
               "aggregation", "clip_factor", "trim", "min_peers", "join_window", "max_wait",
               "round_deadline", "sync_deadline", "bandwidth_mbit", "heartbeat", "record_ttl"),
-    "security": ("swarm_key_file", "tls"),
+    "security": ("swarm_key_file", "tls", "identity_path"),
     "intra-node (local workers)": ("local_workers", "dp", "tp", "pp", "zero", "pp_schedule",
                                    "pp_virtual_stages", "microbatches", "precision", "sequence_parallel",
                                    "activation_checkpointing", "grad_accumulation", "local_bucket_mb",

@@ -330,6 +330,14 @@ class NodeConfig:
             "--swarm-key-file; every node of the swarm must use it)."
         ),
     )
+    identity_path: str = field(
+        default="",
+        metadata=_help(
+            "File with this node's libp2p private key, created on first start (mode 0600) and reused "
+            "after: the peer id, and with a fixed --dht-listen port the multiaddr, survive restarts. "
+            "Empty = a new peer id at every start."
+        ),
+    )
 
     def __post_init__(self) -> None:
         positive = (

@@ -1,6 +1,7 @@
 """From the node's settings to a running swarm side: ``swarm_config`` maps ``NodeConfig`` onto
 ``SwarmConfig`` (the local stream servers use it too), ``start_swarm`` starts the ``SwarmNode``,
-prints how to join it and records it in ``RUN_DIR/node.json``."""
+prints how to join it (addresses other machines can dial first, loopback last) and records it in
+``RUN_DIR/node.json``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             initial_peers=peers,
             listen=dht_listen,
             announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
+            identity_path=config.identity_path or None,
         )
         max_wait = timedelta(seconds=config.max_wait)
         join_window = timedelta(seconds=config.join_window)
@@ -66,6 +68,15 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
         raise ConfigError(str(error)) from None
 
 
+LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
+
+
+def reachable_first(multiaddrs: list[str]) -> list[str]:
+    """``multiaddrs`` with the loopback ones last (otherwise in order): the first address printed
+    under "To join it from another machine" is one another machine can dial."""
+    return sorted(multiaddrs, key=lambda address: address.startswith(LOOPBACK_PREFIXES))
+
+
 def start_swarm(config: NodeConfig) -> SwarmNode:
     """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``."""
     try:
@@ -74,7 +85,7 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
         raise ConfigError(str(error)) from None
     except OSError as error:
         raise ConfigError(f"cannot listen on {config.listen}: {error}") from None
-    multiaddrs = swarm.multiaddrs()
+    multiaddrs = reachable_first(swarm.multiaddrs())
     run_dir = config.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}

@@ -11,6 +11,8 @@ calls discovery needs:
   libp2p does not go looking), circuit relays and auto-relay, and the IPFS bootstrap list. A peer
   therefore only ever contacts the addresses it was given and the peers they introduce. Startup
   has a deadline; unreachable initial peers give a :class:`DhtStartupError` that names them.
+  With ``identity_path`` the peer's key is read from that file (made on first start, mode 0600:
+  ``identity.py``), so its peer id and multiaddr are the same after a restart.
 - **Calls.** ``store`` and ``get`` send the request to the DHT process and wait for the answer at
   most ``timeout`` (:class:`DhtCallTimeout` after). Requests may come from several threads (the
   training loop and a heartbeat); the pipe to the DHT process is not thread-safe, so sending is
@@ -37,6 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hivemind import DHT
@@ -46,6 +49,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from protocol.auth.dht import SwarmKeyValidator
 from protocol.auth.key import SwarmKey
 from protocol.discovery.addresses import announce_multiaddr, check_peer_multiaddr, listen_multiaddr
+from protocol.discovery.identity import check_identity_path, ensure_identity
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -114,6 +118,10 @@ class DhtConfig:
     """Deadline for starting the daemon and joining through ``initial_peers`` (p2pd gives up by 15 s itself)."""
     rpc_timeout: timedelta = timedelta(seconds=3)
     """hivemind's ``wait_timeout``: a DHT request to one peer counts as lost after this long."""
+    identity_path: str | None = None
+    """``--identity-path``: the file holding this peer's private key, made on first start (mode 0600),
+    so the peer id (and, on a fixed port, the multiaddr) survives restarts (``identity.py``); None: a
+    new identity at every start."""
     host_multiaddr: str = field(init=False)
     """``listen`` as a multiaddr (derived)."""
     announce_multiaddr: str | None = field(init=False)
@@ -129,6 +137,8 @@ class DhtConfig:
         for name in ("startup_timeout", "rpc_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.identity_path is not None:
+            check_identity_path(Path(self.identity_path))  # made at start; an unusable one fails now
 
     def hivemind_kwargs(self) -> dict[str, object]:
         """Keyword arguments for ``hivemind.DHT`` (forwarded to ``DHTNode.create`` and ``P2P.create``)."""
@@ -169,6 +179,15 @@ class DhtNode:
         self.config = config
         self._send_lock = threading.Lock()
         self._closed = False
+        identity: dict[str, object] = {}
+        if config.identity_path is not None:
+            try:
+                expected_id, created = ensure_identity(Path(config.identity_path))
+            except (OSError, ValueError) as error:
+                raise DhtStartupError(f"cannot use the identity file {config.identity_path}: {error}") from None
+            # A restarted identity is checked against the swarm (hivemind asks whether a live peer
+            # holds it already); a key made just now cannot be taken, so that round trip is skipped.
+            identity = {"identity_path": config.identity_path, "check_if_identity_free": not created}
         # hivemind's DHT is a forked process. Garbage the child inherits and collects there may hold
         # gRPC objects whose finalizers wait on gRPC's threads, which a forked child does not have:
         # it hangs, and every DHT call times out. Collect it here, where those threads exist.
@@ -179,6 +198,7 @@ class DhtNode:
             shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),
             record_validators=[] if swarm_key is None else [SwarmKeyValidator(swarm_key)],
             **config.hivemind_kwargs(),
+            **identity,
         )
         try:
             self._dht.wait_until_ready(timeout=config.startup_timeout.total_seconds())
@@ -191,12 +211,15 @@ class DhtNode:
             _kill_dht_process(self._dht, grace=_SHUTDOWN_GRACE)
             raise DhtStartupError(f"the DHT peer failed to start ({error}); {_joining(config)}") from error
         try:
-            identity = self._call(_identity, config.startup_timeout, "identity")
+            reply = self._call(_identity, config.startup_timeout, "identity")
         except BaseException:
             self.shutdown()
             raise
-        assert isinstance(identity, tuple)  # what _identity returns
-        self._peer_id, self._multiaddrs = str(identity[0]), [str(address) for address in identity[1]]
+        assert isinstance(reply, tuple)  # what _identity returns
+        self._peer_id, self._multiaddrs = str(reply[0]), [str(address) for address in reply[1]]
+        if config.identity_path is not None and self._peer_id != expected_id:
+            self.shutdown()
+            raise DhtStartupError(f"the p2p daemon runs as {self._peer_id}, not {config.identity_path}'s {expected_id}")
 
     @property
     def peer_id(self) -> str:
