@@ -184,7 +184,9 @@ class DhtNode:
             try:
                 expected_id, created = ensure_identity(Path(config.identity_path))
             except (OSError, ValueError) as error:
-                raise DhtStartupError(f"cannot use the identity file {config.identity_path}: {error}") from None
+                raise DhtStartupError(
+                    f"cannot use the identity file {config.identity_path}: {error}"
+                ) from None
             # A restarted identity is checked against the swarm (hivemind asks whether a live peer
             # holds it already); a key made just now cannot be taken, so that round trip is skipped.
             identity = {"identity_path": config.identity_path, "check_if_identity_free": not created}
@@ -219,7 +221,9 @@ class DhtNode:
         self._peer_id, self._multiaddrs = str(reply[0]), [str(address) for address in reply[1]]
         if config.identity_path is not None and self._peer_id != expected_id:
             self.shutdown()
-            raise DhtStartupError(f"the p2p daemon runs as {self._peer_id}, not {config.identity_path}'s {expected_id}")
+            raise DhtStartupError(
+                f"the p2p daemon runs as {self._peer_id}, not {config.identity_path}'s {expected_id}"
+            )
 
     @property
     def peer_id(self) -> str:
