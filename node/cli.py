@@ -81,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each node on a host of the WAN emulator with its uplink capped at this (needs root)",
     )
     swarm.add_argument(
+        "--stagger", type=float, default=0.0, help="start node i this many seconds times i after node 0"
+    )
+    swarm.add_argument(
+        "--node-flags",
+        dest="per_node_flags",
+        action="append",
+        default=[],
+        metavar="I:FLAGS",
+        help="flags for node I only, after all others, e.g. '2:--batch-size 16' (repeatable)",
+    )
+    swarm.add_argument(
         "--config", dest="config_file", default=None, help="TOML file of settings for every node"
     )
     add_config_flags(swarm)
@@ -366,12 +377,18 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_swarm(args: argparse.Namespace) -> int:
-    from node.launcher import SwarmLauncher, launch_config
+    from node.launch_config import launch_config, parse_node_flags
+    from node.launcher import SwarmLauncher
 
-    options = ("command", "config_file", "num_nodes", "link_mbit")
+    options = ("command", "config_file", "num_nodes", "link_mbit", "stagger", "per_node_flags")
     flags = {key: value for key, value in vars(args).items() if key not in options}
     config = launch_config(
-        num_nodes=args.num_nodes, node_flags=flags, config_file=args.config_file, link_mbit=args.link_mbit
+        num_nodes=args.num_nodes,
+        node_flags=flags,
+        config_file=args.config_file,
+        link_mbit=args.link_mbit,
+        stagger_seconds=args.stagger,
+        node_overrides=parse_node_flags(args.per_node_flags),
     )
     launcher = SwarmLauncher(config)
 

@@ -7,172 +7,66 @@ The N nodes are separate processes, as on N machines; the launcher never talks t
    Each runs in its own process group (a Ctrl-C in the terminal reaches only the launcher, which
    decides how to stop them), output in ``RUN_DIR/node-<i>.log``. With ``link_mbit`` each node
    runs on its own host of the WAN emulator (``scripts/wan_emulator.py``: a network namespace
-   with a capped uplink) and listens on that host's address.
+   with a capped uplink) and listens on that host's address. With ``stagger`` node i starts
+   ``i * stagger`` after node 0 (late joiners on purpose). Node i's pid, which is also its process
+   group's id, is in ``RUN_DIR/node-<i>.pid`` (a benchmark may freeze it with SIGSTOP).
 2. Watch. Tail every node's ``metrics.jsonl`` (contract: ``node/metrics.py``); print one line per
    outer round per node as it is written.
 3. Stop. When every node has exited (they stop by themselves at ``--max-rounds``), or on the
    first SIGINT/SIGTERM: SIGTERM to every node (each finishes its step or round, checkpoints and
    leaves the swarm), a bounded wait, then SIGKILL for what is left; a second signal kills at once.
-4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, eval losses and bytes
-   sent; whether every node held the same ``param_hash`` after every round they all recorded
-   (DiLoCo's outer step leaves all members of a round with identical global params); wall time;
-   then the plots and per-node table of ``dtnode report`` (``node/report.py``). Each node has
-   exported the swarm's model to ``node-<i>/model.safetensors`` (``dtnode sample RUN_DIR``).
+4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, eval losses, bytes
+   sent, participation (the share of its rounds after its first in which it averaged with others)
+   and final ``param_hash``; whether every node held the same ``param_hash`` after every round they
+   all recorded (DiLoCo's outer step leaves all members of a round with identical global params);
+   wall time; then the plots and per-node table of ``dtnode report`` (``node/report.py``). Each node
+   has exported the swarm's model to ``node-<i>/model.safetensors`` (``dtnode sample RUN_DIR``).
+5. Verdict. Exit code 0 exactly when every node exited 0 and, for a run whose nodes stopped by
+   themselves, the run did its job (``swarm_report.run_problems``: one final ``param_hash``, no
+   round split, some round averaged two or more nodes); else 1, with the reason in one line. A run
+   stopped by Ctrl-C is reported the same way but judged by its nodes' exit codes only (its nodes
+   may stop a round apart).
 
-Left unset by the user, the launcher picks ``--threads max(1, cores // N)`` (one machine is
-shared), ``--shard-index i --num-shards N`` (round 1 already reads disjoint data; the swarm
-reshards among each round's members after that), loopback listen addresses (or the emulated
-host's) and ``--bandwidth-mbit`` = the emulated link. ``--seed`` and ``--data-seed`` are the
-same for every node: the swarm shares one initialisation.
+The per-node settings the launcher picks and each node's command: ``node/launch_config.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from node.checkpoint import latest_checkpoint
-from node.config import ConfigError, NodeConfig, load_config
-from node.swarm_report import MetricsTail, hash_agreement, report_markdown, round_line
+from node.config import ConfigError
+from node.launch_config import LOOPBACK, LaunchConfig, load_wan_emulator, node_argv
+from node.swarm_report import (
+    MetricsTail,
+    hash_agreement,
+    node_participation,
+    report_markdown,
+    round_line,
+    run_problems,
+    swarm_participation,
+)
 
 log = logging.getLogger("dtnode.swarm")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "wan_emulator.py"
-LOOPBACK = "127.0.0.1"
 KILL_WAIT = timedelta(seconds=10)
-NODE_DEFAULTS = {f.name: f.default for f in fields(NodeConfig)}
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
-    """What ``dtnode swarm`` runs; build it with :func:`launch_config`, which validates it."""
-
-    num_nodes: int
-    """How many nodes to start on this machine."""
-    root: Path
-    """Run directory of the swarm: node i in ``root/node-<i>``, logs and report beside them."""
-    node_flags: Mapping[str, Any]
-    """``NodeConfig`` field -> value given on the command line, passed to every node."""
-    config_file: Path | None = None
-    """``--config`` TOML passed to every node."""
-    base: NodeConfig
-    """The nodes' resolved settings (flag > env > TOML > default) before per-node additions."""
-    link_mbit: float | None = None
-    """Run every node in the WAN emulator with its uplink capped at this many Mbit/s."""
-    num_cores: int = field(default_factory=available_cores)
-    """CPU cores this process may use, shared by the nodes."""
-    stop_grace: timedelta = timedelta(seconds=60)
-    """After SIGTERM, how long nodes may take to finish their round, checkpoint and leave."""
-    start_timeout: timedelta = timedelta(seconds=120)
-    """How long node 0 may take to write its ``node.json`` (imports, DHT start-up)."""
-    poll_interval: timedelta = timedelta(seconds=0.5)
-    """How often the metrics files and the processes are looked at."""
-
-
-def _user_set(config: LaunchConfig, name: str) -> bool:
-    """Whether the user chose ``name`` (flag, env or TOML), so the launcher must not pick it."""
-    return name in config.node_flags or getattr(config.base, name) != NODE_DEFAULTS[name]
-
-
-def launch_config(
-    *,
-    num_nodes: int,
-    node_flags: Mapping[str, Any],
-    config_file: str | None = None,
-    link_mbit: float | None = None,
-) -> LaunchConfig:
-    """Validate the user's settings once, here, rather than in N failing nodes; ConfigError if wrong."""
-    if num_nodes < 1:
-        raise ConfigError(f"--nodes must be >= 1, got {num_nodes}")
-    if link_mbit is not None and not link_mbit > 0:
-        raise ConfigError(f"--link-mbit must be > 0, got {link_mbit}")
-    base = load_config(config_file=config_file, flags=node_flags)
-    if not base.swarm:
-        raise ConfigError("dtnode swarm runs a swarm: drop --no-swarm (dtnode join --no-swarm trains alone)")
-    if link_mbit is not None:
-        load_wan_emulator()  # a missing emulator or no namespaces: say so before starting anything
-        for key in ("peers", "listen", "dht_listen", "announce"):
-            if getattr(base, key) != NODE_DEFAULTS[key]:
-                flag = "--" + key.replace("_", "-")
-                raise ConfigError(f"--link-mbit gives every node an emulated host of its own: drop {flag}")
-    elif num_nodes > 1:
-        for key in ("listen", "dht_listen"):
-            address = getattr(base, key)
-            if address and not address.endswith(":0"):
-                flag = "--" + key.replace("_", "-")
-                raise ConfigError(
-                    f"{num_nodes} nodes on one machine cannot share {flag} {address}: use port 0"
-                )
-    # Per node: the run dir is RUN_DIR/node-<i>; the peers are the user's plus node 0.
-    flags = {key: value for key, value in node_flags.items() if key not in ("run_dir", "peers")}
-    return LaunchConfig(
-        num_nodes=num_nodes,
-        root=base.resolved_run_dir,
-        node_flags=flags,
-        config_file=None if config_file is None else Path(config_file).resolve(),
-        base=base,
-        link_mbit=link_mbit,
-    )
 
 
 def checkpointed_round(run_dir: Path) -> int:
     """The round of a node's newest checkpoint (0 without one): where a restarted node resumes."""
     latest = latest_checkpoint(run_dir / "checkpoints")
     return 0 if latest is None else int(json.loads((latest / "state.json").read_text())["meta"]["round"])
-
-
-def flags_to_argv(flags: Mapping[str, Any]) -> list[str]:
-    """The ``dtnode join`` arguments that set ``flags`` (the inverse of ``add_config_flags``)."""
-    argv = []
-    for key, value in flags.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None) -> list[str]:
-    """The command of node ``index``: the user's flags plus the per-node ones the user left unset."""
-    extra: dict[str, Any] = {"run_dir": str((config.root / f"node-{index}").resolve())}
-    if not _user_set(config, "threads"):
-        extra["threads"] = max(1, config.num_cores // config.num_nodes)
-    if not _user_set(config, "num_shards") and not _user_set(config, "shard_index"):
-        extra["shard_index"], extra["num_shards"] = index, config.num_nodes
-    if host is not None or not _user_set(config, "listen"):
-        extra["listen"] = f"{host or LOOPBACK}:0"
-    if host is not None:
-        extra["dht_listen"] = f"{host}:0"
-        if not _user_set(config, "bandwidth_mbit"):
-            extra["bandwidth_mbit"] = config.link_mbit
-    if config.base.metrics_port:  # one Prometheus port per node: the user's, then the next ones
-        extra["metrics_port"] = config.base.metrics_port + index
-    all_peers = ",".join(address for address in (config.base.peers, peers) if address)
-    if all_peers:
-        extra["peers"] = all_peers
-    argv = [sys.executable, "-m", "node.cli", "join"]
-    if config.config_file is not None:
-        argv += ["--config", str(config.config_file)]
-    return argv + flags_to_argv(config.node_flags) + flags_to_argv(extra)
 
 
 @dataclass
@@ -183,6 +77,8 @@ class NodeProcess:
     process: subprocess.Popen[bytes]
     tail: MetricsTail
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    exit_reported: bool = False
 
     @property
     def name(self) -> str:
@@ -213,7 +109,7 @@ def node_summary(node: NodeProcess) -> dict[str, Any]:
         "bytes_recv": sum(int(r["bytes_recv"]) for r in rounds),
         "fell_back_rounds": [r["round"] for r in rounds if r.get("fell_back")],
         "adopted_rounds": [r["round"] for r in rounds if r.get("adopted")],
-    }
+    } | node_participation(rounds)
 
 
 class SwarmLauncher:
@@ -256,6 +152,8 @@ class SwarmLauncher:
             self._print_rounds(node)
         exit_codes = [node.process.returncode for node in self.nodes]
         agreement = hash_agreement([node.rounds for node in self.nodes])
+        summaries = [node_summary(node) for node in self.nodes]
+        problems = run_problems([node.name for node in self.nodes], [node.rounds for node in self.nodes])
         report: dict[str, Any] = {
             "num_nodes": config.num_nodes,
             "run_dir": str(config.root),
@@ -264,7 +162,9 @@ class SwarmLauncher:
             "wall_seconds": round(time.monotonic() - started, 1),
             "exit_codes": exit_codes,
             "param_hash": agreement,
-            "nodes": [node_summary(node) for node in self.nodes],
+            "participation": swarm_participation(summaries),
+            "problems": problems,
+            "nodes": summaries,
         }
         (config.root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (config.root / "report.md").write_text(report_markdown(report))
@@ -272,9 +172,14 @@ class SwarmLauncher:
         hashes = f"agreed in {len(agreement['common_rounds'])} common round(s)"
         if agreement["disagreeing_rounds"]:
             hashes = f"differs in rounds {agreement['disagreeing_rounds']} of {agreement['common_rounds']}"
+        share = report["participation"]["participation"]
+        averaged = "-" if share is None else f"{100 * share:.0f}%"
         print(f"dtnode swarm: done in {report['wall_seconds']:.0f} s | exit codes {exit_codes} | "
-              f"param_hash {hashes} | {config.root / 'report.md'}", flush=True)  # fmt: skip
+              f"param_hash {hashes} | participation {averaged} | {config.root / 'report.md'}", flush=True)  # fmt: skip
         ok = len(self.nodes) == config.num_nodes and all(code == 0 for code in exit_codes)
+        if ok and problems and self._stopped_by == "finished":
+            print(f"dtnode swarm: FAILED: {'; '.join(problems)}", flush=True)
+            return 1
         return 0 if ok else 1
 
     # --- start ---
@@ -301,8 +206,15 @@ class SwarmLauncher:
         if multiaddr is None:
             return False
         for index in range(1, self.config.num_nodes):
+            self._wait_until(first.started + index * self.config.stagger.total_seconds())
+            if self._stop_requested:
+                return True
             self._start(index, wan, peers=multiaddr)
         return True
+
+    def _wait_until(self, due: float) -> None:
+        """Staggered start: follow the started nodes' rounds until ``due`` (monotonic) or a stop."""
+        self._follow(self.nodes, until=lambda: self._stop_requested or time.monotonic() >= due)
 
     def _start(self, index: int, wan: Any, *, peers: str) -> NodeProcess:
         run_dir = self.config.root / f"node-{index}"
@@ -319,6 +231,7 @@ class SwarmLauncher:
             else:
                 process = wan.popen(index, argv, **popen_kwargs)  # its own session, in the namespace
         node = NodeProcess(index=index, run_dir=run_dir, log_path=log_path, process=process, tail=tail)
+        (self.config.root / f"node-{index}.pid").write_text(f"{process.pid}\n")
         self.nodes.append(node)
         where = "" if wan is None else f" on emulated host {wan.address(index)}"
         print(f"{node.name} started (pid {process.pid}){where}", flush=True)
@@ -355,7 +268,7 @@ class SwarmLauncher:
 
     def _follow(self, running: list[NodeProcess], until: Callable[[], bool]) -> list[NodeProcess]:
         """Print rounds and exits as they come until ``running`` all exited or ``until()``; the rest."""
-        running = list(running)
+        running = [node for node in running if not node.exit_reported]
         while running and not until():
             for node in list(running):
                 self._print_rounds(node)
@@ -371,6 +284,7 @@ class SwarmLauncher:
             print(round_line(node.name, record), flush=True)
 
     def _on_exit(self, node: NodeProcess) -> None:
+        node.exit_reported = True
         code = node.process.returncode
         last = f" after round {node.rounds[-1]['round']}" if node.rounds else ""
         print(f"{node.name} exited with code {code}{last}", flush=True)
@@ -419,22 +333,3 @@ def write_plots_report(root: Path) -> None:
         write_report([root])
     except ValueError as error:
         log.warning("no plots: %s", error)
-
-
-def load_wan_emulator() -> ModuleType:
-    """``scripts/wan_emulator.py`` of this checkout, loaded by path; ConfigError if it cannot run here."""
-    if not WAN_EMULATOR_PATH.is_file():
-        raise ConfigError(
-            f"--link-mbit needs the WAN emulator {WAN_EMULATOR_PATH} (a source checkout of dtnode)"
-        )
-    module = sys.modules.get("wan_emulator")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("wan_emulator", WAN_EMULATOR_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["wan_emulator"] = module  # its dataclasses resolve their module through sys.modules
-        spec.loader.exec_module(module)
-    reason = module.unavailable_reason()
-    if reason is not None:
-        raise ConfigError(f"--link-mbit: {reason}")
-    return module

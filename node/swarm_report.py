@@ -1,5 +1,6 @@
 """What ``dtnode swarm`` shows and reports: the nodes' round records as they are written, one line
-per round per node, whether the nodes agree on ``param_hash``, and ``report.md``.
+per round per node, whether the nodes agree on ``param_hash``, how much of the run each node spent
+averaging with others (participation), the verdict on the run, and ``report.md``.
 
 Pure reading and formatting (``node/launcher.py`` runs the processes); the records follow the
 ``metrics.jsonl`` contract of ``node/metrics.py``.
@@ -77,7 +78,85 @@ def hash_agreement(rounds_per_node: Sequence[Sequence[Mapping[str, Any]]]) -> di
     }
 
 
+def is_averaged(record: Mapping[str, Any]) -> bool:
+    """Whether the node that wrote this round record contributed to a mean of two or more nodes:
+    ``peers >= 2`` and it neither fell back to its own Δ nor adopted the swarm's state instead."""
+    return int(record.get("peers") or 0) >= 2 and not record.get("fell_back") and not record.get("adopted")
+
+
+def node_participation(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One node's participation: averaged (node, round) pairs / all its pairs.
+
+    The node's pairs are the rounds ``first + 1 .. last``, ``first`` and ``last`` the lowest and the
+    highest round it recorded: its first round is how it entered the swarm (a node that joins late
+    may spend it catching up), every later round is one it was alive for. A pair is averaged if the
+    node's last record of that round (a node that fell back and then adopted the round's canonical
+    state records it twice) passes :func:`is_averaged`; a round in the range it has no record of (it
+    skipped the round while catching up) is not. ``participation`` is None without any pair.
+    ``final_param_hash`` / ``final_round``: of the node's last round record in file order.
+    """
+    by_round = {int(r["round"]): r for r in rounds}
+    if not by_round:
+        empty = {"first_round": None, "final_round": None, "final_param_hash": None}
+        return empty | {"num_pairs": 0, "num_averaged": 0, "participation": None}
+    first, last = min(by_round), max(by_round)
+    pairs = range(first + 1, last + 1)
+    num_averaged = sum(1 for r in pairs if r in by_round and is_averaged(by_round[r]))
+    return {
+        "first_round": first,
+        "final_round": int(rounds[-1]["round"]),
+        "final_param_hash": str(rounds[-1]["param_hash"]),
+        "num_pairs": len(pairs),
+        "num_averaged": num_averaged,
+        "participation": num_averaged / len(pairs) if pairs else None,
+    }
+
+
+def swarm_participation(per_node: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The swarm's participation from :func:`node_participation` of every node: all nodes' averaged
+    pairs / all nodes' pairs (None without any pair)."""
+    num_pairs = sum(int(node["num_pairs"]) for node in per_node)
+    num_averaged = sum(int(node["num_averaged"]) for node in per_node)
+    return {
+        "num_pairs": num_pairs,
+        "num_averaged": num_averaged,
+        "participation": num_averaged / num_pairs if num_pairs else None,
+    }
+
+
+def run_problems(names: Sequence[str], rounds_per_node: Sequence[Sequence[Mapping[str, Any]]]) -> list[str]:
+    """Why a run whose nodes all stopped by themselves did not do its job; empty if it did.
+
+    A swarm run must end on one model averaged by several nodes, so each of these is a failure:
+    a node recorded no round; the nodes' last round records (in file order) hold different
+    ``param_hash`` (a split into lineages, or a node that stopped rounds behind); a round every node
+    recorded ended on different ``param_hash`` (:func:`hash_agreement`); with two or more nodes, no
+    record of any node averaged two or more nodes (:func:`is_averaged`: every node trained alone).
+    """
+    problems = []
+    silent = [name for name, rounds in zip(names, rounds_per_node, strict=True) if not rounds]
+    if silent:
+        problems.append(f"{', '.join(silent)} recorded no round")
+    finals = {name: rounds[-1] for name, rounds in zip(names, rounds_per_node, strict=True) if rounds}
+    if len({str(r["param_hash"]) for r in finals.values()}) > 1:
+        listed = ", ".join(
+            f"{name} {str(r['param_hash'])[:10]} (round {r['round']})" for name, r in finals.items()
+        )
+        problems.append(f"final param_hash differs: {listed}")
+    disagreeing = hash_agreement(rounds_per_node)["disagreeing_rounds"]
+    if disagreeing:
+        problems.append(f"param_hash differs in common round(s) {disagreeing}")
+    if len(names) >= 2 and not any(is_averaged(r) for rounds in rounds_per_node for r in rounds):
+        problems.append("no round averaged two or more nodes")
+    return problems
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
+    """The launcher's summary; reports written before participation was recorded render without it."""
     where = (
         "loopback" if report["link_mbit"] is None else f"WAN emulator, {report['link_mbit']:g} Mbit/s uplinks"
     )
@@ -96,14 +175,32 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         "",
         f"param_hash: {verdict}.",
         "",
-        "| node | exit code | rounds | eval_loss after each round | MB sent | MB received | fell back | adopted |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if "problems" in report:
+        problems = report["problems"]
+        lines += [f"Verdict: {'**' + '; '.join(problems) + '**' if problems else 'ok'}.", ""]
+    if "participation" in report:
+        swarm = report["participation"]
+        lines += [
+            f"Participation: {_percent(swarm['participation'])} ({swarm['num_averaged']} of "
+            f"{swarm['num_pairs']} (node, round) pairs after each node's first round averaged two or "
+            "more nodes).",
+            "",
+        ]
+    lines += [
+        "| node | exit code | rounds | eval_loss after each round | MB sent | MB received | fell back | adopted "
+        "| participation | final round | final param_hash |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for node in report["nodes"]:
         losses = ", ".join("nan" if loss is None else f"{loss:.4f}" for loss in node["eval_losses"])
+        pairs = f" ({node['num_averaged']}/{node['num_pairs']})" if "num_pairs" in node else ""
+        final_hash = node.get("final_param_hash")
         lines.append(
             f"| {node['name']} | {node['exit_code']} | {node['num_rounds']} | {losses or '-'} | "
             f"{node['bytes_sent'] / 1e6:.2f} | {node['bytes_recv'] / 1e6:.2f} | "
-            f"{len(node['fell_back_rounds'])} | {len(node['adopted_rounds'])} |"
+            f"{len(node['fell_back_rounds'])} | {len(node['adopted_rounds'])} | "
+            f"{_percent(node.get('participation'))}{pairs} | {node.get('final_round') or '-'} | "
+            f"{final_hash[:10] if final_hash else '-'} |"
         )
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ import pytest
 
 from node.cli import build_parser
 from node.config import ConfigError
-from node.launcher import flags_to_argv, launch_config, node_argv
+from node.launch_config import flags_to_argv, launch_config, node_argv, parse_node_flags
 from node.swarm_report import MetricsTail, hash_agreement
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
@@ -98,6 +98,58 @@ def test_node_argv_fills_only_what_the_user_left_unset():
     assert parsed["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y,/ip4/127.0.0.1/tcp/1/p2p/X"
     first = vars(build_parser().parse_args(node_argv(chosen, 0, peers="", host=None)[3:]))
     assert first["peers"] == "/ip4/1.2.3.4/tcp/5/p2p/Y"
+
+
+def test_nodes_wait_for_each_other_unless_the_user_chose_start_peers():
+    def start_peers(config: Any, index: int) -> int | None:
+        return vars(build_parser().parse_args(node_argv(config, index, peers="", host=None)[3:])).get(
+            "start_peers"
+        )
+
+    config = launch_config(num_nodes=4, node_flags={})
+    assert [start_peers(config, i) for i in range(4)] == [4, 4, 4, 4]
+    assert start_peers(launch_config(num_nodes=4, node_flags={"start_peers": 1}), 2) == 1
+
+
+def test_node_flags_reach_only_their_node_and_win():
+    overrides = parse_node_flags(["2:--batch-size 16 --inner-lr=1e-3", "2:--threads 1", "0:--no-overlap"])
+    assert overrides == {2: {"batch_size": 16, "inner_lr": 1e-3, "threads": 1}, 0: {"overlap": False}}
+    config = launch_config(num_nodes=3, node_flags={"batch_size": 8}, node_overrides=overrides)
+    parsed = [
+        vars(build_parser().parse_args(node_argv(config, i, peers="", host=None)[3:])) for i in range(3)
+    ]
+    assert [p["batch_size"] for p in parsed] == [8, 8, 16]
+    assert parsed[2]["threads"] == 1 and parsed[2]["inner_lr"] == 1e-3 and "inner_lr" not in parsed[1]
+    assert parsed[0]["overlap"] is False and "overlap" not in parsed[2]
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["2--batch-size 16"], "expected I:FLAGS"),
+        (["x:--batch-size 16"], "expected I:FLAGS"),
+        (["1:--batch-size sixteen"], "--batch-size"),
+        (["1:--batch 16"], "unrecognized arguments"),  # no prefix matching
+        (["1:--model 'nano"], "quotation"),
+    ],
+)
+def test_malformed_node_flags_are_refused(specs, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_node_flags(specs)
+
+
+@pytest.mark.parametrize(
+    "overrides, stagger, message",
+    [
+        ({3: {"batch_size": 16}}, 0.0, "names node 3, but the nodes are 0..2"),
+        ({1: {"run_dir": "/tmp/x"}}, 0.0, "sets each node's --run-dir"),
+        ({1: {"batch_size": 0}}, 0.0, "--node-flags 1: .*batch.size must be >= 1"),
+        ({}, -1.0, "--stagger must be >= 0"),
+    ],
+)
+def test_per_node_mistakes_are_refused_before_any_node_starts(overrides, stagger, message):
+    with pytest.raises(ConfigError, match=message):
+        launch_config(num_nodes=3, node_flags={}, node_overrides=overrides, stagger_seconds=stagger)
 
 
 def test_each_node_gets_its_own_metrics_port():
@@ -196,7 +248,7 @@ def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
     records = [round_records(root / f"node-{index}") for index in range(3)]
     for node_records in records:
         assert [r["round"] for r in node_records] == [1, 2, 3]
-        assert all(r["peers"] == 3 and not r["fell_back"] for r in node_records)
+        assert all(r["peers"] == 3 and not r["fell_back"] and not r["adopted"] for r in node_records)
         assert node_records[-1]["eval_loss"] < node_records[0]["eval_loss"]
     for index in range(3):
         assert len({node_records[index]["param_hash"] for node_records in records}) == 1
@@ -208,17 +260,47 @@ def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
         assert node["eval_losses"] == [r["eval_loss"] for r in records[index]]
         assert node["bytes_sent"] == sum(r["bytes_sent"] for r in records[index]) > 0
     assert "every node held the same param_hash" in (root / "report.md").read_text()
+    # Every node averaged with the others in rounds 2 and 3 (each node's first round is not counted).
+    assert report["participation"] == {"num_pairs": 6, "num_averaged": 6, "participation": 1.0}
+    assert report["problems"] == []
+    for index, node in enumerate(report["nodes"]):
+        assert (node["final_round"], node["final_param_hash"]) == (3, records[index][-1]["param_hash"])
+        assert (root / f"node-{index}.pid").read_text() == f"{node['pid']}\n"
 
     # One streamed line per round per node; the launcher's settings reached the nodes.
     for index in range(3):
         for r in records[index]:
-            expected = f"node-{index} round {r['round']} | eval_loss {r['eval_loss']:.4f} | peers 3 |"
+            loss = "nan" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"  # evaluated every few rounds
+            expected = f"node-{index} round {r['round']} | eval_loss {loss} | peers 3 |"
             assert expected in completed.stdout
         config_text = (root / f"node-{index}" / "config.toml").read_text()
         assert f"shard_index = {index}\n" in config_text and "num_shards = 3\n" in config_text
         expected_threads = max(1, len(os.sched_getaffinity(0)) // 3)
         assert f"threads = {expected_threads}\n" in config_text
     assert "To join it from another machine" in (root / "node-0.log").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_run_that_ends_split_and_alone_exits_1_with_the_reason(tmp_path):
+    root = tmp_path / "swarm"
+    # Node 1 trains without the swarm: two lineages, and node 0 has nobody to average with.
+    command = swarm_command(
+        root, 2, "--max-rounds", "2", "--start-peers", "1", "--node-flags", "1:--no-swarm"
+    )
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 1, output[-3000:]
+
+    records = [round_records(root / f"node-{index}") for index in range(2)]
+    assert [len(node_records) for node_records in records] == [2, 2]
+    assert records[0][-1]["param_hash"] != records[1][-1]["param_hash"]
+    assert all(r["peers"] <= 1 for node_records in records for r in node_records)
+    reasons = [line for line in completed.stdout.splitlines() if line.startswith("dtnode swarm: FAILED: ")]
+    assert len(reasons) == 1, output[-3000:]
+    assert "final param_hash differs" in reasons[0] and "no round averaged two or more nodes" in reasons[0]
+    report = json.loads((root / "report.json").read_text())
+    assert report["exit_codes"] == [0, 0] and report["participation"]["num_averaged"] == 0
+    assert "Verdict: **final param_hash differs" in (root / "report.md").read_text()
 
 
 @pytest.mark.timeout(240)

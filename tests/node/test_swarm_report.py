@@ -1,0 +1,134 @@
+"""node/swarm_report.py: participation and the run's verdict from hand-written round records,
+checked against counts done by hand; the report renders old and new launcher reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from node.swarm_report import (
+    is_averaged,
+    node_participation,
+    report_markdown,
+    run_problems,
+    swarm_participation,
+)
+
+
+def record(round_index: int, peers: int = 3, param_hash: str = "", **extra: Any) -> dict[str, Any]:
+    """A round record as node/trainer.py writes it (the fields participation reads)."""
+    return {
+        "kind": "round",
+        "round": round_index,
+        "peers": peers,
+        "param_hash": param_hash or f"h{round_index}",
+        "fell_back": False,
+        "adopted": False,
+    } | extra
+
+
+def test_averaged_means_two_or_more_contributions_of_our_own():
+    assert is_averaged(record(1, peers=2))
+    assert not is_averaged(record(1, peers=1))  # alone
+    assert not is_averaged(record(1, peers=0, adopted=True))
+    assert not is_averaged(record(1, peers=3, adopted=True))  # the swarm's mean, not ours
+    assert not is_averaged(record(1, peers=2, fell_back=True))
+    assert not is_averaged({"round": 1})  # no peers field: nothing known to have been averaged
+
+
+def test_node_participation_counts_rounds_after_the_first_skipped_ones_included():
+    # Joined late: round 3 was its first (left out); alone in 4; skipped 5 catching up (adopted
+    # round 6 instead); averaged 7; fell back in 8, then adopted round 8's canonical state (the
+    # last record of round 8 wins: adopted, not averaged); averaged 9.
+    rounds = [
+        record(3, peers=1),
+        record(4, peers=1),
+        record(6, adopted=True),
+        record(7),
+        record(8, peers=1, fell_back=True, param_hash="own"),
+        record(8, adopted=True),
+        record(9, param_hash="final"),
+    ]
+    # Pairs: rounds 4..9 = 6; averaged: 7 and 9 = 2.
+    assert node_participation(rounds) == {
+        "first_round": 3,
+        "final_round": 9,
+        "final_param_hash": "final",
+        "num_pairs": 6,
+        "num_averaged": 2,
+        "participation": 2 / 6,
+    }
+    assert node_participation([record(1)])["num_pairs"] == 0
+    assert node_participation([record(1)])["participation"] is None
+    assert node_participation([])["final_param_hash"] is None
+
+
+def test_swarm_participation_pools_every_nodes_pairs():
+    full = node_participation([record(r) for r in (1, 2, 3, 4)])  # 3 of 3
+    half = node_participation([record(1), record(2, peers=1), record(3)])  # 1 of 2
+    assert swarm_participation([full, half]) == {"num_pairs": 5, "num_averaged": 4, "participation": 4 / 5}
+    assert swarm_participation([])["participation"] is None
+
+
+def test_a_good_run_has_no_problem():
+    nodes = [[record(1), record(2), record(3)] for _ in range(3)]
+    assert run_problems(["node-0", "node-1", "node-2"], nodes) == []
+    # One node may start a round later (a joiner's first round): still one lineage.
+    assert run_problems(["node-0", "node-1"], [[record(1), record(2)], [record(2)]]) == []
+    # A single node trains alone by design.
+    assert run_problems(["node-0"], [[record(1, peers=1)]]) == []
+
+
+def test_a_split_on_the_final_round_is_a_problem_even_without_a_common_round():
+    node_0 = [record(1, peers=2), record(2, peers=1, param_hash="a2")]
+    node_1 = [record(3, peers=1, param_hash="b3")]  # never shared a round with node-0
+    problems = run_problems(["node-0", "node-1"], [node_0, node_1])
+    assert problems == ["final param_hash differs: node-0 a2 (round 2), node-1 b3 (round 3)"]
+
+
+def test_common_round_disagreement_is_a_problem_even_when_the_nodes_end_together():
+    node_0 = [record(1), record(2, param_hash="x"), record(3)]
+    node_1 = [record(1), record(2, param_hash="y"), record(3)]
+    assert run_problems(["node-0", "node-1"], [node_0, node_1]) == [
+        "param_hash differs in common round(s) [2]"
+    ]
+
+
+def test_a_run_where_no_round_averaged_two_nodes_is_a_problem():
+    # Both nodes on the same hash (one followed the other by adopting), but nothing was averaged.
+    node_0 = [record(1, peers=1), record(2, peers=1)]
+    node_1 = [record(1, peers=0, adopted=True), record(2, peers=0, adopted=True)]
+    assert run_problems(["node-0", "node-1"], [node_0, node_1]) == ["no round averaged two or more nodes"]
+    silent = run_problems(["node-0", "node-1", "node-2"], [node_0, [], node_1])
+    assert silent == ["node-1 recorded no round", "no round averaged two or more nodes"]
+
+
+def launcher_report(**extra: Any) -> dict[str, Any]:
+    node = {"name": "node-0", "exit_code": 0, "num_rounds": 3, "eval_losses": [3.0, None, 2.5],
+            "bytes_sent": 2e6, "bytes_recv": 2e6, "fell_back_rounds": [], "adopted_rounds": []}  # fmt: skip
+    return {
+        "num_nodes": 1, "link_mbit": None, "stopped_by": "finished", "wall_seconds": 12.0,
+        "param_hash": {"common_rounds": [1, 2, 3], "disagreeing_rounds": [], "all_agree": True},
+        "nodes": [node | extra.pop("node", {})],
+    } | extra  # fmt: skip
+
+
+def test_report_shows_participation_and_the_verdict():
+    per_node = {"num_pairs": 2, "num_averaged": 1, "participation": 0.5, "final_round": 3,
+                "final_param_hash": "0123456789abcdef", "first_round": 1}  # fmt: skip
+    text = report_markdown(
+        launcher_report(
+            node=per_node,
+            participation={"num_pairs": 2, "num_averaged": 1, "participation": 0.5},
+            problems=["no round averaged two or more nodes"],
+        )
+    )
+    assert "Verdict: **no round averaged two or more nodes**." in text
+    assert "Participation: 50.0% (1 of 2 (node, round) pairs" in text
+    assert "| 50.0% (1/2) | 3 | 0123456789 |" in text
+    assert "Verdict: ok." in report_markdown(launcher_report(problems=[]))
+
+
+def test_report_of_an_older_launcher_renders_without_participation():
+    text = report_markdown(launcher_report())
+    assert "Participation" not in text and "Verdict" not in text
+    assert text.splitlines()[-1].endswith("| 0 | 0 | - | - | - |")
