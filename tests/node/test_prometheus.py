@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import platform
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -22,6 +24,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from node import __version__
 from node.config import ConfigError, NodeConfig
 from node.metrics import FAILURE_KINDS, current_rss_bytes, read_metrics
 from node.prometheus import PrometheusExporter
@@ -87,8 +90,10 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     samples, types = scrape(port)
     # Before any record: the labelled series exist at 0, the gauges with nothing measured are NaN.
     assert value(samples, "dtnode_failures_total", kind="peer") == 0
-    assert value(samples, "dtnode_bytes_received_total", phase="state_sync") == 0
-    assert math.isnan(value(samples, "dtnode_codec_error"))
+    assert value(samples, "dtnode_received_bytes_total", phase="state_sync") == 0
+    assert math.isnan(value(samples, "dtnode_codec_error_ratio"))
+    # The run-wide counters come from the records (a resumed run continues them): none yet.
+    assert not [name for name, _ in samples if name.startswith(("dtnode_inner_steps", "dtnode_outer_rounds"))]
     # The process collector: this process's resident memory, as the kernel reports it.
     rss = current_rss_bytes()
     assert rss is not None and 0.5 * rss < value(samples, "process_resident_memory_bytes") < 2 * rss
@@ -106,36 +111,36 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     )  # fmt: skip
     samples, types = scrape(port)
 
-    assert types["dtnode_loss"] == "gauge" and types["dtnode_bytes_sent"] == "counter"
+    assert types["dtnode_loss"] == "gauge" and types["dtnode_sent_bytes"] == "counter"
     assert types["dtnode_round_duration_seconds"] == "histogram"
     # The latest step.
     assert value(samples, "dtnode_loss") == 3.0
     assert value(samples, "dtnode_tokens_per_second") == 1003.0
     assert value(samples, "dtnode_learning_rate") == 1e-3
-    assert value(samples, "dtnode_inner_step") == 3
+    assert value(samples, "dtnode_inner_steps_total") == 3
     # The latest round.
-    assert value(samples, "dtnode_outer_round") == 2
+    assert value(samples, "dtnode_outer_rounds_total") == 2
     assert value(samples, "dtnode_eval_loss") == 2.25
     assert value(samples, "dtnode_peers") == 1
-    assert math.isnan(value(samples, "dtnode_codec_error")) and math.isnan(
-        value(samples, "dtnode_utilization")
+    assert math.isnan(value(samples, "dtnode_codec_error_ratio")) and math.isnan(
+        value(samples, "dtnode_utilization_ratio")
     )
     assert value(samples, "dtnode_round_seconds", part="compute") == 100.0
     assert value(samples, "dtnode_round_seconds", part="comm") == 30.0
     assert value(samples, "dtnode_round_seconds", part="blocked") == 30.0
-    assert value(samples, "dtnode_training_tokens") == 768  # the round record's, written last
+    assert value(samples, "dtnode_training_tokens_total") == 768  # the round record's, written last
     # Summed over both rounds.
-    assert value(samples, "dtnode_bytes_sent_total", phase="reduce_scatter") == 607
-    assert value(samples, "dtnode_bytes_sent_total", phase="all_gather") == 403
-    assert value(samples, "dtnode_bytes_received_total", phase="reduce_scatter") == 1515
-    assert value(samples, "dtnode_bytes_received_total", phase="all_gather") == 505
-    assert value(samples, "dtnode_bytes_received_total", phase="state_sync") == 4096
+    assert value(samples, "dtnode_sent_bytes_total", phase="reduce_scatter") == 607
+    assert value(samples, "dtnode_sent_bytes_total", phase="all_gather") == 403
+    assert value(samples, "dtnode_received_bytes_total", phase="reduce_scatter") == 1515
+    assert value(samples, "dtnode_received_bytes_total", phase="all_gather") == 505
+    assert value(samples, "dtnode_received_bytes_total", phase="state_sync") == 4096
     assert value(samples, "dtnode_failures_total", kind="peer") == 3
     assert value(samples, "dtnode_failures_total", kind="fell_back") == 1
     assert value(samples, "dtnode_failures_total", kind="timeout") == 0
-    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
-    assert value(samples, "dtnode_rounds_total", outcome="fell_back") == 1
-    assert value(samples, "dtnode_rounds_total", outcome="adopted") == 0
+    assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="fell_back") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="adopted") == 0
     # Round durations 4 + 1 = 5 s and 100 + 30 = 130 s.
     assert value(samples, "dtnode_round_duration_seconds_count") == 2
     assert value(samples, "dtnode_round_duration_seconds_sum") == 135.0
@@ -143,17 +148,75 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     assert value(samples, "dtnode_round_duration_seconds_bucket", le="120.0") == 1
     assert value(samples, "dtnode_round_duration_seconds_bucket", le="300.0") == 2
 
-    # Two adoptions: a whole-state fetch and a step with the round's mean.
-    exporter.write(round_record(3, adopted=True, peers=0))
-    exporter.write(round_record(4, adopted=True, caught_up=True, peers=0))
+    # A round without an eval (--eval-every) keeps the latest measured held-out loss.
+    exporter.write(round_record(3, eval_loss=None, peers=2))
     samples, _ = scrape(port)
-    assert value(samples, "dtnode_rounds_total", outcome="adopted") == 1
-    assert value(samples, "dtnode_rounds_total", outcome="caught_up") == 1
-    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
+    assert value(samples, "dtnode_eval_loss") == 2.25 and value(samples, "dtnode_outer_rounds_total") == 3
+
+    # Two adoptions: a whole-state fetch and a step with the round's mean.
+    exporter.write(round_record(4, adopted=True, peers=0))
+    exporter.write(round_record(5, adopted=True, caught_up=True, peers=0))
+    samples, _ = scrape(port)
+    assert value(samples, "dtnode_round_outcomes_total", outcome="adopted") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="caught_up") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 2
 
     exporter.close()
     with pytest.raises(urllib.error.URLError):
         scrape(port)
+
+
+# Units a name may carry, as Prometheus' naming guide asks: base units, plural, last before _total.
+UNIT_WORDS = {"bytes": "_bytes", "seconds": "_seconds", "ratio": "_ratio", "utilization": "_ratio"}
+
+
+@pytest.mark.timeout(30)
+def test_metric_names_follow_prometheus_conventions(exporter: PrometheusExporter) -> None:
+    """Parsed with prometheus_client's own parser: counters end in _total, units are suffixes,
+    shares are _ratio, every family has help, and dtnode_build_info says which build runs."""
+    port = exporter.serve("127.0.0.1", 0)
+    exporter.write(step_record(1, 3.5))
+    exporter.write(round_record(1))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HTTP_TIMEOUT_S) as response:
+        text = response.read().decode()
+    families = [
+        family
+        for family in text_string_to_metric_families(text)
+        # prometheus_client's text format adds a <counter>_created gauge (the creation time) beside
+        # each counter and histogram: its own convention, left out here.
+        if family.name.startswith("dtnode_") and not family.name.endswith("_created")
+    ]
+    names = {f.name: f.type for f in families}
+    assert len(names) >= 18
+    for family in families:
+        assert re.fullmatch(r"dtnode_[a-z][a-z0-9_]*", family.name), family.name
+        assert family.documentation.strip(), family.name
+        sample_names = {sample.name for sample in family.samples}
+        if family.type == "counter":
+            assert {name.removesuffix("_created") for name in sample_names} == {family.name + "_total"}
+        else:
+            assert not family.name.endswith("_total"), family.name  # only counters say total
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds") or family.name.endswith("_bytes"), family.name
+        base = family.name
+        for word, suffix in UNIT_WORDS.items():
+            if word in base.split("_"):
+                assert base.endswith(suffix), f"{family.name}: {word} must be the {suffix} suffix"
+        for sample in family.samples:
+            if family.name.endswith("_ratio") and not math.isnan(sample.value):
+                assert 0 <= sample.value <= 1, (sample.name, sample.value)
+    # The old names are gone.
+    for old in ("dtnode_bytes_sent", "dtnode_bytes_received", "dtnode_utilization", "dtnode_codec_error",
+                "dtnode_inner_step", "dtnode_outer_round", "dtnode_rounds"):  # fmt: skip
+        assert old not in names
+    assert (
+        names["dtnode_sent_bytes"] == names["dtnode_inner_steps"] == names["dtnode_outer_rounds"] == "counter"
+    )
+    (build,) = [f for f in families if f.name == "dtnode_build_info"]
+    (sample,) = build.samples
+    assert sample.value == 1 and sample.labels["version"] == __version__
+    assert sample.labels["python"] == platform.python_version()
+    assert sample.labels["torch"] == torch.__version__
 
 
 def test_a_taken_port_is_an_error(exporter: PrometheusExporter) -> None:
@@ -203,16 +266,16 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert value(samples, "dtnode_loss") == steps[-1]["loss"]
     assert value(samples, "dtnode_tokens_per_second") == steps[-1]["tokens_per_s"]
-    assert value(samples, "dtnode_inner_step") == 3
-    assert value(samples, "dtnode_outer_round") == round_["round"] == 1
+    assert value(samples, "dtnode_inner_steps_total") == 3
+    assert value(samples, "dtnode_outer_rounds_total") == round_["round"] == 1
     assert value(samples, "dtnode_eval_loss") == round_["eval_loss"]
     assert value(samples, "dtnode_peers") == 1  # a swarm of one
-    assert value(samples, "dtnode_utilization") == round_["utilization"]
+    assert value(samples, "dtnode_utilization_ratio") == round_["utilization"]
     assert value(samples, "dtnode_round_seconds", part="compute") == round_["seconds_compute"]
-    assert value(samples, "dtnode_bytes_sent_total", phase="reduce_scatter") == 0
-    assert math.isnan(value(samples, "dtnode_codec_error")) and round_["codec_error"] is None
+    assert value(samples, "dtnode_sent_bytes_total", phase="reduce_scatter") == 0
+    assert math.isnan(value(samples, "dtnode_codec_error_ratio")) and round_["codec_error"] is None
     assert round_["failures_by_kind"] == {} and round_["bytes_recv_state_sync"] == 0
-    assert value(samples, "dtnode_rounds_total", outcome="averaged") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 1
     with pytest.raises(urllib.error.URLError):  # closed with the metrics writer
         scrape(port)
 
