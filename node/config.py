@@ -33,7 +33,8 @@ OUTER_SHARDING = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("text", "json")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
+COMPILE = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -126,7 +127,10 @@ class NodeConfig:
     shard_index: int = field(default=0, metadata=_help("This node's data shard (0-based)."))
     num_shards: int = field(default=1, metadata=_help("Number of data shards the corpus is split into."))
     batch_size: int = field(default=16, metadata=_help("Sequences per inner step."))
-    eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after each round."))
+    eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after a round."))
+    eval_every: int = field(
+        default=0, metadata=_help("Eval every N rounds, the first and last (0 = auto: <= 1 percent).")
+    )
 
     # --- inside the node: local workers and their layout (node/parallel/) ---
     local_workers: int = field(
@@ -156,7 +160,11 @@ class NodeConfig:
         default=0, metadata=_help("Pipeline micro-batches per dp replica and step (0 = planner / pp).")
     )
     precision: str = field(
-        default="fp32", metadata=_help("fp32, or bf16 (autocast of the forward pass; fp32 weights).")
+        default="auto",
+        metadata=_help("fp32, bf16 (autocast of the forward pass; fp32 weights), or auto: bf16 on CUDA."),
+    )
+    compile: str = field(
+        default="auto", metadata=_help("torch.compile the model: on, off, or auto (on with CUDA).")
     )
     sequence_parallel: bool = field(
         default=False,
@@ -356,7 +364,7 @@ class NodeConfig:
         non_negative = (
             "max_rounds", "max_steps", "seed", "threads", "seq_len", "data_seed", "warmup_steps",
             "total_steps", "checkpoint_every", "grad_clip", "weight_decay", "local_workers", "dp", "tp",
-            "pp", "microbatches",
+            "pp", "microbatches", "eval_every",
         )  # fmt: skip
         for key in non_negative:
             if getattr(self, key) < 0:
@@ -381,6 +389,7 @@ class NodeConfig:
         choices = (
             ("lr_schedule", LR_SCHEDULES), ("pp_schedule", PP_SCHEDULES), ("precision", PRECISIONS),
             ("device", DEVICES), ("log_format", LOG_FORMATS), ("outer_sharding", OUTER_SHARDING),
+            ("compile", COMPILE),
         )  # fmt: skip
         for key, allowed in choices:
             if getattr(self, key) not in allowed:

@@ -19,9 +19,16 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   - ``seconds_forming`` / ``seconds_allreduce``: the parts of ``seconds_comm`` spent agreeing on the
     round's group and in its all-reduce, ``streams`` the all-reduce streams it ran on
     (``--swarm-streams``); null when there was no swarm round or no all-reduce.
-  - ``seconds_blocked``: how long the training thread waited for the swarm; ``utilization`` the share
-    of the phase spent on inner steps, ``seconds_compute / (seconds_compute + seconds_blocked)``
-    (null when no phase ran alongside the round).
+  - ``seconds_wall``: wall seconds since the node's previous round record (the first: since its first
+    inner step in this process); ``utilization`` the share of them spent on inner steps,
+    ``seconds_compute / seconds_wall`` — everything else (waiting for the swarm, the outer step, eval,
+    hashing, the checkpoint's host copy) counts against it; ``seconds_blocked``: how long the training
+    thread waited for the swarm, and ``blocked_share`` = ``seconds_blocked / seconds_wall``. Both
+    shares null when no phase ran alongside the round (the one applied after a run's last overlapped
+    phase). Records written before issue 23 lack ``seconds_wall``: their ``utilization`` was
+    ``seconds_compute / (seconds_compute + seconds_blocked)``.
+  - ``eval_loss``: the mean held-out loss after the round, every ``--eval-every`` rounds and at the
+    run's first and last rounds; null in the others.
   - ``bytes_sent`` / ``bytes_recv``: wire bytes of the round's all-reduce (reduce-scatter and
     all-gather together), split in ``bytes_by_phase`` (``sent_reduce_scatter``, ``sent_all_gather``,
     ``recv_reduce_scatter``, ``recv_all_gather``: contributions vs averages and replicas; empty when
@@ -88,6 +95,13 @@ class MetricsWriter:
         self._handle.close()
         for sink in self.sinks:
             sink.close()
+
+
+def utilization(compute_seconds: float, wall_seconds: float) -> float | None:
+    """Inner compute over wall time (see the contract above); None if no phase ran or no time passed."""
+    if compute_seconds <= 0 or wall_seconds <= 0:
+        return None
+    return compute_seconds / wall_seconds
 
 
 def current_rss_bytes() -> int | None:

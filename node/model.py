@@ -301,6 +301,7 @@ class GPT(nn.Module):
         if seed is None:
             # Explicit CPU device: construction under `with torch.device("meta")` must still get a seed.
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
+        self.init_seed = seed  # to initialise the same values again after to_empty (node/meta_init.py)
         residual_std = self.config.init_std / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():  # a tied weight appears once, as tok_embeddings.weight
             if param.is_meta:

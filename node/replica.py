@@ -17,7 +17,7 @@ drives the others. Both offer the same calls, so the loop, DiLoCo and the swarm 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,14 +39,17 @@ Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
 
 
 def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains are not decayed); the fused kernel on CUDA
+    (one launch per step for all parameters), torch's default (foreach) elsewhere."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2))
+    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+    fused = True if on_cuda and decay + no_decay else None  # None: torch's default
+    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2), fused=fused)
 
 
 class Replica(Protocol):
@@ -70,19 +73,27 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 class SingleReplica:
-    """The whole replica in this process, on ``device``."""
+    """The whole replica in this process, on ``device``: built there from the meta device
+    (``node.meta_init``), with ``compile`` its forward runs through ``torch.compile`` (``node.efficiency``)."""
 
-    def __init__(self, model_config: ModelConfig, config: NodeConfig, device: torch.device) -> None:
+    def __init__(
+        self, model_config: ModelConfig, config: NodeConfig, device: torch.device, *, compile: bool = False
+    ) -> None:
+        from node.efficiency import resolve_precision
+        from node.meta_init import build_model
         from node.parallel.engine import autocast_forward, checkpoint_blocks
 
         self.config = config
         self._streams: RankStreams | None = None
         self.device = device
-        self.model = GPT(model_config).to(device)
+        self.model = build_model(model_config, device)  # = GPT(model_config).to(device), bit for bit
         self.model.train()
         if config.activation_checkpointing:
             checkpoint_blocks(self.model)
-        autocast_forward(self.model, config.precision)
+        autocast_forward(self.model, resolve_precision(config.precision, device))
+        # The compiled module shares the model's parameters: names, state dicts and DiLoCo's flat
+        # view stay the plain model's; only the calls below go through the compiled graph.
+        self.forward: Callable[[Tensor], Tensor] = torch.compile(self.model) if compile else self.model
         self.optimizer = build_inner_optimizer(self.model, config)
         self._params = ModuleParams(_trainable(self.model))  # DiLoCo's flat view of this model
 
@@ -92,7 +103,7 @@ class SingleReplica:
         losses = []
         for tokens, targets in batches:
             x, y = tokens.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            loss = cross_entropy_loss(self.model(x), y)
+            loss = cross_entropy_loss(self.forward(x), y)
             # The gradient of the mean loss over all accumulated batches (equal sizes).
             (loss / len(batches) if len(batches) > 1 else loss).backward()
             losses.append(loss.detach())
@@ -107,7 +118,7 @@ class SingleReplica:
         self.model.eval()
         total = 0.0
         for x, y in batches:
-            total += cross_entropy_loss(self.model(x.to(self.device)), y.to(self.device)).item()
+            total += cross_entropy_loss(self.forward(x.to(self.device)), y.to(self.device)).item()
         self.model.train()  # set once here, not every inner step (it walks every module)
         return total / len(batches)
 

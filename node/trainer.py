@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from node.checkpoint import latest_checkpoint, load_checkpoint
+from node.checkpoint_writer import CheckpointWriter
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
+from node.efficiency import eval_interval, resolve_compile
 from node.export import export_model, tokenizer_info
 from node.hf import init_state, node_model_config
-from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes
+from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes, utilization
 from node.model import ModelConfig, model_config
 from node.outer_state import outer_sgd_settings
 from node.progress import progress_sink
@@ -70,8 +72,9 @@ def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.d
             "--overlap with --swarm-streams > 1 needs a node without local workers "
             "(the streams of a node with local workers run between inner steps, not alongside them)"
         )
+    compile_model = resolve_compile(config.compile, device, local_workers=layout is not None)
     if layout is None:
-        return SingleReplica(model_config, config, device)
+        return SingleReplica(model_config, config, device, compile=compile_model)
     return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))
 
 
@@ -155,6 +158,9 @@ class Trainer:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
+        self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
+        self.eval_every = eval_interval(config)  # rounds between held-out evals (the final one always)
+        self._since_round: float | None = None  # perf_counter of the last round record (or the first step)
         self._prepare_run_dir()
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", sinks=self._metrics_sinks())
 
@@ -198,35 +204,22 @@ class Trainer:
         }
 
     def save(self) -> None:
+        """Checkpoint the state now: copied to host memory here, hashed and written on the writer's
+        thread (node/checkpoint_writer.py) while training goes on; the loop polls it."""
         progress = self.progress
         if self._saved_step == progress.step:
             return
-        param_hash = self.diloco.param_hash()
         meta: dict[str, Any] = {
             "step": progress.step,
             "round": progress.round,
             "tokens": progress.tokens,
             "round_tokens": progress.round_tokens,
-            "param_hash": param_hash,
             "corpus_sha256": self.corpus.sha256,
             "model": self.config.model,
             "time": time.time(),
-        }
-        path = save_checkpoint(
-            self.checkpoint_root,
-            f"step-{progress.step:010d}",
-            self.state_dict(),
-            meta,
-            keep=self.config.keep_checkpoints,
-        )
+        }  # + param_hash, of the snapshot's global params, by the writer
+        self.checkpoints.submit(f"step-{progress.step:010d}", self.state_dict(), meta)
         self._saved_step = progress.step
-        log.info(
-            "checkpoint %s (round %d, step %d, param_hash %s)",
-            path,
-            progress.round,
-            progress.step,
-            param_hash[:12],
-        )
 
     def _restore(self, path: Path) -> None:
         state, meta = load_checkpoint(path)
@@ -314,6 +307,8 @@ class Trainer:
     def inner_step(self) -> dict[str, Any]:
         """One AdamW step on the next batch of this node's shard; returns its step record."""
         start = time.perf_counter()
+        if self._since_round is None:  # the first round's wall time starts at this process's first step
+            self._since_round = start
         batches = [self.batches.next_batch() for _ in range(self.config.grad_accumulation)]  # (B, T) pairs
         lr = self.schedule.lr(self.progress.step)
         loss_value = self.replica.train_step(batches, lr)  # returns when the step is done
@@ -377,14 +372,23 @@ class Trainer:
         """The outer round the current inner phase belongs to (1-based)."""
         return self.progress.round + 1 + (self.diloco.pending_round is not None)
 
-    def _round_record(self, report: OuterStepReport, compute_seconds: float) -> dict[str, Any]:
+    def _round_record(
+        self, report: OuterStepReport, compute_seconds: float, *, final: bool = False
+    ) -> dict[str, Any]:
         progress = self.progress
         blocked = report.seconds_waited
+        # Held-out eval at the run's first and last rounds and every eval_every rounds (null in others).
+        final = final or self._done() or self._stop.is_set()
+        due = final or progress.round == 1 or progress.round % self.eval_every == 0
+        eval_loss = self.evaluate() if due else None
+        now = time.perf_counter()  # the record's wall interval: to here, after the eval, before the save
+        wall = now - (self._since_round if self._since_round is not None else now)
+        self._since_round = now
         return {
             "kind": "round",
             "round": progress.round,
             "step": progress.step,
-            "eval_loss": self.evaluate(),
+            "eval_loss": eval_loss,
             "peers": report.num_peers,
             "bytes_sent": report.bytes_sent,
             "bytes_recv": report.bytes_recv,
@@ -394,10 +398,11 @@ class Trainer:
             "seconds_forming": report.seconds_forming,
             "seconds_allreduce": report.seconds_allreduce,
             "streams": report.streams,
-            # The share of the training thread's time spent on inner steps rather than waiting for the
-            # swarm (with overlap, the round's communication hides behind the next phase's compute).
-            # None for the round applied at the end of a run with overlap: no phase ran alongside it.
-            "utilization": (compute_seconds / (compute_seconds + blocked)) if compute_seconds > 0 else None,
+            "seconds_wall": wall,
+            # Inner compute / wall time since the previous record, and the share of it spent waiting for
+            # the swarm (node/metrics.py); None for the round applied after a run's last overlapped phase.
+            "utilization": utilization(compute_seconds, wall),
+            "blocked_share": (blocked / wall) if compute_seconds > 0 and wall > 0 else None,
             "overlap": self.diloco.overlap,
             "param_hash": report.param_hash,
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
@@ -428,7 +433,7 @@ class Trainer:
                 self.diloco.load_global_into_model()
             if self.swarm is not None:
                 self.swarm.after_round(report)
-            self._log_round(self._round_record(report, 0.0))
+            self._log_round(self._round_record(report, 0.0, final=True))
         self.diloco.close()
 
     def _log_round(self, record: dict[str, Any]) -> None:
@@ -457,8 +462,10 @@ class Trainer:
             finally:
                 self.metrics.close()
             self.save()
+            self.checkpoints.wait()  # on disk before the export (and a failed write fails the run)
             self.export()
         finally:
+            self.checkpoints.close()  # a write still in flight (an error above) finishes first
             self.replica.close()  # the local workers, if any (after save: it reads their params)
 
     def _train(self) -> None:
@@ -466,6 +473,7 @@ class Trainer:
         while not self._done() and not self._stop.is_set():
             record = self.inner_step()
             self.metrics.write(record)  # its sinks log every log_every-th step and export it
+            self.checkpoints.poll()  # a background write that finished is logged; one that failed raises
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
             if self.progress.step % config.inner_steps == 0:

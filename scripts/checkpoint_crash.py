@@ -88,7 +88,7 @@ def install_hooks(kill_save: int, kill_stage: str, torn_fraction: float) -> None
     """Wrap node.checkpoint's file operations: SIGKILL ourselves at ``kill_stage`` of the first save
     numbered ``kill_save`` or later that reaches it (no prune happens while few checkpoints exist)."""
     import node.checkpoint as checkpoint
-    import node.trainer as trainer_module
+    import node.checkpoint_writer as writer_module
 
     saves = SaveCounter()
 
@@ -97,7 +97,7 @@ def install_hooks(kill_save: int, kill_stage: str, torn_fraction: float) -> None
             emit({"event": "kill", "save": saves.name, "stage": stage})
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_save_checkpoint = trainer_module.save_checkpoint
+    real_save_checkpoint = writer_module.save_checkpoint
 
     def save_checkpoint(
         root: Path, name: str, state: dict[str, Any], meta: dict[str, Any], *, keep: int
@@ -108,7 +108,7 @@ def install_hooks(kill_save: int, kill_stage: str, torn_fraction: float) -> None
         emit({"event": "saved", "name": name, "step": meta["step"], "param_hash": meta["param_hash"]})
         return path
 
-    trainer_module.save_checkpoint = save_checkpoint  # the trainer calls it by this name
+    writer_module.save_checkpoint = save_checkpoint  # the writer thread calls it by this name
 
     real_save_file = checkpoint.save_file
 

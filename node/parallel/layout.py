@@ -20,9 +20,11 @@ import os
 import torch
 
 from node.config import ConfigError, NodeConfig
+from node.efficiency import resolve_precision
 from node.model import ModelConfig
 from node.parallel.engine import LocalLayout
 from node.parallel.plan import Layout, invalid_reason, plan_layout
+from node.parallel.tensor import device_type
 
 log = logging.getLogger("dtnode")
 
@@ -111,7 +113,7 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         virtual_stages=virtual_stages,
         sequence_parallel=config.sequence_parallel,
         bucket_elements=max(1, int(config.local_bucket_mb * 2**20) // 4),  # fp32 numbers
-        precision=config.precision,
+        precision=resolve_precision(config.precision, torch.device(device_type())),
         activation_checkpointing=config.activation_checkpointing,
         grad_accumulation=config.grad_accumulation,
     )
