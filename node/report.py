@@ -138,7 +138,19 @@ def _color(index: int) -> str:
     return f"C{index % 10}"
 
 
-def _finish(figure: Figure, axes: list[Axes], path: Path, title: str) -> None:
+def _from_zero(ax: Axes, series: Sequence[npt.NDArray[np.float64]], *, counts: bool = False) -> None:
+    """A y axis for a quantity that is never negative: from 0, and up to 1 when every value is 0 (a
+    flat series would otherwise get matplotlib's ±4 % band around it, e.g. -0.04..0.04 MB). Counts
+    get whole-number ticks and room above the largest (a flat count of 1 spans 0..2, not 0.95..1.05)."""
+    finite = [value for values in series for value in values if math.isfinite(value)]
+    largest = max(finite, default=0.0)
+    top = largest + 1 if counts else (1.05 * largest if largest > 0 else 1.0)
+    ax.set_ylim(0, top)
+    if counts:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _finish(figure: Figure, axes: list[Axes], path: Path, title: str) -> Figure:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
@@ -146,9 +158,10 @@ def _finish(figure: Figure, axes: list[Axes], path: Path, title: str) -> None:
             ax.text(0.5, 0.5, "no records yet", ha="center", va="center", transform=ax.transAxes)
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
+    return figure
 
 
-def plot_loss(runs: Sequence[NodeRun], path: Path) -> None:
+def plot_loss(runs: Sequence[NodeRun], path: Path) -> Figure:
     figure, (by_time, by_tokens) = _figure(2)
     for index, run in enumerate(runs):
         color = _color(index)
@@ -163,11 +176,14 @@ def plot_loss(runs: Sequence[NodeRun], path: Path) -> None:
             ax.plot(rounds_x, eval_loss, "o-", color=color, markersize=4, label=f"{run.name} held-out")
     by_time.set(xlabel="wall time (s)", ylabel="loss (nats/token)")
     by_tokens.set(xlabel="tokens trained on by the node", ylabel="loss (nats/token)")
-    _finish(figure, [by_time, by_tokens], path, "Loss (train: running mean; held-out: after each round)")
+    return _finish(
+        figure, [by_time, by_tokens], path, "Loss (train: running mean; held-out: after each round)"
+    )
 
 
-def plot_bytes(runs: Sequence[NodeRun], path: Path) -> None:
+def plot_bytes(runs: Sequence[NodeRun], path: Path) -> Figure:
     figure, (cumulative, per_round) = _figure(2)
+    totals, per_round_sent = [], []
     for index, run in enumerate(runs):
         color = _color(index)
         seconds = run.seconds(run.rounds)
@@ -180,13 +196,17 @@ def plot_bytes(runs: Sequence[NodeRun], path: Path) -> None:
             seconds, np.nancumsum(received), "s--", color=color, markersize=3, label=f"{run.name} received"
         )
         per_round.plot(_column(run.rounds, "round"), sent, "o-", color=color, markersize=4, label=run.name)
+        totals += [np.nancumsum(sent), np.nancumsum(received)]
+        per_round_sent.append(sent)
+    _from_zero(cumulative, totals)
+    _from_zero(per_round, per_round_sent)
     cumulative.set(xlabel="wall time (s)", ylabel="MB (cumulative)")
     per_round.set(xlabel="outer round", ylabel="MB sent in the round")
     per_round.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _finish(figure, [cumulative, per_round], path, "Bytes on the wire (pseudo-gradient all-reduce)")
+    return _finish(figure, [cumulative, per_round], path, "Bytes on the wire (pseudo-gradient all-reduce)")
 
 
-def plot_peers(runs: Sequence[NodeRun], path: Path) -> None:
+def plot_peers(runs: Sequence[NodeRun], path: Path) -> Figure:
     figure, (ax,) = _figure(1)
     for index, run in enumerate(runs):
         ax.step(
@@ -194,8 +214,8 @@ def plot_peers(runs: Sequence[NodeRun], path: Path) -> None:
             color=_color(index), markersize=4, label=run.name,
         )  # fmt: skip
     ax.set(xlabel="wall time (s)", ylabel="contributions in the round's mean")
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    _finish(figure, [ax], path, "Peers per outer round")
+    _from_zero(ax, [_column(run.rounds, "peers") for run in runs], counts=True)
+    return _finish(figure, [ax], path, "Peers per outer round")
 
 
 def round_utilization(record: dict[str, Any]) -> float:
@@ -210,7 +230,7 @@ def round_utilization(record: dict[str, Any]) -> float:
     return compute / (compute + float(waited))
 
 
-def plot_utilization(runs: Sequence[NodeRun], path: Path) -> None:
+def plot_utilization(runs: Sequence[NodeRun], path: Path) -> Figure:
     figure, (utilization, throughput) = _figure(2)
     for index, run in enumerate(runs):
         color = _color(index)
@@ -224,7 +244,7 @@ def plot_utilization(runs: Sequence[NodeRun], path: Path) -> None:
     utilization.set(xlabel="outer round", ylabel="compute / (compute + waiting)", ylim=(0, 1.05))
     utilization.xaxis.set_major_locator(MaxNLocator(integer=True))
     throughput.set(xlabel="wall time (s)", ylabel="inner-step tokens/s (running mean)")
-    _finish(figure, [utilization, throughput], path, "Utilization of the training thread")
+    return _finish(figure, [utilization, throughput], path, "Utilization of the training thread")
 
 
 # --- summary ---

@@ -161,3 +161,39 @@ def test_utilization_of_older_records_is_computed() -> None:
     assert math.isnan(round_utilization({"utilization": None, "seconds_compute": 3.0}))
     assert round_utilization({"seconds_compute": 3.0, "seconds_comm": 1.0}) == 0.75  # before seconds_blocked
     assert math.isnan(round_utilization({"seconds_compute": 0.0, "seconds_comm": 1.0}))
+
+
+def solo_run(tmp_path: Path) -> list[Any]:
+    """A swarm of one: every round 1 contribution and 0 bytes on the wire (flat series)."""
+    from node.report import load_runs
+
+    run_dir = tmp_path / "solo"
+    run_dir.mkdir()
+    records = [
+        {"kind": "round", "round": r, "step": 3 * r, "eval_loss": 3.0 - 0.1 * r, "peers": 1, "bytes_sent": 0,
+         "bytes_recv": 0, "seconds_compute": 1.0, "seconds_comm": 0.01, "param_hash": "aa", "tokens": 100 * r,
+         "fell_back": False, "adopted": False, "time": 1000.0 + r}
+        for r in range(1, 4)
+    ]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return load_runs([run_dir])
+
+
+def test_flat_series_get_axes_from_zero_and_counts_whole_ticks(tmp_path: Path) -> None:
+    from node.report import plot_bytes, plot_peers
+
+    runs = solo_run(tmp_path)
+    bytes_figure = plot_bytes(runs, tmp_path / "bytes.png")
+    for ax in bytes_figure.axes:  # 0 MB throughout: 0..1, not matplotlib's -0.04..0.04
+        assert ax.get_ylim() == (0.0, 1.0)
+    peers_figure = plot_peers(runs, tmp_path / "peers.png")
+    (ax,) = peers_figure.axes
+    assert ax.get_ylim() == (0.0, 2.0)  # a flat count of 1: 0..2, not 0.95..1.05
+    ticks = [tick for tick in ax.get_yticks() if 0 <= tick <= 2]
+    assert ticks and all(float(tick).is_integer() for tick in ticks), ticks
+    # A larger count stays whole too, and a rising MB series keeps its top.
+    runs[0].rounds[-1]["peers"] = 7
+    runs[0].rounds[-1]["bytes_sent"] = 4_000_000
+    assert plot_peers(runs, tmp_path / "peers.png").axes[0].get_ylim() == (0.0, 8.0)
+    cumulative, _ = plot_bytes(runs, tmp_path / "bytes.png").axes
+    assert cumulative.get_ylim() == pytest.approx((0.0, 4.2))
