@@ -196,6 +196,7 @@ def setup_logging(log_format: str = "text") -> None:
 
 def run_join(args: argparse.Namespace) -> int:
     stop = _StopOnSignals()  # first: a signal during the slow start-up still ends in a clean exit
+    started = time.time()
     flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
     config = load_config(config_file=args.config_file, flags=flags)
     if config.log_format != "text":
