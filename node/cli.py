@@ -205,7 +205,6 @@ def run_join(args: argparse.Namespace) -> int:
     from node.preflight import check_before_sockets
 
     check_before_sockets(config)  # the layout, the swarm key, the addresses: exit 2 before any socket
-    started = time.time()
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.trainer import Trainer
 
