@@ -6,17 +6,18 @@
 #   dtnode-swarm-entry worker [dtnode join flags...]
 #
 # A worker joins through the bootstrap node's multiaddr, which ends in the bootstrap's libp2p peer
-# id, and that id is random at every start. So the nodes share one volume, $SWARM_RUNS (/runs):
+# id. Every node keeps its identity in its run dir (--identity-path, made on first start), so a
+# node's peer id and multiaddr survive restarts; the nodes share one volume, $SWARM_RUNS (/runs):
 #
-# - bootstrap: removes its stale node.json, then runs `dtnode join` on fixed ports announcing its
-#   host name, which writes $SWARM_RUNS/bootstrap/node.json (peer id, multiaddrs) once the swarm
-#   side is up.
-# - worker: waits for that file (at most $SWARM_WAIT_SECONDS), then runs `dtnode join --peers`
-#   with the multiaddrs in it, announcing its own container address. If it read a stale file
-#   (the bootstrap restarted and has not rewritten it yet) the join fails and exits non-zero; the
+# - bootstrap: runs `dtnode join` on fixed ports announcing its host name, which writes
+#   $SWARM_RUNS/bootstrap/node.json (peer id, multiaddrs) once the swarm side is up.
+# - worker: (compose starts it once the bootstrap is healthy) waits for that file (at most
+#   $SWARM_WAIT_SECONDS), then runs `dtnode join --peers` with the multiaddrs in it, announcing its
+#   own container address. If the bootstrap is unreachable the join fails and exits non-zero; the
 #   compose file restarts it.
 #
-# Every node's run directory (metrics.jsonl, checkpoints) is $SWARM_RUNS/<container host name>.
+# Every node's run directory (metrics.jsonl, checkpoints, identity.key) is
+# $SWARM_RUNS/<container host name>.
 # The training settings come from DTNODE_* variables (see `dtnode join --help`).
 set -eu
 
@@ -32,9 +33,9 @@ bootstrap_json="$runs/bootstrap/node.json"
 
 case "$role" in
   bootstrap)
-    rm -f "$bootstrap_json"
     exec dtnode join --run-dir "$runs/bootstrap" --listen "0.0.0.0:$grpc_port" \
-      --dht-listen "0.0.0.0:$dht_port" --announce "$host_name" "$@"
+      --dht-listen "0.0.0.0:$dht_port" --announce "$host_name" \
+      --identity-path "$runs/bootstrap/identity.key" "$@"
     ;;
   worker)
     waited=0
@@ -57,7 +58,8 @@ case "$role" in
     # The address other containers reach this one at (its entry in the compose network's DNS).
     address="$(python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))')"
     exec dtnode join --run-dir "$runs/$host_name" --listen "0.0.0.0:$grpc_port" \
-      --dht-listen "0.0.0.0:$dht_port" --announce "$address" --peers "$peers" "$@"
+      --dht-listen "0.0.0.0:$dht_port" --announce "$address" --peers "$peers" \
+      --identity-path "$runs/$host_name/identity.key" "$@"
     ;;
   *)
     echo "dtnode-swarm-entry: unknown role '$role'; $usage" >&2

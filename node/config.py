@@ -455,7 +455,7 @@ class NodeConfig:
 
     @property
     def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+        return resolve_run_dir(name=self.name, run_dir=self.run_dir)
 
     @property
     def schedule_horizon(self) -> int:
@@ -479,6 +479,11 @@ class NodeConfig:
                 text = repr(value)
             lines.append(f"{f.name} = {text}")
         return "\n".join(lines) + "\n"
+
+
+def resolve_run_dir(*, name: str, run_dir: str) -> Path:
+    """``--run-dir``, else ``runs/<name>``."""
+    return Path(run_dir) if run_dir else Path("runs") / name
 
 
 def field_types() -> dict[str, type]:
@@ -545,13 +550,14 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def load_config(
+def layered_values(
     *,
     config_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
-) -> NodeConfig:
-    """Resolve the config: ``flags`` > ``environ`` (``DTNODE_*``) > TOML file > defaults."""
+) -> dict[str, Any]:
+    """The settings the layers set (typed, keys checked; not yet validated together, which needs
+    the model presets and so torch): what a light command such as ``dtnode health`` reads."""
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get("DTNODE_CONFIG") or None
     values: dict[str, Any] = {}
@@ -561,6 +567,17 @@ def load_config(
     if flags:
         _check_keys(flags, "command line")
         values.update({key: _coerce(key, value, "command line") for key, value in flags.items()})
+    return values
+
+
+def load_config(
+    *,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Resolve the config: ``flags`` > ``environ`` (``DTNODE_*``) > TOML file > defaults."""
+    values = layered_values(config_file=config_file, environ=environ, flags=flags)
     try:
         return NodeConfig(**values)
     except TypeError as error:  # a wrong type that slipped through coercion

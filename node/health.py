@@ -10,11 +10,15 @@ only over mutual TLS, so ``auth`` brings the swarm's certificate then.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from node.config import NodeConfig, resolve_run_dir
 from protocol.auth.channels import SwarmAuth
 from protocol.auth.tls import SERVER_NAME, channel_credentials
 
@@ -55,3 +59,39 @@ def run_health(address: str, *, service: str, timeout: timedelta, auth: SwarmAut
     label = f"{address} ({service})" if service else address
     print(f"{label}: {heard}", flush=True)
     return EXIT_SERVING if serving else EXIT_UNHEALTHY
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """What ``dtnode health`` reads of the node's settings."""
+
+    listen: str
+    run_dir: Path
+    swarm_key_file: str
+    tls: bool
+
+
+def health_settings(values: dict[str, Any]) -> HealthSettings:
+    """The settings from the layers' values (``node.config.layered_values``), defaults filled in.
+
+    A container runs the health check every few seconds: building a whole ``NodeConfig`` validates
+    the model preset, which imports torch (seconds of CPU each time), so only these are read."""
+    defaults = {f.name: f.default for f in fields(NodeConfig)}
+    setting = {**defaults, **values}
+    return HealthSettings(
+        listen=str(setting["listen"]),
+        run_dir=resolve_run_dir(name=str(setting["name"]), run_dir=str(setting["run_dir"])),
+        swarm_key_file=str(setting["swarm_key_file"]),
+        tls=bool(setting["tls"]),
+    )
+
+
+def local_address(listen: str, run_dir: Path) -> str:
+    """The address of this machine's node: loopback and the ``--listen`` port, or (port 0: any free
+    port) the ``grpc_address`` the node recorded in ``run_dir/node.json``."""
+    from node.status import address_from_run_dir
+
+    host, _, port = listen.rpartition(":")
+    if port and port != "0":
+        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::', '[::]') else host}:{port}"
+    return address_from_run_dir(run_dir)

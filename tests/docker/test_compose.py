@@ -1,6 +1,8 @@
 """The docker-compose swarm (``docker/docker-compose.yml``): a bootstrap node and two workers, each in
 its own container, train one model, and after every outer round they all recorded they hold the
-same global params (identical ``param_hash``, contract in ``node/metrics.py``).
+same global params (identical ``param_hash``, contract in ``node/metrics.py``). Then every
+container is healthy by the image's HEALTHCHECK (``dtnode health``: gRPC health SERVING), runs as
+the unprivileged user and keeps its identity key (``--identity-path``) at mode 600.
 
 Skipped unless a Docker engine answers and Docker Compose (``docker compose`` or ``docker-compose``)
 is installed. The image (``$SWARM_IMAGE``, default ``dtnode:cpu``) must exist: ``bash docker/build.sh``
@@ -41,6 +43,7 @@ ROUNDS_TIMEOUT = timedelta(minutes=10)
 UP_TIMEOUT = timedelta(minutes=3)
 DOWN_TIMEOUT = timedelta(minutes=3)
 POLL_INTERVAL = timedelta(seconds=5)
+HEALTHY_TIMEOUT = timedelta(seconds=60)  # a few of the image's 10 s health-check intervals
 # The settings the containers train with (interpolated by compose into their DTNODE_* variables).
 SWARM_SETTINGS = {
     "DTNODE_NAME": "compose-test",
@@ -164,7 +167,14 @@ def compose_project() -> Iterator[ComposeProject]:
 
 
 @pytest.mark.timeout(
-    int((ROUNDS_TIMEOUT + DOWN_TIMEOUT + (BUILD_TIMEOUT if BUILD_ALLOWED else timedelta(0))).total_seconds())
+    int(
+        (
+            ROUNDS_TIMEOUT
+            + DOWN_TIMEOUT
+            + NUM_CONTAINERS * HEALTHY_TIMEOUT
+            + (BUILD_TIMEOUT if BUILD_ALLOWED else timedelta(0))
+        ).total_seconds()
+    )
     + 60
 )
 def test_compose_swarm_trains_one_lineage(compose_project: ComposeProject) -> None:
@@ -213,3 +223,25 @@ def test_compose_swarm_trains_one_lineage(compose_project: ComposeProject) -> No
     ]
     peers = {cid[:12]: {r: rounds[r]["peers"] for r in common} for cid, rounds in per_container.items()}
     assert joint, f"no common round averaged {NUM_CONTAINERS} peers: {peers}"
+
+    # The image's HEALTHCHECK (`dtnode health`, gRPC health SERVING) passes on every running node,
+    # the nodes run as the image's unprivileged user, and each keeps its identity key private.
+    for container_id in per_container:
+        assert _health_status(container_id) == "healthy", _docker_logs(container_id)
+        checked = _run(["docker", "exec", container_id, "dtnode", "health"])
+        assert checked.returncode == 0 and checked.stdout.strip().endswith("SERVING"), checked
+        uid = _run(["docker", "exec", container_id, "id", "-u"]).stdout.strip()
+        assert uid == "10001", f"container {container_id[:12]} runs as uid {uid}"
+        key_mode = 'stat -c %a "/runs/$(cat /etc/hostname)/identity.key"'
+        assert _run(["docker", "exec", container_id, "sh", "-c", key_mode]).stdout.strip() == "600"
+
+
+def _health_status(container_id: str, within: timedelta = HEALTHY_TIMEOUT) -> str:
+    """The container's health once it is no longer ``starting`` (or when ``within`` passes)."""
+    deadline = time.monotonic() + within.total_seconds()
+    while True:
+        inspected = _run(["docker", "inspect", "--format", "{{.State.Health.Status}}", container_id])
+        status = inspected.stdout.strip()
+        if status != "starting" or time.monotonic() >= deadline:
+            return status
+        time.sleep(POLL_INTERVAL.total_seconds())

@@ -4,6 +4,7 @@ checks before any socket opens, the warm-up warning, and ``dtnode health``."""
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -199,3 +200,24 @@ def test_health_of_an_address_nobody_serves_is_1_and_a_bad_address_2(
     assert "UNAVAILABLE" in capsys.readouterr().out
     assert main(["health", "nowhere"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_health_without_addr_asks_the_local_node_of_the_settings(
+    health_server: tuple[str, health.HealthServicer],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    address, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = address.rpartition(":")[2]
+    monkeypatch.setenv("DTNODE_LISTEN", f"0.0.0.0:{port}")  # as the image sets it: loopback, that port
+    assert main(["health"]) == 0
+    assert capsys.readouterr().out.strip() == f"127.0.0.1:{port}: SERVING"
+    # Port 0 (any free port): the address the node recorded in its run dir.
+    monkeypatch.setenv("DTNODE_LISTEN", "0.0.0.0:0")
+    monkeypatch.setenv("DTNODE_RUN_DIR", str(tmp_path))
+    assert main(["health"]) == 2 and "node.json" in capsys.readouterr().err
+    (tmp_path / "node.json").write_text(json.dumps({"grpc_address": address}))
+    assert main(["health"]) == 0
