@@ -10,8 +10,9 @@ written into the output directory (the first RUN_DIR unless told otherwise):
   each round, against wall time and against the tokens the node trained on;
 - ``bytes.png``: cumulative MB sent and received by each node against wall time, and MB sent per round;
 - ``peers.png``: how many contributions each round's mean held (1 = the node stepped alone);
-- ``utilization.png``: the share of the training thread's time spent computing rather than waiting
-  for the swarm, per round, and the inner-step throughput over time.
+- ``utilization.png``: the share of each round's wall time spent on inner steps (inner compute / wall
+  time since the previous round record: waiting for the swarm, eval and checkpoints count against
+  it), per round, and the inner-step throughput over time.
 
 Wall time is counted from the first record of each RUN_DIR, so the nodes of a swarm share one clock.
 If a swarm directory holds the launcher's ``report.json``, its summary opens ``report.md``.
@@ -219,7 +220,9 @@ def plot_peers(runs: Sequence[NodeRun], path: Path) -> Figure:
 
 
 def round_utilization(record: dict[str, Any]) -> float:
-    """The record's ``utilization``; older records: compute / (compute + blocked, else comm) seconds."""
+    """The record's ``utilization`` (compute / wall seconds, node/metrics.py; records written before
+    issue 23 hold compute / (compute + blocked) there); records without one: compute / (compute +
+    blocked, else comm) seconds."""
     value = record.get("utilization")
     if value is not None or "utilization" in record:
         return math.nan if value is None else float(value)
@@ -241,7 +244,7 @@ def plot_utilization(runs: Sequence[NodeRun], path: Path) -> Figure:
         window = max(1, len(run.steps) // _SMOOTHING_POINTS)
         tokens_per_s = running_mean(_column(run.steps, "tokens_per_s"), window)
         throughput.plot(run.seconds(run.steps), tokens_per_s, color=color, linewidth=1, label=run.name)
-    utilization.set(xlabel="outer round", ylabel="compute / (compute + waiting)", ylim=(0, 1.05))
+    utilization.set(xlabel="outer round", ylabel="inner compute / wall time", ylim=(0, 1.05))
     utilization.xaxis.set_major_locator(MaxNLocator(integer=True))
     throughput.set(xlabel="wall time (s)", ylabel="inner-step tokens/s (running mean)")
     return _finish(figure, [utilization, throughput], path, "Utilization of the training thread")

@@ -12,11 +12,17 @@ process with its run dir in a scratch directory; this script only reads what the
              only waits for what is left of it at the end of that phase.
 
 Every node writes one record per outer round to ``metrics.jsonl`` (``node/trainer.py``,
-``_round_record``) with ``seconds_compute`` (the inner phase that ran while the round was being
-formed and reduced: the round's own phase in sync mode, the next one with overlap) and
-``seconds_blocked`` (how long the training thread then waited for the round), and
+``_round_record``; the contract in ``node/metrics.py``) with ``seconds_compute`` (the inner steps
+since its previous round record: the round's own phase in sync mode, the next one with overlap),
+``seconds_wall`` (the wall time since that record) and ``seconds_blocked`` (how long the training
+thread waited for the round in it), and
 
-    utilization = seconds_compute / (seconds_compute + seconds_blocked).
+    utilization = seconds_compute / seconds_wall            (issue 23: wall time; everything that is
+                                                             not an inner step counts against it)
+    blocked_share = seconds_blocked / seconds_wall          (the part of that spent on the swarm)
+
+Runs recorded before issue 23 defined utilization as seconds_compute / (seconds_compute +
+seconds_blocked), which left eval, checkpoints, hashing and the outer step out (BENCHMARKS.md).
 
 Steady state. The samples are every node's rounds after its first ``--warmup-rounds`` (default 1:
 node 0 starts first and waits for the others in round 1, whose steps also warm the allocators), but
@@ -28,7 +34,7 @@ variant, link_mbit (0: loopback, no emulator), overlap, nodes, model, params, in
     batch_size, codec, max_rounds, warmup_rounds: what ran (params: from node 0's log).
 num_samples: steady (node, round) samples; utilization_mean / utilization_min over them;
     utilization_per_node: each node's steady values in round order.
-seconds_compute_mean, seconds_blocked_mean, seconds_comm_mean: means over the samples
+seconds_compute_mean, seconds_blocked_mean, seconds_comm_mean, blocked_share_mean: means over the samples
     (seconds_comm: the all-reduce's own wall time, which with overlap runs alongside compute).
 seconds_per_round: mean gap between a node's record of round r-1 and of a steady round r (one inner
     phase, the wait, the outer step and the eval).
@@ -45,7 +51,8 @@ Summary object: ``summary`` (true), ``target_utilization``, ``utilization_mean``
 Defaults (about 11 min in all on 2 cores): tiny (10.8M params, ~16 MB sent per node and round with
 int8 at 4 nodes), batch 4, H=10, 5 rounds. The nodes share this machine (the launcher gives each
 ``--threads`` = cores // nodes), so an inner phase takes ~25 s against ~9 s of all-reduce at 20
-Mbit/s. Eval (1 batch) and the outer step count in neither term; checkpoints are off.
+Mbit/s. Eval (1 batch, every ``--eval-every`` rounds: the node's default) and the outer step are in
+the wall time; checkpoints are off.
 
     python scripts/bench_utilization.py                     # 4 nodes, tiny, 100 and 20 Mbit/s, both modes
     python scripts/bench_utilization.py --links 20 --modes overlap --max-rounds 4 --model nano
@@ -179,6 +186,9 @@ def summarize(
         ],
         "seconds_compute_mean": _mean([float(r["seconds_compute"]) for r in samples]),
         "seconds_blocked_mean": _mean([float(r["seconds_blocked"]) for r in samples]),
+        "blocked_share_mean": _mean(
+            [float(r["blocked_share"]) for r in samples if r.get("blocked_share") is not None]
+        ),
         "seconds_comm_mean": _mean([float(r["seconds_comm"]) for r in samples]),
         "seconds_per_round": _mean(gaps),
         "bytes_sent_per_round": round(statistics.fmean(bytes_sent)) if bytes_sent else None,

@@ -108,6 +108,7 @@ class Swarm:
         args = self.args
         argv = [sys.executable, "-m", "node.cli", "join", "--name", "chaos", "--run-dir", str(node.run_dir)]
         argv += ["--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--threads", "1"]
+        argv += ["--eval-every", "1"]  # every round's eval_loss: null counts as non-finite below
         argv += ["--inner-steps", str(args.inner_steps), "--log-every", "1000", "--min-peers", "2"]
         argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
         argv += ["--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "1"]

@@ -27,6 +27,7 @@ FAST_FLAGS = (
     "--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--threads", "1",
     "--inner-steps", "10", "--log-every", "1000", "--join-window", "5", "--max-wait", "60",
     "--round-deadline", "60", "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0",
+    "--eval-every", "1",  # the tests compare every round's eval_loss
 )  # fmt: skip
 
 

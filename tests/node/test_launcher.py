@@ -29,7 +29,7 @@ from tests.scripts.script_loader import load_script
 FAST = (
     "--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--inner-steps", "10",
     "--log-every", "1000", "--join-window", "5", "--max-wait", "60", "--round-deadline", "60",
-    "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0",
+    "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0", "--eval-every", "1",
 )  # fmt: skip
 
 

@@ -167,9 +167,10 @@ def test_small_overlapped_run_reports_the_nodes_own_figures(tmp_path: Path) -> N
         lines_of_node = (run_dir / f"node-{index}" / "metrics.jsonl").read_text().splitlines()
         rounds = [r for r in map(json.loads, lines_of_node) if r.get("kind") == "round"]
         assert [r["round"] for r in rounds] == [1, 2, 3] and rounds[2]["seconds_compute"] == 0
-        expected.append(
-            rounds[1]["seconds_compute"] / (rounds[1]["seconds_compute"] + rounds[1]["seconds_blocked"])
-        )
+        # Utilization over wall time: the inner compute over the gap between the round records.
+        wall = rounds[1]["time"] - rounds[0]["time"]
+        assert rounds[1]["seconds_wall"] == pytest.approx(wall, abs=0.05)
+        expected.append(rounds[1]["seconds_compute"] / rounds[1]["seconds_wall"])
     assert record["num_samples"] == 2
     assert record["utilization_per_node"] == [[pytest.approx(u, abs=1e-4)] for u in expected]
     assert record["utilization_mean"] == pytest.approx(sum(expected) / 2, abs=1e-4)

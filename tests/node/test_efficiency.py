@@ -1,0 +1,109 @@
+"""The node's device-efficiency settings: meta-device init, --compile, --precision auto, fused AdamW,
+the --eval-every auto rule (node/meta_init.py, node/efficiency.py, node/replica.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from node.config import ConfigError, NodeConfig
+from node.efficiency import (
+    EVAL_BUDGET,
+    STEP_COST_IN_FORWARDS,
+    eval_interval,
+    resolve_compile,
+    resolve_precision,
+)
+from node.meta_init import build_model
+from node.model import GPT, model_config
+from node.replica import SingleReplica, build_inner_optimizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_meta_build_is_the_cpu_build_bit_for_bit(tie: bool) -> None:
+    config = model_config("nano", tie_embeddings=tie)
+    torch.manual_seed(7)
+    reference = GPT(config)  # today's construction: on CPU, default init, then init_weights
+    rng_after_reference = torch.get_rng_state()
+    torch.manual_seed(7)
+    built = build_model(config, CPU)
+    assert torch.equal(torch.get_rng_state(), rng_after_reference)  # what is drawn next is the same too
+    expected, got = reference.state_dict(), built.state_dict()
+    assert list(got) == list(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert torch.equal(built.rope_cos, reference.rope_cos) and torch.equal(built.rope_sin, reference.rope_sin)
+    assert not any(p.is_meta for p in built.parameters())
+    if tie:
+        assert built.output is not None and built.tok_embeddings is not None
+        assert built.output.weight is built.tok_embeddings.weight
+
+
+def test_auto_settings_on_cpu() -> None:
+    assert resolve_precision("auto", CPU) == "fp32"
+    assert resolve_precision("bf16", CPU) == "bf16" and resolve_precision("fp32", CPU) == "fp32"
+    assert resolve_compile("auto", CPU, local_workers=False) is False
+    assert resolve_compile("on", CPU, local_workers=False) is True
+    assert resolve_compile("auto", torch.device("cuda"), local_workers=False) is True
+    assert resolve_compile("auto", torch.device("cuda"), local_workers=True) is False
+    with pytest.raises(ConfigError, match="--compile on"):
+        resolve_compile("on", CPU, local_workers=True)
+    with pytest.raises(ConfigError, match="compile"):
+        NodeConfig(compile="sometimes")
+
+
+def test_eval_every_auto_keeps_eval_within_its_budget() -> None:
+    defaults = NodeConfig()
+    every = eval_interval(defaults)
+    # The defaults (8 eval batches, H=50): one eval ≈ 8 forwards against 50 steps ≈ 150 forwards.
+    assert every == 6
+    cost = defaults.eval_batches / (STEP_COST_IN_FORWARDS * defaults.inner_steps * every)
+    assert (
+        cost
+        <= EVAL_BUDGET
+        < defaults.eval_batches / (STEP_COST_IN_FORWARDS * defaults.inner_steps * (every - 1))
+    )
+    assert eval_interval(dataclasses.replace(defaults, eval_every=2)) == 2
+    assert eval_interval(dataclasses.replace(defaults, inner_steps=1000)) == 1
+    assert eval_interval(dataclasses.replace(defaults, eval_batches=1, inner_steps=10)) == math.ceil(1 / 0.3)
+
+
+def test_inner_adamw_is_fused_only_on_cuda() -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_inner_optimizer(model, NodeConfig())
+    assert not optimizer.defaults.get("fused")  # CPU: torch's default implementation
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+
+
+def replica_losses(compile: bool) -> list[float]:
+    config = NodeConfig(
+        model="nano", seq_len=32, batch_size=4, inner_lr=3e-3, compile="on" if compile else "off"
+    )
+    torch.manual_seed(0)
+    replica = SingleReplica(model_config("nano", seq_len=32), config, CPU, compile=compile)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, 260, (4, 33), generator=generator)
+        losses.append(replica.train_step([(tokens[:, :-1], tokens[:, 1:])], 3e-3))
+    batch = torch.randint(0, 260, (4, 33), generator=generator)
+    losses.append(replica.eval_loss([(batch[:, :-1], batch[:, 1:])]))
+    return losses
+
+
+@pytest.mark.timeout(600)
+def test_compiled_replica_matches_eager_on_cpu() -> None:
+    eager = replica_losses(compile=False)
+    try:
+        compiled = replica_losses(compile=True)
+    except Exception as error:  # noqa: BLE001 - inductor's failure types vary with the toolchain
+        if "Compiler" in type(error).__name__ or "compiler" in str(error).lower():
+            pytest.skip(f"torch.compile cannot build kernels on this machine: {str(error).splitlines()[0]}")
+        raise
+    # Fused kernels reorder float sums: equal within float32 rounding, not bit for bit.
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
