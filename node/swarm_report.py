@@ -84,7 +84,7 @@ def is_averaged(record: Mapping[str, Any]) -> bool:
     return int(record.get("peers") or 0) >= 2 and not record.get("fell_back") and not record.get("adopted")
 
 
-def node_participation(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def node_participation(rounds: Sequence[Mapping[str, Any]], *, skip_through: int = 0) -> dict[str, Any]:
     """One node's participation: averaged (node, round) pairs / all its pairs.
 
     The node's pairs are the rounds ``first + 1 .. last``, ``first`` and ``last`` the lowest and the
@@ -93,6 +93,8 @@ def node_participation(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     node's last record of that round (a node that fell back and then adopted the round's canonical
     state records it twice) passes :func:`is_averaged`; a round in the range it has no record of (it
     skipped the round while catching up) is not. ``participation`` is None without any pair.
+    ``skip_through``: rounds up to this one are left out too (a benchmark that froze the node lets
+    it come back first).
     ``final_param_hash`` / ``final_round``: of the node's last round record in file order.
     """
     by_round = {int(r["round"]): r for r in rounds}
@@ -100,7 +102,7 @@ def node_participation(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         empty = {"first_round": None, "final_round": None, "final_param_hash": None}
         return empty | {"num_pairs": 0, "num_averaged": 0, "participation": None}
     first, last = min(by_round), max(by_round)
-    pairs = range(first + 1, last + 1)
+    pairs = range(max(first, skip_through) + 1, last + 1)
     num_averaged = sum(1 for r in pairs if r in by_round and is_averaged(by_round[r]))
     return {
         "first_round": first,

@@ -57,6 +57,10 @@ def test_node_participation_counts_rounds_after_the_first_skipped_ones_included(
         "num_averaged": 2,
         "participation": 2 / 6,
     }
+    # Frozen until round 6: rounds 7..9 count, 7 and 9 averaged.
+    assert node_participation(rounds, skip_through=6)["num_pairs"] == 3
+    assert node_participation(rounds, skip_through=6)["num_averaged"] == 2
+    assert node_participation(rounds, skip_through=9)["participation"] is None
     assert node_participation([record(1)])["num_pairs"] == 0
     assert node_participation([record(1)])["participation"] is None
     assert node_participation([])["final_param_hash"] is None
