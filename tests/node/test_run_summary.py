@@ -1,0 +1,67 @@
+"""The end-of-run line: read back from metrics.jsonl, only this process's rounds, and said plainly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from node.run_summary import format_duration, summarize_run, summary_line
+from node.swarm_setup import reachable_first
+
+
+def round_record(round: int, time: float, **fields: object) -> dict[str, object]:
+    record: dict[str, object] = {
+        "kind": "round", "round": round, "step": 3 * round, "eval_loss": 3.0 - 0.25 * round, "peers": 2,
+        "bytes_sent": 1_000_000, "bytes_recv": 2_000_000, "bytes_recv_state_sync": 0, "time": time,
+    }  # fmt: skip
+    record.update(fields)
+    return record
+
+
+def write(path: Path, records: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_a_resumed_run_sums_only_its_own_rounds(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    write(
+        metrics,
+        [
+            round_record(1, 100.0),  # the previous process
+            {"kind": "step", "round": 2, "step": 4, "loss": 3.0, "time": 200.5},
+            round_record(2, 201.0, bytes_recv_state_sync=500_000),
+            round_record(3, 202.0, eval_loss=None),  # no eval this round: the last measured holds
+        ],
+    )
+    summary = summarize_run(metrics, started=200.0, ended=534.0)
+    assert (summary.num_rounds, summary.first_round, summary.last_round) == (2, 2, 3)
+    assert (summary.eval_loss, summary.eval_round) == (2.5, 2)
+    assert summary.bytes_sent == 2_000_000 and summary.bytes_received == 4_500_000
+    line = summary_line(summary, tmp_path)
+    assert line == (
+        "run ended: 2 rounds (2-3), held-out loss 2.5000 (round 2), sent 2.0 MB, received 4.5 MB, "
+        f"5 min 34 s; metrics {metrics} (plots: dtnode report {tmp_path})"
+    )
+
+
+def test_a_run_without_rounds_says_so(tmp_path: Path) -> None:
+    summary = summarize_run(tmp_path / "metrics.jsonl", started=0.0, ended=42.4)  # no file yet
+    assert summary.num_rounds == 0 and summary.eval_loss is None
+    assert summary_line(summary, tmp_path).startswith(
+        "run ended: no round completed, no held-out loss measured"
+    )
+    assert [format_duration(s) for s in (0.4, 59.6, 61, 3600 * 2 + 180)] == [
+        "0 s",
+        "1 min 00 s",
+        "1 min 01 s",
+        "2 h 03 min",
+    ]
+
+
+def test_the_join_banner_lists_addresses_other_machines_can_dial_first() -> None:
+    addresses = ["/ip4/127.0.0.1/tcp/7001/p2p/Q", "/ip4/10.0.0.5/tcp/7001/p2p/Q", "/ip6/::1/tcp/7001/p2p/Q",
+                 "/ip4/192.168.1.2/tcp/7001/p2p/Q"]  # fmt: skip
+    assert reachable_first(addresses) == [
+        "/ip4/10.0.0.5/tcp/7001/p2p/Q", "/ip4/192.168.1.2/tcp/7001/p2p/Q",
+        "/ip4/127.0.0.1/tcp/7001/p2p/Q", "/ip6/::1/tcp/7001/p2p/Q",
+    ]  # fmt: skip
