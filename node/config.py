@@ -6,27 +6,22 @@ string in ``metadata["help"]``; the CLI builds one flag per field from it, so ``
 documents every setting and nothing can be set in one layer but not in another.
 
 A user mistake (unknown key, impossible value, missing file) raises :class:`ConfigError`, which the
-CLI turns into a one-line message and exit code 2.
+CLI turns into a one-line message and exit code 2. Reading the layers (types, keys, which layer
+wins) is ``node/config_layers.py``; validating the merged settings is ``NodeConfig.__post_init__``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from node import config_layers
+from node.config_layers import ConfigError
 from protocol.membership.messages import MAX_STREAMS
-
-ENV_PREFIX = "DTNODE_"
-# Environment variables with the prefix that are not config fields.
-# Not settings: DTNODE_CONFIG names the TOML file; the others are read by scripts/setup.sh.
-RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV"})
 
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 OUTER_SHARDING = ("auto", "on", "off")
@@ -35,10 +30,6 @@ LOG_FORMATS = ("text", "json")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("auto", "fp32", "bf16")
 COMPILE = ("auto", "on", "off")
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration: reported in one line, exit code 2."""
 
 
 def _help(text: str) -> Any:
@@ -491,83 +482,14 @@ def field_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(NodeConfig)}
 
 
-def _coerce(key: str, value: Any, source: str, *, typed: bool = False) -> Any:
-    """Convert a raw value (TOML value or env string) to the field's type, or raise ConfigError.
-
-    ``typed``: the source has types of its own (TOML), so a string for a number or a bool is a
-    mistake (``inner_steps = "5"``), not text to parse as an environment variable's is."""
-    kind = field_types()[key]
-    if isinstance(value, str) and kind is not str and typed:
-        raise ConfigError(f"{source}: {key} expects {kind.__name__}, got the string {value!r}")
-    if isinstance(value, str) and kind is not str:
-        text = value.strip()
-        if kind is bool:
-            lowered = text.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{source}: {key} expects true/false, got {value!r}")
-        try:
-            return kind(text)
-        except ValueError:
-            raise ConfigError(f"{source}: {key} expects {kind.__name__}, got {value!r}") from None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{source}: {key} expects {kind.__name__}, got {value!r}")
-    return value
-
-
-def _check_keys(keys: Mapping[str, Any], source: str) -> None:
-    known = set(field_types())
-    unknown = sorted(set(keys) - known)
-    if unknown:
-        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}")
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: invalid TOML: {error}") from None
-    raw = {key.replace("-", "_"): value for key, value in raw.items()}
-    _check_keys(raw, str(path))
-    return {key: _coerce(key, value, str(path), typed=True) for key, value in raw.items()}
-
-
-def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    values = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        _check_keys({key: value}, f"environment variable {name}")
-        values[key] = _coerce(key, value, f"environment variable {name}")
-    return values
-
-
 def layered_values(
     *,
     config_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings the layers set (typed, keys checked; not yet validated together, which needs
-    the model presets and so torch): what a light command such as ``dtnode health`` reads."""
-    environ = os.environ if environ is None else environ
-    config_file = config_file or environ.get("DTNODE_CONFIG") or None
-    values: dict[str, Any] = {}
-    if config_file:
-        values.update(read_toml(config_file))
-    values.update(read_env(environ))
-    if flags:
-        _check_keys(flags, "command line")
-        values.update({key: _coerce(key, value, "command line") for key, value in flags.items()})
-    return values
+    """The settings the layers set (``node/config_layers.py``), typed but not validated together."""
+    return config_layers.layered_values(field_types(), config_file=config_file, environ=environ, flags=flags)
 
 
 def load_config(
@@ -583,24 +505,7 @@ def load_config(
     except TypeError as error:  # a wrong type that slipped through coercion
         raise ConfigError(str(error)) from None
     except ConfigError as error:  # a bad value: say it with the flags a user types
-        raise ConfigError(name_flags(str(error))) from None
-
-
-def name_flags(message: str) -> str:
-    """``message`` with the settings it names written as flags (``inner_steps`` → ``--inner-steps``).
-
-    A setting with an underscore is renamed wherever it stands; a one-word setting (``model``,
-    ``data``) only where it opens the message, as in "model must be one of …", so that the same
-    word used as a word elsewhere is left alone."""
-    names = {f.name for f in fields(NodeConfig)}
-
-    def flag(match: re.Match[str]) -> str:
-        word = match.group(0)
-        if word in names and ("_" in word or match.start() == 0):
-            return "--" + word.replace("_", "-")
-        return word
-
-    return re.sub(r"(?<![\w\-'\".=/])[a-z][a-z0-9_]*(?![\w\-'\"])", flag, message)
+        raise ConfigError(config_layers.name_flags(str(error), field_types())) from None
 
 
 def replace(config: NodeConfig, **changes: Any) -> NodeConfig:
