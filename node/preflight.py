@@ -5,6 +5,7 @@ before the DHT and the gRPC server start and the join banner is printed: otherwi
 "started a new swarm … to join it" followed by an error, and peers may already have seen the node.
 :func:`check_before_sockets` runs what can be checked without the corpus or the model's weights:
 
+- the device (``--device cuda`` needs one);
 - the intra-node layout (``--local-workers``, ``--dp/--tp/--pp``, micro-batches, the planner),
   resolved exactly as the trainer will resolve it (``node.parallel.layout.resolve_layout``) for
   the ``--model`` preset (the layout's rules read heads, layers and the batch, not the vocabulary);
@@ -50,6 +51,9 @@ def check_before_sockets(config: NodeConfig) -> None:
     # Imported here: the layout pulls in torch, the swarm side hivemind (slow; --help stays instant).
     from node.model import model_config
     from node.parallel.layout import resolve_layout
+    from node.trainer import pick_device
+
+    pick_device(config.device)  # --device cuda without a CUDA device
 
     try:
         model = model_config(config.model, **({"seq_len": config.seq_len} if config.seq_len else {}))

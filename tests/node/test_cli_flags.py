@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from node.cli import build_parser, main
@@ -147,6 +148,15 @@ def test_a_bad_layout_exits_2_before_any_socket_opens(tmp_path: Path) -> None:
     assert "gRPC server" not in result.stderr and "DHT" not in result.stderr
     assert not (run_dir / "node.json").exists()
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_missing_cuda_device_exits_2_before_any_socket_opens(tmp_path: Path) -> None:
+    result = run_cli("join", "--model", "nano", "--device", "cuda", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "no CUDA device" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "run" / "node.json").exists()
 
 
 @pytest.mark.timeout(60)
