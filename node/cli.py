@@ -231,10 +231,14 @@ def run_join(args: argparse.Namespace) -> int:
         # A fresh joiner fetches the swarm's state while its model and data are being built.
         fresh = latest_checkpoint(config.resolved_run_dir / "checkpoints") is None
         prefetch = Prefetch(swarm, join_timeout=JOIN_TIMEOUT) if config.peers and fresh else None
-        session = SwarmSession(swarm, joining=bool(config.peers), prefetch=prefetch)
+        session = SwarmSession(
+            swarm, joining=bool(config.peers), prefetch=prefetch, start_peers=config.start_peers
+        )
         trainer = Trainer(config, swarm=session)
         stop.attach(trainer)
         trainer.run()
+        if not trainer.stop_requested:  # the run reached its end: let nodes behind us catch up first
+            session.serve_stragglers()
     finally:
         swarm.leave()
         swarm.close()

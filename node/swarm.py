@@ -70,6 +70,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+START_TIMEOUT = timedelta(minutes=10)
+"""How long the start barrier (``start_peers``) waits for the other nodes before training anyway."""
+
+MAX_DUE_WAIT_SECONDS = 120.0
+"""How far ahead a syncing peer's estimate may lie for us to train on for it (Trainer's MAX_DUE_WAIT)."""
+
 MAX_CATCH_UP_ROUNDS = 2
 """How many rounds behind a node may step to the swarm's state with their means: providers keep the
 means of their last two publishes (StateSyncConfig.num_snapshots_kept)."""
@@ -91,8 +97,12 @@ class SwarmSession:
         join_timeout: timedelta = JOIN_TIMEOUT,
         on_round: Callable[[RoundResult], None] | None = None,
         prefetch: Prefetch | None = None,
+        start_peers: int = 1,
+        start_timeout: timedelta = START_TIMEOUT,
     ) -> None:
         self.swarm = swarm
+        self.start_peers = start_peers  # the start barrier: live nodes to wait for before training
+        self.start_timeout = start_timeout
         self.prefetch = prefetch  # the canonical state fetched while the trainer was being built
         self.joining = joining
         self.join_timeout = join_timeout
@@ -119,7 +129,39 @@ class SwarmSession:
     # --- lifecycle ---
 
     def start(self, trainer: Trainer) -> None:
-        """Announce the node; a joiner adopts the swarm's state first if its own is not canonical."""
+        """Announce the node; a joiner adopts the swarm's state first if its own is not canonical;
+        then the start barrier (``start_peers``): wait until that many nodes of the run are live."""
+        self._join(trainer)
+        self._await_start_peers()
+
+    def _await_start_peers(self) -> None:
+        """Wait until ``start_peers`` nodes (ourselves included) hold a lineage of the run, so that the
+        nodes started together train their first round together instead of the first one running
+        rounds alone while the others start (they would then re-sync to it). Bounded by
+        ``start_timeout`` and by a stop request; on timeout the node trains with whoever is there."""
+        trainer = self._trainer
+        assert trainer is not None
+        if self.start_peers <= 1:
+            return
+        deadline = time.monotonic() + self.start_timeout.total_seconds()
+        log.info(
+            "start barrier: waiting for %d node(s) of run %r", self.start_peers, self.swarm.config.run_name
+        )
+        while not trainer.stop_requested:
+            remaining = deadline - time.monotonic()
+            view = self.swarm.wait_for_peers(
+                self.start_peers - 1, timedelta(seconds=max(min(remaining, 2.0), 0.0))
+            )
+            others = [peer for peer in view if peer.peer_id != self.swarm.peer_id]
+            if len(others) + 1 >= self.start_peers:
+                log.info("start barrier: %d node(s) live, training", len(others) + 1)
+                return
+            if remaining <= 0:
+                log.warning("start barrier: only %d of %d node(s) live after %s; training with them",
+                            len(others) + 1, self.start_peers, self.start_timeout)  # fmt: skip
+                return
+
+    def _join(self, trainer: Trainer) -> None:
         self._trainer = trainer
         trainer.diloco.on_applied = self._applied_in_background
         self.streams = None
@@ -156,7 +198,7 @@ class SwarmSession:
                 # (its wire bytes) may take us the rest of the way (_catch_up).
                 trainer.adopt(self._checked(ahead[1]))
                 behind = True
-            state = self._fetch_canonical(decision, why="joining", announce=True)
+            state = self._fetch_canonical(decision, why="joining")
         if state is None:
             log.warning("training on our own state until the next round's lineage check")
             if behind:  # behind the swarm, on its lineage: the next round's check catches us up
@@ -199,6 +241,35 @@ class SwarmSession:
         trainer = self._trainer
         assert trainer is not None and trainer.submitted_boundary is not None
         self.publish(report.round_index, boundary=trainer.submitted_boundary)
+
+    def serve_stragglers(self) -> int:
+        """At the end of a run, keep serving our final state (and its round's mean) while a live node
+        of the run is behind it, so that it catches up to the swarm's last state instead of running
+        its last round alone and ending on params of its own (a split run). Bounded by ``max_wait``
+        plus a join window; returns how many nodes were behind when we started waiting."""
+        record = self.swarm.driver.record
+        if record is None:
+            return 0
+        config = self.swarm.config
+        deadline = time.monotonic() + (config.rounds.max_wait + config.rounds.join_window).total_seconds()
+        first: int | None = None
+        while True:
+            view = self.swarm.view_or_last("serving nodes behind us")
+            behind = [
+                peer.peer_id
+                for peer in (*view.peers, *view.syncing)
+                if peer.peer_id != self.swarm.peer_id and peer.round < record.round
+            ]
+            if first is None:
+                first = len(behind)
+                if behind:
+                    log.info("serving round %d to %d node(s) still behind it before leaving",
+                             record.round, len(behind))  # fmt: skip
+            if not behind or time.monotonic() >= deadline:
+                if behind:
+                    log.warning("leaving with %d node(s) still behind round %d", len(behind), record.round)
+                return first
+            time.sleep(config.view_refresh.total_seconds())
 
     def stop(self) -> None:
         """Leave the swarm (a tombstone, so rounds stop waiting for us) and close every connection."""
@@ -364,11 +435,16 @@ class SwarmSession:
             time.sleep(self.swarm.config.view_refresh.total_seconds())
         return None
 
-    def _fetch_canonical(
-        self, decision: LineageDecision, *, why: str, announce: bool = False
-    ) -> AdoptedState | None:
+    def _fetch_canonical(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
         """Fetch the canonical state, checked against this node's model and corpus; None (logged) if
-        no source delivered it in time (``announce``: as a joiner, ``SwarmNode.fetch_state``).
+        no source delivered it in time.
+
+        Every fetch is announced (``SwarmNode.fetch_state(announce=True)``): until we hold the state
+        our record says which state we fetch and when we expect to hold it, so the leader of that
+        lineage's next round waits for us (``RoundFormation._joiners_due``) and, with
+        ``--round-seconds``, its members train on meanwhile (:meth:`lineage_peer_due`). Without
+        this, a node whose catch-up takes longer than the swarm's round arrives one round late
+        every round, forever.
 
         A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
         healed yet), and the next round's lineage check tries again.
@@ -384,7 +460,7 @@ class SwarmSession:
         log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
                  why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
         try:
-            report = self.swarm.fetch_state(decision, announce=announce)
+            report = self.swarm.fetch_state(decision, announce=True)
         except (StateSyncError, ValueError, TimeoutError) as error:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
             self._state_sync_failures += 1
@@ -405,7 +481,7 @@ class SwarmSession:
         wanted, num_bytes = canonical.param_hash, 0
         try:
             for _ in range(canonical.round - ours[0]):
-                report = self.swarm.fetch_state(decision, state_id=round_mean_id(wanted))
+                report = self.swarm.fetch_state(decision, state_id=round_mean_id(wanted), announce=True)
                 num_bytes += sum(report.bytes_by_source.values())
                 previous, target = round_mean_link(report.snapshot)
                 links.append((report.snapshot, target))
@@ -444,6 +520,34 @@ class SwarmSession:
             )
         except ValueError as error:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
+
+    def lineage_peer_due(self) -> bool:
+        """Whether a node is fetching our lineage's state (a joiner or a member catching up): we then
+        train on instead of ending our phase (``Trainer._phase_due``, at most ``MAX_DUE_WAIT``), so
+        that the state it fetches is still the lineage's when it holds it and it joins our next round.
+        Ending the phase instead would move the lineage on; a node whose fetch outlasts the swarm's
+        round would then hold a stale state at every arrival, forever. Training on costs the swarm
+        nothing: it is compute, weighted by tokens in the round's mean.
+
+        Two signals: our own state provider sent a chunk of our state (or its round's mean) within
+        two view refreshes (seen at once, even while the fetch saturates our uplink and the DHT
+        lags), or the DHT shows a ``syncing`` record for our lineage whose estimate is at most
+        ``MAX_DUE_WAIT_SECONDS`` ahead and renewed within a join window."""
+        if self.swarm.server.state_provider.served_lately(2 * self.swarm.config.view_refresh.total_seconds()):
+            return True
+        record = self.swarm.driver.record
+        if record is None:
+            return False
+        now = self.swarm.driver.clock()  # the DHT's clock, which ready_at is on
+        window = self.swarm.config.rounds.join_window.total_seconds()
+        for peer in self.swarm.driver.view.syncing:
+            if peer.peer_id == self.swarm.peer_id or peer.ready_at is None:
+                continue
+            if (peer.round, peer.param_hash) != (record.round, record.param_hash):
+                continue
+            if now - window < peer.ready_at <= now + MAX_DUE_WAIT_SECONDS:
+                return True
+        return False
 
     def phase_should_end(self) -> bool:
         """Whether a node catching up should end its inner phase now (read from the view the swarm

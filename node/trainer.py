@@ -44,6 +44,9 @@ from node.records import load_node_corpus
 from node.replica import ParallelReplica, Replica, SingleReplica
 from node.schedule import LRSchedule
 
+MAX_DUE_WAIT = timedelta(minutes=2)
+"""The longest an inner phase runs past its end while a node fetches our lineage's state."""
+
 if TYPE_CHECKING:
     from node.swarm import SwarmSession
     from node.swarm_state import AdoptedState
@@ -158,6 +161,11 @@ class Trainer:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
+        # The inner phase under way: its monotonic start, its first step, since when it runs past its
+        # end because a node is fetching our state (_phase_due).
+        self._phase_started: float | None = None
+        self._phase_start_step = 0
+        self._extended_since: float | None = None
         self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
         self.eval_every = eval_interval(config)  # rounds between held-out evals (the final one always)
         self._since_round: float | None = None  # perf_counter of the last round record (or the first step)
@@ -366,7 +374,36 @@ class Trainer:
         if delta is not None:
             self.submitted_boundary = (progress.step, self.batches.state_dict())
             self.diloco.submit(delta, round_index=self._phase(), weight=weight)
+        self._phase_started, self._phase_start_step = time.monotonic(), progress.step  # the next phase
+        self._extended_since = None
         return record
+
+    def _phase_due(self) -> bool:
+        """Whether the inner phase is over: after H steps, or with ``--round-seconds S`` once it has
+        lasted S seconds (at least one step); in either case not while a node is fetching our
+        lineage's state to join it (``SwarmSession.lineage_peer_due``): we train on, at most
+        ``MAX_DUE_WAIT`` longer, so that it joins this round instead of arriving one round late.
+
+        Rounds due by time let nodes of uneven speeds reach each round together, each contributing
+        the tokens it trained (the mean is weighted by tokens): a fast node never idles at the
+        barrier for a slow one, and a slow one is never left out (hivemind's target batch size and
+        Psyche's fixed time windows are the same idea)."""
+        config, progress = self.config, self.progress
+        now = time.monotonic()
+        if self._phase_started is None:  # the first phase of this process (or after a resume)
+            self._phase_started = now - progress.round_compute_seconds
+            self._phase_start_step = progress.step - progress.step % config.inner_steps
+        if config.round_seconds:
+            if progress.round_tokens == 0 or now - self._phase_started < config.round_seconds:
+                return False
+        elif progress.step - self._phase_start_step < config.inner_steps:
+            return False
+        if self.swarm is None or not self.swarm.lineage_peer_due():
+            return True
+        if self._extended_since is None:
+            self._extended_since = now
+            log.info("a node is fetching our lineage's state: training on until it joins")
+        return now - self._extended_since >= MAX_DUE_WAIT.total_seconds()
 
     def _phase(self) -> int:
         """The outer round the current inner phase belongs to (1-based)."""
@@ -451,8 +488,8 @@ class Trainer:
             return
         log.info(
             "training %s (%s params) on %s; H=%d, device %s, run dir %s",
-            config.model, f"{self.model.num_params():,}", self.corpus.description,
-            config.inner_steps, self.device, self.run_dir,
+            config.model_config or config.init_from or config.model, f"{self.model.num_params():,}",
+            self.corpus.description, config.inner_steps, self.device, self.run_dir,
         )  # fmt: skip
         try:
             try:
@@ -476,7 +513,7 @@ class Trainer:
             self.checkpoints.poll()  # a background write that finished is logged; one that failed raises
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
-            if self.progress.step % config.inner_steps == 0:
+            if self._phase_due():
                 self.outer_round()
             elif self.diloco.pending_adopts():
                 # Overlap: the round in flight sent us to adopt the swarm's state; this phase's
@@ -490,7 +527,8 @@ class Trainer:
                 # swarm already moved past our state, let the round's lineage check catch us up;
                 # on the swarm's step count and data position (if the round sends us to adopt
                 # again, the adopted state sets both).
-                missing = -self.progress.step % config.inner_steps
+                done = self.progress.step - self._phase_start_step
+                missing = 0 if config.round_seconds else max(config.inner_steps - done, 0)
                 log.info("ending the phase %d steps early to join the swarm's round", missing)
                 self.batches.skip(missing)
                 self.progress.step += missing

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -71,6 +73,9 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.num_bytes_served = 0
         self.num_ranges_served = 0
         """Completed FetchRange streams."""
+        self.last_served: dict[str, float] = {}
+        """State id -> ``time.monotonic()`` when our last transfer of it ended (``inf`` while one runs):
+        a peer fetching our state (to join our lineage) is seen here at once, whatever the DHT shows."""
         self.num_refusals: Counter[str] = Counter()
         """Calls ended with a status other than OK, by status name."""
 
@@ -89,6 +94,17 @@ class StateProvider(pb_grpc.StateSyncServicer):
         older = tuple(kept for kept in self._kept if kept[0][0].state_id != snapshot.state_id)
         self._kept = (tuple(served), *older)[: self.config.num_snapshots_kept]
         logger.debug("serving %r (keeping %s)", snapshot, self.kept_state_ids)
+
+    def served_lately(self, within: float) -> bool:
+        """Whether we sent a chunk of a snapshot we keep (our newest state, the ones before it, the
+        rounds' means beside them) in the last ``within`` seconds: a peer is fetching our lineage's
+        state to join it (one a round old catches up with the newest round's mean). Any thread."""
+        now = time.monotonic()
+        return any(
+            now - self.last_served.get(one.state_id, -math.inf) < within
+            for served in self._kept
+            for one, _ in served
+        )
 
     def _manifest_of(self, snapshot: Snapshot) -> pb.StateManifest:
         manifest = to_manifest(
@@ -245,10 +261,15 @@ class StateProvider(pb_grpc.StateSyncServicer):
                     f"I am serving {self._num_active_transfers} transfers already; try again shortly",
                 )
             self._num_active_transfers += 1
+            self.last_served[request.state_id] = math.inf  # in flight (a chunk may take seconds to drain)
             try:
                 await self._stream(snapshot, request, context)
             finally:
                 self._num_active_transfers -= 1
+                self.last_served[request.state_id] = time.monotonic()
+                kept = set(self.kept_state_ids)  # (on the loop: no race with the writes above)
+                for state_id in [key for key in self.last_served if key not in kept]:
+                    del self.last_served[state_id]
         except ProtocolError as refusal:
             await self._refuse(context, "FetchRange", refusal)
 

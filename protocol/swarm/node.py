@@ -222,6 +222,10 @@ class SwarmNode:
         """The live peers of the run, read now (DhtCallTimeout if the DHT does not answer in time)."""
         return self._run(self.driver.refresh_view(), self.config.dht_call_timeout)
 
+    def view_or_last(self, why: str) -> SwarmView:
+        """A fresh view, or the last one if the DHT does not answer in time (``why``: logged)."""
+        return self._fresh_view(why)
+
     def _fresh_view(self, why: str) -> SwarmView:
         """A fresh view, or the last one if the DHT does not answer in time (one log line)."""
         try:
@@ -285,7 +289,11 @@ class SwarmNode:
             raise ValueError("no sync source is in the view any more")
         on_progress = None
         if announce:
-            self.announce_syncing(decision.canonical)
+            # Until the fetch's progress gives an estimate (within a view_refresh or two), say "soon":
+            # a leader waits for a syncing peer only with an estimate, and a short fetch (a round's
+            # mean) may be over before its first one. A stalled fetch renews nothing and goes stale.
+            soon = get_dht_time() + 2 * self.config.view_refresh.total_seconds()
+            self.announce_syncing(decision.canonical, ready_at=soon)
             on_progress = FetchEstimate(
                 lambda ready_at: self.announce_syncing(decision.canonical, ready_at=ready_at),
                 every=self.config.view_refresh,
