@@ -15,15 +15,16 @@ The N nodes are separate processes, as on N machines; the launcher never talks t
 3. Stop. When every node has exited (they stop by themselves at ``--max-rounds``), or on the
    first SIGINT/SIGTERM: SIGTERM to every node (each finishes its step or round, checkpoints and
    leaves the swarm), a bounded wait, then SIGKILL for what is left; a second signal kills at once.
-4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node the rounds, eval losses, bytes
+4. Report. ``RUN_DIR/report.json`` and ``report.md``: per node (this launch) the rounds, eval losses, bytes
    sent, participation (the share of its rounds after its first in which it averaged with others)
    and final ``param_hash``; whether every node held the same ``param_hash`` after every round they
    all recorded (DiLoCo's outer step leaves all members of a round with identical global params);
    wall time; then the plots and per-node table of ``dtnode report`` (``node/report.py``). Each node
    has exported the swarm's model to ``node-<i>/model.safetensors`` (``dtnode sample RUN_DIR``).
 5. Verdict. Exit code 0 exactly when every node exited 0 and, for a run whose nodes stopped by
-   themselves, the run did its job (``swarm_report.run_problems``: one final ``param_hash``, no
-   round split, some round averaged two or more nodes); else 1, with the reason in one line. A run
+   themselves, the run did its job (``swarm_report.run_problems`` on every round record of the
+   run, a resumed node's earlier launches included: one final ``param_hash``, no round split, some
+   round averaged two or more nodes); else 1, with the reason in one line. A run
    stopped by Ctrl-C is reported the same way but judged by its nodes' exit codes only (its nodes
    may stop a round apart).
 
@@ -48,6 +49,7 @@ from typing import Any
 from node.checkpoint import latest_checkpoint
 from node.config import ConfigError
 from node.launch_config import LOOPBACK, LaunchConfig, load_wan_emulator, node_argv
+from node.metrics import read_metrics
 from node.swarm_report import (
     MetricsTail,
     hash_agreement,
@@ -153,7 +155,9 @@ class SwarmLauncher:
         exit_codes = [node.process.returncode for node in self.nodes]
         agreement = hash_agreement([node.rounds for node in self.nodes])
         summaries = [node_summary(node) for node in self.nodes]
-        problems = run_problems([node.name for node in self.nodes], [node.rounds for node in self.nodes])
+        # The verdict is on the whole run: a resumed node's rounds of earlier launches count too.
+        history = [read_metrics(node.run_dir / "metrics.jsonl", kind="round") for node in self.nodes]
+        problems = run_problems([node.name for node in self.nodes], history)
         report: dict[str, Any] = {
             "num_nodes": config.num_nodes,
             "run_dir": str(config.root),
