@@ -4,10 +4,12 @@
 (``node.parallel.plan``) chooses for K devices, with its memory estimate and reasons; ``dtnode report``
 plots runs' metrics (``node/report.py``) and ``dtnode sample`` generates text with a run's exported
 model (``node/sample.py``); ``dtnode status`` shows a running node's view of the swarm
-(``node/status.py``). For ``join``, one
-flag per :class:`~node.config.NodeConfig` field is generated from the dataclass, so ``--help`` documents
-every setting; a flag given on the command line wins over
-``DTNODE_*`` environment variables, which win over ``--config node.toml``, which wins over defaults.
+(``node/status.py``); ``dtnode health`` exits 0 when a node's gRPC health says SERVING
+(``node/health.py``). For ``join``, one flag per :class:`~node.config.NodeConfig` field is generated
+from the dataclass, in help groups (``node/cli_flags.py``), so ``--help`` documents every setting; a
+flag given on the command line wins over ``DTNODE_*`` environment variables, which win over
+``--config node.toml``, which wins over defaults. Before ``join`` opens a socket it checks what can
+be checked (``node/preflight.py``); when the run ends it logs one summary line (``node/run_summary.py``).
 
 User mistakes end with one line on stderr and exit code 2; SIGINT/SIGTERM stop the node after the
 current inner step, with a checkpoint, and exit 0.
@@ -181,6 +183,25 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--tls", action="store_const", const=True, default=None, help="the node speaks mutual TLS (with key)"
     )
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the node at ADDR serves (gRPC health SERVING), else 1",
+        description="Ask a node's gRPC port (HOST:PORT) for its grpc.health.v1 status and print it; exit 0 "
+        "when SERVING, 1 otherwise or without an answer within --timeout (see node/health.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    health.add_argument(
+        "address", nargs="?", default=None, metavar="ADDR",
+        help="the node's gRPC HOST:PORT (None: 127.0.0.1 and the --listen port of the settings, as "
+        "DTNODE_LISTEN gives it in the image; with port 0 the address in RUN_DIR/node.json)",
+    )  # fmt: skip
+    health.add_argument("--service", default="", help="one service's health ('': the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    health.add_argument("--config", dest="config_file", default=None, help="the TOML file of the node")
+    health.add_argument("--swarm-key-file", default=None, help="the swarm key (to reach a --tls node)")
+    health.add_argument(
+        "--tls", action="store_const", const=True, default=None, help="the node speaks mutual TLS (with key)"
+    )
     keygen = commands.add_parser(
         "keygen",
         help="write a new swarm key file (mode 0600) for --swarm-key-file",
@@ -329,6 +350,31 @@ def run_keygen(args: argparse.Namespace) -> int:
     print(f"wrote a swarm key to {args.path} (fingerprint {key.fingerprint}); start every node with "
           f"--swarm-key-file {args.path}")  # fmt: skip
     return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the node at ADDR is SERVING, 1 otherwise; a bad ADDR or key is exit 2. The key,
+    ``--tls`` and the default ADDR come from the settings as ``join`` reads them (flag > env > TOML)."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    from node.health import health_settings, local_address
+    from node.health import run_health as check
+    from node.status import check_address
+    from protocol.auth.channels import SwarmAuth
+    from protocol.auth.key import SwarmKey
+
+    if not args.timeout > 0:
+        raise ConfigError("--timeout must be positive")
+    flags = {key: getattr(args, key) for key in ("swarm_key_file", "tls") if getattr(args, key) is not None}
+    settings = health_settings(layered_values(config_file=args.config_file, flags=flags))
+    try:
+        address = check_address(args.address or local_address(settings.listen, settings.run_dir))
+        key = SwarmKey.from_file(Path(settings.swarm_key_file)) if settings.swarm_key_file else None
+    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
+        raise ConfigError(str(error)) from None
+    auth = None if key is None else SwarmAuth(key, tls=settings.tls)
+    return check(address, service=args.service, timeout=timedelta(seconds=args.timeout), auth=auth)
 
 
 def run_health(args: argparse.Namespace) -> int:

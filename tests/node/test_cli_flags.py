@@ -210,6 +210,8 @@ def test_health_of_an_address_nobody_serves_is_1_and_a_bad_address_2(
     assert "UNAVAILABLE" in capsys.readouterr().out
     assert main(["health", "nowhere"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+    assert main(["health", address, "--tls"]) == 2
+    assert "--tls needs --swarm-key-file" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

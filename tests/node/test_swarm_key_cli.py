@@ -47,6 +47,7 @@ def test_status_reaches_a_tls_node_only_with_the_key(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     from tests.node.swarm_cluster import wait_for
+    from tests.node.test_config import run_cli
     from tests.node.test_status_cli import dtnode_status
 
     key_path = tmp_path_factory.mktemp("key") / "swarm.key"
@@ -68,3 +69,7 @@ def test_status_reaches_a_tls_node_only_with_the_key(
             assert refused.returncode == 1, refused.stdout + refused.stderr
             assert "did not answer" in refused.stderr and "--tls" in refused.stderr
             assert time.monotonic() - started < 30
+        # `dtnode health` (the Docker HEALTHCHECK) reaches a --tls node with the key only.
+        healthy = run_cli("health", address, "--swarm-key-file", str(key_path), "--tls")
+        assert healthy.returncode == 0 and healthy.stdout.strip() == f"{address}: SERVING", healthy
+        assert run_cli("health", address, "--timeout", "3").returncode == 1
