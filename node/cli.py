@@ -183,25 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--tls", action="store_const", const=True, default=None, help="the node speaks mutual TLS (with key)"
     )
-    health = commands.add_parser(
-        "health",
-        help="exit 0 if the node at ADDR serves (gRPC health SERVING), else 1",
-        description="Ask a node's gRPC port (HOST:PORT) for its grpc.health.v1 status and print it; exit 0 "
-        "when SERVING, 1 otherwise or without an answer within --timeout (see node/health.py).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    health.add_argument(
-        "address", nargs="?", default=None, metavar="ADDR",
-        help="the node's gRPC HOST:PORT (None: 127.0.0.1 and the --listen port of the settings, as "
-        "DTNODE_LISTEN gives it in the image; with port 0 the address in RUN_DIR/node.json)",
-    )  # fmt: skip
-    health.add_argument("--service", default="", help="one service's health ('': the whole server)")
-    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
-    health.add_argument("--config", dest="config_file", default=None, help="the TOML file of the node")
-    health.add_argument("--swarm-key-file", default=None, help="the swarm key (to reach a --tls node)")
-    health.add_argument(
-        "--tls", action="store_const", const=True, default=None, help="the node speaks mutual TLS (with key)"
-    )
     keygen = commands.add_parser(
         "keygen",
         help="write a new swarm key file (mode 0600) for --swarm-key-file",
@@ -368,31 +349,8 @@ def run_health(args: argparse.Namespace) -> int:
         raise ConfigError("--timeout must be positive")
     flags = {key: getattr(args, key) for key in ("swarm_key_file", "tls") if getattr(args, key) is not None}
     settings = health_settings(layered_values(config_file=args.config_file, flags=flags))
-    try:
-        address = check_address(args.address or local_address(settings.listen, settings.run_dir))
-        key = SwarmKey.from_file(Path(settings.swarm_key_file)) if settings.swarm_key_file else None
-    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
-        raise ConfigError(str(error)) from None
-    auth = None if key is None else SwarmAuth(key, tls=settings.tls)
-    return check(address, service=args.service, timeout=timedelta(seconds=args.timeout), auth=auth)
-
-
-def run_health(args: argparse.Namespace) -> int:
-    """Exit 0 when the node at ADDR is SERVING, 1 otherwise; a bad ADDR or key is exit 2. The key,
-    ``--tls`` and the default ADDR come from the settings as ``join`` reads them (flag > env > TOML)."""
-    from datetime import timedelta
-    from pathlib import Path
-
-    from node.health import health_settings, local_address
-    from node.health import run_health as check
-    from node.status import check_address
-    from protocol.auth.channels import SwarmAuth
-    from protocol.auth.key import SwarmKey
-
-    if not args.timeout > 0:
-        raise ConfigError("--timeout must be positive")
-    flags = {key: getattr(args, key) for key in ("swarm_key_file", "tls") if getattr(args, key) is not None}
-    settings = health_settings(layered_values(config_file=args.config_file, flags=flags))
+    if settings.tls and not settings.swarm_key_file:
+        raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
     try:
         address = check_address(args.address or local_address(settings.listen, settings.run_dir))
         key = SwarmKey.from_file(Path(settings.swarm_key_file)) if settings.swarm_key_file else None
