@@ -153,10 +153,9 @@ def load_corpus(
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     from node import records  # records builds on this module's helpers
 
-    has_tokenizer_file = tokenizer is not None and tokenizer.sha256 is not None
     if path and Path(path).suffix == ".bin" and Path(path).is_file():
         return _load_token_file(Path(path), val_fraction=val_fraction, tokenizer=tokenizer)
-    if has_tokenizer_file or (path and records.is_record_source(Path(path))):
+    if records.tokenized_here(path, tokenizer):
         return records.load_tokenized(
             path or None, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction
         )

@@ -20,8 +20,9 @@ validation by the same rule as text files: validation iff ``sha256(key) mod 10_0
 10_000``, where a record's key is its index in the data set (a file's key is its relative path), so the
 split is a property of the data alone. The streams then feed :class:`~node.data.ShardedBatches`
 unchanged: the windows, the disjoint shards per node and the resumable ``(epoch, position)`` are those
-of every other corpus. Tokenizing happens once, when the node starts; ``BENCHMARKS.md`` compares its rate
-with the inner step's token rate.
+of every other corpus. Tokenizing happens when the node first starts (``BENCHMARKS.md`` compares its
+rate with the inner step's token rate); the streams are then kept in the run dir and memory-mapped by
+later starts (``node/token_cache.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from node.corpus import (
     load_corpus,
     token_dtype,
 )
+from node.token_cache import CACHE_FOLDER, cache_key, load_cached, save_cached
 from node.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 BATCH_RECORDS: Final = 1024
@@ -64,6 +66,15 @@ def is_record_source(path: Path) -> bool:
         (path / "dataset_dict.json").is_file()
         or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
     )
+
+
+def tokenized_here(path: str | None, tokenizer: Tokenizer | None) -> bool:
+    """Whether ``load_corpus`` reads ``path`` through :func:`load_tokenized`: a ``tokenizer.json`` or a
+    record data set (not a ``.bin``, whose ids are already tokens, nor byte-token text sources)."""
+    if path and Path(path).suffix == ".bin" and Path(path).is_file():
+        return False
+    has_tokenizer_file = tokenizer is not None and tokenizer.sha256 is not None
+    return has_tokenizer_file or bool(path and is_record_source(Path(path)))
 
 
 def document_batches(path: str | None, *, text_field: str = "text") -> tuple[str, Iterator[list[Document]]]:
@@ -225,14 +236,21 @@ def load_tokenized(
 
 def load_node_corpus(config: NodeConfig) -> tuple[Tokenizer, Corpus]:
     """The node's tokenizer and corpus from ``--tokenizer``, ``--data`` and ``--text-field``."""
+    path = config.data or None
     try:
         tokenizer = load_tokenizer(config.tokenizer or None)
-        corpus = load_corpus(
-            config.data or None,
-            val_fraction=config.val_fraction,
-            tokenizer=tokenizer,
-            text_field=config.text_field,
-        )
+        if not tokenized_here(path, tokenizer):
+            corpus = load_corpus(path, val_fraction=config.val_fraction, tokenizer=tokenizer)
+            return tokenizer, corpus
+        # Tokenized once per run dir: a restart memory-maps the streams (node/token_cache.py).
+        folder = config.resolved_run_dir / CACHE_FOLDER
+        text_field, val_fraction = config.text_field, config.val_fraction
+        key = cache_key(path, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction)
+        cached = load_cached(folder, key)
+        if cached is not None:
+            return tokenizer, cached
+        corpus = load_tokenized(path, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    save_cached(folder, key, corpus, min_vocab_size=tokenizer.vocab_size)
     return tokenizer, corpus

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from node.config import NodeConfig
 from node.corpus import EOS, encode, load_corpus
 from node.data import ShardedBatches
+from node.records import load_node_corpus
 from node.tokenizer import load_tokenizer, train_bpe
 
 pyarrow = pytest.importorskip("pyarrow")
@@ -141,3 +143,33 @@ def test_a_bpe_tokenizes_records_like_the_tokenizer_itself(sources: dict[str, Pa
         if text and bucket >= VAL_FRACTION * 10_000:
             train.extend([*reloaded.tokenizer.encode(text, add_special_tokens=False).ids, reloaded.eos_id])
     assert np.array_equal(corpus.train, np.array(train))
+
+
+def test_a_restart_reads_the_token_cache_and_a_changed_file_misses_it(tmp_path: Path) -> None:
+    rows = texts()
+    sources = write_all(tmp_path, rows)
+    config = NodeConfig(
+        data=str(sources["jsonl"]),
+        text_field="body",
+        val_fraction=VAL_FRACTION,
+        run_dir=str(tmp_path / "run"),
+    )
+    _, first = load_node_corpus(config)
+    _, again = load_node_corpus(config)
+    assert "token cache" not in first.description and again.description.endswith("(token cache)")
+    assert isinstance(again.train, np.memmap)
+    assert again.sha256 == first.sha256 and np.array_equal(again.train, first.train)
+    assert np.array_equal(again.val, first.val)
+    # One more record: another key, tokenized afresh, and the old entry removed.
+    with sources["jsonl"].open("a") as handle:
+        handle.write(json.dumps({"body": "one more record"}) + "\n")
+    _, changed = load_node_corpus(config)
+    assert "token cache" not in changed.description and changed.sha256 != first.sha256
+    assert len(list((tmp_path / "run" / "token-cache").glob("*.json"))) == 1
+    # A damaged cache is not trusted: its digest no longer matches, so the data is tokenized again.
+    cached_train = next((tmp_path / "run" / "token-cache").glob("*.train.bin"))
+    damaged = np.fromfile(cached_train, dtype=changed.train.dtype)
+    damaged[0] += 1
+    damaged.tofile(cached_train)
+    _, reread = load_node_corpus(config)
+    assert "token cache" not in reread.description and reread.sha256 == changed.sha256
