@@ -242,6 +242,27 @@ class SwarmSession:
         assert trainer is not None and trainer.submitted_boundary is not None
         self.publish(report.round_index, boundary=trainer.submitted_boundary)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What one round carries into the next, for the checkpoint: the codec's error-feedback
+        residual (a copy). Without it a resumed node's next round encodes another vector than an
+        uninterrupted node's, and the runs part from there."""
+        if self.error_feedback is None:
+            return {}
+        return {"error_feedback": self.error_feedback.residual.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`start`; not after adopting the swarm's state,
+        whose residual would be of other params). A residual of another size (another codec or
+        streams setting) is dropped with a warning: it only delays what error feedback adds."""
+        residual = state.get("error_feedback")
+        if residual is None or self.error_feedback is None:
+            return
+        if residual.shape != self.error_feedback.residual.shape:
+            log.warning("the checkpoint's error-feedback residual (%d numbers) does not fit this node's (%d); "
+                        "starting from zero", residual.numel(), self.error_feedback.num_elements)  # fmt: skip
+            return
+        self.error_feedback.residual.copy_(residual)
+
     def serve_stragglers(self) -> int:
         """At the end of a run, keep serving our final state (and its round's mean) while a live node
         of the run is behind it, so that it catches up to the swarm's last state instead of running

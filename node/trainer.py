@@ -165,6 +165,7 @@ class Trainer:
         # end because a node is fetching our state (_phase_due).
         self._phase_started: float | None = None
         self._phase_start_step = 0
+        self._restored_swarm_state: dict[str, torch.Tensor] = {}  # from the checkpoint resumed (_restore)
         self._extended_since: float | None = None
         self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
         self.eval_every = eval_interval(config)  # rounds between held-out evals (the final one always)
@@ -209,6 +210,7 @@ class Trainer:
             "outer": self.diloco.state_dict(),
             "data": self.batches.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
+            **({"swarm": carried} if self.swarm is not None and (carried := self.swarm.state_dict()) else {}),
         }
 
     def save(self) -> None:
@@ -247,6 +249,7 @@ class Trainer:
             self.replica.load_optimizer_state(state["inner_optimizer"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
+        self._restored_swarm_state = state.get("swarm", {})  # the swarm session loads it once started
         self.progress = Progress(
             step=meta["step"], round=meta["round"], tokens=meta["tokens"], round_tokens=meta["round_tokens"]
         )
@@ -495,6 +498,8 @@ class Trainer:
             try:
                 if self.swarm is not None:
                     self.swarm.start(self)
+                    if self._restored_swarm_state and not self.swarm.num_adoptions:
+                        self.swarm.load_state_dict(self._restored_swarm_state)
                 self._train()
             finally:
                 self.metrics.close()
