@@ -548,27 +548,9 @@ class SwarmSession:
         that the state it fetches is still the lineage's when it holds it and it joins our next round.
         Ending the phase instead would move the lineage on; a node whose fetch outlasts the swarm's
         round would then hold a stale state at every arrival, forever. Training on costs the swarm
-        nothing: it is compute, weighted by tokens in the round's mean.
-
-        Two signals: our own state provider sent a chunk of our state (or its round's mean) within
-        two view refreshes (seen at once, even while the fetch saturates our uplink and the DHT
-        lags), or the DHT shows a ``syncing`` record for our lineage whose estimate is at most
-        ``MAX_DUE_WAIT_SECONDS`` ahead and renewed within a join window."""
-        if self.swarm.server.state_provider.served_lately(2 * self.swarm.config.view_refresh.total_seconds()):
-            return True
-        record = self.swarm.driver.record
-        if record is None:
-            return False
-        now = self.swarm.driver.clock()  # the DHT's clock, which ready_at is on
-        window = self.swarm.config.rounds.join_window.total_seconds()
-        for peer in self.swarm.driver.view.syncing:
-            if peer.peer_id == self.swarm.peer_id or peer.ready_at is None:
-                continue
-            if (peer.round, peer.param_hash) != (record.round, record.param_hash):
-                continue
-            if now - window < peer.ready_at <= now + MAX_DUE_WAIT_SECONDS:
-                return True
-        return False
+        nothing: it is compute, weighted by tokens in the round's mean. (``SwarmNode.peer_due``
+        reads the signals.)"""
+        return self.swarm.peer_due(max_ahead=timedelta(seconds=MAX_DUE_WAIT_SECONDS))
 
     def phase_should_end(self) -> bool:
         """Whether a node catching up should end its inner phase now (read from the view the swarm

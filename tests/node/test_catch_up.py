@@ -155,6 +155,9 @@ class SwarmOfOne:
     def watch_closely(self, on: bool) -> None:
         pass  # no view to read: a swarm of one
 
+    def peer_due(self, **_: Any) -> bool:
+        return False  # nobody fetches from a swarm of one
+
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
     ) -> RoundResult:
