@@ -293,6 +293,11 @@ class DiLoCo:
         """The round whose averaging is in flight (overlap), else None."""
         return self._pending_round if self._pending is not None else None
 
+    def pending_done(self) -> bool:
+        """Whether the round in flight (overlap) has finished, or none is in flight: ending the phase
+        now would not block the training thread on the swarm."""
+        return self._pending is None or self._pending.done()
+
     def pending_adopts(self) -> bool:
         """Whether the round in flight has ended by sending us to adopt the swarm's state (overlap):
         the phase under way trains on params that adoption discards, so the trainer takes it now."""

@@ -390,7 +390,9 @@ class Trainer:
         Rounds due by time let nodes of uneven speeds reach each round together, each contributing
         the tokens it trained (the mean is weighted by tokens): a fast node never idles at the
         barrier for a slow one, and a slow one is never left out (hivemind's target batch size and
-        Psyche's fixed time windows are the same idea)."""
+        Psyche's fixed time windows are the same idea). With ``--overlap`` such a phase also runs on
+        until the round in flight has landed, so a link slower than the phase never blocks the
+        training thread: the round simply lasts longer."""
         config, progress = self.config, self.progress
         now = time.monotonic()
         if self._phase_started is None:  # the first phase of this process (or after a resume)
@@ -398,6 +400,8 @@ class Trainer:
             self._phase_start_step = progress.step - progress.step % config.inner_steps
         if config.round_seconds:
             if progress.round_tokens == 0 or now - self._phase_started < config.round_seconds:
+                return False
+            if not self.diloco.pending_done():  # overlap: train on until the round in flight lands
                 return False
         elif progress.step - self._phase_start_step < config.inner_steps:
             return False
