@@ -129,7 +129,7 @@ class Corpus:
     """Documents in train + val; a ``.bin`` stream counts as one opaque document."""
     vocab_size: int
     """Smallest vocabulary covering every id: ``VOCAB_SIZE`` for text, maybe more for ``.bin``.
-    With a ``tokenizer.json`` this is the ids seen; the model takes the tokenizer's vocabulary."""
+    With a ``tokenizer.json``, at least the tokenizer's vocabulary (ids it never produced included)."""
     tokenizer_sha256: str | None = None
     """SHA-256 of the ``tokenizer.json`` the text was tokenized with (folded into ``sha256``); None
     for byte tokens."""

@@ -268,13 +268,16 @@ def tokenizer_config(tokenizer_file: Path, seq_len: int) -> dict[str, Any]:
 
     vocab = json.loads(tokenizer_file.read_text()).get("added_tokens", [])
     specials = [token["content"] for token in vocab if token.get("special")]
-    eos = next((token for token in EOS_CANDIDATES if token in specials), None)
+
+    def first(candidates: tuple[str, ...]) -> str | None:
+        return next((token for token in candidates if token in specials), None)
+
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": seq_len,
-        "eos_token": eos,
-        "bos_token": "<|bos|>" if "<|bos|>" in specials else None,
-        "pad_token": "<|pad|>" if "<|pad|>" in specials else None,
+        "eos_token": first(EOS_CANDIDATES),
+        "bos_token": first(("<|bos|>", "<s>", "<|begin_of_text|>", "<bos>")),
+        "pad_token": first(("<|pad|>", "<pad>")),
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
