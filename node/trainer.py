@@ -377,7 +377,8 @@ class Trainer:
         if delta is not None:
             self.submitted_boundary = (progress.step, self.batches.state_dict())
             self.diloco.submit(delta, round_index=self._phase(), weight=weight)
-        self._phase_started, self._phase_start_step = time.monotonic(), progress.step  # the next phase
+        # The next phase starts now (self.progress: an adopted state replaced the object `progress` is).
+        self._phase_started, self._phase_start_step = time.monotonic(), self.progress.step
         self._extended_since = None
         return record
 
