@@ -7,10 +7,22 @@ spread far wider than that, so greedy (argmax) decoding must give the same ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from node.model import GPT, ModelConfig
 from node.sample import KVCache, forward_cached, generate
+from tests.node.run_support import one_torch_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Token-by-token decoding is many tiny forwards: one thread is faster, and kinder to a busy machine."""
+    with one_torch_thread():
+        yield
+
 
 CONFIG = ModelConfig(
     vocab_size=97, seq_len=40, dim=48, num_layers=2, num_heads=4, num_kv_heads=2, init_std=0.1

@@ -146,3 +146,12 @@ def test_a_resume_or_a_joiner_with_another_tokenizer_is_refused(
         adopted_state(
             snapshot_of(source), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
         )
+
+
+def test_tokenizer_train_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tokenizer", "train", "--vocab-size", "100", "--out", str(tmp_path / "t.json")]) == 2
+    assert main(["tokenizer", "train", "--vocab-size", "300", "--out", str(tmp_path / "t.json"),
+                 "--data", str(tmp_path / "missing.jsonl")]) == 2  # fmt: skip
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all(line.startswith("dtnode: error:") for line in errors)
+    assert not (tmp_path / "t.json").exists()
