@@ -53,9 +53,8 @@ def test_three_nodes_share_every_round(tmp_path, mode):
         losses = [r["eval_loss"] for r in records[0]]
         assert losses[-1] < losses[0], losses
         assert "To join it from another machine" in first.log()
-        # Each averaged round's mean is served beside the new state, for a member that missed it
-        # (with overlap too: the mean steps the global params from the state before the round).
-        assert "round-mean:" in first.log()
+        # (That each averaged round's mean is served beside the new state, with overlap too, is
+        # checked over sockets in tests/node/test_catch_up.py; the serving lines are DEBUG now.)
 
 
 @pytest.mark.timeout(300)
