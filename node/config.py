@@ -99,8 +99,9 @@ class NodeConfig:
         default="",
         metadata=_help(
             "Training data: a text file, a folder of text files, a .bin of token ids (uint16; uint32 "
-            "for a tokenizer over 65,535 ids), a .jsonl, a .parquet or a datasets save_to_disk "
-            "folder. Empty means the embedded corpus: this Python's standard library sources."
+            "for a tokenizer over 65,535 ids), a .jsonl, a .parquet, a folder of .jsonl/.parquet shards "
+            "or a datasets save_to_disk folder. Empty means the embedded corpus: this Python's "
+            "standard library sources."
         ),
     )
     tokenizer: str = field(

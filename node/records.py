@@ -7,6 +7,7 @@ reads record data sets, one document per record, its text in the ``--text-field`
 
 * ``.jsonl``: one JSON object per line (blank lines skipped), read line by line;
 * ``.parquet``: read in record batches of the text column only (``pyarrow``), never whole;
+* a folder holding only ``.jsonl`` / ``.parquet`` files (a data set's shards): each in path order;
 * a folder written by ``datasets.Dataset.save_to_disk`` (it holds ``state.json`` and
   ``dataset_info.json``; a ``DatasetDict``'s folder, with ``dataset_dict.json``, gives its ``train``
   split): memory-mapped Arrow files, read in batches.
@@ -17,10 +18,10 @@ Documents are read :data:`BATCH_RECORDS` at a time and each batch is encoded at 
 ``tokenizers`` encoder runs a batch on every core), so the text of the whole data set is never in memory,
 only its token ids. The ids of each document plus the tokenizer's end-of-text id go to train or to
 validation by the same rule as text files: validation iff ``sha256(key) mod 10_000 < val_fraction *
-10_000``, where a record's key is its index in the data set (a file's key is its relative path), so the
-split is a property of the data alone. The streams then feed :class:`~node.data.ShardedBatches`
-unchanged: the windows, the disjoint shards per node and the resumable ``(epoch, position)`` are those
-of every other corpus. Tokenizing happens when the node first starts (``BENCHMARKS.md`` compares its
+10_000``, where a record's key is its index in the data set (``file:index`` in a folder of shards; a
+text file's key is its relative path), so the split is a property of the data alone. The streams then
+feed :class:`~node.data.ShardedBatches` unchanged: the windows, the disjoint shards per node and the
+resumable ``(epoch, position)`` are those of every other corpus. Tokenizing happens when the node first starts (``BENCHMARKS.md`` compares its
 rate with the inner step's token rate); the streams are then kept in the run dir and memory-mapped by
 later starts (``node/token_cache.py``).
 """
@@ -58,14 +59,26 @@ BATCH_RECORDS: Final = 1024
 Document = tuple[str, str | bytes]  # (key: relative path or record index, text)
 
 
+RECORD_SUFFIXES: Final = (".jsonl", ".parquet")
+
+
 def is_record_source(path: Path) -> bool:
-    """``.jsonl`` / ``.parquet`` files and ``datasets`` ``save_to_disk`` folders."""
+    """``.jsonl`` / ``.parquet`` files, folders of only such files, ``datasets`` ``save_to_disk`` folders."""
     if path.is_file():
-        return path.suffix in (".jsonl", ".parquet")
-    return path.is_dir() and (
-        (path / "dataset_dict.json").is_file()
-        or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+        return path.suffix in RECORD_SUFFIXES
+    return path.is_dir() and (_is_saved_dataset(path) or bool(_record_files(path)))
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     )
+
+
+def _record_files(folder: Path) -> list[str]:
+    """The folder's files if every one is a ``.jsonl`` or ``.parquet`` (a data set's shards), else []."""
+    files = _folder_files(folder)
+    return files if files and all(Path(name).suffix in RECORD_SUFFIXES for name in files) else []
 
 
 def tokenized_here(path: str | None, tokenizer: Tokenizer | None) -> bool:
@@ -87,6 +100,8 @@ def document_batches(path: str | None, *, text_field: str = "text") -> tuple[str
     source = Path(path)
     if not source.exists():
         raise ValueError(f"corpus path {path!r} does not exist")
+    if source.is_dir() and _record_files(source):
+        return f"{len(_record_files(source))} record files in {path}", _shard_batches(source, text_field)
     if source.is_dir() and not is_record_source(source):
         documents = _read_documents(source, _folder_files(source))
         if not documents:
@@ -158,6 +173,15 @@ def _parquet_batches(source: Path, text_field: str) -> Iterator[list[Document]]:
         texts = record_batch.column(0).to_pylist()
         yield [(str(index + offset), text or "") for offset, text in enumerate(texts)]
         index += len(texts)
+
+
+def _shard_batches(folder: Path, text_field: str) -> Iterator[list[Document]]:
+    """Every record file of ``folder`` in path order; a record's key is ``relative path:index``."""
+    for relative in _record_files(folder):
+        source = folder / relative
+        reader = _jsonl_batches if source.suffix == ".jsonl" else _parquet_batches
+        for batch in reader(source, text_field):
+            yield [(f"{relative}:{key}", text) for key, text in batch]
 
 
 def _dataset_batches(source: Path, text_field: str) -> Iterator[list[Document]]:

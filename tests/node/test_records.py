@@ -173,3 +173,27 @@ def test_a_restart_reads_the_token_cache_and_a_changed_file_misses_it(tmp_path: 
     damaged.tofile(cached_train)
     _, reread = load_node_corpus(config)
     assert "token cache" not in reread.description and reread.sha256 == changed.sha256
+
+
+def test_a_folder_of_record_shards_reads_every_file_in_path_order(tmp_path: Path) -> None:
+    rows = texts()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    import pyarrow.parquet as pq
+
+    parts = {"a.jsonl": rows[:40], "b.parquet": rows[40:90], "c/d.jsonl": rows[90:]}
+    for name, part in parts.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        if name.endswith(".jsonl"):
+            (folder / name).write_text("".join(json.dumps({"body": text}) + "\n" for text in part))
+        else:
+            pq.write_table(pyarrow.table({"body": part}), folder / name)
+    corpus = load_corpus(str(folder), val_fraction=VAL_FRACTION, text_field="body")
+    train: list[int] = []
+    val: list[int] = []
+    for name, part in parts.items():
+        for index, text in enumerate(part):
+            if text:
+                bucket = int.from_bytes(hashlib.sha256(f"{name}:{index}".encode()).digest(), "big") % 10_000
+                (val if bucket < VAL_FRACTION * 10_000 else train).extend([*encode(text).tolist(), EOS])
+    assert np.array_equal(corpus.train, np.array(train)) and np.array_equal(corpus.val, np.array(val))
