@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,6 +43,7 @@ from node.outer_state import (
     sgd_momentum_and_settings,
     sgd_state_dict,
 )
+from node.swarm_seam import Adopt, AdoptedState, Averaged, FellBack, RoundDecision
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ class AveragingOutcome:
     bytes_recv: int = 0
     fell_back: bool = False  # the swarm round failed and this node used its own vector
     failures: tuple[str, ...] = ()  # human-readable reasons, one per failed peer or phase
-    adopted_state: object | None = None
+    adopted_state: AdoptedState | None = None
     """The swarm's global state to load instead of stepping (this node was off the swarm's lineage
-    or missed the round); the averager's own type, loaded by the trainer on its own thread."""
+    or missed the round), loaded by the trainer on its own thread."""
     members: tuple[str, ...] = ()  # the round's group (peer ids), for resharding the data
     failures_by_kind: dict[str, int] = field(default_factory=dict)  # node/metrics.py FAILURE_KINDS
     codec_error: float | None = None  # ‖error-feedback residual‖ / ‖Δ‖; None if nothing was encoded
@@ -69,6 +69,15 @@ class AveragingOutcome:
     seconds_forming: float | None = None  # agreeing on the round's group (None: no swarm round)
     seconds_allreduce: float | None = None  # the group's all-reduce (None: it did not run)
     streams: int | None = None  # all-reduce streams the round ran on (None: it did not run)
+
+    @property
+    def decision(self) -> RoundDecision:
+        """What the round decided, for the loop's one ``match`` (``node/swarm_seam.py``)."""
+        if self.adopted_state is not None:
+            return Adopt(self.adopted_state)
+        if self.fell_back:
+            return FellBack(self.averaged, "; ".join(self.failures[:3]) or "fell back")
+        return Averaged(self.averaged)
 
 
 class Averager(Protocol):
@@ -88,29 +97,31 @@ class SoloAverager:
 
 @dataclass
 class OuterStepReport:
+    """One applied round: its outcome as the averager returned it (its statistics go to the round
+    record from there, not copied field by field) and what DiLoCo measured around it."""
+
     round_index: int
-    num_peers: int
-    bytes_sent: int
-    bytes_recv: int
+    outcome: AveragingOutcome
     seconds_comm: float
     pseudo_gradient_norm: float
     param_hash: str
-    fell_back: bool = False
-    failures: tuple[str, ...] = field(default_factory=tuple)
-    adopted_state: object | None = None  # the swarm's state to load instead (no outer step was applied)
-    members: tuple[str, ...] = ()
     seconds_waited: float = 0.0  # how long the training thread was blocked on the swarm for this round
-    failures_by_kind: dict[str, int] = field(default_factory=dict)
-    codec_error: float | None = None
-    bytes_recv_state_sync: int = 0
-    bytes_by_phase: dict[str, int] = field(default_factory=dict)
-    seconds_forming: float | None = None
-    seconds_allreduce: float | None = None
-    streams: int | None = None
+
+    @property
+    def decision(self) -> RoundDecision:
+        return self.outcome.decision
 
     @property
     def adopted(self) -> bool:
-        return self.adopted_state is not None
+        return self.outcome.adopted_state is not None
+
+    @property
+    def fell_back(self) -> bool:
+        return self.outcome.fell_back
+
+    @property
+    def num_peers(self) -> int:
+        return self.outcome.num_peers
 
 
 def flatten_params(params: list[nn.Parameter], *, device: torch.device | str) -> torch.Tensor:
@@ -169,9 +180,6 @@ class DiLoCo:
         # Overlap: the background thread applies a round's outer step as soon as its mean arrives;
         # this lock keeps readers of the outer state (hash, checkpoint) from seeing half a step.
         self._lock = threading.RLock()
-        self.on_applied: Callable[[OuterStepReport], None] | None = None
-        """Called (under the lock, on the averaging thread) right after an overlapped round is applied:
-        the swarm publishes the new params at once rather than a phase later."""
         self.averager = averager
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Where the local params live: this model, or a replica spread over the node's local workers.
@@ -193,6 +201,11 @@ class DiLoCo:
         """θ_global (N,) fp32 on the outer device: read-only (sharded: a copy gathered from the ranks)."""
         with self._lock:
             return self.outer.params()
+
+    def consistent(self) -> threading.RLock:
+        """Hold while reading several parts of the outer state (params and momentum) that must be of
+        the same round: the averaging thread applies an overlapped round under this lock."""
+        return self._lock
 
     def param_hash(self) -> str:
         with self._lock:
@@ -233,24 +246,11 @@ class DiLoCo:
             norm = float(averaged.norm())
         return OuterStepReport(
             round_index=round_index,
-            num_peers=outcome.num_peers,
-            bytes_sent=outcome.bytes_sent,
-            bytes_recv=outcome.bytes_recv,
+            outcome=outcome,
             seconds_comm=seconds_comm,
             pseudo_gradient_norm=norm,
             param_hash=self.param_hash(),
-            fell_back=outcome.fell_back,
-            failures=outcome.failures,
-            adopted_state=outcome.adopted_state,
-            members=outcome.members,
             seconds_waited=seconds_waited,
-            failures_by_kind=outcome.failures_by_kind,
-            codec_error=outcome.codec_error,
-            bytes_recv_state_sync=outcome.bytes_recv_state_sync,
-            bytes_by_phase=outcome.bytes_by_phase,
-            seconds_forming=outcome.seconds_forming,
-            seconds_allreduce=outcome.seconds_allreduce,
-            streams=outcome.streams,
         )
 
     @torch.no_grad()
@@ -298,13 +298,20 @@ class DiLoCo:
         now would not block the training thread on the swarm."""
         return self._pending is None or self._pending.done()
 
+    def landed(self) -> OuterStepReport | None:
+        """The round in flight once it has landed (applied to θ_global, or sent us to adopt), else
+        None; the loop polls this at step boundaries and still takes the round with
+        :meth:`finish_pending` at the phase's end."""
+        pending = self._pending
+        if pending is None or not pending.done() or pending.exception() is not None:
+            return None
+        return pending.result()
+
     def pending_adopts(self) -> bool:
         """Whether the round in flight has ended by sending us to adopt the swarm's state (overlap):
         the phase under way trains on params that adoption discards, so the trainer takes it now."""
-        pending = self._pending
-        if pending is None or not pending.done() or pending.exception() is not None:
-            return False
-        return pending.result().adopted
+        report = self.landed()
+        return report is not None and report.adopted
 
     @torch.no_grad()
     def phase_delta(self) -> torch.Tensor:
@@ -339,12 +346,9 @@ class DiLoCo:
         started = time.perf_counter()
         outcome = self.averager.average(delta, round_index=round_index, weight=weight)
         with self._lock:
-            report = self._apply(
+            return self._apply(
                 outcome, round_index, seconds_comm=time.perf_counter() - started, seconds_waited=0.0
             )
-            if self.on_applied is not None and not report.adopted:
-                self.on_applied(report)
-        return report
 
     def close(self) -> None:
         """Stop the background averaging thread (after finish_pending)."""

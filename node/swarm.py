@@ -1,4 +1,4 @@
-"""The trainer's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
+"""The node's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
 
 :class:`SwarmSession` is the :class:`~node.diloco.Averager` of a node in a swarm. It talks to the
 swarm only through :class:`protocol.swarm.node.SwarmNode` (which owns every socket) and turns the
@@ -39,13 +39,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from node.config import ConfigError
-from node.diloco import AveragingOutcome, OuterStepReport
+from node.diloco import AveragingOutcome
 from node.join import JOIN_TIMEOUT, Prefetch
+from node.swarm_seam import Adopt, Boundary, GlobalStateAccess, RoundDecision
 from node.swarm_state import (
     AdoptedState,
     RoundMean,
@@ -54,7 +54,6 @@ from node.swarm_state import (
     round_mean_id,
     round_mean_link,
     round_mean_snapshot,
-    snapshot_of,
 )
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision
@@ -64,9 +63,6 @@ from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.streams import StreamRunner, stream_bounds
-
-if TYPE_CHECKING:
-    from node.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +109,8 @@ class SwarmSession:
         self.num_adoptions = 0
         self._catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
         self._adopted_lineage: tuple[int, str] = (0, "")
-        self._trainer: Trainer | None = None
+        self._loop: GlobalStateAccess | None = None  # the training loop's side of the seam (start)
+        self._published: tuple[int, str] | None = None  # the lineage our last publish served
         # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
         # the next round's outcome (node/metrics.py).
         self._bytes_state_sync = 0
@@ -128,10 +125,15 @@ class SwarmSession:
 
     # --- lifecycle ---
 
-    def start(self, trainer: Trainer) -> None:
+    @property
+    def loop(self) -> GlobalStateAccess:
+        assert self._loop is not None, "start() the session first"
+        return self._loop
+
+    def start(self, loop: GlobalStateAccess) -> None:
         """Announce the node; a joiner adopts the swarm's state first if its own is not canonical;
         then the start barrier (``start_peers``): wait until that many nodes of the run are live."""
-        self._join(trainer)
+        self._join(loop)
         self._await_start_peers()
 
     def _await_start_peers(self) -> None:
@@ -139,15 +141,14 @@ class SwarmSession:
         nodes started together train their first round together instead of the first one running
         rounds alone while the others start (they would then re-sync to it). Bounded by
         ``start_timeout`` and by a stop request; on timeout the node trains with whoever is there."""
-        trainer = self._trainer
-        assert trainer is not None
+        loop = self.loop
         if self.start_peers <= 1:
             return
         deadline = time.monotonic() + self.start_timeout.total_seconds()
         log.info(
             "start barrier: waiting for %d node(s) of run %r", self.start_peers, self.swarm.config.run_name
         )
-        while not trainer.stop_requested:
+        while not loop.stop_requested():
             remaining = deadline - time.monotonic()
             view = self.swarm.wait_for_peers(
                 self.start_peers - 1, timedelta(seconds=max(min(remaining, 2.0), 0.0))
@@ -161,15 +162,14 @@ class SwarmSession:
                             len(others) + 1, self.start_peers, self.start_timeout)  # fmt: skip
                 return
 
-    def _join(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-        trainer.diloco.on_applied = self._applied_in_background
+    def _join(self, loop: GlobalStateAccess) -> None:
+        self._loop = loop
         self.streams = None
-        if trainer.config.swarm_streams > 1:
-            self.streams = trainer.replica.open_streams()
+        if loop.open_streams is not None:
+            self.streams = loop.open_streams()
             self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
-            self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))
+            self.error_feedback = ErrorFeedback(self._feedback_elements())
         if not self.joining:
             self.publish()
             return
@@ -182,7 +182,8 @@ class SwarmSession:
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
             self.publish()
             return
-        decision = self.swarm.lineage(round=trainer.progress.round, param_hash=trainer.diloco.param_hash())
+        round, param_hash = loop.lineage()
+        decision = self.swarm.lineage(round=round, param_hash=param_hash)
         if decision.in_canonical:
             self.publish()
             return
@@ -196,7 +197,7 @@ class SwarmSession:
             ):
                 # The swarm finished a round while we fetched: from the state we have, its mean
                 # (its wire bytes) may take us the rest of the way (_catch_up).
-                trainer.adopt(self._checked(ahead[1]))
+                loop.adopt(self._checked(ahead[1]))
                 behind = True
             state = self._fetch_canonical(decision, why="joining")
         if state is None:
@@ -205,19 +206,16 @@ class SwarmSession:
                 self._adopted(publish=False)
             self.swarm.announce_syncing(decision.canonical)  # still syncing (see above)
             return
-        trainer.adopt(state)
+        loop.adopt(state)
         self._adopted()
 
-    def publish(
-        self, round: int | None = None, *, boundary: tuple[int, dict[str, Any]] | None = None
-    ) -> None:
-        """Advertise and serve the trainer's current global state (after ``round``, default the
-        trainer's count of applied rounds; ``boundary``: see ``snapshot_of``), with the round's
-        mean beside it if this node stepped to it with one."""
-        trainer = self._trainer
-        assert trainer is not None
-        round = trainer.progress.round if round is None else round
-        snapshot = snapshot_of(trainer, round=round, boundary=boundary)
+    def publish(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
+        """Advertise and serve the loop's current global state (after ``round``, default the rounds
+        it applied; at ``boundary``, default its step and data position now), with the round's mean
+        beside it if this node stepped to it with one."""
+        loop = self.loop
+        snapshot = loop.snapshot(round, boundary)
+        round = snapshot.round_id
         companions = []
         if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
             companions.append(round_mean_snapshot(snapshot, self._round_mean))
@@ -225,22 +223,22 @@ class SwarmSession:
         self.swarm.publish(
             round=round,
             param_hash=snapshot.state_id,
-            tokens_per_s=trainer.tokens_per_s(),
+            tokens_per_s=loop.tokens_per_s(),
             snapshot=snapshot,
             companions=companions,
         )
+        self._published = (round, snapshot.state_id)
 
-    def _applied_in_background(self, report: OuterStepReport) -> None:
-        """Overlap: a round was applied on the averaging thread; advertise and serve it now, not a
-        phase later, so the swarm's lineage check sees every member of the round on its new params
-        at once, and a node that sees that lineage can fetch it (or its mean) right away.
+    def publish_landed(self, round: int, boundary: Boundary) -> None:
+        """Overlap: round ``round`` was applied on the averaging thread (the loop saw it land at a
+        step boundary, ``DiLoCo.landed``); advertise and serve it now, not a phase later, so the
+        swarm's lineage check sees every member of the round on its new params at once, and a node
+        that sees that lineage can fetch it (or its mean) right away.
 
-        The snapshot carries the step and data position of the round's end, which the trainer kept
-        when it handed the round over: every member serves the same ones, while each is mid-phase.
-        """
-        trainer = self._trainer
-        assert trainer is not None and trainer.submitted_boundary is not None
-        self.publish(report.round_index, boundary=trainer.submitted_boundary)
+        ``boundary``: the step and data position of the round's end, which the loop kept when it
+        handed the round over: every member serves the same ones, while each is mid-phase."""
+        if self._published is None or self._published[0] < round:
+            self.publish(round, boundary=boundary)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What one round carries into the next, for the checkpoint: the codec's error-feedback
@@ -346,9 +344,8 @@ class SwarmSession:
         return outcome
 
     def _average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        trainer = self._trainer
-        assert trainer is not None, "start() the session first"
-        previous = (round_index - 1, trainer.diloco.param_hash())
+        loop = self.loop
+        previous = (round_index - 1, loop.lineage()[1])
         self._round_mean = None
         try:
             result = self.swarm.run_round(
@@ -356,7 +353,7 @@ class SwarmSession:
                 round=previous[0],
                 param_hash=previous[1],
                 num_tokens=int(weight),
-                tokens_per_s=trainer.tokens_per_s(),
+                tokens_per_s=loop.tokens_per_s(),
                 error_feedback=self.error_feedback,
             )
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
@@ -412,7 +409,7 @@ class SwarmSession:
             decision = self._wait_for_canonical_past(round_index - 1)
         if decision is not None and not decision.in_canonical:
             state = self._fetch_canonical(decision, why=f"round {round_index} {result.kind}")
-            if state is not None:  # the trainer loads it on its own thread
+            if state is not None:  # the loop loads it (Adopt)
                 return AveragingOutcome(
                     averaged=vector,
                     num_peers=0,
@@ -426,31 +423,32 @@ class SwarmSession:
         )
         return _own_delta(vector, result.kind, failure_kind)
 
-    def after_round(self, report: OuterStepReport) -> None:
-        """After the outer step (or adopting the swarm's state): take the round's data shard and
-        serve the new state."""
-        trainer = self._trainer
-        assert trainer is not None
-        if report.adopted:
+    def after_round(
+        self, decision: RoundDecision, members: tuple[str, ...], boundary: Boundary | None = None
+    ) -> None:
+        """After the loop acted on a round's decision (stepped, or adopted the swarm's state): take
+        the round's data shard and serve the new state, unless it was served when it landed
+        (``publish_landed``; ``boundary``: the round's end, with overlap)."""
+        loop = self.loop
+        if isinstance(decision, Adopt):
             self._adopted()
             return
         self.catching_up = False
-        if report.members and self.swarm.peer_id in report.members:
-            shard = assign_shard(report.members, self.swarm.peer_id)
-            trainer.batches.reshard(shard.shard_index, shard.num_shards)
-        if not trainer.diloco.overlap:  # (with overlap the round was served when it was applied)
-            self.publish()
+        if members and self.swarm.peer_id in members:
+            shard = assign_shard(members, self.swarm.peer_id)
+            loop.reshard(shard.shard_index, shard.num_shards)
+        if self._published != loop.lineage():
+            self.publish(boundary=boundary)
 
     # --- adopting the canonical state ---
 
     def _wait_for_canonical_past(self, round: int) -> LineageDecision | None:
         """After a missed round: the lineage decision once the group published params newer than ``round``."""
-        trainer = self._trainer
-        assert trainer is not None
+        loop = self.loop
         budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
         deadline = time.monotonic() + budget.total_seconds()
-        while time.monotonic() < deadline and not trainer.stop_requested:  # SIGTERM ends the wait
-            decision = self.swarm.lineage(round=round, param_hash=trainer.diloco.param_hash())
+        while time.monotonic() < deadline and not loop.stop_requested():  # SIGTERM ends the wait
+            decision = self.swarm.lineage(round=round, param_hash=loop.lineage()[1])
             if not decision.in_canonical and decision.canonical.round > round:
                 return decision
             time.sleep(self.swarm.config.view_refresh.total_seconds())
@@ -470,10 +468,8 @@ class SwarmSession:
         A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
         healed yet), and the next round's lineage check tries again.
         """
-        trainer = self._trainer
-        assert trainer is not None
         canonical = decision.canonical
-        behind = canonical.round - trainer.progress.round
+        behind = canonical.round - self.loop.lineage()[0]
         if not self._stepped_alone and 0 < behind <= MAX_CATCH_UP_ROUNDS:
             caught_up = self._catch_up(decision, why=why)
             if caught_up is not None:
@@ -493,10 +489,9 @@ class SwarmSession:
         wire bytes, a fraction of the whole state's) and step to the swarm's state ourselves, each
         step checked bit for bit; None if that cannot be done (no source serves a mean, or they do
         not reproduce the states): fetch the whole state."""
-        trainer = self._trainer
-        assert trainer is not None
+        loop = self.loop
         canonical = decision.canonical
-        ours = (trainer.progress.round, trainer.diloco.param_hash())
+        ours = loop.lineage()
         # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.
         links: list[tuple[Snapshot, tuple[int, str]]] = []
         wanted, num_bytes = canonical.param_hash, 0
@@ -513,8 +508,8 @@ class SwarmSession:
                 raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
             state, previous = None, ours
             for fetched, target in reversed(links):
-                state = caught_up_state(trainer.diloco, fetched, previous=previous, target=target,
-                                        corpus_sha256=trainer.corpus.sha256, start=state)  # fmt: skip
+                state = caught_up_state(loop, fetched, previous=previous, target=target,
+                                        corpus_sha256=loop.corpus_sha256, start=state)  # fmt: skip
                 previous = target
             if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
                 raise ValueError("the round means do not end at the swarm's state")
@@ -532,12 +527,11 @@ class SwarmSession:
     def _checked(self, report: FetchReport) -> AdoptedState:
         """The fetched snapshot checked against this node's model and corpus (ConfigError if it does
         not fit: another model or corpus, so this node cannot be part of this swarm)."""
-        trainer = self._trainer
-        assert trainer is not None
+        loop = self.loop
         self._bytes_state_sync += sum(report.bytes_by_source.values())
         try:
             return adopted_state(
-                report.snapshot, num_elements=trainer.diloco.num_elements, corpus_sha256=trainer.corpus.sha256
+                report.snapshot, num_elements=loop.num_elements, corpus_sha256=loop.corpus_sha256
             )
         except ValueError as error:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
@@ -565,8 +559,7 @@ class SwarmSession:
           round's lineage check catch us up with that round's mean at once, in time for the swarm's
           next round, instead of a phase later, one round behind again.
         """
-        trainer = self._trainer
-        if not self.catching_up or trainer is None:
+        if not self.catching_up or self._loop is None:
             return False
         round, param_hash = self._adopted_lineage
         for peer in self.swarm.driver.view:
@@ -578,21 +571,19 @@ class SwarmSession:
                 return True
         return False
 
-    def _feedback_elements(self, trainer: Trainer) -> int:
+    def _feedback_elements(self) -> int:
         """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
         (each other stream keeps its shard's residual where it runs)."""
         num_streams = 1 + len(self.swarm.stream_addresses)
-        return stream_bounds(trainer.diloco.num_elements, num_streams)[1]
+        return stream_bounds(self.loop.num_elements, num_streams)[1]
 
     def _adopted(self, *, publish: bool = True) -> None:
         """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state
         (unless ``publish`` is False: an older state of the swarm's, which only catches us up)."""
-        trainer = self._trainer
-        assert trainer is not None
         self.catching_up, self._stepped_alone = True, False
-        self._adopted_lineage = (trainer.progress.round, trainer.diloco.param_hash())
+        self._adopted_lineage = self.loop.lineage()
         if self.error_feedback is not None:  # residuals of other params
-            self.error_feedback = ErrorFeedback(self._feedback_elements(trainer))
+            self.error_feedback = ErrorFeedback(self._feedback_elements())
             if self.streams is not None:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1

@@ -7,18 +7,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from node.diloco import DiLoCo
 from node.outer_state import tensor_hash
+from node.swarm_seam import AdoptedState, Stepped
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot
 
-if TYPE_CHECKING:
-    from node.trainer import Trainer
+__all__ = ["AdoptedState"]  # defined in node/swarm_seam.py (the loop loads it), checked here
 
 GLOBAL_PARAMS = "global_params"
 OUTER_MOMENTUM = "outer_momentum"
@@ -32,49 +31,42 @@ def round_mean_id(param_hash: str) -> str:
     return f"round-mean:{param_hash}"
 
 
-@dataclass(frozen=True)
-class AdoptedState:
-    """A verified global state fetched from the swarm, ready to load into the trainer."""
-
-    round: int
-    param_hash: str
-    global_params: torch.Tensor  # (N,) fp32
-    outer_momentum: torch.Tensor | None  # (N,) fp32, None before the first outer step
-    metadata: dict[str, Any]
-    round_mean: RoundMean | None = None
-    """Set when this state was stepped to from ours with the round's mean (``caught_up_state``)."""
+class Stepper(Protocol):
+    """Steps a copy of the outer state with a round's mean (``DiLoCo``, or the loop's
+    ``GlobalStateAccess``)."""
 
     @property
-    def caught_up(self) -> bool:
-        return self.round_mean is not None
+    def num_elements(self) -> int: ...
+
+    def stepped(
+        self, averaged: torch.Tensor, *, start: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    ) -> Stepped: ...
 
 
-def snapshot_of(
-    trainer: Trainer, *, round: int | None = None, boundary: tuple[int, dict[str, Any]] | None = None
+def state_snapshot(
+    *,
+    global_params: torch.Tensor,
+    outer_momentum: torch.Tensor | None,
+    round: int,
+    step: int,
+    data: dict[str, Any],
+    model: str,
+    corpus_sha256: str,
 ) -> Snapshot:
-    """The trainer's global state as served to joiners: params, momentum, counters, data position.
-
-    ``round``: the rounds the global params went through (default the trainer's count; with overlap
-    the averaging thread publishes a round before the training thread counts it). ``boundary``:
-    the (step, data position) of the round's end, as the trainer kept them when it handed the round
-    over (``Trainer.submitted_boundary``, with overlap, where the training thread is mid-phase by
-    the time the round is applied); default the training thread's at this moment.
-    """
-    diloco, progress = trainer.diloco, trainer.progress
-    round = progress.round if round is None else round
-    step, data = boundary if boundary is not None else (progress.step, trainer.batches.state_dict())
-    tensors = {GLOBAL_PARAMS: diloco.global_params.detach().to("cpu")}
-    momentum = diloco.momentum_buffer()
-    if momentum is not None:
-        tensors[OUTER_MOMENTUM] = momentum.detach().to("cpu")
+    """A global state as served to joiners: params, momentum, counters, data position
+    (``Trainer.snapshot`` gathers them). ``round``: the rounds the global params went through;
+    ``step`` and ``data``: the inner step and data position at that round's end."""
+    tensors = {GLOBAL_PARAMS: global_params.detach().to("cpu")}
+    if outer_momentum is not None:
+        tensors[OUTER_MOMENTUM] = outer_momentum.detach().to("cpu")
     param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
     metadata = {
         "round": round,
         "step": step,
         "param_hash": param_hash,
-        "model": trainer.config.model,
-        "num_elements": diloco.num_elements,
-        "corpus_sha256": trainer.corpus.sha256,
+        "model": model,
+        "num_elements": tensors[GLOBAL_PARAMS].numel(),
+        "corpus_sha256": corpus_sha256,
         # The lineage's shared data position, without this node's shard: every member of a round
         # serves byte-identical metadata, so a joiner can fetch from all of them at once.
         "data": {k: v for k, v in data.items() if k != "shard_index"},
@@ -193,7 +185,7 @@ def round_mean_link(fetched: Snapshot) -> tuple[tuple[int, str], tuple[int, str]
 
 
 def caught_up_state(
-    diloco: DiLoCo,
+    stepper: Stepper,
     fetched: Snapshot,
     *,
     previous: tuple[int, str],
@@ -215,10 +207,10 @@ def caught_up_state(
             f"the round mean follows another state than ours ({previous[0]}, {previous[1][:12]})"
         )
     state_metadata = _checked_metadata(
-        metadata["state"], num_elements=diloco.num_elements, corpus_sha256=corpus_sha256
+        metadata["state"], num_elements=stepper.num_elements, corpus_sha256=corpus_sha256
     )
-    round_mean = _fetched_mean(fetched, metadata, diloco.num_elements)
-    params, momentum = diloco.stepped(
+    round_mean = _fetched_mean(fetched, metadata, stepper.num_elements)
+    params, momentum = stepper.stepped(
         round_mean.mean, start=None if start is None else (start.global_params, start.outer_momentum)
     )
     if tensor_hash(params) != target[1]:

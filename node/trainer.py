@@ -43,13 +43,14 @@ from node.prometheus import PrometheusExporter
 from node.records import load_node_corpus
 from node.replica import ParallelReplica, Replica, SingleReplica
 from node.schedule import LRSchedule
+from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess, SwarmSide
+from node.swarm_state import state_snapshot
 
 MAX_DUE_WAIT = timedelta(minutes=2)
 """The longest an inner phase runs past its end while a node fetches our lineage's state."""
 
 if TYPE_CHECKING:
-    from node.swarm import SwarmSession
-    from node.swarm_state import AdoptedState
+    from protocol.statesync.snapshot import Snapshot
 
 log = logging.getLogger("dtnode")
 
@@ -94,7 +95,7 @@ class Trainer:
     """Trains one node; ``averager`` is the swarm (a :class:`SoloAverager` for a swarm of one)."""
 
     def __init__(
-        self, config: NodeConfig, *, averager: Averager | None = None, swarm: SwarmSession | None = None
+        self, config: NodeConfig, *, averager: Averager | None = None, swarm: SwarmSide | None = None
     ) -> None:
         self.config = config
         self.swarm = swarm
@@ -285,12 +286,50 @@ class Trainer:
             "now at round %d, step %d, param_hash %s", state.round, self.progress.step, state.param_hash[:12]
         )
 
-    def _adopt_from(self, report: OuterStepReport) -> OuterStepReport:
-        """Adopt the swarm's state a round sent us to; the report with the adopted param_hash (the
-        round record names the params this node now holds; ``adopt`` checked they hash to it)."""
-        state: AdoptedState = report.adopted_state  # type: ignore[assignment]  # the swarm's AdoptedState
-        self.adopt(state)
-        return dataclasses.replace(report, param_hash=state.param_hash)
+    def _act_on(self, report: OuterStepReport, boundary: Boundary | None = None) -> OuterStepReport:
+        """The one place the loop acts on a round's decision (``node/swarm_seam.py``): count the round
+        it stepped through, or load the state it was sent to (the report then names the params this
+        node holds now; ``adopt`` checked they hash to it); then the swarm reshards and serves it."""
+        match report.decision:
+            case Adopt(state=state):
+                self.adopt(state)
+                report = dataclasses.replace(report, param_hash=state.param_hash)
+            case Averaged() | FellBack():
+                self.progress.round = report.round_index
+        if self.swarm is not None:
+            self.swarm.after_round(report.decision, report.outcome.members, boundary)
+        return report
+
+    def snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
+        """The global state as served to joiners (``swarm_state.state_snapshot``): after ``round``
+        (default the rounds applied), at ``boundary`` (default the step and data position now)."""
+        step, data = boundary if boundary is not None else (self.progress.step, self.batches.state_dict())
+        with self.diloco.consistent():  # params and momentum of the same round
+            params, momentum = self.diloco.global_params, self.diloco.momentum_buffer()
+        return state_snapshot(
+            global_params=params,
+            outer_momentum=momentum,
+            round=self.progress.round if round is None else round,
+            step=step,
+            data=data,
+            model=self.config.model,
+            corpus_sha256=self.corpus.sha256,
+        )
+
+    def global_state_access(self) -> GlobalStateAccess:
+        """The loop's side of the seam, handed to the swarm (``SwarmSide.start``)."""
+        return GlobalStateAccess(
+            num_elements=self.diloco.num_elements,
+            corpus_sha256=self.corpus.sha256,
+            lineage=lambda: (self.progress.round, self.diloco.param_hash()),
+            snapshot=self.snapshot,
+            stepped=self.diloco.stepped,
+            adopt=self.adopt,
+            tokens_per_s=self.tokens_per_s,
+            stop_requested=self._stop.is_set,
+            reshard=self.batches.reshard,
+            open_streams=self.replica.open_streams if self.config.swarm_streams > 1 else None,
+        )
 
     def tokens_per_s(self) -> float:
         """This node's inner-phase throughput so far in the round (0 before its first step)."""
@@ -362,13 +401,9 @@ class Trainer:
             delta = self.diloco.phase_delta()  # before finish_pending: the model still holds this phase
             report = self.diloco.finish_pending()
         if report is not None:
+            report = self._act_on(report, self.submitted_boundary if self.diloco.overlap else None)
             if report.adopted:
-                report = self._adopt_from(report)
                 delta = None  # this phase's progress belongs to other params
-            else:
-                progress.round = report.round_index
-            if self.swarm is not None:
-                self.swarm.after_round(report)  # reshard among the round's group, serve the new state
         record = None if report is None else self._round_record(report, compute_seconds)
         if record is not None:
             self._log_round(record)
@@ -420,7 +455,7 @@ class Trainer:
     def _round_record(
         self, report: OuterStepReport, compute_seconds: float, *, final: bool = False
     ) -> dict[str, Any]:
-        progress = self.progress
+        progress, outcome = self.progress, report.outcome  # the round's statistics, as the swarm gave them
         blocked = report.seconds_waited
         # Held-out eval at the run's first and last rounds and every eval_every rounds (null in others).
         final = final or self._done() or self._stop.is_set()
@@ -435,14 +470,14 @@ class Trainer:
             "step": progress.step,
             "eval_loss": eval_loss,
             "peers": report.num_peers,
-            "bytes_sent": report.bytes_sent,
-            "bytes_recv": report.bytes_recv,
+            "bytes_sent": outcome.bytes_sent,
+            "bytes_recv": outcome.bytes_recv,
             "seconds_compute": compute_seconds,
             "seconds_comm": report.seconds_comm,
             "seconds_blocked": blocked,
-            "seconds_forming": report.seconds_forming,
-            "seconds_allreduce": report.seconds_allreduce,
-            "streams": report.streams,
+            "seconds_forming": outcome.seconds_forming,
+            "seconds_allreduce": outcome.seconds_allreduce,
+            "streams": outcome.streams,
             "seconds_wall": wall,
             # Inner compute / wall time since the previous record, and the share of it spent waiting for
             # the swarm (node/metrics.py); None for the round applied after a run's last overlapped phase.
@@ -455,14 +490,14 @@ class Trainer:
             "fell_back": report.fell_back,
             "adopted": report.adopted,
             # Adopted by stepping with the round's mean from our own state, not by a whole-state fetch.
-            "caught_up": bool(getattr(report.adopted_state, "caught_up", False)),
+            "caught_up": outcome.adopted_state is not None and outcome.adopted_state.caught_up,
             "shard": [self.batches.shard_index, self.batches.num_shards],
-            "members": list(report.members),
+            "members": list(outcome.members),
             "rss_bytes": current_rss_bytes(),
-            "bytes_recv_state_sync": report.bytes_recv_state_sync,
-            "bytes_by_phase": report.bytes_by_phase,
-            "codec_error": report.codec_error,
-            "failures_by_kind": report.failures_by_kind,
+            "bytes_recv_state_sync": outcome.bytes_recv_state_sync,
+            "bytes_by_phase": outcome.bytes_by_phase,
+            "codec_error": outcome.codec_error,
+            "failures_by_kind": outcome.failures_by_kind,
             "time": time.time(),
         }
 
@@ -470,14 +505,9 @@ class Trainer:
         """Overlap: apply the round still in flight, so the run ends on the swarm's latest params."""
         report = self.diloco.finish_pending()
         if report is not None:
-            if report.adopted:
-                report = self._adopt_from(report)
-            else:
-                progress = self.progress
-                progress.round = report.round_index
+            report = self._act_on(report, self.submitted_boundary)
+            if not report.adopted:
                 self.diloco.load_global_into_model()
-            if self.swarm is not None:
-                self.swarm.after_round(report)
             self._log_round(self._round_record(report, 0.0, final=True))
         self.diloco.close()
 
@@ -502,7 +532,7 @@ class Trainer:
         try:
             try:
                 if self.swarm is not None:
-                    self.swarm.start(self)
+                    self.swarm.start(self.global_state_access())
                     if self._restored_swarm_state and not self.swarm.num_adoptions:
                         self.swarm.load_state_dict(self._restored_swarm_state)
                 self._train()
@@ -543,6 +573,11 @@ class Trainer:
                 self.batches.skip(missing)
                 self.progress.step += missing
                 self.outer_round()
+            elif self.swarm is not None and (landed := self.diloco.landed()) is not None:
+                # Overlap: the round in flight was applied (polled at this step boundary): serve it
+                # now, not at the phase's end (the swarm serves each round once).
+                assert self.submitted_boundary is not None
+                self.swarm.publish_landed(landed.round_index, self.submitted_boundary)
         if self._stop.is_set():
             log.info("stop requested: checkpointing at step %d", self.progress.step)
         self._finish_rounds()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from node.swarm import SwarmSession
-from node.swarm_state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot, snapshot_of
+from node.swarm_state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
 from node.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.codecs import get_codec
@@ -64,20 +64,20 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1))
-    behind.adopt(adopted_state(snapshot_of(source), num_elements=behind.diloco.num_elements,
+    behind.adopt(adopted_state(source.snapshot(), num_elements=behind.diloco.num_elements,
                                corpus_sha256=behind.corpus.sha256))  # fmt: skip
     previous = (1, source.diloco.param_hash())
 
     companions = []
     for round in (2, 3):  # two rounds without `behind`; the server keeps both publishes
         round_mean = one_round(source, RecordingAverager("int8"))
-        state = snapshot_of(source)
+        state = source.snapshot()
         companions.append(round_mean_snapshot(state, round_mean))
         server.publish(round=round, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state,
                        companions=companions[-1:])  # fmt: skip
     assert companions[0].state_id in server.server.state_provider.kept_state_ids
     session = SwarmSession(client, joining=False)
-    session.start(behind)  # publishes round 1
+    session.start(behind.global_state_access())  # publishes round 1
     wait_for_lineages(
         two_nodes, {server.peer_id: Lineage(3, state.state_id), client.peer_id: Lineage(*previous)}
     )
@@ -97,7 +97,7 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
 
     # Round 4 served without its mean (e.g. its members ran with --overlap): the whole state it is.
     one_round(source, RecordingAverager("int8"))
-    newer = snapshot_of(source)
+    newer = source.snapshot()
     assert not session.phase_should_end()  # the swarm is where we are, and not ready yet
     server.publish(round=4, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(4, newer.state_id)})
@@ -126,7 +126,7 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     assert report is not None and report["round"] == 5 and session._stepped_alone
     for round in (5, 6):
         round_mean = one_round(source, RecordingAverager("int8"))
-        newest = snapshot_of(source)
+        newest = source.snapshot()
         server.publish(round=round, param_hash=newest.state_id, tokens_per_s=1.0, snapshot=newest,
                        companions=[round_mean_snapshot(newest, round_mean)])  # fmt: skip
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(6, newest.state_id)})

@@ -23,7 +23,6 @@ import torch
 
 from node.join import Prefetch
 from node.swarm import SwarmSession
-from node.swarm_state import snapshot_of
 from node.trainer import Trainer
 from protocol.membership.lineage import Lineage
 from protocol.membership.records import PeerRecord
@@ -111,7 +110,7 @@ def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a
     with started_nodes(3, f"join-test-{uuid.uuid4().hex[:12]}") as (source_node, *joiner_nodes):
         source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
         source.run()  # round 1
-        state = snapshot_of(source)
+        state = source.snapshot()
         source_node.publish(round=1, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state)
         published = record_publishes(joiner_nodes, monkeypatch)
         prefetches = [Prefetch(node, join_timeout=timedelta(seconds=20)) for node in joiner_nodes]
@@ -123,7 +122,7 @@ def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a
             for node, prefetch in zip(joiner_nodes, prefetches, strict=True)
         ]
         threads = [
-            threading.Thread(target=session.start, args=(trainer,))
+            threading.Thread(target=session.start, args=(trainer.global_state_access(),))
             for session, trainer in zip(sessions, joiners, strict=True)
         ]
         for thread in threads:
@@ -159,7 +158,7 @@ def test_a_joiner_whose_fetch_fails_stays_syncing_and_publishes_no_state_of_its_
         published = record_publishes([joiner_node], monkeypatch)
         joiner = Trainer(small_config(corpus_file, tmp_path / "joiner"))
         session = SwarmSession(joiner_node, joining=True)
-        session.start(joiner)
+        session.start(joiner.global_state_access())
 
         assert joiner.progress.round == 0 and session._state_sync_failures == 1
         assert published and all(

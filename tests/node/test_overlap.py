@@ -128,7 +128,7 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     """Overlap: when the round in flight ends by sending us to adopt the swarm's state, the trainer
     adopts at its next step, not at the phase's end: the steps in between would train params that
     adoption throws away, and the node would reach the swarm a round late again."""
-    from node.swarm_state import adopted_state, snapshot_of
+    from node.swarm_state import adopted_state
 
     settings = dict(
         model="nano", inner_steps=4, batch_size=2, eval_batches=1, log_every=100, swarm=False, threads=1
@@ -136,7 +136,7 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     source = Trainer(NodeConfig(run_dir=str(tmp_path / "source"), max_rounds=2, **settings))  # type: ignore[arg-type]
     source.run()  # round 2, step 8
     state = adopted_state(
-        snapshot_of(source), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
+        source.snapshot(), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
     )
     averager = AdoptingAverager(state)
     trainer = Trainer(

@@ -300,8 +300,8 @@ class FakeSwarm:
 
 def session_with(result: RoundResult | Exception, num_elements: int) -> SwarmSession:
     session = SwarmSession(FakeSwarm(result), joining=False)  # type: ignore[arg-type]
-    session._trainer = SimpleNamespace(  # type: ignore[assignment]
-        diloco=SimpleNamespace(param_hash=lambda: "00" * 32, overlap=False), tokens_per_s=lambda: 1.0
+    session._loop = SimpleNamespace(  # type: ignore[assignment]  # what average reads of the loop
+        lineage=lambda: (0, "00" * 32), tokens_per_s=lambda: 1.0
     )
     session.error_feedback = ErrorFeedback(num_elements)
     return session

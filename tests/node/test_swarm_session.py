@@ -1,4 +1,4 @@
-"""Adopting the swarm's state, with no sockets: snapshot_of -> adopted_state -> Trainer.adopt.
+"""Adopting the swarm's state, with no sockets: Trainer.snapshot -> adopted_state -> Trainer.adopt.
 
 A joiner that adopts a peer's snapshot must be that peer as far as the swarm can tell: the same
 global params (param_hash), outer momentum, counters and data position. The inner AdamW state is
@@ -37,7 +37,6 @@ from node.swarm_state import (
     caught_up_state,
     round_mean_id,
     round_mean_snapshot,
-    snapshot_of,
 )
 from node.trainer import Trainer
 from protocol.allreduce.allreduce import EncodedChunk
@@ -66,6 +65,7 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
     settings: dict[str, object] = dict(
         model="nano", seq_len=32, batch_size=4, inner_steps=2, eval_batches=2, warmup_steps=2,
         total_steps=30, data=str(corpus_file), run_dir=str(run_dir), log_every=100, inner_lr=3e-3,
+        eval_every=1,  # every round's eval_loss is compared
     )  # fmt: skip
     settings.update(overrides)
     return NodeConfig(**settings)  # type: ignore[arg-type]
@@ -80,7 +80,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
     assert live_momentum is not None and bool(live_momentum.abs().sum() > 0)
     source_momentum = live_momentum.clone()  # the optimizer updates its buffer in place
 
-    snapshot = snapshot_of(source)
+    snapshot = source.snapshot()
     source_hash = source.diloco.param_hash()
     global_bytes = source.diloco.global_params.detach().numpy().tobytes()
     assert snapshot.state_id == source_hash == hashlib.sha256(global_bytes).hexdigest()
@@ -135,7 +135,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
 @pytest.mark.timeout(120)
 def test_adopted_state_rejects_another_model_or_corpus(corpus_file: Path, tmp_path: Path) -> None:
     nano = Trainer(small_config(corpus_file, tmp_path / "nano"))
-    snapshot = snapshot_of(nano)  # before any outer step: no momentum
+    snapshot = nano.snapshot()  # before any outer step: no momentum
     state = adopted_state(snapshot, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
     assert state.outer_momentum is None and state.round == 0 and state.param_hash == nano.diloco.param_hash()
 
@@ -255,7 +255,7 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()  # round 1: the outer momentum exists from here on
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, data_seed=5))
-    behind.adopt(adopted_state(snapshot_of(source), num_elements=behind.diloco.num_elements,
+    behind.adopt(adopted_state(source.snapshot(), num_elements=behind.diloco.num_elements,
                                corpus_sha256=behind.corpus.sha256))  # fmt: skip
     previous = (1, source.diloco.param_hash())
     assert (behind.progress.round, behind.diloco.param_hash()) == previous
@@ -264,7 +264,7 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     assert round_mean.previous == previous
     if not encoded:
         round_mean = dataclasses.replace(round_mean, encoded=None)
-    state = snapshot_of(source)
+    state = source.snapshot()
     mean = round_mean_snapshot(state, round_mean)
     assert mean.state_id == round_mean_id(state.state_id) and mean.round_id == 2
     if encoded:  # int8: one byte per number plus a 4-byte scale per 256-number block, and the chunk table
@@ -288,9 +288,9 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
         == (4, 2)
     )
     assert behind.batches.state_dict() == {**source.batches.state_dict(), "shard_index": 0}
-    assert snapshot_of(behind).metadata == state.metadata  # it serves the same bytes on
+    assert behind.snapshot().metadata == state.metadata  # it serves the same bytes on
     assert caught_up.round_mean is not None
-    again = round_mean_snapshot(snapshot_of(behind), caught_up.round_mean)
+    again = round_mean_snapshot(behind.snapshot(), caught_up.round_mean)
     assert again.metadata == mean.metadata
     assert all(torch.equal(again.tensors[name], tensor) for name, tensor in mean.tensors.items())
 
@@ -302,7 +302,7 @@ def test_a_round_mean_that_does_not_lead_to_the_swarms_state_is_refused(
     source = Trainer(small_config(corpus_file, tmp_path / "source"))
     good = one_round(source, RecordingAverager("none"))
     previous = good.previous
-    state = snapshot_of(source)
+    state = source.snapshot()
     target = (1, state.state_id)
     behind = Trainer(small_config(corpus_file, tmp_path / "behind"))  # the same seed: the same start
     assert behind.diloco.param_hash() == previous[1]

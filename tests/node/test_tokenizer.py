@@ -19,7 +19,7 @@ import pytest
 
 from node.cli import main
 from node.corpus import EOS, _read_documents, _stdlib_files, encode, load_corpus
-from node.swarm_state import adopted_state, snapshot_of
+from node.swarm_state import adopted_state
 from node.tokenizer import ByteTokenizer, load_tokenizer, write_byte_tokenizer_json
 from node.trainer import Trainer
 from tests.node.run_support import write_corpus
@@ -144,7 +144,7 @@ def test_a_resume_or_a_joiner_with_another_tokenizer_is_refused(
     )  # the same model: only the tokenizer differs
     with pytest.raises(ValueError, match="--tokenizer"):
         adopted_state(
-            snapshot_of(source), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
+            source.snapshot(), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
         )
 
 
