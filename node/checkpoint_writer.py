@@ -90,7 +90,7 @@ class CheckpointWriter:
         self.root = root
         self.keep = keep
         self._write = write
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._executor: ThreadPoolExecutor | None = None  # started by the first write (again after close)
         self._pending: Future[SavedCheckpoint] | None = None
         self._lock = threading.Lock()  # submit/poll/wait may come from the loop and from its exit path
 
@@ -108,6 +108,8 @@ class CheckpointWriter:
         self.wait()
         snapshot = snapshot_state(state)
         with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
             self._pending = self._executor.submit(self._save, name, snapshot, dict(meta))
 
     def _save(self, name: str, snapshot: dict[str, Any], meta: dict[str, Any]) -> SavedCheckpoint:
@@ -145,8 +147,10 @@ class CheckpointWriter:
         return saved
 
     def close(self) -> None:
-        """Wait for the write in flight, then stop the thread."""
+        """Wait for the write in flight, then stop the thread (a later submit starts another)."""
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)

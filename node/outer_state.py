@@ -95,6 +95,9 @@ class FlatOuterState:
         self.global_params = local.read_params(device)  # its .grad is Δ̄ during a step
         self.num_elements = self.global_params.numel()
         self.optimizer = torch.optim.SGD([self.global_params], **settings)
+        # The swarm asks for the hash several times a round (lineage, the round's previous state, the
+        # report): hashed once per version of the tensor (every in-place write bumps ``_version``).
+        self._hash: tuple[int, str] | None = None
 
     def params(self) -> Tensor:
         return self.global_params
@@ -132,7 +135,10 @@ class FlatOuterState:
         self.optimizer.param_groups[0].update(settings)
 
     def hash(self) -> str:
-        return tensor_hash(self.global_params)
+        version = self.global_params._version
+        if self._hash is None or self._hash[0] != version:
+            self._hash = (version, tensor_hash(self.global_params))
+        return self._hash[1]
 
 
 def sgd_state_dict(settings: dict[str, Any], momentum: Tensor | None) -> dict[str, Any]:

@@ -4,12 +4,14 @@ the --eval-every auto rule (node/meta_init.py, node/efficiency.py, node/replica.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import pytest
 import torch
 
 from node.config import ConfigError, NodeConfig
+from node.diloco import ModuleParams
 from node.efficiency import (
     EVAL_BUDGET,
     STEP_COST_IN_FORWARDS,
@@ -107,3 +109,26 @@ def test_compiled_replica_matches_eager_on_cpu() -> None:
         raise
     # Fused kernels reorder float sums: equal within float32 rounding, not bit for bit.
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_flat_outer_state_hashes_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import node.outer_state as outer_state
+
+    calls = []
+    monkeypatch.setattr(outer_state, "tensor_hash", lambda flat: calls.append(1) or reference_hash(flat))
+    model = torch.nn.Linear(3, 4)
+    state = outer_state.FlatOuterState(
+        ModuleParams(list(model.parameters())), device=CPU, lr=0.7, momentum=0.9, nesterov=True
+    )
+    first = state.hash()
+    assert (
+        state.hash() == first == reference_hash(state.params()) and len(calls) == 1
+    )  # asked twice, hashed once
+    state.step(torch.ones(16))  # the outer step writes the params in place: hashed anew
+    assert state.hash() == reference_hash(state.params()) != first and len(calls) == 2
+    state.load(torch.zeros(16), None)
+    assert state.hash() == reference_hash(torch.zeros(16)) and len(calls) == 3
+
+
+def reference_hash(flat: torch.Tensor) -> str:
+    return hashlib.sha256(flat.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
