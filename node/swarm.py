@@ -1,34 +1,28 @@
 """The node's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
 
-:class:`SwarmSession` is the :class:`~node.diloco.Averager` of a node in a swarm. It talks to the
-swarm only through :class:`protocol.swarm.node.SwarmNode` (which owns every socket) and turns the
-swarm's answers into what the trainer does:
+:class:`SwarmSession` is the :class:`~node.diloco.Averager` of a node in a swarm and the loop's
+:class:`~node.swarm_seam.SwarmSide`. It talks to the swarm only through
+:class:`protocol.swarm.node.SwarmNode` (which owns every socket) and to the loop only through the
+:class:`~node.swarm_seam.GlobalStateAccess` it is started with. Each round's answer becomes one
+decision the loop acts on (``AveragingOutcome.decision``):
 
-========================  =================================================================
-round outcome             what the node does
-========================  =================================================================
-averaged                  outer step with the group's mean; reshard the data among the group
-averaged, fell back       outer step with its own Δ (a lineage of its own); the next round's
-                          lineage check sends it to re-sync
-missed (group without us) wait for the group to publish its new params, then step to them
-                          with the round's mean (its wire bytes), or adopt them
-resync (wrong lineage)    adopt the canonical state (global params, outer momentum, round,
-                          schedule step, data position) fetched from its peers, verified
-failed (too few peers)    outer step with its own Δ, try again next round
-========================  =================================================================
+========================  ===========================  ===========================================
+swarm's answer            decision                     what follows
+========================  ===========================  ===========================================
+averaged                  Averaged(mean)               outer step; reshard the data among the group
+averaged, fell back       FellBack(own Δ)              outer step on our own Δ; the next round's
+failed (too few peers)                                 lineage check sends us to re-sync
+missed (group without us) Adopt(state)                 the group's new state, stepped to with the
+resync (wrong lineage)                                 rounds' means (``node/catch_up.py``) or
+                                                       fetched whole, verified (``swarm_state``)
+========================  ===========================  ===========================================
 
 Adopting a state replaces the node's global params, outer momentum, round and step counters and
 data position with the source's (``shards.py`` explains the data contract); the local inner steps
-since the last round are discarded, since their Δ was computed against other params.
-
-Catching up: every member of an averaged round serves the round's mean Δ̄ beside its new state
-(``round_mean_snapshot``), as the wire codec's bytes every member decoded it from (int8: ~1 byte per
-parameter; the whole state is 8). A node at most two rounds behind (MAX_CATCH_UP_ROUNDS: it missed
-a round, or fetched the state while the swarm finished one more) fetches only those rounds' Δ̄
-and runs the same outer steps itself (``caught_up_state``); each result must match the swarm's
-param_hash and outer momentum bit for bit, else it fetches the whole state. A node whose last round
-fell back stepped on its own Δ: no chain of means leads to its state, so it fetches the whole state
-without trying.
+since the last round are discarded, since their Δ was computed against other params. A node whose
+last round fell back stepped on its own Δ: no chain of means leads to its state, so it fetches the
+whole state at once. Every fetch is announced, and the lineage's members train on while it runs
+(ARCHITECTURE.md, "Participation").
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ from datetime import timedelta
 
 import torch
 
+from node.catch_up import catch_up_with_means
 from node.config import ConfigError
 from node.diloco import AveragingOutcome
 from node.join import JOIN_TIMEOUT, Prefetch
@@ -50,9 +45,6 @@ from node.swarm_state import (
     AdoptedState,
     RoundMean,
     adopted_state,
-    caught_up_state,
-    round_mean_id,
-    round_mean_link,
     round_mean_snapshot,
 )
 from protocol.error_feedback import ErrorFeedback
@@ -60,14 +52,11 @@ from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
-from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.participation import START_TIMEOUT, await_start_peers, serve_stragglers
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
 log = logging.getLogger(__name__)
-
-START_TIMEOUT = timedelta(minutes=10)
-"""How long the start barrier (``start_peers``) waits for the other nodes before training anyway."""
 
 MAX_DUE_WAIT_SECONDS = 120.0
 """How far ahead a syncing peer's estimate may lie for us to train on for it (Trainer's MAX_DUE_WAIT)."""
@@ -137,30 +126,9 @@ class SwarmSession:
         self._await_start_peers()
 
     def _await_start_peers(self) -> None:
-        """Wait until ``start_peers`` nodes (ourselves included) hold a lineage of the run, so that the
-        nodes started together train their first round together instead of the first one running
-        rounds alone while the others start (they would then re-sync to it). Bounded by
-        ``start_timeout`` and by a stop request; on timeout the node trains with whoever is there."""
-        loop = self.loop
-        if self.start_peers <= 1:
-            return
-        deadline = time.monotonic() + self.start_timeout.total_seconds()
-        log.info(
-            "start barrier: waiting for %d node(s) of run %r", self.start_peers, self.swarm.config.run_name
-        )
-        while not loop.stop_requested():
-            remaining = deadline - time.monotonic()
-            view = self.swarm.wait_for_peers(
-                self.start_peers - 1, timedelta(seconds=max(min(remaining, 2.0), 0.0))
-            )
-            others = [peer for peer in view if peer.peer_id != self.swarm.peer_id]
-            if len(others) + 1 >= self.start_peers:
-                log.info("start barrier: %d node(s) live, training", len(others) + 1)
-                return
-            if remaining <= 0:
-                log.warning("start barrier: only %d of %d node(s) live after %s; training with them",
-                            len(others) + 1, self.start_peers, self.start_timeout)  # fmt: skip
-                return
+        """The start barrier (``protocol/swarm/participation.py``)."""
+        if self.start_peers > 1:
+            await_start_peers(self.swarm, self.start_peers, self.start_timeout, self.loop.stop_requested)
 
     def _join(self, loop: GlobalStateAccess) -> None:
         self._loop = loop
@@ -262,33 +230,9 @@ class SwarmSession:
         self.error_feedback.residual.copy_(residual)
 
     def serve_stragglers(self) -> int:
-        """At the end of a run, keep serving our final state (and its round's mean) while a live node
-        of the run is behind it, so that it catches up to the swarm's last state instead of running
-        its last round alone and ending on params of its own (a split run). Bounded by ``max_wait``
-        plus a join window; returns how many nodes were behind when we started waiting."""
-        record = self.swarm.driver.record
-        if record is None:
-            return 0
-        config = self.swarm.config
-        deadline = time.monotonic() + (config.rounds.max_wait + config.rounds.join_window).total_seconds()
-        first: int | None = None
-        while True:
-            view = self.swarm.view_or_last("serving nodes behind us")
-            behind = [
-                peer.peer_id
-                for peer in (*view.peers, *view.syncing)
-                if peer.peer_id != self.swarm.peer_id and peer.round < record.round
-            ]
-            if first is None:
-                first = len(behind)
-                if behind:
-                    log.info("serving round %d to %d node(s) still behind it before leaving",
-                             record.round, len(behind))  # fmt: skip
-            if not behind or time.monotonic() >= deadline:
-                if behind:
-                    log.warning("leaving with %d node(s) still behind round %d", len(behind), record.round)
-                return first
-            time.sleep(config.view_refresh.total_seconds())
+        """At the end of a run, serve our last state while a node is behind it (``protocol/swarm/
+        participation.py``); how many nodes were behind."""
+        return serve_stragglers(self.swarm)
 
     def stop(self) -> None:
         """Leave the swarm (a tombstone, so rounds stop waiting for us) and close every connection."""
@@ -485,41 +429,16 @@ class SwarmSession:
         return self._checked(report)
 
     def _catch_up(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
-        """At most MAX_CATCH_UP_ROUNDS behind the canonical lineage: fetch those rounds' means (their
-        wire bytes, a fraction of the whole state's) and step to the swarm's state ourselves, each
-        step checked bit for bit; None if that cannot be done (no source serves a mean, or they do
-        not reproduce the states): fetch the whole state."""
-        loop = self.loop
+        """At most MAX_CATCH_UP_ROUNDS behind: step to the swarm's state with its rounds' means
+        (``node/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
         canonical = decision.canonical
-        ours = loop.lineage()
-        # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.
-        links: list[tuple[Snapshot, tuple[int, str]]] = []
-        wanted, num_bytes = canonical.param_hash, 0
-        try:
-            for _ in range(canonical.round - ours[0]):
-                report = self.swarm.fetch_state(decision, state_id=round_mean_id(wanted), announce=True)
-                num_bytes += sum(report.bytes_by_source.values())
-                previous, target = round_mean_link(report.snapshot)
-                links.append((report.snapshot, target))
-                if previous == ours:
-                    break
-                wanted = previous[1]
-            else:
-                raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
-            state, previous = None, ours
-            for fetched, target in reversed(links):
-                state = caught_up_state(loop, fetched, previous=previous, target=target,
-                                        corpus_sha256=loop.corpus_sha256, start=state)  # fmt: skip
-                previous = target
-            if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
-                raise ValueError("the round means do not end at the swarm's state")
-        except (StateSyncError, ValueError, TimeoutError) as error:
-            log.info("%s: cannot step to round %d with its means (%s)", why, canonical.round, error)
-            self._bytes_state_sync += num_bytes
-            return None
+        state, num_bytes, error = catch_up_with_means(self.swarm, self.loop, decision)
         self._bytes_state_sync += num_bytes
-        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with the mean of %d round(s) "
-                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], len(links), num_bytes / 1e6)  # fmt: skip
+        if state is None:
+            log.info("%s: cannot step to round %d with its means (%s)", why, canonical.round, error)
+            return None
+        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with its rounds' means "
+                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], num_bytes / 1e6)  # fmt: skip
         self._round_mean = state.round_mean  # serve the last one on too
         self.num_caught_up += 1
         return state
@@ -537,28 +456,16 @@ class SwarmSession:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
 
     def lineage_peer_due(self) -> bool:
-        """Whether a node is fetching our lineage's state (a joiner or a member catching up): we then
-        train on instead of ending our phase (``Trainer._phase_due``, at most ``MAX_DUE_WAIT``), so
-        that the state it fetches is still the lineage's when it holds it and it joins our next round.
-        Ending the phase instead would move the lineage on; a node whose fetch outlasts the swarm's
-        round would then hold a stale state at every arrival, forever. Training on costs the swarm
-        nothing: it is compute, weighted by tokens in the round's mean. (``SwarmNode.peer_due``
-        reads the signals.)"""
+        """Whether a node is fetching our lineage's state: the loop then trains on past its phase's end
+        (``Trainer._phase_due``), so the state is still the lineage's when the node holds it and it
+        joins our next round (ARCHITECTURE.md, "Participation"; ``SwarmNode.peer_due``)."""
         return self.swarm.peer_due(max_ahead=timedelta(seconds=MAX_DUE_WAIT_SECONDS))
 
     def phase_should_end(self) -> bool:
-        """Whether a node catching up should end its inner phase now (read from the view the swarm
-        watch refreshes every ``view_refresh`` while we catch up):
-
-        - a peer of its lineage is ready for the next round: join that round. After adopting, a node
-          starts its phase later than the swarm (by its startup and the fetch); with a full phase it
-          would miss every round and re-sync forever. Joining the round with fewer steps costs
-          nothing: the mean weights each member by its tokens.
-        - a peer is past the adopted round: the swarm's next round formed before we held the state
-          (or while we loaded it). Steps on these params are wasted; ending the phase now makes the
-          round's lineage check catch us up with that round's mean at once, in time for the swarm's
-          next round, instead of a phase later, one round behind again.
-        """
+        """Whether a node catching up should end its inner phase now (the view is read every
+        ``view_refresh`` meanwhile): a peer of its lineage is ready for the next round (join it with
+        the steps done so far; the mean weights members by tokens), or a peer is past the adopted
+        round (the round's lineage check then catches us up at once, not a phase later)."""
         if not self.catching_up or self._loop is None:
             return False
         round, param_hash = self._adopted_lineage

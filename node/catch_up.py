@@ -1,0 +1,53 @@
+"""Catching up with the rounds' means: a node at most a couple of rounds behind the swarm's lineage
+steps itself to the swarm's state instead of fetching it whole.
+
+Every member of an averaged round serves the round's mean Δ̄ beside its new state, as the wire
+codec's bytes it decoded it from (``swarm_state.round_mean_snapshot``; int8: ~1 byte per parameter,
+the whole state is 8). Walking back from the swarm's param_hash, the node fetches each round's mean
+until one starts from its own ``(round, param_hash)``, then replays the outer steps forward
+(``swarm_state.caught_up_state``), each checked bit for bit against the param_hash and outer
+momentum the swarm published. Any gap or mismatch: the caller fetches the whole state.
+"""
+
+from __future__ import annotations
+
+from node.swarm_seam import AdoptedState, GlobalStateAccess
+from node.swarm_state import caught_up_state, round_mean_id, round_mean_link
+from protocol.membership.lineage import LineageDecision
+from protocol.statesync.errors import StateSyncError
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.node import SwarmNode
+
+
+def catch_up_with_means(
+    swarm: SwarmNode, loop: GlobalStateAccess, decision: LineageDecision
+) -> tuple[AdoptedState | None, int, str | None]:
+    """(the swarm's state stepped to from ours, or None; bytes fetched; why not, if None). Every
+    fetch is announced (``SwarmNode.fetch_state(announce=True)``): the lineage's members train on
+    while we fetch (``SwarmNode.peer_due``), so the state we step to is still theirs when we hold it."""
+    canonical = decision.canonical
+    ours = loop.lineage()
+    # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.
+    links: list[tuple[Snapshot, tuple[int, str]]] = []
+    wanted, num_bytes = canonical.param_hash, 0
+    try:
+        for _ in range(canonical.round - ours[0]):
+            report = swarm.fetch_state(decision, state_id=round_mean_id(wanted), announce=True)
+            num_bytes += sum(report.bytes_by_source.values())
+            previous, target = round_mean_link(report.snapshot)
+            links.append((report.snapshot, target))
+            if previous == ours:
+                break
+            wanted = previous[1]
+        else:
+            raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
+        state, previous = None, ours
+        for fetched, target in reversed(links):
+            state = caught_up_state(loop, fetched, previous=previous, target=target,
+                                    corpus_sha256=loop.corpus_sha256, start=state)  # fmt: skip
+            previous = target
+        if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
+            raise ValueError("the round means do not end at the swarm's state")
+    except (StateSyncError, ValueError, TimeoutError) as error:
+        return None, num_bytes, str(error)
+    return state, num_bytes, None

@@ -1,0 +1,81 @@
+"""Who trains together: the start barrier and serving the nodes still behind at the end of a run.
+
+Both keep a run on one lineage at its two edges (ARCHITECTURE.md, "Participation"):
+
+- *Start.* Nodes started together hold the same seeded init. Without a barrier the first one up runs
+  rounds alone while the others start, and they then re-sync to its state instead of training their
+  first rounds with it. ``await_start_peers`` holds a node's first inner step until N nodes of the
+  run hold a lineage (bounded; a lone ``dtnode join`` uses N = 1 and starts at once).
+- *End.* A node a round behind when the others reach ``--max-rounds`` would form its last round
+  alone and end on a param_hash of its own. ``serve_stragglers`` keeps a finished node serving its
+  last state (and that round's mean) while a live node of the run is behind it, so that node's
+  lineage check catches it up to the swarm's last state instead.
+
+Every wait is bounded and reads the DHT view only; nothing here knows of models.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from protocol.swarm.node import SwarmNode
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = timedelta(minutes=10)
+"""How long the start barrier waits for the other nodes before training with whoever is there."""
+
+
+def await_start_peers(
+    swarm: SwarmNode, num_nodes: int, timeout: timedelta, stop_requested: Callable[[], bool]
+) -> int:
+    """Wait until ``num_nodes`` nodes of the run (ourselves included) hold a lineage, at most
+    ``timeout`` and only until ``stop_requested()``; returns how many were live at the end."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    log.info("start barrier: waiting for %d node(s) of run %r", num_nodes, swarm.config.run_name)
+    live = 1
+    while not stop_requested():
+        remaining = deadline - time.monotonic()
+        view = swarm.wait_for_peers(num_nodes - 1, timedelta(seconds=max(min(remaining, 2.0), 0.0)))
+        live = 1 + len([peer for peer in view if peer.peer_id != swarm.peer_id])
+        if live >= num_nodes:
+            log.info("start barrier: %d node(s) live, training", live)
+            return live
+        if remaining <= 0:
+            log.warning("start barrier: only %d of %d node(s) live after %s; training with them",
+                        live, num_nodes, timeout)  # fmt: skip
+            return live
+    return live
+
+
+def serve_stragglers(swarm: SwarmNode) -> int:
+    """Keep serving our published state while a live node of the run (holding a lineage, or fetching
+    one) is at a lower round, at most ``max_wait`` plus a join window; returns how many nodes were
+    behind when the wait began."""
+    record = swarm.driver.record
+    if record is None:
+        return 0
+    config = swarm.config
+    deadline = time.monotonic() + (config.rounds.max_wait + config.rounds.join_window).total_seconds()
+    first: int | None = None
+    while True:
+        view = swarm.view_or_last("serving nodes behind us")
+        behind = [
+            peer.peer_id
+            for peer in (*view.peers, *view.syncing)
+            if peer.peer_id != swarm.peer_id and peer.round < record.round
+        ]
+        if first is None:
+            first = len(behind)
+            if behind:
+                log.info(
+                    "serving round %d to %d node(s) still behind it before leaving", record.round, len(behind)
+                )
+        if not behind or time.monotonic() >= deadline:
+            if behind:
+                log.warning("leaving with %d node(s) still behind round %d", len(behind), record.round)
+            return first
+        time.sleep(config.view_refresh.total_seconds())
