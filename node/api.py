@@ -1,0 +1,413 @@
+"""A Python API around your own training loop: join a DiLoCo swarm with any ``nn.Module``.
+
+The user keeps their loop and their inner optimizer; the swarm is told after every inner step what
+was trained, and once a round is due it runs DiLoCo's outer round on the module's parameters::
+
+    swarm = join_swarm(model, run_name="demo", data_id="my-corpus-v1", peers=addresses, inner_steps=50)
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward(); opt.step(); opt.zero_grad()      # the user's inner step, untouched
+        report = swarm.step(tokens=x.numel())             # None, or the round that just ended
+    swarm.finish()
+
+One outer round (Douillard et al., 2023, "DiLoCo"; ``node/diloco.py`` has the algorithm):
+
+1. Δ = θ_global − θ_module over the module's trainable params (flat fp32, ``named_parameters`` order);
+2. the swarm averages Δ over the round's group, weighted by what each node trained (tokens or
+   samples), through the compressed all-reduce of ``node/swarm.py`` (``SwarmSession``);
+3. outer Nesterov SGD on θ_global with the mean, then θ_module ← θ_global;
+4. the round's decision (``node/swarm_seam.py``) is acted on in one ``match``: Averaged and FellBack
+   count the round; Adopt (this node missed the round or is off the swarm's lineage) loads the
+   swarm's verified global state into the module instead.
+
+Like torchft's Manager the swarm never holds this object: it is handed a
+:class:`~node.swarm_seam.GlobalStateAccess` (callables over the outer state and counters here).
+Like hivemind's Optimizer the user says how much was trained and the swarm decides when the round
+is due (every ``inner_steps`` calls, or with ``round_seconds`` once the phase lasted that long).
+
+Options are :class:`~node.config.NodeConfig`'s fields, as ``dtnode join`` takes them (``peers``,
+``codec``, ``swarm_key_file``, ``aggregation``, ``min_peers``, …), validated by NodeConfig; the ones
+about dtnode's own model and data (``model``, ``data``, ``batch_size``, …) are ignored. ``overlap``
+and ``swarm_streams > 1`` are refused (their rounds need the daemon's loop). The data identity a
+joiner is checked against is the user's ``data_id`` (hashed into the state's ``corpus_sha256``): a
+node with another ``data_id`` cannot adopt the swarm's state. Two fresh nodes at round 0 hold the same
+seeded init and fetch nothing, so the check bites from the first round a joiner must adopt.
+
+Checkpoints: :meth:`SwarmTrainer.state_dict` (module, outer params and momentum, counters, the codec's
+error-feedback residual) is saved with ``torch.save``, the inner optimizer's beside it; a run resumed
+from it with :meth:`SwarmTrainer.load_state_dict` before :meth:`SwarmTrainer.start` continues bit for
+bit as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from node.config import ConfigError, NodeConfig
+from node.diloco import DiLoCo, SoloAverager
+from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess
+from node.swarm_state import state_snapshot
+
+if TYPE_CHECKING:
+    from node.swarm import SwarmSession
+    from protocol.statesync.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+MAX_DUE_WAIT_SECONDS = 120.0
+"""The longest a phase runs past its end while a node fetches our lineage's state (Trainer's MAX_DUE_WAIT)."""
+
+STATE_VERSION = 1
+
+RoundKind = Literal["averaged", "fell_back", "adopted"]
+
+
+def data_sha256(data_id: str) -> str:
+    """The corpus identity of a user's ``data_id``, as served with the swarm's state."""
+    return hashlib.sha256(f"dtnode-api-data:{data_id}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One outer round as the loop sees it."""
+
+    round: int  # rounds the module's global params went through (the swarm's, after an adoption)
+    kind: RoundKind  # averaged with the group, fell back to our own Δ, or adopted the swarm's state
+    num_peers: int  # nodes whose Δ is in the mean (1: only ours; 0: adopted)
+    param_hash: str  # SHA-256 of the global params now in the module: equal on every member
+    step: int  # inner steps counted by the swarm after the round
+    weight: float  # tokens (or samples) this node trained in the round
+    seconds_comm: float  # the round's wait on the swarm
+    shard: tuple[int, int]  # (index, count) of the data shard this node should train on next
+    reason: str = ""  # why it fell back, if it did
+
+
+def api_config(config: NodeConfig | None = None, **options: Any) -> NodeConfig:
+    """``config`` (default: NodeConfig's defaults) with ``options`` over it, validated by NodeConfig;
+    ConfigError for an unknown option, a bad value, or one the API cannot honour."""
+    try:
+        resolved = dataclasses.replace(config or NodeConfig(), **options)
+    except TypeError as error:  # an unknown keyword
+        raise ConfigError(f"unknown option: {error}") from None
+    if resolved.overlap:
+        raise ConfigError("overlap=True is not supported by the Python API (use dtnode join --overlap)")
+    if resolved.swarm_streams > 1:
+        raise ConfigError("swarm_streams > 1 needs the daemon's local ranks; the Python API runs one stream")
+    return resolved
+
+
+class SwarmTrainer:
+    """DiLoCo around a user's module and loop; see the module docstring.
+
+    Build it, optionally :meth:`load_state_dict`, then :meth:`start` (``join_swarm`` does all
+    three); call :meth:`step` after each inner step; :meth:`finish` (or :meth:`close`) at the end.
+    """
+
+    def __init__(self, module: nn.Module, *, config: NodeConfig, data_id: str) -> None:
+        if not data_id:
+            raise ConfigError("data_id must name the data this module trains on (e.g. 'my-corpus-v3')")
+        config = api_config(config)
+        self.module = module
+        self.config = config
+        self.corpus_sha256 = data_sha256(data_id)
+        self._stop = threading.Event()
+        self._session: SwarmSession | None = None
+        if config.swarm:
+            from node.swarm import SwarmSession  # imported late: the gRPC stack is slow to import
+            from node.swarm_setup import start_swarm
+
+            self._session = SwarmSession(
+                start_swarm(config), joining=bool(config.peers), start_peers=config.start_peers
+            )
+        self.diloco = DiLoCo(
+            module,
+            averager=self._session if self._session is not None else SoloAverager(),
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            nesterov=config.outer_nesterov,
+            offload=config.outer_offload,
+        )
+        self.num_steps = 0  # inner steps over the run (the swarm's count after an adoption)
+        self.num_rounds = 0  # outer rounds applied over the run
+        self._round_weight = 0  # tokens or samples trained since the last round
+        self._unit: str = ""  # "tokens" or "samples", fixed by the first step
+        self._phase_start_step = 0
+        self._phase_started: float | None = None  # monotonic start of the phase under way
+        self._extended_since: float | None = None
+        self._shard = (config.shard_index, config.num_shards)
+        self._pending_swarm_state: dict[str, torch.Tensor] = {}
+        self._started = False
+        log.info("Python API: %s", {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        """Announce the node; a joiner adopts the swarm's state into the module if its own is not
+        the swarm's (ConfigError if that state is of another model size or ``data_id``); then the
+        start barrier (``start_peers``)."""
+        if self._started:
+            return
+        self._started = True
+        if self._session is not None:
+            try:
+                self._session.start(self.global_state_access())
+            except BaseException:
+                self.close()
+                raise
+            if self._pending_swarm_state and not self._session.num_adoptions:
+                self._session.load_state_dict(self._pending_swarm_state)
+        self._phase_started = time.monotonic()
+
+    def finish(self) -> None:
+        """End of the run: serve our last state while a node is behind it, then leave the swarm."""
+        if self._session is not None and self._started and not self._stop.is_set():
+            self._session.serve_stragglers()
+        self.close()
+
+    def close(self) -> None:
+        """Leave the swarm and close its connections (idempotent)."""
+        self._stop.set()
+        session, self._session = self._session, None
+        if session is not None:
+            session.stop()
+
+    def __enter__(self) -> SwarmTrainer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the loop ---
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(index, count): the data shard the swarm's last round assigned this node."""
+        return self._shard
+
+    @property
+    def peer_id(self) -> str | None:
+        return None if self._session is None else self._session.swarm.peer_id
+
+    def param_hash(self) -> str:
+        """SHA-256 of the global params (equal on every node of the swarm's lineage)."""
+        return self.diloco.param_hash()
+
+    def step(self, *, tokens: int = 0, samples: int = 0) -> RoundReport | None:
+        """Count one inner step that trained ``tokens`` (or ``samples``: one unit for the whole run,
+        it weights this node's Δ in the mean); run the outer round if it is due and return its report."""
+        if (tokens > 0) == (samples > 0):
+            raise ValueError("pass exactly one of tokens=N or samples=N (N > 0)")
+        unit = "tokens" if tokens > 0 else "samples"
+        if self._unit and unit != self._unit:
+            raise ValueError(f"this run counts {self._unit}; got {unit}")
+        self._unit = unit
+        if not self._started:
+            self.start()
+        self.num_steps += 1
+        self._round_weight += tokens or samples
+        if self._round_due():
+            return self._outer_round()
+        if self._session is not None and self._session.phase_should_end():
+            # Catching up after an adoption: join the round the swarm is forming with what we have,
+            # on the swarm's step count.
+            if not self.config.round_seconds:
+                self.num_steps = max(self.num_steps, self._phase_start_step + self.config.inner_steps)
+            return self._outer_round()
+        return None
+
+    def _round_due(self) -> bool:
+        """After ``inner_steps`` steps, or with ``round_seconds`` once the phase lasted that long; in
+        either case not while a node is fetching our lineage's state (then at most MAX_DUE_WAIT_SECONDS
+        longer), so it joins this round (``SwarmSession.lineage_peer_due``)."""
+        config, now = self.config, time.monotonic()
+        if config.round_seconds:
+            started = self._phase_started if self._phase_started is not None else now
+            if now - started < config.round_seconds:
+                return False
+        elif self.num_steps - self._phase_start_step < config.inner_steps:
+            return False
+        if self._session is None or not self._session.lineage_peer_due():
+            return True
+        if self._extended_since is None:
+            self._extended_since = now
+            log.info("a node is fetching our lineage's state: training on until it joins")
+        return now - self._extended_since >= MAX_DUE_WAIT_SECONDS
+
+    def _outer_round(self) -> RoundReport:
+        """DiLoCo's outer step, and the one place the loop acts on the round's decision."""
+        weight = float(self._round_weight)
+        self._round_weight = 0
+        report = self.diloco.outer_step(round_index=self.num_rounds + 1, weight=weight)
+        param_hash, reason = report.param_hash, ""
+        kind: RoundKind
+        match report.decision:
+            case Adopt(state=state):
+                self._adopt(state)
+                kind, param_hash = "adopted", state.param_hash
+            case Averaged():
+                kind, self.num_rounds = "averaged", report.round_index
+            case FellBack(reason=why):
+                kind, reason, self.num_rounds = "fell_back", why, report.round_index
+        if self._session is not None:
+            self._session.after_round(report.decision, report.outcome.members)
+        self._phase_started, self._phase_start_step = time.monotonic(), self.num_steps
+        self._extended_since = None
+        return RoundReport(
+            round=self.num_rounds,
+            kind=kind,
+            num_peers=report.num_peers,
+            param_hash=param_hash,
+            step=self.num_steps,
+            weight=weight,
+            seconds_comm=report.seconds_comm,
+            shard=self._shard,
+            reason=reason,
+        )
+
+    # --- the seam: what the swarm reads and does here ---
+
+    def global_state_access(self) -> GlobalStateAccess:
+        """This loop's side of the seam, handed to the swarm (``SwarmSide.start``)."""
+        return GlobalStateAccess(
+            num_elements=self.diloco.num_elements,
+            corpus_sha256=self.corpus_sha256,
+            lineage=lambda: (self.num_rounds, self.diloco.param_hash()),
+            snapshot=self._snapshot,
+            stepped=self.diloco.stepped,
+            adopt=self._adopt,
+            tokens_per_s=self._rate,
+            stop_requested=self._stop.is_set,
+            reshard=self._reshard,
+        )
+
+    def _snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
+        """The global state as served: the data position is the user's, so only counters are in it."""
+        step, data = boundary if boundary is not None else (self.num_steps, {})
+        with self.diloco.consistent():
+            params, momentum = self.diloco.global_params, self.diloco.momentum_buffer()
+        return state_snapshot(
+            global_params=params,
+            outer_momentum=momentum,
+            round=self.num_rounds if round is None else round,
+            step=step,
+            data=data,
+            model=f"api:{type(self.module).__name__}",
+            corpus_sha256=self.corpus_sha256,
+        )
+
+    def _adopt(self, state: AdoptedState) -> None:
+        """Load the swarm's global state into the module (the inner optimizer's state is kept, as in
+        DiLoCo); its counters replace ours, the steps since our last round are dropped."""
+        self.diloco.load_global_state(state.global_params, state.outer_momentum)
+        if self.diloco.param_hash() != state.param_hash:
+            raise RuntimeError("the adopted params do not match their param_hash")
+        self.num_rounds, self.num_steps = state.round, int(state.metadata["step"])
+        self._round_weight, self._phase_start_step = 0, self.num_steps
+        self._phase_started = time.monotonic()
+        log.info("adopted the swarm's state: round %d, param_hash %s", state.round, state.param_hash[:12])
+
+    def _reshard(self, index: int, count: int) -> None:
+        self._shard = (index, count)
+
+    def _rate(self) -> float:
+        """What this node trains per second in the phase under way (tokens or samples)."""
+        if self._phase_started is None:
+            return 0.0
+        seconds = time.monotonic() - self._phase_started
+        return self._round_weight / seconds if seconds > 0 else 0.0
+
+    # --- checkpoints ---
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bit-exact resume needs but the user's inner optimizer and data position:
+        the module's state, the outer params and momentum, the counters and the swarm's residual
+        (copies; save with ``torch.save``)."""
+        module_state = {name: value.detach().clone() for name, value in self.module.state_dict().items()}
+        swarm_state = self._session.state_dict() if self._session is not None else {}
+        return {
+            "version": STATE_VERSION,
+            "corpus_sha256": self.corpus_sha256,
+            "param_hash": self.diloco.param_hash(),
+            "module": module_state,
+            "outer": self.diloco.state_dict(),
+            "counters": {
+                "num_steps": self.num_steps,
+                "num_rounds": self.num_rounds,
+                "round_weight": self._round_weight,
+                "phase_start_step": self._phase_start_step,
+                "unit": self._unit,
+                "shard": list(self._shard),
+            },
+            "swarm": swarm_state or self._pending_swarm_state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before :meth:`start`: the swarm then sees the restored
+        lineage). ConfigError if it was saved with another ``data_id`` or module size."""
+        if self._started:
+            raise RuntimeError("load_state_dict before start() (join_swarm(..., state=...) does this)")
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"not a SwarmTrainer state (version {state.get('version')!r})")
+        if state["corpus_sha256"] != self.corpus_sha256:
+            raise ConfigError("this state was trained on another data_id")
+        try:
+            self.module.load_state_dict(state["module"])
+            self.diloco.load_state_dict(state["outer"])
+        except (RuntimeError, ValueError) as error:
+            raise ConfigError(f"the state does not fit this module: {str(error).splitlines()[0]}") from None
+        if self.diloco.param_hash() != state["param_hash"]:
+            raise RuntimeError("restored global params do not match the saved param_hash")
+        counters = state["counters"]
+        self.num_steps, self.num_rounds = int(counters["num_steps"]), int(counters["num_rounds"])
+        self._round_weight = int(counters["round_weight"])
+        self._phase_start_step = int(counters["phase_start_step"])
+        self._unit = str(counters["unit"])
+        self._shard = (int(counters["shard"][0]), int(counters["shard"][1]))
+        self._pending_swarm_state = dict(state.get("swarm", {}))
+
+
+def join_swarm(
+    module: nn.Module,
+    *,
+    run_name: str,
+    data_id: str,
+    peers: str | Sequence[str] = "",
+    inner_steps: int | None = None,
+    round_seconds: float | None = None,
+    config: NodeConfig | None = None,
+    state: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> SwarmTrainer:
+    """Join (or start) swarm ``run_name`` with ``module``, resumed from ``state`` if given.
+
+    ``peers``: multiaddrs of running nodes (empty starts a new swarm); ``inner_steps`` H or
+    ``round_seconds`` S: when a round is due; ``options``: any other NodeConfig field (``codec``,
+    ``swarm_key_file``, ``aggregation``, ``min_peers``, ``listen``, ``run_dir``, ``swarm=False`` to
+    train alone, …) over ``config``."""
+    if not isinstance(peers, str):
+        peers = ",".join(peers)
+    changes: dict[str, Any] = {"name": run_name, "peers": peers, **options}
+    if inner_steps is not None:
+        changes["inner_steps"] = inner_steps
+    if round_seconds is not None:
+        changes["round_seconds"] = round_seconds
+    trainer = SwarmTrainer(module, config=api_config(config, **changes), data_id=data_id)
+    try:
+        if state is not None:
+            trainer.load_state_dict(state)
+    except BaseException:
+        trainer.close()
+        raise
+    trainer.start()
+    return trainer
