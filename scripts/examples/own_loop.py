@@ -49,12 +49,16 @@ class ResidualMLP(nn.Module):
         return self.head(x)  # (B, 1)
 
 
-def toy_batch(step: int, shard: tuple[int, int], batch_size: int, data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def toy_batch(
+    step: int, shard: tuple[int, int], batch_size: int, data_seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``step`` of shard ``(index, count)``: a pure function of its arguments, so a resumed run
     reads what an uninterrupted one would. Targets: a fixed random two-layer teacher."""
     teacher = torch.Generator().manual_seed(data_seed)
     w1, w2 = torch.randn(DIM, 16, generator=teacher), torch.randn(16, 1, generator=teacher)
-    generator = torch.Generator().manual_seed(((data_seed * 1009 + shard[0]) * 1013 + shard[1]) * 10**9 + step)
+    generator = torch.Generator().manual_seed(
+        ((data_seed * 1009 + shard[0]) * 1013 + shard[1]) * 10**9 + step
+    )
     x = torch.randn(batch_size, DIM, generator=generator)  # (B, DIM)
     return x, torch.tanh(x @ w1) @ w2  # (B, 1)
 

@@ -1,0 +1,206 @@
+"""The Python API (node/api.py) with a custom nn.Module, on loopback swarms.
+
+- Two processes running scripts/examples/own_loop.py (its own MLP, AdamW and toy data) agree on the
+  param_hash after every round, each averaged over both.
+- A run stopped after round 2 and resumed from its state_dict (saved through torch.save) reaches
+  round 4 with the same hashes, module, outer state and error-feedback residual as an uninterrupted
+  run, bit for bit (a one-node swarm with the int8 codec, so the residual matters).
+- A joiner adopts the state of a swarm past round 0 with the same data_id, and is refused with
+  another.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from node.api import RoundReport, SwarmTrainer, api_config, join_swarm
+from node.config import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "scripts" / "examples" / "own_loop.py"
+
+pytestmark = pytest.mark.timeout(240)
+
+FAST = {"listen": "127.0.0.1:0", "join_window": 0.5, "heartbeat": 2.0, "record_ttl": 16.0, "codec": "int8"}
+
+
+class TinyClassifier(nn.Module):
+    """Not dtnode's GPT: an embedding bag and a two-layer head over 8 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(50, 16)
+        self.head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))  # (B, 8)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, 50, (16, 6), generator=generator)  # (B, T)
+    return ids, ids.sum(dim=1) % 8  # (B,)
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def fresh_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyClassifier()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_to(
+    swarm: SwarmTrainer, model: nn.Module, opt: torch.optim.Optimizer, rounds: int
+) -> list[RoundReport]:
+    reports = []
+    while swarm.num_rounds < rounds:
+        ids, labels = batch(swarm.num_steps)
+        nn.functional.cross_entropy(model(ids), labels).backward()
+        opt.step()
+        opt.zero_grad()
+        report = swarm.step(tokens=ids.numel())
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+def loopback_address(run_dir: Path, timeout: float = 60.0) -> str:
+    """The loopback multiaddr a node wrote to RUN_DIR/node.json (waits for it)."""
+    path = run_dir / "node.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip().endswith("}"):
+        assert time.monotonic() < deadline, f"{path} not written in {timeout}s"
+        time.sleep(0.2)
+    addresses = json.loads(path.read_text())["multiaddrs"]
+    return next(a for a in addresses if a.startswith("/ip4/127.0.0.1/"))
+
+
+def test_two_processes_agree_on_param_hash_every_round(tmp_path: Path) -> None:
+    name = f"api-{uuid.uuid4().hex[:10]}"
+    common = ["--name", name, "--rounds", "3", "--inner-steps", "5", "--batch-size", "8",
+              "--min-peers", "2", "--start-peers", "2", "--join-window", "3", "--listen", "127.0.0.1:0"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for index in range(2):
+            run_dir = tmp_path / f"node-{index}"
+            argv = [sys.executable, str(EXAMPLE), *common, "--run-dir", str(run_dir),
+                    "--hashes", str(tmp_path / f"hashes-{index}.json")]  # fmt: skip
+            if index == 1:
+                argv += ["--peers", loopback_address(tmp_path / "node-0")]
+            log = (tmp_path / f"node-{index}.log").open("wb")
+            processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+        for process in processes:
+            assert process.wait(timeout=180) == 0, (tmp_path / "node-0.log").read_text()[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+    runs = [json.loads((tmp_path / f"hashes-{index}.json").read_text()) for index in range(2)]
+    for reports in runs:
+        assert [r["round"] for r in reports] == [1, 2, 3]
+        assert {(r["kind"], r["num_peers"]) for r in reports} == {("averaged", 2)}
+        assert sorted({tuple(r["shard"]) for r in reports}) in ([(0, 2)], [(1, 2)])
+    assert [r["param_hash"] for r in runs[0]] == [r["param_hash"] for r in runs[1]]
+    assert len({r["param_hash"] for r in runs[0]}) == 3  # the params moved every round
+    assert {tuple(r["shard"]) for r in runs[0]} != {tuple(r["shard"]) for r in runs[1]}  # disjoint data
+
+
+def run(run_dir: Path, name: str, **options: Any) -> SwarmTrainer:
+    return join_swarm(options.pop("model"), run_name=name, inner_steps=4, run_dir=str(run_dir),
+                      **{**FAST, **options})  # fmt: skip
+
+
+def test_resume_after_round_two_is_bit_exact(tmp_path: Path) -> None:
+    name = f"api-resume-{uuid.uuid4().hex[:10]}"
+    model, opt = fresh_model()
+    swarm = run(tmp_path / "a", name, model=model, data_id="toy")
+    try:
+        straight = train_to(swarm, model, opt, 4)
+        straight_state = swarm.state_dict()
+    finally:
+        swarm.close()
+
+    model, opt = fresh_model()
+    swarm = run(tmp_path / "b", name + "-a", model=model, data_id="toy")
+    try:
+        first = train_to(swarm, model, opt, 2)
+        buffer = io.BytesIO()
+        torch.save({"swarm": swarm.state_dict(), "opt": opt.state_dict()}, buffer)
+    finally:
+        swarm.close()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["swarm"]["swarm"]["error_feedback"].abs().sum() > 0  # int8 left a residual to carry
+
+    model, opt = fresh_model(seed=7)  # another init: only the checkpoint can make it equal
+    opt.load_state_dict(saved["opt"])
+    swarm = run(tmp_path / "c", name + "-b", model=model, data_id="toy", state=saved["swarm"])
+    try:
+        assert swarm.num_rounds == 2
+        second = train_to(swarm, model, opt, 4)
+        resumed_state = swarm.state_dict()
+    finally:
+        swarm.close()
+
+    assert [r.param_hash for r in first + second] == [r.param_hash for r in straight]
+    assert [r.kind for r in straight] == ["averaged"] * 4
+    for key in ("module", "swarm"):
+        torch.testing.assert_close(resumed_state[key], straight_state[key], rtol=0, atol=0)
+    torch.testing.assert_close(resumed_state["outer"], straight_state["outer"], rtol=0, atol=0)
+    assert resumed_state["counters"] == straight_state["counters"]
+
+
+def test_joiner_adopts_same_data_id_and_is_refused_another(tmp_path: Path) -> None:
+    name = f"api-join-{uuid.uuid4().hex[:10]}"
+    model, opt = fresh_model()
+    source = run(tmp_path / "a", name, model=model, data_id="corpus-a")
+    try:
+        train_to(source, model, opt, 3)
+        address = loopback_address(tmp_path / "a")
+        joiner_model, _ = fresh_model()
+        joiner = run(tmp_path / "ok", name, model=joiner_model, data_id="corpus-a", peers=address)
+        try:
+            assert (joiner.num_rounds, joiner.param_hash()) == (3, source.param_hash())
+            torch.testing.assert_close(
+                dict(joiner_model.state_dict()), dict(model.state_dict()), rtol=0, atol=0
+            )
+        finally:
+            joiner.close()
+        with pytest.raises(ConfigError, match="another corpus"):
+            run(tmp_path / "bad", name, model=fresh_model()[0], data_id="corpus-b", peers=address)
+    finally:
+        source.close()
+
+
+def test_options_are_node_config_fields() -> None:
+    assert api_config(codec="int4", min_peers=3).codec == "int4"
+    with pytest.raises(ConfigError, match="unknown option"):
+        api_config(not_a_field=1)
+    with pytest.raises(ConfigError, match="overlap"):
+        api_config(overlap=True)
+    with pytest.raises(ConfigError):
+        api_config(inner_steps=0)  # validated by NodeConfig
+    with pytest.raises(ValueError, match="exactly one"):
+        SwarmTrainer(TinyClassifier(), config=api_config(swarm=False), data_id="x").step()
