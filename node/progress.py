@@ -58,8 +58,8 @@ class PlainProgress:
             )  # fmt: skip
         elif record["kind"] == "round":
             log.info(
-                "round %d done | eval_loss %.4f | peers %d | compute %.1fs comm %.2fs (blocked %.2fs) | param_hash %s",
-                record["round"], record["eval_loss"], record["peers"], record["seconds_compute"],
+                "round %d done | eval_loss %s | peers %d | compute %.1fs comm %.2fs (blocked %.2fs) | param_hash %s",
+                record["round"], eval_text(record), record["peers"], record["seconds_compute"],
                 record["seconds_comm"], record["seconds_blocked"], record["param_hash"][:12],
             )  # fmt: skip
 
@@ -67,10 +67,16 @@ class PlainProgress:
         """Nothing to release: every line was logged as its record came."""
 
 
+def eval_text(record: dict[str, Any]) -> str:
+    """The round's held-out loss, or ``-`` in a round without eval (``--eval-every``)."""
+    loss = record.get("eval_loss")
+    return "-" if loss is None else f"{loss:.4f}"
+
+
 def round_status(record: dict[str, Any]) -> str:
     """The live display's summary of a round record."""
     parts = [
-        f"eval_loss {record['eval_loss']:.4f}",
+        f"eval_loss {eval_text(record)}",
         f"peers {record['peers']}",
         f"comm {record['seconds_comm']:.2f}s",
     ]

@@ -18,7 +18,7 @@ from rich.console import Console
 from node.config import ConfigError, NodeConfig
 from node.logs import JsonFormatter
 from node.metrics import read_metrics
-from node.progress import LiveProgress, PlainProgress, progress_sink
+from node.progress import LiveProgress, PlainProgress, progress_sink, round_status
 
 PARAM_HASH = "0123456789abcdef" * 4
 
@@ -160,3 +160,12 @@ def test_join_with_json_logs_writes_only_json_on_stderr(tmp_path: Path) -> None:
     assert any(m.startswith("config: ") for m in shown)
     assert sum(m.startswith("round 1 | step ") for m in shown) == 2
     assert any(m.startswith("round 1 done | eval_loss ") for m in shown)
+
+
+def test_a_round_without_eval_shows_a_dash(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dtnode")
+    PlainProgress(inner_steps=3, log_every=2).write(round_record(2, eval_loss=None))  # --eval-every
+    assert messages(caplog) == [
+        "round 2 done | eval_loss - | peers 2 | compute 40.0s comm 1.20s (blocked 1.50s) | param_hash 0123456789ab"
+    ]
+    assert round_status(round_record(2, eval_loss=None)).startswith("eval_loss - | peers 2")
