@@ -20,10 +20,9 @@ One outer round (Douillard et al., 2023, "DiLoCo"; ``node/diloco.py`` has the al
    count the round; Adopt (this node missed the round or is off the swarm's lineage) loads the
    swarm's verified global state into the module instead.
 
-Like torchft's Manager the swarm never holds this object: it is handed a
-:class:`~node.swarm_seam.GlobalStateAccess` (callables over the outer state and counters here).
-Like hivemind's Optimizer the user says how much was trained and the swarm decides when the round
-is due (every ``inner_steps`` calls, or with ``round_seconds`` once the phase lasted that long).
+As with torchft's Manager the swarm never holds this object, only a
+:class:`~node.swarm_seam.GlobalStateAccess`; as with hivemind's Optimizer the user says what was
+trained and the round is due after ``inner_steps`` calls (or ``round_seconds`` seconds).
 
 Options are :class:`~node.config.NodeConfig`'s fields, as ``dtnode join`` takes them (``peers``,
 ``codec``, ``swarm_key_file``, ``aggregation``, ``min_peers``, …), validated by NodeConfig; the ones
@@ -33,10 +32,9 @@ joiner is checked against is the user's ``data_id`` (hashed into the state's ``c
 node with another ``data_id`` cannot adopt the swarm's state. Two fresh nodes at round 0 hold the same
 seeded init and fetch nothing, so the check bites from the first round a joiner must adopt.
 
-Checkpoints: :meth:`SwarmTrainer.state_dict` (module, outer params and momentum, counters, the codec's
-error-feedback residual) is saved with ``torch.save``, the inner optimizer's beside it; a run resumed
-from it with :meth:`SwarmTrainer.load_state_dict` before :meth:`SwarmTrainer.start` continues bit for
-bit as if it had not stopped.
+Checkpoints: :meth:`SwarmTrainer.state_dict` (module, outer state, counters, the codec's residual) is
+saved with ``torch.save`` beside the inner optimizer's; loaded before :meth:`SwarmTrainer.start`, the
+run continues bit for bit as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -109,8 +107,8 @@ def api_config(config: NodeConfig | None = None, **options: Any) -> NodeConfig:
 class SwarmTrainer:
     """DiLoCo around a user's module and loop; see the module docstring.
 
-    Build it, optionally :meth:`load_state_dict`, then :meth:`start` (``join_swarm`` does all
-    three); call :meth:`step` after each inner step; :meth:`finish` (or :meth:`close`) at the end.
+    Build it, optionally :meth:`load_state_dict`, then :meth:`start` (``join_swarm`` does all three);
+    :meth:`step` after each inner step; :meth:`finish` (serve stragglers, leave) or :meth:`close`.
     """
 
     def __init__(self, module: nn.Module, *, config: NodeConfig, data_id: str) -> None:
@@ -161,10 +159,10 @@ class SwarmTrainer:
         if self._session is not None:
             try:
                 self._session.start(self.global_state_access())
-            except BaseException:
+            except BaseException:  # refused (another data_id or model) or interrupted: free the sockets
                 self.close()
                 raise
-            if self._pending_swarm_state and not self._session.num_adoptions:
+            if self._pending_swarm_state and not self._session.num_adoptions:  # not another's residual
                 self._session.load_state_dict(self._pending_swarm_state)
         self._phase_started = time.monotonic()
 
@@ -181,23 +179,12 @@ class SwarmTrainer:
         if session is not None:
             session.stop()
 
-    def __enter__(self) -> SwarmTrainer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # --- the loop ---
 
     @property
     def shard(self) -> tuple[int, int]:
         """(index, count): the data shard the swarm's last round assigned this node."""
         return self._shard
-
-    @property
-    def peer_id(self) -> str | None:
-        return None if self._session is None else self._session.swarm.peer_id
 
     def param_hash(self) -> str:
         """SHA-256 of the global params (equal on every node of the swarm's lineage)."""
@@ -318,7 +305,7 @@ class SwarmTrainer:
         log.info("adopted the swarm's state: round %d, param_hash %s", state.round, state.param_hash[:12])
 
     def _reshard(self, index: int, count: int) -> None:
-        self._shard = (index, count)
+        self._shard = (index, count)  # the user's data loader reads it (``shard``)
 
     def _rate(self) -> float:
         """What this node trains per second in the phase under way (tokens or samples)."""
