@@ -65,8 +65,7 @@ log = logging.getLogger(__name__)
 MAX_DUE_WAIT_SECONDS = 120.0
 """The longest a phase runs past its end while a node fetches our lineage's state (Trainer's MAX_DUE_WAIT)."""
 
-STATE_VERSION = 1
-
+STATE_VERSION = 1  # of SwarmTrainer.state_dict
 RoundKind = Literal["averaged", "fell_back", "adopted"]
 
 
@@ -186,6 +185,9 @@ class SwarmTrainer:
         """(index, count): the data shard the swarm's last round assigned this node."""
         return self._shard
 
+    def _set_shard(self, index: int, count: int) -> None:
+        self._shard = (index, count)
+
     def param_hash(self) -> str:
         """SHA-256 of the global params (equal on every node of the swarm's lineage)."""
         return self.diloco.param_hash()
@@ -199,8 +201,9 @@ class SwarmTrainer:
         if self._unit and unit != self._unit:
             raise ValueError(f"this run counts {self._unit}; got {unit}")
         self._unit = unit
-        if not self._started:
-            self.start()
+        if self._stop.is_set():
+            raise RuntimeError("step() after close()")
+        self.start()  # (once)
         self.num_steps += 1
         self._round_weight += tokens or samples
         if self._round_due():
@@ -275,7 +278,7 @@ class SwarmTrainer:
             adopt=self._adopt,
             tokens_per_s=self._rate,
             stop_requested=self._stop.is_set,
-            reshard=self._reshard,
+            reshard=self._set_shard,
         )
 
     def _snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
@@ -303,9 +306,6 @@ class SwarmTrainer:
         self._round_weight, self._phase_start_step = 0, self.num_steps
         self._phase_started = time.monotonic()
         log.info("adopted the swarm's state: round %d, param_hash %s", state.round, state.param_hash[:12])
-
-    def _reshard(self, index: int, count: int) -> None:
-        self._shard = (index, count)  # the user's data loader reads it (``shard``)
 
     def _rate(self) -> float:
         """What this node trains per second in the phase under way (tokens or samples)."""

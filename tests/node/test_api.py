@@ -7,6 +7,8 @@
   run, bit for bit (a one-node swarm with the int8 codec, so the residual matters).
 - A joiner adopts the state of a swarm past round 0 with the same data_id, and is refused with
   another.
+- An Adopt decision (a stub averager, no sockets) loads the given state into the module and takes
+  its counters; rounds due by time; options are NodeConfig's, validated by it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from torch import nn
 
 from node.api import RoundReport, SwarmTrainer, api_config, join_swarm
 from node.config import ConfigError
+from node.diloco import AveragingOutcome, flatten_params
+from node.outer_state import tensor_hash
+from node.swarm_seam import AdoptedState
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "scripts" / "examples" / "own_loop.py"
@@ -204,3 +209,56 @@ def test_options_are_node_config_fields() -> None:
         api_config(inner_steps=0)  # validated by NodeConfig
     with pytest.raises(ValueError, match="exactly one"):
         SwarmTrainer(TinyClassifier(), config=api_config(swarm=False), data_id="x").step()
+
+
+class AdoptingAverager:
+    """Sends the loop to adopt ``state`` at round 1 (a node that missed the swarm's round)."""
+
+    def __init__(self, state: AdoptedState) -> None:
+        self.state = state
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        return AveragingOutcome(averaged=vector, num_peers=0, adopted_state=self.state)
+
+
+def test_adopt_decision_loads_the_swarms_state_into_the_module() -> None:
+    model, opt = fresh_model()
+    swarm = SwarmTrainer(model, config=api_config(swarm=False, inner_steps=3), data_id="toy")
+    other = torch.randn(swarm.diloco.num_elements, generator=torch.Generator().manual_seed(5))
+    momentum = torch.randn(other.shape, generator=torch.Generator().manual_seed(6))
+    state = AdoptedState(round=7, param_hash=tensor_hash(other), global_params=other,
+                         outer_momentum=momentum, metadata={"step": 70})  # fmt: skip
+    swarm.diloco.averager = AdoptingAverager(state)
+    (report,) = train_to_step(swarm, model, opt, 3)
+    assert (report.kind, report.round, report.step, report.param_hash) == ("adopted", 7, 70, state.param_hash)
+    assert torch.equal(flatten_params(list(model.parameters()), device="cpu"), other)
+    assert torch.equal(swarm.diloco.momentum_buffer(), momentum)
+    assert swarm.step(tokens=1) is None  # a new phase of 3 steps starts at the swarm's step 70
+    swarm.close()
+
+
+def test_round_due_by_time() -> None:
+    model, opt = fresh_model()
+    swarm = SwarmTrainer(model, config=api_config(swarm=False, round_seconds=0.2), data_id="toy")
+    swarm.start()
+    assert swarm.step(samples=4) is None
+    time.sleep(0.25)
+    report = swarm.step(samples=4)
+    assert report is not None and (report.round, report.weight, report.kind) == (1, 8.0, "averaged")
+    with pytest.raises(ValueError, match="counts samples"):
+        swarm.step(tokens=5)
+    swarm.close()
+
+
+def train_to_step(
+    swarm: SwarmTrainer, model: nn.Module, opt: torch.optim.Optimizer, steps: int
+) -> list[RoundReport]:
+    reports = []
+    for _ in range(steps):
+        ids, labels = batch(swarm.num_steps)
+        nn.functional.cross_entropy(model(ids), labels).backward()
+        opt.step()
+        opt.zero_grad()
+        if (report := swarm.step(tokens=ids.numel())) is not None:
+            reports.append(report)
+    return reports
