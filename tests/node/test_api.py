@@ -232,7 +232,8 @@ def test_adopt_decision_loads_the_swarms_state_into_the_module() -> None:
     (report,) = train_to_step(swarm, model, opt, 3)
     assert (report.kind, report.round, report.step, report.param_hash) == ("adopted", 7, 70, state.param_hash)
     assert torch.equal(flatten_params(list(model.parameters()), device="cpu"), other)
-    assert torch.equal(swarm.diloco.momentum_buffer(), momentum)
+    adopted_momentum = swarm.diloco.momentum_buffer()
+    assert adopted_momentum is not None and torch.equal(adopted_momentum, momentum)
     assert swarm.step(tokens=1) is None  # a new phase of 3 steps starts at the swarm's step 70
     swarm.close()
 
