@@ -39,7 +39,7 @@ from matplotlib.ticker import MaxNLocator
 
 from node.export import MODEL_FILE
 from node.metrics import read_metrics
-from node.swarm_report import hash_agreement, report_markdown
+from node.swarm_report import hash_agreement, hash_verdict, report_markdown
 
 PLOT_FILES = ("loss.png", "bytes.png", "peers.png", "utilization.png")
 REPORT_FILE = "report.md"
@@ -308,14 +308,8 @@ def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_su
     for run_dir in run_dirs:
         group = [run for run in runs if run.run_dir.parent == run_dir]
         if len(group) > 1:
-            agreement = hash_agreement([run.rounds for run in group])
-            if agreement["all_agree"]:
-                verdict = f"identical on every node after each of the {len(agreement['common_rounds'])} common round(s)"
-            elif not agreement["common_rounds"]:
-                verdict = "no round was recorded by every node"
-            else:
-                verdict = f"**differs between nodes in round(s) {agreement['disagreeing_rounds']}**"
-            lines += [f"param_hash in `{run_dir}`: {verdict}.", ""]
+            verdict = hash_verdict(hash_agreement([run.rounds for run in group]))
+            lines += [f"`{run_dir}`: {verdict}.", ""]
     lines += ["## Plots", ""]
     for file_name in PLOT_FILES:
         lines += [f"![{file_name.removesuffix('.png')}]({file_name})", ""]

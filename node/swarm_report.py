@@ -157,18 +157,22 @@ def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 
 
+def hash_verdict(agreement: Mapping[str, Any]) -> str:
+    """One sentence on ``hash_agreement``'s result (``report.md`` of ``dtnode swarm`` and ``dtnode
+    report``): identical after every common round, no common round, or the rounds that differ."""
+    if agreement["all_agree"]:
+        return f"every node held the same param_hash after each of the {len(agreement['common_rounds'])} common round(s)"
+    if not agreement["common_rounds"]:
+        return "no round was recorded by every node"
+    return f"**param_hash differs between nodes in round(s) {agreement['disagreeing_rounds']}**"
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
     """The launcher's summary; reports written before participation was recorded render without it."""
     where = (
         "loopback" if report["link_mbit"] is None else f"WAN emulator, {report['link_mbit']:g} Mbit/s uplinks"
     )
-    agreement = report["param_hash"]
-    if agreement["all_agree"]:
-        verdict = f"every node held the same param_hash after each of the {len(agreement['common_rounds'])} common round(s)"
-    elif not agreement["common_rounds"]:
-        verdict = "no round was recorded by every node"
-    else:
-        verdict = f"**param_hash differs between nodes in round(s) {agreement['disagreeing_rounds']}**"
+    verdict = hash_verdict(report["param_hash"])
     lines = [
         "# dtnode swarm report",
         "",

@@ -106,7 +106,7 @@ def test_report_of_a_swarm_dir(tmp_path: Path) -> None:
     assert table_row(report, "node-0")[7:9] == ["3.00", "3.00"]
     # Utilization 3 s compute / (3 s + 1 s blocked); the null loss is skipped in the mean of the last steps.
     assert table_row(report, "node-0")[9] == "0.750" and table_row(report, "node-0")[4] == "5.0000"
-    assert "identical on every node after each of the 2 common round(s)" in report
+    assert "every node held the same param_hash after each of the 2 common round(s)" in report
     assert table_row(report, "node-0")[13] == "no"  # no model.safetensors in these dirs
 
 
