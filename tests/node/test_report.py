@@ -116,7 +116,7 @@ def test_report_flags_disagreeing_hashes_and_compares_runs(tmp_path: Path) -> No
     write_swarm(tmp_path / "b", [["aaaa"], ["aaaa"], ["aaaa"]])
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     report = (tmp_path / "a" / REPORT_FILE).read_text()
-    assert "**differs between nodes in round(s) [2]**" in report
+    assert "**param_hash differs between nodes in round(s) [2]**" in report
     assert all(f"| b/node-{i} |" in report for i in range(3)) and "| a/node-1 |" in report
 
 
