@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from node.config import NodeConfig
+from node.config import ConfigError, NodeConfig
 from node.diloco import ModuleParams
+from node.efficiency import resolve_compile
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.outer_state import OuterState
 from protocol.swarm.streams import StreamRunner
@@ -247,3 +248,30 @@ class ParallelReplica:
 
     def close(self) -> None:
         self.workers.close()  # every rank closes its streams on the way out
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.device) -> Replica:
+    """The node's replica: in this process, or over its local workers (``--local-workers``, ``--dp/--tp/--pp``)."""
+    from node.parallel.layout import resolve_layout
+    from node.parallel.tensor import use_device
+
+    use_device(config.device)  # the ranks' device kind (and bf16 autocast's) follows --device
+    layout = resolve_layout(config, model_config)
+    if layout is not None and config.overlap and config.swarm_streams > 1:
+        # The streams travel on the local ranks' command group, which the inner steps hold meanwhile.
+        raise ConfigError(
+            "--overlap with --swarm-streams > 1 needs a node without local workers "
+            "(the streams of a node with local workers run between inner steps, not alongside them)"
+        )
+    compile_model = resolve_compile(config.compile, device, local_workers=layout is not None)
+    if layout is None:
+        return SingleReplica(model_config, config, device, compile=compile_model)
+    return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))

@@ -32,16 +32,16 @@ from node.checkpoint_writer import CheckpointWriter
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
-from node.efficiency import eval_interval, resolve_compile
+from node.efficiency import eval_interval
 from node.export import export_model, tokenizer_info
 from node.hf import init_state, node_model_config
-from node.metrics import MetricsSink, MetricsWriter, current_rss_bytes, utilization
-from node.model import ModelConfig, model_config
+from node.metrics import MetricsSink, MetricsWriter, round_record
+from node.model import model_config
 from node.outer_state import outer_sgd_settings
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
 from node.records import load_node_corpus
-from node.replica import ParallelReplica, Replica, SingleReplica
+from node.replica import build_replica, pick_device
 from node.schedule import LRSchedule
 from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess, SwarmSide
 from node.swarm_state import state_snapshot
@@ -53,33 +53,6 @@ if TYPE_CHECKING:
     from protocol.statesync.snapshot import Snapshot
 
 log = logging.getLogger("dtnode")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is available")
-    return torch.device(name)
-
-
-def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.device) -> Replica:
-    """The node's replica: in this process, or over its local workers (``--local-workers``, ``--dp/--tp/--pp``)."""
-    from node.parallel.layout import resolve_layout
-    from node.parallel.tensor import use_device
-
-    use_device(config.device)  # the ranks' device kind (and bf16 autocast's) follows --device
-    layout = resolve_layout(config, model_config)
-    if layout is not None and config.overlap and config.swarm_streams > 1:
-        # The streams travel on the local ranks' command group, which the inner steps hold meanwhile.
-        raise ConfigError(
-            "--overlap with --swarm-streams > 1 needs a node without local workers "
-            "(the streams of a node with local workers run between inner steps, not alongside them)"
-        )
-    compile_model = resolve_compile(config.compile, device, local_workers=layout is not None)
-    if layout is None:
-        return SingleReplica(model_config, config, device, compile=compile_model)
-    return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))
 
 
 @dataclass
@@ -455,8 +428,7 @@ class Trainer:
     def _round_record(
         self, report: OuterStepReport, compute_seconds: float, *, final: bool = False
     ) -> dict[str, Any]:
-        progress, outcome = self.progress, report.outcome  # the round's statistics, as the swarm gave them
-        blocked = report.seconds_waited
+        progress = self.progress
         # Held-out eval at the run's first and last rounds and every eval_every rounds (null in others).
         final = final or self._done() or self._stop.is_set()
         due = final or progress.round == 1 or progress.round % self.eval_every == 0
@@ -464,42 +436,15 @@ class Trainer:
         now = time.perf_counter()  # the record's wall interval: to here, after the eval, before the save
         wall = now - (self._since_round if self._since_round is not None else now)
         self._since_round = now
-        return {
-            "kind": "round",
-            "round": progress.round,
-            "step": progress.step,
-            "eval_loss": eval_loss,
-            "peers": report.num_peers,
-            "bytes_sent": outcome.bytes_sent,
-            "bytes_recv": outcome.bytes_recv,
-            "seconds_compute": compute_seconds,
-            "seconds_comm": report.seconds_comm,
-            "seconds_blocked": blocked,
-            "seconds_forming": outcome.seconds_forming,
-            "seconds_allreduce": outcome.seconds_allreduce,
-            "streams": outcome.streams,
-            "seconds_wall": wall,
-            # Inner compute / wall time since the previous record, and the share of it spent waiting for
-            # the swarm (node/metrics.py); None for the round applied after a run's last overlapped phase.
-            "utilization": utilization(compute_seconds, wall),
-            "blocked_share": (blocked / wall) if compute_seconds > 0 and wall > 0 else None,
-            "overlap": self.diloco.overlap,
-            "param_hash": report.param_hash,
-            "pseudo_gradient_norm": report.pseudo_gradient_norm,
-            "tokens": progress.tokens,
-            "fell_back": report.fell_back,
-            "adopted": report.adopted,
-            # Adopted by stepping with the round's mean from our own state, not by a whole-state fetch.
-            "caught_up": outcome.adopted_state is not None and outcome.adopted_state.caught_up,
-            "shard": [self.batches.shard_index, self.batches.num_shards],
-            "members": list(outcome.members),
-            "rss_bytes": current_rss_bytes(),
-            "bytes_recv_state_sync": outcome.bytes_recv_state_sync,
-            "bytes_by_phase": outcome.bytes_by_phase,
-            "codec_error": outcome.codec_error,
-            "failures_by_kind": outcome.failures_by_kind,
-            "time": time.time(),
-        }
+        return round_record(
+            report,
+            progress=progress,
+            compute_seconds=compute_seconds,
+            wall_seconds=wall,
+            eval_loss=eval_loss,
+            overlap=self.diloco.overlap,
+            shard=(self.batches.shard_index, self.batches.num_shards),
+        )
 
     def _finish_rounds(self) -> None:
         """Overlap: apply the round still in flight, so the run ends on the swarm's latest params."""
