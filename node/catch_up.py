@@ -24,7 +24,7 @@ def catch_up_with_means(
 ) -> tuple[AdoptedState | None, int, str | None]:
     """(the swarm's state stepped to from ours, or None; bytes fetched; why not, if None). Every
     fetch is announced (``SwarmNode.fetch_state(announce=True)``): the lineage's members train on
-    while we fetch (``SwarmNode.peer_due``), so the state we step to is still theirs when we hold it."""
+    while we fetch (``participation.peer_due``), so the state we step to is still theirs when we hold it."""
     canonical = decision.canonical
     ours = loop.lineage()
     # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.

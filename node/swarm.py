@@ -53,7 +53,7 @@ from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
 from protocol.swarm.node import RoundResult, SwarmNode
-from protocol.swarm.participation import START_TIMEOUT, await_start_peers, serve_stragglers
+from protocol.swarm.participation import START_TIMEOUT, await_start_peers, peer_due, serve_stragglers
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
 log = logging.getLogger(__name__)
@@ -458,8 +458,8 @@ class SwarmSession:
     def lineage_peer_due(self) -> bool:
         """Whether a node is fetching our lineage's state: the loop then trains on past its phase's end
         (``Trainer._phase_due``), so the state is still the lineage's when the node holds it and it
-        joins our next round (ARCHITECTURE.md, "Participation"; ``SwarmNode.peer_due``)."""
-        return self.swarm.peer_due(max_ahead=timedelta(seconds=MAX_DUE_WAIT_SECONDS))
+        joins our next round (ARCHITECTURE.md, "Participation"; ``participation.peer_due``)."""
+        return peer_due(self.swarm, max_ahead=timedelta(seconds=MAX_DUE_WAIT_SECONDS))
 
     def phase_should_end(self) -> bool:
         """Whether a node catching up should end its inner phase now (the view is read every

@@ -222,36 +222,7 @@ class SwarmNode:
         """The live peers of the run, read now (DhtCallTimeout if the DHT does not answer in time)."""
         return self._run(self.driver.refresh_view(), self.config.dht_call_timeout)
 
-    def peer_due(self, *, max_ahead: timedelta) -> bool:
-        """Whether a peer is fetching our lineage's state to join it (a joiner, or a member catching
-        up after a missed round), so that a node about to end its inner phase trains on for it.
-
-        Two signals: our own state provider is sending, or sent within two view refreshes, a
-        snapshot we keep (our state, the one before, the rounds' means beside them): seen at once,
-        even while that transfer saturates our uplink and the DHT lags; or the view shows a
-        ``syncing`` record naming our lineage whose estimate is at most ``max_ahead`` away and was
-        renewed within a join window (a fetch that progresses renews it every ``view_refresh``)."""
-        config = self.config
-        if self.server.state_provider.served_lately(2 * config.view_refresh.total_seconds()):
-            return True
-        record = self.driver.record
-        if record is None:
-            return False
-        now = self.driver.clock()  # the DHT's clock, which ready_at is on
-        window = config.rounds.join_window.total_seconds()
-        return any(
-            peer.peer_id != self.peer_id
-            and peer.ready_at is not None
-            and (peer.round, peer.param_hash) == (record.round, record.param_hash)
-            and now - window < peer.ready_at <= now + max_ahead.total_seconds()
-            for peer in self.driver.view.syncing
-        )
-
     def view_or_last(self, why: str) -> SwarmView:
-        """A fresh view, or the last one if the DHT does not answer in time (``why``: logged)."""
-        return self._fresh_view(why)
-
-    def _fresh_view(self, why: str) -> SwarmView:
         """A fresh view, or the last one if the DHT does not answer in time (one log line)."""
         try:
             return self.view()
@@ -262,7 +233,7 @@ class SwarmNode:
     def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
         """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view."""
         local = self._local_record(round=round, param_hash=param_hash)
-        return decide_lineage(self._fresh_view("judging the lineage").peers, local)
+        return decide_lineage(self.view_or_last("judging the lineage").peers, local)
 
     def _await_group_published(self, round: int) -> None:
         """Before forming the next round, give the last round's other members (bounded by the join
@@ -273,7 +244,7 @@ class SwarmNode:
             return
         deadline = time.monotonic() + self.config.rounds.join_window.total_seconds()
         while time.monotonic() < deadline:
-            view = self._fresh_view("waiting for the last group's records")
+            view = self.view_or_last("waiting for the last group's records")
             lagging = [m for m in members if (record := view.get(m)) is not None and record.round < round]
             if not lagging:
                 return
@@ -283,7 +254,7 @@ class SwarmNode:
         """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            view = self._fresh_view("waiting for peers")  # a slow DHT read is one empty poll, not fatal
+            view = self.view_or_last("waiting for peers")  # a slow DHT read is one empty poll, not fatal
             if (
                 len([p for p in view if p.peer_id != self.peer_id]) >= num_peers
                 or time.monotonic() >= deadline

@@ -79,3 +79,29 @@ def serve_stragglers(swarm: SwarmNode) -> int:
                 log.warning("leaving with %d node(s) still behind round %d", len(behind), record.round)
             return first
         time.sleep(config.view_refresh.total_seconds())
+
+
+def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
+    """Whether a peer is fetching our lineage's state to join it (a joiner, or a member catching
+    up after a missed round), so that a node about to end its inner phase trains on for it.
+
+    Two signals: our own state provider is sending, or sent within two view refreshes, a
+    snapshot we keep (our state, the one before, the rounds' means beside them): seen at once,
+    even while that transfer saturates our uplink and the DHT lags; or the view shows a
+    ``syncing`` record naming our lineage whose estimate is at most ``max_ahead`` away and was
+    renewed within a join window (a fetch that progresses renews it every ``view_refresh``)."""
+    config = swarm.config
+    if swarm.server.state_provider.served_lately(2 * config.view_refresh.total_seconds()):
+        return True
+    record = swarm.driver.record
+    if record is None:
+        return False
+    now = swarm.driver.clock()  # the DHT's clock, which ready_at is on
+    window = config.rounds.join_window.total_seconds()
+    return any(
+        peer.peer_id != swarm.peer_id
+        and peer.ready_at is not None
+        and (peer.round, peer.param_hash) == (record.round, record.param_hash)
+        and now - window < peer.ready_at <= now + max_ahead.total_seconds()
+        for peer in swarm.driver.view.syncing
+    )

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -148,15 +149,16 @@ class SwarmOfOne:
     def __init__(self) -> None:
         self.codec, self.peer_id, self.stream_addresses = get_codec("int8"), "solo", ()
         self.published: list[dict[str, Any]] = []
+        # What participation.peer_due reads: nobody fetches from a swarm of one.
+        self.config = SimpleNamespace(view_refresh=timedelta(seconds=1))
+        self.server = SimpleNamespace(state_provider=SimpleNamespace(served_lately=lambda within: False))
+        self.driver = SimpleNamespace(record=None)
 
     def publish(self, **kwargs: Any) -> None:
         self.published.append(kwargs)
 
     def watch_closely(self, on: bool) -> None:
         pass  # no view to read: a swarm of one
-
-    def peer_due(self, **_: Any) -> bool:
-        return False  # nobody fetches from a swarm of one
 
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any

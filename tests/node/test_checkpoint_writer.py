@@ -3,7 +3,6 @@ utilization and eval cadence (node/trainer.py, node/metrics.py)."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from pathlib import Path
@@ -19,23 +18,15 @@ from node.config import NodeConfig
 from node.metrics import read_metrics
 from node.outer_state import tensor_hash
 from node.trainer import Trainer
+from tests.node.test_trainer import corpus_file
+from tests.node.test_trainer import small_config as trainer_config
 
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(inspect.getsource(inspect) * 2)  # ~250 KB of Python source
-    return path
+__all__ = ["corpus_file"]  # fixture
 
 
 def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeConfig:
-    settings: dict[str, object] = dict(
-        model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2,
-        total_steps=30, data=str(corpus_file), run_dir=str(run_dir), log_every=100, inner_lr=3e-3,
-        swarm=False,
-    )  # fmt: skip
-    settings.update(overrides)
-    return NodeConfig(**settings)  # type: ignore[arg-type]
+    """test_trainer's settings, as a node without a swarm."""
+    return trainer_config(corpus_file, run_dir, **{"swarm": False, **overrides})
 
 
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
