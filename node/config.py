@@ -252,7 +252,22 @@ class NodeConfig:
         default="", metadata=_help("DHT (libp2p) HOST:PORT; empty = the --listen host, any free port.")
     )
     announce: str = field(
-        default="", metadata=_help("Host other nodes dial, if not the listen host (needs a fixed DHT port).")
+        default="",
+        metadata=_help(
+            "Host other nodes dial, if not the listen host, e.g. behind NAT with forwarded ports (needs "
+            "fixed --listen and --dht-listen ports)."
+        ),
+    )
+    client_mode: bool = field(
+        default=False,
+        metadata=_help(
+            "Accept no inbound connections (behind NAT, no port forwarded): contribute to every round and "
+            "fetch the state, but own no all-reduce part and serve nothing; needs --peers."
+        ),
+    )
+    use_relay: bool = field(
+        default=False,
+        metadata=_help("Let libp2p use circuit relays and auto-relay for the DHT (best effort)."),
     )
     codec: str = field(
         default="int8", metadata=_help("Pseudo-gradient wire codec: none, fp16, bf16, int8 or int4.")
@@ -423,6 +438,11 @@ class NodeConfig:
             )
         if self.announce and self.swarm and (not self.dht_listen or self.dht_listen.endswith(":0")):
             raise ConfigError("--announce needs a fixed DHT port: set --dht-listen HOST:PORT")
+        if self.announce and self.swarm and not self.client_mode and self.listen.endswith(":0"):
+            # Others dial the announced host at our gRPC port: a random one cannot be forwarded.
+            raise ConfigError("--announce needs a fixed gRPC port: set --listen HOST:PORT")
+        if self.client_mode and self.swarm and not self.peers:
+            raise ConfigError("--client-mode needs --peers: a node nobody can dial cannot start a swarm")
         if self.tls and not self.swarm_key_file:
             raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
         from protocol.codecs import CODEC_NAMES

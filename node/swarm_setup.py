@@ -31,6 +31,8 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             listen=dht_listen,
             announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
             identity_path=config.identity_path or None,
+            use_relay=config.use_relay,
+            client_mode=config.client_mode,
         )
         max_wait = timedelta(seconds=config.max_wait)
         join_window = timedelta(seconds=config.join_window)

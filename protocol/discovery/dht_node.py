@@ -9,7 +9,11 @@ calls discovery needs:
   through ``--peers`` (multiaddrs printed by running peers). Everything that would probe the real
   network is off: UPnP / NAT-PMP port mapping, AutoNAT (reachability is forced to "public" so
   libp2p does not go looking), circuit relays and auto-relay, and the IPFS bootstrap list. A peer
-  therefore only ever contacts the addresses it was given and the peers they introduce. Startup
+  therefore only ever contacts the addresses it was given and the peers they introduce.
+  ``use_relay`` (``--use-relay``) turns libp2p's circuit relays and auto-relay on, best effort: a
+  peer behind NAT may then be reached through a public peer that relays for it, when one is found.
+  ``client_mode`` (``--client-mode``) is hivemind's DHT client mode: the peer stores and reads
+  records through others but answers no DHT request, so nobody needs to dial it. Startup
   has a deadline; unreachable initial peers give a :class:`DhtStartupError` that names them.
   With ``identity_path`` the peer's key is read from that file (made on first start, mode 0600:
   ``identity.py``), so its peer id and multiaddr are the same after a restart.
@@ -122,6 +126,13 @@ class DhtConfig:
     """``--identity-path``: the file holding this peer's private key, made on first start (mode 0600),
     so the peer id (and, on a fixed port, the multiaddr) survives restarts (``identity.py``); None: a
     new identity at every start."""
+    use_relay: bool = False
+    """``--use-relay``: libp2p circuit relays and auto-relay (reach and be reached through a relaying
+    peer when a direct connection fails); best effort, off by default so a peer contacts only the
+    addresses it was given."""
+    client_mode: bool = False
+    """``--client-mode``: hivemind's DHT client mode; the peer answers no DHT request (nobody dials it)
+    and so cannot start a swarm: it needs ``initial_peers``."""
     host_multiaddr: str = field(init=False)
     """``listen`` as a multiaddr (derived)."""
     announce_multiaddr: str | None = field(init=False)
@@ -137,6 +148,8 @@ class DhtConfig:
         for name in ("startup_timeout", "rpc_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.client_mode and not self.initial_peers:
+            raise ValueError("a DHT client (client_mode) needs initial_peers: it cannot start a swarm")
         if self.identity_path is not None:
             check_identity_path(Path(self.identity_path))  # made at start; an unusable one fails now
 
@@ -146,13 +159,16 @@ class DhtConfig:
             initial_peers=list(self.initial_peers),
             host_maddrs=[self.host_multiaddr],
             wait_timeout=self.rpc_timeout.total_seconds(),
-            # Contact only the given addresses: no UPnP/NAT-PMP, no AutoNAT probing, no relays.
+            # Contact only the given addresses: no UPnP/NAT-PMP, no AutoNAT probing, no relays
+            # unless asked for (a relay is a peer of the swarm that forwards for one behind NAT;
+            # auto-relay looks for one only once AutoNAT found us unreachable, so it needs AutoNAT).
             nat_port_map=False,
-            auto_nat=False,
-            force_reachability="public",
-            use_relay=False,
-            use_auto_relay=False,
+            auto_nat=self.use_relay,
+            force_reachability=None if self.use_relay else "public",
+            use_relay=self.use_relay,
+            use_auto_relay=self.use_relay,
             use_ipfs=False,
+            client_mode=self.client_mode,
         )
         if self.announce_multiaddr is not None:
             kwargs["announce_maddrs"] = [self.announce_multiaddr]
