@@ -250,7 +250,8 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
     )
     try:
         # Handshakes first, while the links are still quiet (see AllReduceConfig.connect_timeout).
-        state.client.connect([m.address for i, m in enumerate(group.members) if i != me])
+        # (a client member accepts no connections: nobody dials it)
+        state.client.connect([m.address for i, m in enumerate(group.members) if i != me and not m.client])
         output = state.vector if state.in_place else torch.empty_like(state.vector)  # (E,)
         state.output = output
         if group.part_num_elements(me) > 0:

@@ -221,7 +221,9 @@ class PartDecider(RoundCore):
         stays REDUCING, so we refuse every other producer's replica: we vote for our own version.
         """
         part = self.parts[part_index]
-        num_votes_needed = self.group.num_members // 2  # besides ours: 1 + N // 2 > N / 2
+        # Besides ours: 1 + S // 2 > S / 2 of the S servers. Clients (never dialled) hold no replica and
+        # vote for nothing, so two strict majorities of the servers still share a voter.
+        num_votes_needed = self.group.num_servers // 2
         chain = self.group.chain(part_index)
         position = chain.index(self.my_index)
         # The members after us in the chain first (pullers that fail over reach them first), then the
@@ -271,7 +273,7 @@ class PartDecider(RoundCore):
         if len(voters) < num_votes_needed:
             self._move(
                 part_index,
-                f"only {len(voters) + 1} of {self.group.num_members} members hold our average, not a majority",
+                f"only {len(voters) + 1} of {self.group.num_servers} members hold our average, not a majority",
             )
             return None
         return voters

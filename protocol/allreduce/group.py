@@ -7,6 +7,11 @@ arXiv:2103.03239, and hivemind's load balancing). Bounds come from the largest-r
 they are exact integers that sum to the vector's length and are identical on every machine.
 
 If member k cannot be reached, part k moves along its backup chain: k+1, k+2, ... (mod N).
+
+A *client* member (``--client-mode``: behind NAT, it accepts no connections) only dials others: it
+pushes its contribution to every part's owner and pulls every part's average. So it owns no part
+(its part is empty), is nobody's backup and holds no replica: the chains and the majorities that
+commit a part are over the other members (the *servers*), of which a group needs at least one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+_ONLY_CLIENTS = (
+    "a group of client-mode members only cannot form: a part needs an owner that accepts connections"
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Member:
@@ -26,7 +35,9 @@ class Member:
     peer_id: str
     """Stable name of the peer (unique within the group)."""
     address: str
-    """host:port of the peer's all-reduce gRPC server."""
+    """host:port of the peer's all-reduce gRPC server (a client's is never dialled)."""
+    client: bool = False
+    """The peer accepts no connections: it owns no part, backs up none and holds no replica."""
 
     def __post_init__(self) -> None:
         if not self.peer_id:
@@ -89,6 +100,13 @@ class GroupSpec:
             raise ValueError("part_bounds must have len(members) + 1 entries starting at 0")
         if any(b > a for a, b in zip(self.part_bounds[1:], self.part_bounds[:-1], strict=True)):
             raise ValueError(f"part_bounds must be non-decreasing, got {self.part_bounds}")
+        if self.num_servers == 0:
+            raise ValueError(_ONLY_CLIENTS)
+        owning_clients = [
+            m.peer_id for i, m in enumerate(self.members) if m.client and self.part_num_elements(i)
+        ]
+        if owning_clients:
+            raise ValueError(f"client-mode members own no part, but {owning_clients} do")
 
     @classmethod
     def build(
@@ -99,10 +117,13 @@ class GroupSpec:
         num_elements: int,
         bandwidths: Sequence[float] | None = None,
     ) -> GroupSpec:
-        """Group whose part sizes are proportional to `bandwidths` (equal parts if None)."""
+        """Group whose part sizes are proportional to `bandwidths` (equal parts if None); clients own none."""
         weights = [1.0] * len(members) if bandwidths is None else list(bandwidths)
         if len(weights) != len(members):
             raise ValueError(f"got {len(weights)} bandwidths for {len(members)} members")
+        if all(member.client for member in members):
+            raise ValueError(_ONLY_CLIENTS)
+        weights = [0.0 if member.client else weight for member, weight in zip(members, weights, strict=True)]
         return cls(
             round_id=round_id, members=tuple(members), part_bounds=split_by_weight(num_elements, weights)
         )
@@ -110,6 +131,11 @@ class GroupSpec:
     @property
     def num_members(self) -> int:
         return len(self.members)
+
+    @property
+    def num_servers(self) -> int:
+        """Members that accept connections (not clients): the ones that own, back up and vote."""
+        return sum(1 for member in self.members if not member.client)
 
     @property
     def num_elements(self) -> int:
@@ -130,9 +156,11 @@ class GroupSpec:
         raise ValueError(f"peer {peer_id!r} is not a member of round {self.round_id}")
 
     def chain(self, part_index: int) -> tuple[int, ...]:
-        """Members that may serve part `part_index`, in order: its owner, then each next member (mod N)."""
+        """Members that may serve part `part_index`, in order: its owner, then each next member (mod N)
+        that is not a client (a client cannot be dialled)."""
         n = self.num_members
-        return tuple((part_index + step) % n for step in range(n))
+        following = ((part_index + step) % n for step in range(1, n))
+        return (part_index, *(i for i in following if not self.members[i].client))
 
     @cached_property
     def digest(self) -> bytes:
@@ -140,7 +168,8 @@ class GroupSpec:
         canonical = json.dumps(
             {
                 "round_id": self.round_id,
-                "members": [[m.peer_id, m.address] for m in self.members],
+                # (a client is marked; a server's entry is as before clients existed)
+                "members": [[m.peer_id, m.address, *(["client"] if m.client else [])] for m in self.members],
                 "part_bounds": list(self.part_bounds),
             },
             separators=(",", ":"),

@@ -165,7 +165,11 @@ class AllReducePeer:
         )
         result = await run_allreduce(state, self.registry)
         # Best effort: a member that misses it keeps the round until its linger ends.
-        others = [i for i in range(group.num_members) if i not in (state.my_index, *state.failed)]
+        others = [
+            i
+            for i, member in enumerate(group.members)
+            if i not in (state.my_index, *state.failed) and not member.client  # a client cannot be dialled
+        ]
         if others and not self._closed:
             task = asyncio.ensure_future(tell_finished(state, others, FINISH_ROUND_TIMEOUT))
             self._telling.add(task)

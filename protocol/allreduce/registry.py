@@ -99,7 +99,13 @@ class RoundRegistry:
     def _forget_superseded(self) -> None:
         """Forget the rounds we finished whose other members have all returned from them."""
         for round_id, state in list(self._rounds.items()):
-            others = [m.peer_id for i, m in enumerate(state.group.members) if i != state.my_index]
+            # Nobody dials a client member: once it returned it serves no one, so it waits for nobody.
+            client = state.group.members[state.my_index].client
+            others = (
+                []
+                if client
+                else [m.peer_id for i, m in enumerate(state.group.members) if i != state.my_index]
+            )
             if state.local_done and all(
                 self._latest_round_of.get(p, -1) > round_id or self._finished_round_of.get(p, -1) >= round_id
                 for p in others
