@@ -62,6 +62,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             round_deadline=timedelta(seconds=config.round_deadline),
             sync_deadline=timedelta(seconds=config.sync_deadline),
             bandwidth_bytes_per_s=config.bandwidth_mbit * 1e6 / 8,
+            client_mode=config.client_mode,
             heartbeat=timedelta(seconds=config.heartbeat),
             record_ttl=timedelta(seconds=config.record_ttl),
             auth=auth,

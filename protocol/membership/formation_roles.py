@@ -93,6 +93,7 @@ class FormationRoles(FormationState):
             num_tokens=self.num_tokens,
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
             stream_addresses=self.stream_addresses,
+            client=self.local.client,
         )
 
     def _cancel_proposal(self, reason: Reason) -> list[Action]:
@@ -203,6 +204,7 @@ class FormationRoles(FormationState):
             num_tokens=self.num_tokens,
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
             stream_addresses=self.stream_addresses,
+            client=self.local.client,
         )
 
     def _accept(self, leader: str, proposal: Proposal, now: float) -> list[Action]:
@@ -273,14 +275,16 @@ class FormationRoles(FormationState):
     def _give_up(self) -> list[Action]:
         """max_wait is over and we are in no group."""
         # Suspects count here: enough peers were ready, so a group may well have formed without us.
-        num_ready = sum(
-            1
+        ready = [
+            peer
             for peer in self._view.with_local(self.local)
             if peer.round == self.local.round
             and peer.param_hash == self.local.param_hash
             and peer.ready_for_round == self.round
-        )
-        if num_ready >= self.config.min_peers:
+        ]
+        # Peers in client mode only (none accepts connections) cannot form a group: none missed.
+        formable = any(not peer.client for peer in ready)
+        if len(ready) >= self.config.min_peers and formable:
             return self._finish(MissedRound(self.round, Reason.MAX_WAIT))
         if self.config.on_too_few == "proceed_alone":
             solo = solo_group(

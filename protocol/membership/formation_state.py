@@ -75,6 +75,7 @@ class FormationState:
         self._deferred: dict[str, Proposal] = {}  # larger leader -> its unanswered proposal
         self._watched_leader: str | None = None
         self._leader_deadline = math.inf
+        self._said_no_server = False  # a client told the user no peer that accepts connections is ready
         # leader state
         self._attempt = 0
         self._open: OpenProposal | None = None

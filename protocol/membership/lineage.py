@@ -120,7 +120,12 @@ def decide_lineage(records: Iterable[PeerRecord], local: PeerRecord) -> LineageD
     in_canonical = local_lineage == canonical
     sources: tuple[str, ...] = ()
     if not in_canonical:
-        canonical_ids = [peer_id for peer_id, record in peers.items() if Lineage.of(record) == canonical]
+        # (a client-mode peer serves no state: it accepts no connections)
+        canonical_ids = [
+            peer_id
+            for peer_id, record in peers.items()
+            if Lineage.of(record) == canonical and not record.client
+        ]
         canonical_ids.sort(key=lambda peer_id: (_rendezvous_rank(local.peer_id, peer_id), peer_id))
         sources = tuple(canonical_ids)
     return LineageDecision(

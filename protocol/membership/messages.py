@@ -10,7 +10,8 @@ formed; its members hold global params ``(r - 1, param_hash)`` before it):
 
 - ``JoinRequest``: "I am ready for round r with param_hash; if you lead it, include me."
 - ``Proposal``: "I lead round r for the peers holding param_hash; will you join? (proposal_id)"
-- ``Accept``:   "Yes to proposal_id; here is my address, my weight and my bandwidth."
+- ``Accept``:   "Yes to proposal_id; here is my address, my weight, my bandwidth, and whether I am a
+  client (I accept no connections: give me no part)."
 - ``Reject``:   "No to proposal_id, because <reason>."
 - ``Withdraw``: "I take back my Accept of proposal_id, because <reason>."
 - ``Cancel``:   "Forget proposal_id: it will not begin with you, because <reason>."
@@ -73,6 +74,12 @@ def check_stream_addresses(value: object) -> tuple[str, ...]:
     return value
 
 
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _check_round(value: object) -> int:
     return check_int("round", value, minimum=1)
 
@@ -98,6 +105,8 @@ class GroupMember:
     bandwidth_bytes_per_s: float
     stream_addresses: tuple[str, ...] = ()
     """Where the member's all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
+    client: bool = False
+    """The member accepts no connections (``--client-mode``): it owns no part and nobody dials it."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -107,6 +116,7 @@ class GroupMember:
             self, "bandwidth_bytes_per_s", check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         )
         check_stream_addresses(self.stream_addresses)
+        _check_bool("client", self.client)
 
     @property
     def num_streams(self) -> int:
@@ -158,6 +168,10 @@ class GroupSpec:
             raise ValueError(f"part_boundaries must run from 0 to {self.vector_length}, got {bounds}")
         if any(a > b for a, b in pairwise(bounds)):
             raise ValueError(f"part_boundaries must not decrease, got {bounds}")
+        if all(member.client for member in self.members):
+            raise ValueError("a round of client-mode members only cannot form: a part needs an owner")
+        if self.members[ids.index(self.leader_id)].client:
+            raise ValueError(f"leader {self.leader_id!r} is a client: a leader must accept connections")
         streams = {member.num_streams for member in self.members}
         if len(streams) != 1:
             raise ValueError(
@@ -212,7 +226,8 @@ class GroupSpec:
     def has_expected_parts(self) -> bool:
         """Whether the parts are what ``parts.part_boundaries`` gives for these members."""
         bandwidths = [member.bandwidth_bytes_per_s for member in self.members]
-        return self.part_boundaries == part_boundaries(bandwidths, self.vector_length)
+        clients = [member.client for member in self.members]
+        return self.part_boundaries == part_boundaries(bandwidths, self.vector_length, clients)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +270,8 @@ class Accept:
     bandwidth_bytes_per_s: float
     stream_addresses: tuple[str, ...] = ()
     """Where our all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
+    client: bool = False
+    """We accept no connections (``--client-mode``): give us no part, never dial us."""
 
     def __post_init__(self) -> None:
         _check_round(self.round)
@@ -265,6 +282,7 @@ class Accept:
             self, "bandwidth_bytes_per_s", check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         )
         check_stream_addresses(self.stream_addresses)
+        _check_bool("client", self.client)
 
     @property
     def num_streams(self) -> int:

@@ -72,6 +72,23 @@ def part_sizes(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ..
     return tuple(sizes)
 
 
-def part_boundaries(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ...]:
-    """``(0, end_0, end_1, ..., vector_length)``: member ``i`` owns ``[bounds[i], bounds[i + 1])``."""
-    return (0, *accumulate(part_sizes(bandwidths, vector_length)))
+def part_boundaries(
+    bandwidths: Sequence[float], vector_length: int, clients: Sequence[bool] = ()
+) -> tuple[int, ...]:
+    """``(0, end_0, end_1, ..., vector_length)``: member ``i`` owns ``[bounds[i], bounds[i + 1])``.
+
+    ``clients[i]`` (empty: nobody): member ``i`` accepts no connections (``--client-mode``), so it
+    owns nothing and the others' parts are sized among themselves as if it were not there.
+    """
+    if not any(clients):
+        return (0, *accumulate(part_sizes(bandwidths, vector_length)))
+    if len(clients) != len(bandwidths):
+        raise ValueError(f"got {len(clients)} client flags for {len(bandwidths)} members")
+    servers = [i for i, client in enumerate(clients) if not client]
+    if not servers:
+        raise ValueError(
+            "a round of client-mode members only cannot form: a part needs an owner that accepts connections"
+        )
+    server_sizes = iter(part_sizes([bandwidths[i] for i in servers], vector_length))
+    sizes = [0 if client else next(server_sizes) for client in clients]
+    return (0, *accumulate(sizes))

@@ -64,11 +64,13 @@ class OpenProposal:
                 num_tokens=accept.num_tokens,
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
                 stream_addresses=accept.stream_addresses,
+                client=accept.client,
             )
             for peer_id, accept in self.accepts.items()
         ]
         members.sort(key=lambda member: member.peer_id)
         bandwidths = [member.bandwidth_bytes_per_s for member in members]
+        clients = [member.client for member in members]
         return GroupSpec(
             round=self.proposal.round,
             group_id=self.proposal_id,
@@ -76,18 +78,19 @@ class OpenProposal:
             param_hash=self.proposal.param_hash,
             vector_length=vector_length,
             members=tuple(members),
-            part_boundaries=part_boundaries(bandwidths, vector_length),
+            part_boundaries=part_boundaries(bandwidths, vector_length, clients),
         )
 
 
 def solo_group(*, member: GroupMember, round: int, param_hash: str, vector_length: int) -> GroupSpec:
-    """A group of one (the proceed-alone policy): the member owns the whole vector."""
+    """A group of one (the proceed-alone policy): the member owns the whole vector (a client too:
+    alone it dials nobody and nobody dials it, so it is its own server)."""
     return GroupSpec(
         round=round,
         group_id=f"{member.peer_id}/{round}/solo",
         leader_id=member.peer_id,
         param_hash=param_hash,
         vector_length=vector_length,
-        members=(member,),
+        members=(replace(member, client=False),),
         part_boundaries=(0, vector_length),
     )

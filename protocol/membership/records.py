@@ -8,7 +8,9 @@ leaves gracefully overwrites its record with a ``status="left"`` tombstone so th
 at once. A node that is still fetching the swarm's state to join it publishes ``status="syncing"``:
 ``(round, param_hash)`` then name the state it fetches, not one it holds, and ``ready_at`` when it
 expects to hold it. A syncing peer counts for no lineage and takes part in no round; a leader may
-wait for it (``rounds.py``).
+wait for it (``rounds.py``). A record with ``client=True`` is a node that accepts no connections
+(``--client-mode``): it takes part in rounds but never leads one, owns no part, serves no state, and
+nobody dials its ``grpc_address``.
 
 Records come from untrusted peers: :meth:`PeerRecord.from_dict` validates every field (types,
 lengths, ranges, finiteness) and raises ``ValueError`` naming the field, never anything else.
@@ -38,7 +40,7 @@ MAX_PROTOCOL_VERSION: Final = 2**31 - 1
 STATUSES: Final = ("active", "left", "syncing")
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
-_OPTIONAL_FIELDS: Final = frozenset({"ready_at"})
+_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client"})
 
 
 # --- field validators: each takes an untrusted object and returns it typed, or raises ValueError ---
@@ -132,6 +134,9 @@ class PeerRecord:
     ready_at: float | None = None
     """Syncing only: the clock time (the DHT's) by which the peer expects to hold the state it
     fetches; None while it cannot tell yet. Optional in a stored record (absent = None)."""
+    client: bool = False
+    """The peer accepts no connections (``--client-mode``): never dial it, never fetch state from it,
+    never follow it as a leader. Optional in a stored record (absent = False)."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -159,13 +164,15 @@ class PeerRecord:
             if self.status != "syncing":
                 raise ValueError(f"ready_at is for syncing records only, not {self.status!r} ones")
             object.__setattr__(self, "ready_at", check_rate("ready_at", self.ready_at))
+        if not isinstance(self.client, bool):
+            raise ValueError(f"client must be a bool, got {type(self.client).__name__}")
 
     def to_dict(self) -> dict[str, object]:
-        """Plain JSON/msgpack-able dict for DHT storage (an optional field that is None is left out)."""
+        """Plain JSON/msgpack-able dict for DHT storage (an optional field at its default is left out)."""
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if not (f.name in _OPTIONAL_FIELDS and getattr(self, f.name) is None)
+            if not (f.name in _OPTIONAL_FIELDS and getattr(self, f.name) == f.default)
         }
 
     @classmethod
@@ -173,7 +180,7 @@ class PeerRecord:
         """Parse an untrusted DHT value; ``ValueError`` on anything malformed.
 
         Unknown keys are ignored so a later minor version can add fields; a missing one is an
-        error, except the optional ``ready_at``. ``expected_peer_id`` is the DHT subkey the value
+        error, except the optional ``ready_at`` and ``client``. ``expected_peer_id`` is the DHT subkey the value
         was stored under: a record that claims another peer's id is rejected, so a peer cannot
         speak for someone else.
         """

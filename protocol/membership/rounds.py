@@ -89,6 +89,8 @@ Holes in the first sketch of this protocol, and what closes them
 
 from __future__ import annotations
 
+import logging
+
 from protocol.membership.actions import Action, Publish, Resync, Send, reply_without_formation
 from protocol.membership.config import RoundConfig, TooFewPolicy
 from protocol.membership.formation_roles import FormationRoles
@@ -107,6 +109,8 @@ from protocol.membership.messages import (
 from protocol.membership.records import PeerRecord, SwarmView, check_peer_id
 
 __all__ = ["RoundConfig", "RoundFormation", "TooFewPolicy"]
+
+log = logging.getLogger(__name__)
 
 
 class RoundFormation(FormationRoles):
@@ -236,7 +240,15 @@ class RoundFormation(FormationRoles):
                 return actions + self._accept(deferred[0], self._deferred[deferred[0]], now)
             lineage_peers = self._lineage_peers()
             ready = [peer.peer_id for peer in lineage_peers if peer.ready_for_round == self.round]
-            leader = ready[0]
+            # A client (accepts no connections) never leads: its members could not reach it.
+            ready_servers = [
+                peer.peer_id
+                for peer in lineage_peers
+                if peer.ready_for_round == self.round and not peer.client
+            ]
+            if not ready_servers:
+                return actions + self._await_server(lineage_peers)
+            leader = ready_servers[0]
             if leader == self.peer_id:
                 self.phase = Phase.GATHERING
                 self._watched_leader = None
@@ -266,6 +278,21 @@ class RoundFormation(FormationRoles):
             # Enough peers were ready for a whole join window and the leader stayed silent.
             self._suspected.add(leader)
             self._watched_leader = None
+
+    def _await_server(self, lineage_peers: list[PeerRecord]) -> list[Action]:
+        """We are a client and no peer of our lineage that accepts connections is ready: wait for
+        one (``max_wait`` bounds this). Said once, and plainly if there is none at all."""
+        self.phase = Phase.WAITING
+        self._watched_leader = None
+        if not self._said_no_server:
+            self._said_no_server = True
+            if all(peer.client for peer in lineage_peers):
+                log.warning(
+                    "round %d cannot form: every peer of our lineage is in client mode; a round needs at "
+                    "least one node that accepts connections (one without --client-mode)",
+                    self.round,
+                )
+        return []
 
     def _joiners_due(self) -> dict[str, float]:
         """Peers fetching our lineage's state to join it that expect to hold it before our join

@@ -11,12 +11,16 @@ between peers, one unary ``Membership.Deliver`` call per message (``membership.p
   its actions, so it never blocks. The reply is always empty; an answer is a Deliver the other way.
   Every refusal is one gRPC status, one log line and one count in ``num_refusals``; a handler that
   raises ``ValueError`` refuses the message (INVALID_ARGUMENT: the driver does for a sender that
-  claims to be the receiving node, found by ``scripts/fuzz_rpcs.py``), one that raises anything else
+  claims to be the receiving node, found by ``scripts/tools/fuzz_rpcs.py``), one that raises anything else
   is logged with its traceback and answered INTERNAL, and the server goes on serving.
 - :class:`MembershipClient` sends one message per call, with a deadline, over one cached insecure
   channel per peer address. A failed call (peer gone, refused, deadline passed) is logged at INFO
   and returned as ``False``, never raised: a lost message looks like a slow peer, and round
   formation already handles those with its own deadlines.
+
+- ``Membership.Collect`` is the way back to a peer nobody can dial (client mode): messages for it
+  wait in the sender's :class:`~protocol.membership.outbox.Outbox`, and the client fetches them with
+  :meth:`MembershipClient.collect`, a long poll over a connection it opens itself.
 
 Both sides set explicit message limits, ``MAX_MESSAGE_BYTES``; the daemon's server must allow at
 least as much (the largest legal Begin, 1024 members with the longest ids and addresses, is well
@@ -40,6 +44,7 @@ from protocol.gen.dtnode.v1 import membership_pb2 as pb
 from protocol.gen.dtnode.v1 import membership_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
 from protocol.membership.messages import Message
+from protocol.membership.outbox import MAX_WAIT, Outbox
 from protocol.membership.records import MAX_PEER_ID_CHARS, MAX_PROTOCOL_VERSION, check_int, check_peer_id
 from protocol.membership.wire import from_envelope, to_envelope
 
@@ -48,6 +53,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME: Final = "dtnode.v1.Membership"
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
 """Largest envelope either side sends or accepts; set the same (or more) on the daemon's server."""
+COLLECT_MARGIN: Final = timedelta(seconds=5)
+"""How much longer than its wait a Collect call may take (a reply on a slow link)."""
 MAX_CACHED_CHANNELS: Final = 256
 """Channels a client keeps open by default; past that, the least recently used idle one is closed."""
 # Status details and log lines quote the validation error, which can list a whole group's ids;
@@ -84,8 +91,17 @@ class MembershipServicer(pb_grpc.MembershipServicer):
     envelope claims; nothing authenticates it yet (issue 7).
     """
 
-    def __init__(self, on_message: Callable[[str, Message], None], *, protocol_version: int) -> None:
+    def __init__(
+        self,
+        on_message: Callable[[str, Message], None],
+        *,
+        protocol_version: int,
+        outbox: Outbox | None = None,
+    ) -> None:
+        """``outbox``: the messages we hold for client-mode peers, served by ``Collect`` (None: we
+        hold none, and ``Collect`` is refused UNIMPLEMENTED)."""
         self._on_message = on_message
+        self._outbox = outbox
         self.protocol_version = check_int("protocol_version", protocol_version, maximum=MAX_PROTOCOL_VERSION)
         self.num_delivered = 0
         """Messages handed to ``on_message`` that it handled without raising."""
@@ -138,6 +154,31 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         self.num_delivered += 1
         return pb.DeliverReply()
 
+    async def Collect(
+        self, request: pb.CollectRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.CollectReply:
+        if isinstance(request, Malformed):
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING
+            )
+        if request.protocol_version != self.protocol_version:
+            await self._refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"you speak protocol version {request.protocol_version}; I speak {self.protocol_version}",
+                level=logging.INFO,
+            )
+        try:
+            receiver_id = check_peer_id(request.receiver_id, "receiver_id")
+        except ValueError as error:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), level=logging.WARNING)
+        if self._outbox is None:
+            await self._refuse(
+                context, grpc.StatusCode.UNIMPLEMENTED, "I hold no messages for clients", level=logging.INFO
+            )
+        wait = min(timedelta(milliseconds=request.wait_ms), MAX_WAIT)
+        return pb.CollectReply(envelopes=await self._outbox.take(receiver_id, wait))
+
 
 def add_membership_to_server(server: grpc.aio.Server, servicer: MembershipServicer) -> None:
     """Serve ``servicer`` on ``server`` (call before ``server.start()``), like the generated helper but
@@ -151,8 +192,13 @@ def add_membership_to_server(server: grpc.aio.Server, servicer: MembershipServic
         request_deserializer=lenient(pb.MembershipEnvelope),
         response_serializer=pb.DeliverReply.SerializeToString,
     )
+    collect = grpc.unary_unary_rpc_method_handler(
+        servicer.Collect,
+        request_deserializer=lenient(pb.CollectRequest),
+        response_serializer=pb.CollectReply.SerializeToString,
+    )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Deliver": deliver}),)
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Deliver": deliver, "Collect": collect}),)
     )
 
 
@@ -217,6 +263,40 @@ class MembershipClient:
         finally:
             self._release(address)
         return True
+
+    async def collect(self, address: str, *, wait: timedelta) -> list[tuple[str, Message]] | None:
+        """The messages the peer at ``address`` holds for us (we are a client: nobody dials us),
+        waiting up to ``wait`` for one; None, with one INFO log line, if the call failed. An envelope
+        that does not parse is left out with a warning (the others are still ours)."""
+        if self._closed:
+            return None
+        request = pb.CollectRequest(
+            receiver_id=self.sender_id,
+            protocol_version=self.protocol_version,
+            wait_ms=int(wait.total_seconds() * 1000),
+        )
+        channel = self._acquire(address)
+        try:
+            reply = await pb_grpc.MembershipStub(channel).Collect(
+                request, timeout=(wait + COLLECT_MARGIN).total_seconds()
+            )
+        except grpc.aio.AioRpcError as error:
+            logger.info("collecting from %s failed: %s: %s", address, error.code().name, error.details())
+            return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            return None  # close() closed the channel under the call
+        finally:
+            self._release(address)
+        messages = []
+        for envelope in reply.envelopes:
+            try:
+                messages.append(from_envelope(envelope))
+            except ValueError as error:
+                logger.warning("a message collected from %s is malformed: %s", address, _shorten(str(error)))
+        return messages
 
     def _acquire(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.pop(address, None)

@@ -72,6 +72,7 @@ def _member_to_pb(member: GroupMember) -> pb.GroupMember:
         num_tokens=member.num_tokens,
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
         stream_addresses=member.stream_addresses,
+        client=member.client,
     )
 
 
@@ -118,6 +119,7 @@ def to_envelope(message: Message, *, sender_id: str, protocol_version: int) -> p
                     num_tokens=message.num_tokens,
                     bandwidth_bytes_per_s=message.bandwidth_bytes_per_s,
                     stream_addresses=message.stream_addresses,
+                    client=message.client,
                 )
             )
         case Reject():
@@ -177,6 +179,7 @@ def _member_from_pb(member: pb.GroupMember) -> GroupMember:
         num_tokens=member.num_tokens,
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
         stream_addresses=tuple(member.stream_addresses),
+        client=member.client,
     )
 
 
@@ -218,6 +221,7 @@ def _message_from_pb(envelope: pb.MembershipEnvelope, kind: str) -> Message:
                 num_tokens=accept.num_tokens,
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
                 stream_addresses=tuple(accept.stream_addresses),
+                client=accept.client,
             )
         case "reject":
             reject = envelope.reject

@@ -51,6 +51,10 @@ class SwarmConfig:
     """While a round forms, the DHT view is read again this often."""
     message_timeout: timedelta = timedelta(seconds=3)
     """Deadline of one membership message."""
+    client_mode: bool = False
+    """We accept no connections (``--client-mode``, e.g. behind NAT): our record says so, so peers
+    never dial us, give us no part, never fetch state from us nor follow us as a leader; messages for
+    us wait at their senders until we collect them (``collect.py``). Needs ``dht.client_mode``."""
     auth: SwarmAuth | None = None
     """A closed swarm's credential (``protocol.auth``): our calls and DHT records are signed with its
     key, and peers that do not sign with it are refused; with ``auth.tls`` every gRPC connection is
@@ -63,6 +67,8 @@ class SwarmConfig:
             raise ValueError(f"listen must be HOST:PORT (port 0 = any free port), got {self.listen!r}")
         if self.announce_host is not None:
             check_address(f"{self.announce_host}:1", "announce_host")
+        if self.client_mode and not self.dht.client_mode:
+            raise ValueError("client_mode needs dht.client_mode: a client answers no DHT request either")
         get_codec(self.codec)  # ValueError for an unknown codec
         check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.bandwidth_bytes_per_s <= 0:

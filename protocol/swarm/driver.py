@@ -7,7 +7,8 @@ around it. While the local peer forms round ``r`` the driver feeds the formation
 - a fresh DHT view every ``view_refresh`` (read in a worker thread: hivemind's calls block),
 - a ``tick`` at the formation's ``next_deadline``,
 
-and executes what it asks for: ``Send`` as a fire-and-forget gRPC call with its own deadline,
+and executes what it asks for: ``Send`` as a fire-and-forget gRPC call with its own deadline (to a
+client-mode peer, which nobody can dial: held in our ``Outbox`` until it collects it),
 ``Publish`` as a new DHT record through the registry's non-blocking heartbeat. The terminal
 outcome ends :meth:`RoundDriver.form`. Between formations the last formation keeps answering
 messages about its round (a late peer learns at once that the round started without it);
@@ -33,9 +34,11 @@ from protocol.membership.actions import (
     reply_without_formation,
 )
 from protocol.membership.messages import Accept, Begin, Cancel, Message, Reason
+from protocol.membership.outbox import Outbox
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.rounds import RoundFormation
 from protocol.membership.transport import MembershipClient
+from protocol.membership.wire import to_envelope
 from protocol.swarm.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,10 @@ class RoundDriver:
         clock: Callable[[], float],
     ) -> None:
         self.config = config
+        # Messages for client-mode peers (nobody dials them) wait here as long as a proposal lives.
+        rounds = config.rounds
+        self.outbox = Outbox(hold=max(config.message_timeout, rounds.proposal_timeout, rounds.begin_timeout))
+        self.clients: set[str] = set()  # peers in client mode (from views, Accepts, Begins): never dialled
         self.peer_id = peer_id
         self.registry = registry
         self.client = client
@@ -94,6 +101,10 @@ class RoundDriver:
         self.view = view
         for record in view:
             self._addresses[record.peer_id] = record.grpc_address
+            if record.client:
+                self.clients.add(record.peer_id)
+            else:
+                self.clients.discard(record.peer_id)
             self.last_seen.pop(record.peer_id, None)
             self.last_seen[record.peer_id] = view.now  # re-inserted: the dict stays in last-seen order
         self._flush_unaddressed()
@@ -102,6 +113,10 @@ class RoundDriver:
         while len(self.last_seen) > MAX_REMEMBERED_PEERS:
             self.last_seen.pop(next(iter(self.last_seen)))
         return view
+
+    def address_of(self, peer_id: str) -> str | None:
+        """The peer's gRPC address, as the last view or message gave it."""
+        return self._addresses.get(peer_id)
 
     # --- messages ---
 
@@ -114,9 +129,13 @@ class RoundDriver:
             self._warn_streams(sender, "its leader opens another number of all-reduce streams")
         if isinstance(message, Accept):
             self._addresses[sender] = message.grpc_address
+            if message.client:
+                self.clients.add(sender)
         elif isinstance(message, Begin):
             for member in message.group.members:
                 self._addresses.setdefault(member.peer_id, member.grpc_address)
+                if member.client:
+                    self.clients.add(member.peer_id)
         self._flush_unaddressed()
         formation = self._formation
         if formation is not None:
@@ -153,6 +172,13 @@ class RoundDriver:
             # Terminal outcomes are read from formation.outcome by form().
 
     def _send(self, send: Send) -> None:
+        if send.to in self.clients:
+            # Nobody can dial it: it collects the message from us (Membership.Collect).
+            envelope = to_envelope(
+                send.message, sender_id=self.peer_id, protocol_version=self.client.protocol_version
+            )
+            self.outbox.put(send.to, envelope)
+            return
         address = self._addresses.get(send.to)
         if address is None:
             if len(self._unaddressed) >= MAX_PENDING_SENDS:

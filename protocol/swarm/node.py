@@ -54,6 +54,7 @@ from protocol.membership.transport import MAX_MESSAGE_BYTES, MembershipClient
 from protocol.statesync.fetch import FetchReport, fetch_state_with_report
 from protocol.statesync.progress import FetchEstimate
 from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.collect import collect_messages
 from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig, routable_host
 from protocol.swarm.driver import RoundDriver, watch_swarm
 from protocol.swarm.result import RoundResult, not_averaged
@@ -118,13 +119,17 @@ class SwarmNode:
             self.driver = RoundDriver(
                 config=config, peer_id=self.peer_id, registry=self.registry, client=client, clock=get_dht_time
             )
+            outbox = self.driver.outbox  # what client-mode peers collect from us (Membership.Collect)
             self.server = self._loop.run(
-                NodeServer.start(config, self.driver.on_message, status=self.status), start_timeout
+                NodeServer.start(config, self.driver.on_message, status=self.status, outbox=outbox),
+                start_timeout,
             )
         except BaseException:
             self._shutdown()
             raise
         self._watch = self._loop.submit(watch_swarm(self.driver, self.dht.reconnect))
+        if config.client_mode:  # nobody dials us: we fetch what our peers hold for us
+            self._collect = self._loop.submit(collect_messages(self.driver, client))
         self.grpc_address = self.server.address
         if config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
             # Bound to every interface: advertise one others can reach, as the DHT sees it.
@@ -456,6 +461,7 @@ class SwarmNode:
             bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s,
             status="active",
             expires_at=get_dht_time() + self.config.record_ttl.total_seconds(),
+            client=self.config.client_mode,
         )
 
     def _run(self, coroutine: Coroutine[Any, Any, T], deadline: timedelta) -> T:
@@ -471,6 +477,8 @@ class SwarmNode:
             try:
                 if hasattr(self, "_watch"):
                     self._watch.cancel()
+                if hasattr(self, "_collect"):
+                    self._collect.cancel()
                 if hasattr(self, "server"):
                     loop.run(self.server.stop(timedelta(seconds=2)), MARGIN)
                 if hasattr(self, "driver"):

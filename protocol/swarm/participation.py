@@ -56,7 +56,7 @@ def serve_stragglers(swarm: SwarmNode) -> int:
     one) is at a lower round, at most ``max_wait`` plus a join window; returns how many nodes were
     behind when the wait began."""
     record = swarm.driver.record
-    if record is None:
+    if record is None or swarm.config.client_mode:  # a client serves nobody: nobody can dial it
         return 0
     config = swarm.config
     deadline = time.monotonic() + (config.rounds.max_wait + config.rounds.join_window).total_seconds()

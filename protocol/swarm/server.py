@@ -21,6 +21,7 @@ from protocol.allreduce.peer import SERVICE_NAME as ALLREDUCE_SERVICE
 from protocol.allreduce.peer import AllReducePeer
 from protocol.auth.channels import add_port, new_server
 from protocol.membership.messages import Message
+from protocol.membership.outbox import Outbox
 from protocol.membership.transport import SERVICE_NAME as MEMBERSHIP_SERVICE
 from protocol.membership.transport import MembershipServicer, add_membership_to_server
 from protocol.statesync.provider import SERVICE_NAME as STATESYNC_SERVICE
@@ -59,11 +60,12 @@ class NodeServer:
         on_message: Callable[[str, Message], None],
         *,
         status: Callable[[], NodeStatus] | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.config = config
         self.allreduce = AllReducePeer(config=config.allreduce, fault_plan=None, auth=config.auth)
         self.state_provider = StateProvider(config.statesync)
-        self.membership = MembershipServicer(on_message, protocol_version=PROTOCOL_VERSION)
+        self.membership = MembershipServicer(on_message, protocol_version=PROTOCOL_VERSION, outbox=outbox)
         self.status = StatusServicer(status) if status is not None else None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -76,13 +78,15 @@ class NodeServer:
         on_message: Callable[[str, Message], None],
         *,
         status: Callable[[], NodeStatus] | None = None,
+        outbox: Outbox | None = None,
     ) -> NodeServer:
         """Bind ``config.listen`` and serve every service; OSError if the address cannot be bound.
 
         ``status`` builds the answer to ``Status.GetStatus`` on the loop (it must not block); without
-        it the status service is not served.
+        it the status service is not served. ``outbox``: the messages we hold for client-mode peers,
+        which they fetch with ``Membership.Collect``.
         """
-        node = cls(config, on_message, status=status)
+        node = cls(config, on_message, status=status, outbox=outbox)
         options = _merged_options(
             config.allreduce.grpc_options(server=True), config.statesync.server_options()
         )

@@ -58,10 +58,14 @@ def stream_group(group: GroupSpec, stream: int) -> AllReduceGroup:
         raise ValueError(f"stream must be in 0..{group.num_streams - 1}, got {stream}")
     bounds = stream_bounds(group.vector_length, group.num_streams)
     bandwidths = [member.bandwidth_bytes_per_s for member in group.members]
+    clients = [member.client for member in group.members]
     return AllReduceGroup(
         round_id=group.round,
-        members=tuple(Member(peer_id=m.peer_id, address=m.stream_address(stream)) for m in group.members),
-        part_bounds=part_boundaries(bandwidths, bounds[stream + 1] - bounds[stream]),
+        members=tuple(
+            Member(peer_id=m.peer_id, address=m.stream_address(stream), client=m.client)
+            for m in group.members
+        ),
+        part_bounds=part_boundaries(bandwidths, bounds[stream + 1] - bounds[stream], clients),
     )
 
 
@@ -69,7 +73,9 @@ def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
     """The all-reduce's view of an agreed one-stream group: members in order, the group's parts."""
     return AllReduceGroup(
         round_id=group.round,
-        members=tuple(Member(peer_id=m.peer_id, address=m.grpc_address) for m in group.members),
+        members=tuple(
+            Member(peer_id=m.peer_id, address=m.grpc_address, client=m.client) for m in group.members
+        ),
         part_bounds=group.part_boundaries,
     )
 

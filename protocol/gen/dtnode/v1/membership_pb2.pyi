@@ -67,20 +67,22 @@ class Proposal(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., param_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Accept(_message.Message):
-    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses")
+    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     proposal_id: str
     grpc_address: str
     num_tokens: int
     bandwidth_bytes_per_s: float
     stream_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    client: bool
+    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("round", "proposal_id", "reason")
@@ -113,18 +115,20 @@ class Cancel(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., reason: _Optional[_Union[Reason, str]] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses")
+    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     grpc_address: str
     num_tokens: int
     bandwidth_bytes_per_s: float
     stream_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    client: bool
+    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("round", "group_id", "leader_id", "param_hash", "vector_length", "members", "part_boundaries")
@@ -175,3 +179,19 @@ class MembershipEnvelope(_message.Message):
 class DeliverReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CollectRequest(_message.Message):
+    __slots__ = ("receiver_id", "protocol_version", "wait_ms")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    protocol_version: int
+    wait_ms: int
+    def __init__(self, receiver_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class CollectReply(_message.Message):
+    __slots__ = ("envelopes",)
+    ENVELOPES_FIELD_NUMBER: _ClassVar[int]
+    envelopes: _containers.RepeatedCompositeFieldContainer[MembershipEnvelope]
+    def __init__(self, envelopes: _Optional[_Iterable[_Union[MembershipEnvelope, _Mapping]]] = ...) -> None: ...

@@ -47,6 +47,11 @@ class MembershipStub:
                 request_serializer=dtnode_dot_v1_dot_membership__pb2.MembershipEnvelope.SerializeToString,
                 response_deserializer=dtnode_dot_v1_dot_membership__pb2.DeliverReply.FromString,
                 _registered_method=True)
+        self.Collect = channel.unary_unary(
+                '/dtnode.v1.Membership/Collect',
+                request_serializer=dtnode_dot_v1_dot_membership__pb2.CollectRequest.SerializeToString,
+                response_deserializer=dtnode_dot_v1_dot_membership__pb2.CollectReply.FromString,
+                _registered_method=True)
 
 
 class MembershipServicer:
@@ -67,6 +72,14 @@ class MembershipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Collect(self, request, context):
+        """"I accept no connections: give me what you would have delivered to me." (A client-mode peer
+        calls it on the peers that may send it messages, again as soon as each call returns.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_MembershipServicer_to_server(servicer, server):
                     servicer.Deliver,
                     request_deserializer=dtnode_dot_v1_dot_membership__pb2.MembershipEnvelope.FromString,
                     response_serializer=dtnode_dot_v1_dot_membership__pb2.DeliverReply.SerializeToString,
+            ),
+            'Collect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Collect,
+                    request_deserializer=dtnode_dot_v1_dot_membership__pb2.CollectRequest.FromString,
+                    response_serializer=dtnode_dot_v1_dot_membership__pb2.CollectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -111,6 +129,33 @@ class Membership:
             '/dtnode.v1.Membership/Deliver',
             dtnode_dot_v1_dot_membership__pb2.MembershipEnvelope.SerializeToString,
             dtnode_dot_v1_dot_membership__pb2.DeliverReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Collect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtnode.v1.Membership/Collect',
+            dtnode_dot_v1_dot_membership__pb2.CollectRequest.SerializeToString,
+            dtnode_dot_v1_dot_membership__pb2.CollectReply.FromString,
             options,
             channel_credentials,
             insecure,
