@@ -380,8 +380,8 @@ def join_swarm(
 
     ``peers``: multiaddrs of running nodes (empty starts a new swarm); ``inner_steps`` H or
     ``round_seconds`` S: when a round is due; ``options``: any other NodeConfig field (``codec``,
-    ``swarm_key_file``, ``aggregation``, ``min_peers``, ``listen``, ``run_dir``, ``swarm=False`` to
-    train alone, …) over ``config``."""
+    ``swarm_key_file``, ``aggregation``, ``min_peers``, ``listen``, ``run_dir``, ``client_mode=True``
+    behind NAT, ``swarm=False`` to train alone, …) over ``config``."""
     if not isinstance(peers, str):
         peers = ",".join(peers)
     changes: dict[str, Any] = {"name": run_name, "peers": peers, **options}

@@ -94,6 +94,10 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
     identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
     (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
     action = "joined the swarm" if config.peers else "started a new swarm"
+    if config.client_mode:  # nobody can dial it, so nobody can join through it either
+        print(f"dtnode: joined the swarm {config.name!r} as {swarm.peer_id} in client mode (accepts no "
+              "connections; join others through a node without --client-mode).", flush=True)  # fmt: skip
+        return swarm
     print(
         f"dtnode: {action} {config.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
         f"To join it from another machine:\n  dtnode join --name {config.name} --peers {','.join(multiaddrs)}",

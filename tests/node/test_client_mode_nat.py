@@ -88,6 +88,8 @@ def test_a_client_mode_node_nobody_can_reach_contributes_to_every_round(tmp_path
         client = nodes[2]
         wait_for(lambda: (client.run_dir / "node.json").exists(), 60, "the client to start", client)
         client_id = client.identity()["peer_id"]
+        wait_for(lambda: "in client mode" in client.log(), 30, "the client's banner", client)
+        assert "To join it from another machine" not in client.log()  # nobody can join through it
         try:
             codes = cluster.wait_all(150)
         finally:

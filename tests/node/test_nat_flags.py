@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from node.api import api_config
 from node.config import ConfigError, load_config
 from node.swarm_setup import start_swarm, swarm_config
 
@@ -59,6 +60,14 @@ def test_relay_and_client_mode_reach_the_dht_settings() -> None:
     )
     kwargs = both.dht.hivemind_kwargs()
     assert kwargs["use_relay"] is True and kwargs["use_auto_relay"] is True and kwargs["client_mode"] is True
+    assert both.client_mode  # the swarm side too: our record says so, and we collect our messages
+
+
+def test_the_python_api_takes_client_mode() -> None:
+    config = api_config(client_mode=True, peers=PEER)
+    assert config.client_mode and swarm_config(config).client_mode
+    with pytest.raises(ConfigError, match="--client-mode needs --peers"):
+        api_config(client_mode=True)
 
 
 @pytest.mark.timeout(60)
