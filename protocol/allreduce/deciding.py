@@ -3,7 +3,8 @@
 Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
 encode the average once, hand replicas (all at once) to live members after us in the part's backup
 chain until we and the replica holders are a strict majority of the group; the average is then
-committed: we serve and use it, and tell those holders, which may then serve and use theirs. A
+committed: we use it and tell those holders, which may then serve and use theirs; we serve it once
+they all know (so our death mid-serve leaves them able to serve it). A
 member that cannot reach the owner takes the part over (`take_over`), so a part may be reduced
 twice; the majority is what keeps survivors bit-identical:
 

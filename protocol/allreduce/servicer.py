@@ -391,11 +391,14 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state.take_over(part_index, "a member could not get it from earlier chain members")
 
         def settled() -> bool:
-            # A replica we hold but were never told is committed must not be served. A member we are
-            # handing our replica (or its commit) to gets the bytes there: it waits for that outcome.
+            # A replica we hold but were never told is committed must not be served. We serve our
+            # own version only once every voter knows it is committed (or failed to hear it): were
+            # we to die mid-serve before that, the voters would hold bytes nobody may use, and the
+            # members we had begun serving would have to fall back. A voter waits here too; it gets
+            # the bytes with the commit.
             if part.role is PartRole.MOVED:
                 return True
-            return part.servable and requester not in part.telling
+            return part.servable and not part.telling
 
         heartbeat = self._config.heartbeat_interval.total_seconds()
         while not await state.pulse.wait_for(settled, min(heartbeat, remaining(state.all_gather_deadline))):

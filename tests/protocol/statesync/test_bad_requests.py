@@ -134,7 +134,9 @@ def test_chunks_follow_the_requested_size_capped_by_the_provider() -> None:
 
 @pytest.mark.timeout(20)
 def test_too_many_transfers_get_resource_exhausted_and_a_silent_reader_frees_its_slot() -> None:
-    # The hog asks for 16 MiB, far more than the few MB gRPC buffers for a reader that does not read.
+    # The hog asks for 16 MiB, far more than gRPC buffers for a reader that does not read: its channel
+    # keeps the HTTP/2 windows at their initial 64 KiB (no BDP probing, which can otherwise grow them
+    # to megabytes on loopback and let the whole range drain into the hog's buffers).
     config = replace(
         TEST_CONFIG,
         max_concurrent_transfers=1,
@@ -146,7 +148,7 @@ def test_too_many_transfers_get_resource_exhausted_and_a_silent_reader_frees_its
     async def scenario() -> tuple[grpc.StatusCode, grpc.StatusCode]:
         async with (
             providers(1, big, config=config) as [server],
-            grpc.aio.insecure_channel(server.address) as channel,
+            grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)]) as channel,
         ):
             stub = pb_grpc.StateSyncStub(channel)
             # Hold the only slot: read one chunk of a long range, then stop reading.
