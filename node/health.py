@@ -19,8 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.config import NodeConfig, resolve_run_dir
-from protocol.auth.channels import SwarmAuth
-from protocol.auth.tls import SERVER_NAME, channel_credentials
+from protocol.auth.channels import SwarmAuth, operator_channel
 
 EXIT_SERVING = 0
 EXIT_UNHEALTHY = 1
@@ -35,12 +34,7 @@ def check_health(
     error (``UNAVAILABLE: …``, ``DEADLINE_EXCEEDED: …``). Blocks for at most ``timeout``.
     """
     options: list[tuple[str, int | str]] = [("grpc.enable_retries", 0)]
-    if auth is not None and auth.tls:
-        options.append(("grpc.ssl_target_name_override", SERVER_NAME))
-        channel = grpc.secure_channel(address, channel_credentials(auth.identity), options=options)
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    with channel:
+    with operator_channel(address, options=options, auth=auth) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout.total_seconds()

@@ -3,7 +3,8 @@
 :class:`SwarmAuth` is the node's membership credential: the swarm key, whose per-call MACs every
 closed-swarm server checks (``grpc_auth.py``), and optionally mutual TLS with certificates from
 the CA derived from that key (``tls.py``). Every gRPC channel and server of the swarm is made by
-:func:`open_channel` / :func:`new_server` / :func:`add_port`, so the choice is made in one place:
+:func:`open_channel` / :func:`new_server` / :func:`add_port` (and an operator's one-off calls by
+:func:`operator_channel`), so the choice is made in one place:
 ``auth=None`` is an open swarm (plaintext, no checks); a ``SwarmAuth`` signs every call and
 refuses unsigned ones; ``tls=True`` also encrypts every connection and refuses handshakes from
 anyone without a certificate of the swarm's CA.
@@ -64,6 +65,20 @@ def open_channel(
     options = [*options, ("grpc.ssl_target_name_override", SERVER_NAME)]
     credentials = channel_credentials(auth.identity)
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def operator_channel(
+    address: str, *, options: Sequence[tuple[str, Any]], auth: SwarmAuth | None
+) -> grpc.Channel:
+    """A blocking channel for an operator's one-off call (``dtnode status``, ``dtnode health``).
+
+    Such calls need no swarm-key token, only the TLS handshake of a ``--tls`` node (a client
+    certificate from the swarm's CA).
+    """
+    if auth is None or not auth.tls:
+        return grpc.insecure_channel(address, options=list(options))
+    options = [*options, ("grpc.ssl_target_name_override", SERVER_NAME)]
+    return grpc.secure_channel(address, channel_credentials(auth.identity), options=options)
 
 
 def new_server(*, options: Sequence[tuple[str, Any]], auth: SwarmAuth | None) -> grpc.aio.Server:

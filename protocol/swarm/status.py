@@ -32,8 +32,7 @@ from typing import Final
 import grpc
 import grpc.aio
 
-from protocol.auth.channels import SwarmAuth
-from protocol.auth.tls import SERVER_NAME, channel_credentials
+from protocol.auth.channels import SwarmAuth, operator_channel
 from protocol.gen.dtnode.v1 import status_pb2 as pb
 from protocol.gen.dtnode.v1 import status_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
@@ -380,14 +379,7 @@ def get_status(address: str, *, timeout: timedelta, auth: SwarmAuth | None = Non
         ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
         ("grpc.enable_retries", 0),
     ]
-    if auth is not None and auth.tls:
-        # A --tls node only speaks TLS and wants a client certificate from the swarm's CA (the status RPC
-        # itself needs no call token); its certificate names the swarm, not its address.
-        options.append(("grpc.ssl_target_name_override", SERVER_NAME))
-        channel = grpc.secure_channel(address, channel_credentials(auth.identity), options=options)
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    with channel:
+    with operator_channel(address, options=options, auth=auth) as channel:
         try:
             reply = pb_grpc.StatusStub(channel).GetStatus(
                 pb.GetStatusRequest(), timeout=timeout.total_seconds()
