@@ -4,7 +4,9 @@ A save has two halves:
 
     Phase 1 (training thread): snapshot the state into host memory — every tensor copied (into
              pinned buffers, asynchronously, from a GPU; one device sync for all of them), the rest
-             of the tree rebuilt. After this the loop may change its params at will.
+             of the tree rebuilt; except the tensors handed over as *owned*: the round's one host
+             copy of the global state, shared with the served snapshot (``node/round_end.py``).
+             After this the loop may change its params at will.
     Phase 2 (writer thread):   the param_hash of the snapshot's global params, then
              ``node.checkpoint.save_checkpoint`` — the same atomic, crash-safe write as before
              (temporary directory, fsync, rename, LATEST), so a crash mid-write still leaves the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ log = logging.getLogger("dtnode")
 GLOBAL_PARAMS = ("outer", "global_params")  # where the trainer's state tree holds the global params
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of ``tensor`` that nothing else references (pinned and asynchronous from a GPU)."""
     tensor = tensor.detach()
     if tensor.device.type == "cpu":
@@ -46,28 +48,35 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return target.copy_(tensor, non_blocking=True)
 
 
-def snapshot_state(state: Any) -> Any:
-    """The state tree with every tensor replaced by a host copy; lists, tuples and dicts rebuilt."""
+def snapshot_state(state: Any, owned: Collection[torch.Tensor] = ()) -> Any:
+    """The state tree with every tensor replaced by a host copy; lists, tuples and dicts rebuilt.
+    The tensors in ``owned`` are taken as they are: host copies already, which nobody writes to
+    (``node.round_end.HostGlobalState`` and views of it)."""
     tensors: dict[str, torch.Tensor] = {}
-    json_tree = _snapshot(state, "", tensors)
+    json_tree = _snapshot(state, "", tensors, frozenset(id(tensor) for tensor in owned))
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
     return join_state(json_tree, tensors)
 
 
-def _snapshot(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``node.checkpoint.split_state``'s tree, but tensors are copied (a module function: no closure cycle)."""
+def _snapshot(node: Any, path: str, tensors: dict[str, torch.Tensor], owned: frozenset[int]) -> Any:
+    """``node.checkpoint.split_state``'s tree, but tensors are copied unless ``owned`` (a module
+    function: no closure cycle)."""
     if isinstance(node, torch.Tensor):
-        tensors[path] = _host_copy(node)
+        tensors[path] = node if id(node) in owned else host_copy(node)
         return {"__tensor__": path}
     if isinstance(node, dict):
         return {
-            "__dict__": [[key, _snapshot(value, f"{path}/{key}", tensors)] for key, value in node.items()]
+            "__dict__": [
+                [key, _snapshot(value, f"{path}/{key}", tensors, owned)] for key, value in node.items()
+            ]
         }
     if isinstance(node, tuple):
-        return {"__tuple__": [_snapshot(value, f"{path}/{i}", tensors) for i, value in enumerate(node)]}
+        return {
+            "__tuple__": [_snapshot(value, f"{path}/{i}", tensors, owned) for i, value in enumerate(node)]
+        }
     if isinstance(node, list):
-        return [_snapshot(value, f"{path}/{i}", tensors) for i, value in enumerate(node)]
+        return [_snapshot(value, f"{path}/{i}", tensors, owned) for i, value in enumerate(node)]
     return node  # immutable leaves (None, bool, int, float, str); anything else fails in the write
 
 
@@ -99,14 +108,17 @@ class CheckpointWriter:
         """A write was submitted and has not been collected by :meth:`poll` or :meth:`wait`."""
         return self._pending is not None
 
-    def submit(self, name: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def submit(
+        self, name: str, state: dict[str, Any], meta: dict[str, Any], *, owned: Collection[torch.Tensor] = ()
+    ) -> None:
         """Snapshot ``state`` now (Phase 1) and write it as checkpoint ``name`` in the background.
 
         ``meta`` is completed with ``param_hash`` (of the snapshot's global params) by the writer.
-        Waits for the previous write first, if one is still going.
+        ``owned``: tensors of ``state`` that are host copies already (not copied again, see
+        :func:`snapshot_state`). Waits for the previous write first, if one is still going.
         """
         self.wait()
-        snapshot = snapshot_state(state)
+        snapshot = snapshot_state(state, owned)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")

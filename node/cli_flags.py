@@ -49,6 +49,7 @@ _CHOICE_CONSTANTS = {
     "log_format": "LOG_FORMATS",
     "outer_sharding": "OUTER_SHARDING",
     "compile": "COMPILE",
+    "eval_background": "EVAL_BACKGROUND",
 }
 
 

@@ -30,6 +30,7 @@ LOG_FORMATS = ("text", "json")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("auto", "fp32", "bf16")
 COMPILE = ("auto", "on", "off")
+EVAL_BACKGROUND = ("auto", "on", "off")
 
 
 def _help(text: str) -> Any:
@@ -122,6 +123,12 @@ class NodeConfig:
     eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after a round."))
     eval_every: int = field(
         default=0, metadata=_help("Eval every N rounds, the first and last (0 = auto: <= 1 percent).")
+    )
+    eval_background: str = field(
+        default="auto",
+        metadata=_help(
+            "Held-out eval on its own thread while the next phase trains: on, off, or auto (on with CUDA)."
+        ),
     )
 
     # --- inside the node: local workers and their layout (node/parallel/) ---
@@ -396,7 +403,7 @@ class NodeConfig:
         choices = (
             ("lr_schedule", LR_SCHEDULES), ("pp_schedule", PP_SCHEDULES), ("precision", PRECISIONS),
             ("device", DEVICES), ("log_format", LOG_FORMATS), ("outer_sharding", OUTER_SHARDING),
-            ("compile", COMPILE),
+            ("compile", COMPILE), ("eval_background", EVAL_BACKGROUND),
         )  # fmt: skip
         for key, allowed in choices:
             if getattr(self, key) not in allowed:

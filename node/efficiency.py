@@ -7,6 +7,10 @@
   missing and eager is what the tests compare against. A node with local workers never compiles:
   its layouts (DTensor tensor parallelism, pipeline stages, FSDP2) are applied per rank by
   ``node.parallel`` and are not wrapped by ``torch.compile`` here.
+- ``--eval-background auto``: the held-out eval on its own thread (and CUDA stream) while the next
+  phase trains (``node/held_out.py``), on with CUDA; off on CPU, where it would share the cores the
+  inner steps already use (measured: BENCHMARKS.md, "Held-out eval in the background"), and off
+  with local workers, whose replica answers one command at a time.
 - ``--eval-every 0`` (auto): the held-out eval runs every N rounds, N the smallest with
   ``eval_batches`` forward passes costing at most ``EVAL_BUDGET`` of the rounds' inner compute
   (a training step costs about ``STEP_COST_IN_FORWARDS`` forward passes: forward + a backward of
@@ -54,5 +58,16 @@ def resolve_compile(setting: str, device: torch.device, *, local_workers: bool) 
             raise ConfigError(
                 "--compile on needs a node without local workers (the intra-node layouts are not compiled)"
             )
+        return False
+    return setting == "on" or device.type == "cuda"
+
+
+def resolve_eval_background(setting: str, device: torch.device, *, local_workers: bool) -> bool:
+    """Whether the held-out eval runs on its own thread (``--eval-background``, see the module docstring)."""
+    if setting == "off":
+        return False
+    if local_workers:
+        if setting == "on":
+            raise ConfigError("--eval-background on needs a node without local workers")
         return False
     return setting == "on" or device.type == "cuda"

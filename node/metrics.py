@@ -27,8 +27,11 @@ Contract (read by ``dtnode report``, benchmarks and tests):
     shares null when no phase ran alongside the round (the one applied after a run's last overlapped
     phase). Records written before issue 23 lack ``seconds_wall``: their ``utilization`` was
     ``seconds_compute / (seconds_compute + seconds_blocked)``.
-  - ``eval_loss``: the mean held-out loss after the round, every ``--eval-every`` rounds and at the
-    run's first and last rounds; null in the others.
+  - ``eval_loss``: the mean held-out loss of the global params the record's ``param_hash`` names,
+    every ``--eval-every`` rounds and at the run's first and last rounds; null in the others. With
+    ``--eval-background`` it is computed while the next phase trains and the record is written once
+    it is in (a few steps later, still in round order; ``time`` and ``seconds_wall`` stay those of
+    the round's end; ``node/round_end.py``).
   - ``bytes_sent`` / ``bytes_recv``: wire bytes of the round's all-reduce (reduce-scatter and
     all-gather together), split in ``bytes_by_phase`` (``sent_reduce_scatter``, ``sent_all_gather``,
     ``recv_reduce_scatter``, ``recv_all_gather``: contributions vs averages and replicas; empty when

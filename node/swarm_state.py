@@ -52,14 +52,19 @@ def state_snapshot(
     data: dict[str, Any],
     model: str,
     corpus_sha256: str,
+    param_hash: str | None = None,
+    copy: bool = True,
 ) -> Snapshot:
     """A global state as served to joiners: params, momentum, counters, data position
     (``Trainer.snapshot`` gathers them). ``round``: the rounds the global params went through;
-    ``step`` and ``data``: the inner step and data position at that round's end."""
+    ``step`` and ``data``: the inner step and data position at that round's end. ``copy=False``:
+    the tensors are host copies nobody writes to (``node.round_end.HostGlobalState``), served as
+    they are, with their known ``param_hash``."""
     tensors = {GLOBAL_PARAMS: global_params.detach().to("cpu")}
     if outer_momentum is not None:
         tensors[OUTER_MOMENTUM] = outer_momentum.detach().to("cpu")
-    param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
+    if param_hash is None:
+        param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
     metadata = {
         "round": round,
         "step": step,
@@ -72,7 +77,11 @@ def state_snapshot(
         "data": {k: v for k, v in data.items() if k != "shard_index"},
     }
     return Snapshot(
-        round_id=round, state_id=param_hash, tensors=tensors, metadata=json.dumps(metadata).encode()
+        round_id=round,
+        state_id=param_hash,
+        tensors=tensors,
+        metadata=json.dumps(metadata).encode(),
+        copy=copy,
     )
 
 

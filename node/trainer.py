@@ -7,7 +7,8 @@ One outer round as the loop sees it (see ARCHITECTURE.md for the swarm side):
         loss = CE(model(x), y); loss.backward()
         clip; set LR from the schedule; adamw.step(); adamw.zero_grad()
     diloco.outer_step(weight=tokens)                      # Δ → averager → Nesterov → model
-    eval on the fixed held-out batches; metrics.jsonl; checkpoint every N rounds
+    round end (node/round_end.py): one host copy of θ_global for the served snapshot and the
+    checkpoint; held-out eval (inline, or on a thread during the next phase); metrics.jsonl
 
 Counters are global over the run (a resumed run continues them): ``step`` = inner steps done,
 ``round`` = outer rounds done; the current round is ``step // H + 1``.
@@ -21,33 +22,33 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.checkpoint import latest_checkpoint, load_checkpoint
+from node.checkpoint import latest_checkpoint
+from node.checkpoint_state import checkpoint_state, restore_state
 from node.checkpoint_writer import CheckpointWriter
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches
 from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
 from node.efficiency import eval_interval
 from node.export import export_model, tokenizer_info
+from node.held_out import background_eval
 from node.hf import init_state, node_model_config
-from node.metrics import MetricsSink, MetricsWriter, round_record
+from node.metrics import MetricsSink, MetricsWriter
 from node.model import model_config
 from node.outer_state import outer_sgd_settings
+from node.phase_clock import PhaseClock
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
 from node.records import load_node_corpus
 from node.replica import build_replica, pick_device
+from node.round_end import RoundEnd
 from node.schedule import LRSchedule
 from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess, SwarmSide
 from node.swarm_state import state_snapshot
-
-MAX_DUE_WAIT = timedelta(minutes=2)
-"""The longest an inner phase runs past its end while a node fetches our lineage's state."""
 
 if TYPE_CHECKING:
     from protocol.statesync.snapshot import Snapshot
@@ -135,17 +136,18 @@ class Trainer:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
-        # The inner phase under way: its monotonic start, its first step, since when it runs past its
-        # end because a node is fetching our state (_phase_due).
-        self._phase_started: float | None = None
-        self._phase_start_step = 0
+        self.phase_clock = PhaseClock(config)  # the inner phase under way (_phase_due)
         self._restored_swarm_state: dict[str, torch.Tensor] = {}  # from the checkpoint resumed (_restore)
-        self._extended_since: float | None = None
         self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
-        self.eval_every = eval_interval(config)  # rounds between held-out evals (the final one always)
-        self._since_round: float | None = None  # perf_counter of the last round record (or the first step)
         self._prepare_run_dir()
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", sinks=self._metrics_sinks())
+        # The round records, their held-out evals (inline or on a thread) and the round's one host
+        # copy of the global state (node/round_end.py).
+        self.round_end = RoundEnd(
+            diloco=self.diloco, replica=self.replica, eval_set=self.eval_set, metrics=self.metrics,
+            eval_every=eval_interval(config),  # rounds between held-out evals (the final one always)
+            background=background_eval(config, self.replica, self.model_config, self.device, self.eval_set),
+        )  # fmt: skip
 
     def _metrics_sinks(self) -> list[MetricsSink]:
         """The progress display, and the Prometheus endpoint on the --listen host if --metrics-port."""
@@ -176,20 +178,20 @@ class Trainer:
             f"tokenizer_sha256 = {tokenizer_sha256}\n"
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        optimizer_state = self.replica.optimizer_state()
-        return {
-            "model": self.replica.model_state(),
-            **({} if optimizer_state is None else {"inner_optimizer": optimizer_state}),
-            "outer": self.diloco.state_dict(),
-            "data": self.batches.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-            **({"swarm": carried} if self.swarm is not None and (carried := self.swarm.state_dict()) else {}),
-        }
+    def state_dict(self, *, model_is_global: bool = False) -> dict[str, Any]:
+        """The checkpoint's state tree (node/checkpoint_state.py); ``model_is_global``: the model holds θ_global."""
+        return self._checkpoint_state(model_is_global)[0]
 
-    def save(self) -> None:
-        """Checkpoint the state now: copied to host memory here, hashed and written on the writer's
-        thread (node/checkpoint_writer.py) while training goes on; the loop polls it."""
+    def _checkpoint_state(self, model_is_global: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        return checkpoint_state(
+            replica=self.replica, diloco=self.diloco, batches=self.batches, swarm=self.swarm,
+            host=self.round_end.host.get(), model_is_global=model_is_global,
+        )  # fmt: skip
+
+    def save(self, *, model_is_global: bool = False) -> None:
+        """Checkpoint the state now: copied to host memory here (the global state: the round's one
+        copy, node/round_end.py), hashed and written on the writer's thread (node/checkpoint_writer.py)
+        while training goes on; the loop polls it. ``model_is_global``: the model holds θ_global now."""
         progress = self.progress
         if self._saved_step == progress.step:
             return
@@ -202,42 +204,24 @@ class Trainer:
             "model": self.config.model,
             "time": time.time(),
         }  # + param_hash, of the snapshot's global params, by the writer
-        self.checkpoints.submit(f"step-{progress.step:010d}", self.state_dict(), meta)
+        state, owned = self._checkpoint_state(model_is_global)
+        self.checkpoints.submit(f"step-{progress.step:010d}", state, meta, owned=owned)
         self._saved_step = progress.step
 
     def _restore(self, path: Path) -> None:
-        state, meta = load_checkpoint(path)
-        if meta["corpus_sha256"] != self.corpus.sha256:
-            raise ConfigError(
-                f"{path} was trained on corpus {meta['corpus_sha256'][:12]}, this run reads {self.corpus.sha256[:12]}; "
-                "use the same --data and --tokenizer or a new --run-dir"
-            )
-        try:
-            self.replica.load_model_state(state["model"])
-            self.diloco.load_state_dict(state["outer"])
-        except (RuntimeError, ValueError) as error:
-            raise ConfigError(
-                f"{path} does not fit model {self.config.model!r}: {str(error).splitlines()[0]}"
-            ) from None
-        if "inner_optimizer" in state:
-            self.replica.load_optimizer_state(state["inner_optimizer"])
-        self.batches.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self._restored_swarm_state = state.get("swarm", {})  # the swarm session loads it once started
+        meta, self._restored_swarm_state = restore_state(
+            path, replica=self.replica, diloco=self.diloco, batches=self.batches,
+            corpus_sha256=self.corpus.sha256, model_name=self.config.model,
+        )  # fmt: skip
         self.progress = Progress(
             step=meta["step"], round=meta["round"], tokens=meta["tokens"], round_tokens=meta["round_tokens"]
         )
-        if self.diloco.param_hash() != meta["param_hash"]:
-            raise RuntimeError(f"{path}: restored params do not match the saved param_hash")
         self.resumed_from = path
         self._saved_step = self.progress.step
         log.info(
             "resumed from %s: round %d, step %d, param_hash %s",
-            path,
-            meta["round"],
-            meta["step"],
-            meta["param_hash"][:12],
-        )
+            path, meta["round"], meta["step"], meta["param_hash"][:12],
+        )  # fmt: skip
 
     def adopt(self, state: AdoptedState) -> None:
         """Continue from the swarm's global state: params, outer momentum, counters, data position.
@@ -277,11 +261,12 @@ class Trainer:
         """The global state as served to joiners (``swarm_state.state_snapshot``): after ``round``
         (default the rounds applied), at ``boundary`` (default the step and data position now)."""
         step, data = boundary if boundary is not None else (self.progress.step, self.batches.state_dict())
-        with self.diloco.consistent():  # params and momentum of the same round
-            params, momentum = self.diloco.global_params, self.diloco.momentum_buffer()
+        host = self.round_end.host.get()  # the round's one host copy, shared with the checkpoint
         return state_snapshot(
-            global_params=params,
-            outer_momentum=momentum,
+            global_params=host.params,
+            outer_momentum=host.momentum,
+            param_hash=host.param_hash,
+            copy=False,
             round=self.progress.round if round is None else round,
             step=step,
             data=data,
@@ -330,8 +315,7 @@ class Trainer:
     def inner_step(self) -> dict[str, Any]:
         """One AdamW step on the next batch of this node's shard; returns its step record."""
         start = time.perf_counter()
-        if self._since_round is None:  # the first round's wall time starts at this process's first step
-            self._since_round = start
+        self.round_end.phase_started(start)  # the first round's wall time starts at this process's first step
         batches = [self.batches.next_batch() for _ in range(self.config.grad_accumulation)]  # (B, T) pairs
         lr = self.schedule.lr(self.progress.step)
         loss_value = self.replica.train_step(batches, lr)  # returns when the step is done
@@ -377,73 +361,44 @@ class Trainer:
             report = self._act_on(report, self.submitted_boundary if self.diloco.overlap else None)
             if report.adopted:
                 delta = None  # this phase's progress belongs to other params
-        record = None if report is None else self._round_record(report, compute_seconds)
-        if record is not None:
-            self._log_round(record)
+        record = None
+        if report is not None:
+            # Without overlap (or after adopting) the model restarts from θ_global: it holds it now.
+            model_is_global = not self.diloco.overlap or report.adopted
+            record = self._round_record(report, compute_seconds, model_is_global=model_is_global)
             if self.config.checkpoint_every and self.progress.round % self.config.checkpoint_every == 0:
-                self.save()  # before submit: no round in flight, so the saved state is consistent
+                # Before submit: no round in flight, so the saved state is consistent.
+                self.save(model_is_global=model_is_global)
         if delta is not None:
             self.submitted_boundary = (progress.step, self.batches.state_dict())
             self.diloco.submit(delta, round_index=self._phase(), weight=weight)
         # The next phase starts now (self.progress: an adopted state replaced the object `progress` is).
-        self._phase_started, self._phase_start_step = time.monotonic(), self.progress.step
-        self._extended_since = None
+        self.phase_clock.restart(self.progress.step)
         return record
 
     def _phase_due(self) -> bool:
-        """Whether the inner phase is over: after H steps, or with ``--round-seconds S`` once it has
-        lasted S seconds (at least one step); in either case not while a node is fetching our
-        lineage's state to join it (``SwarmSession.lineage_peer_due``): we train on, at most
-        ``MAX_DUE_WAIT`` longer, so that it joins this round instead of arriving one round late.
-
-        Rounds due by time let nodes of uneven speeds reach each round together, each contributing
-        the tokens it trained (the mean is weighted by tokens): a fast node never idles at the
-        barrier for a slow one, and a slow one is never left out (hivemind's target batch size and
-        Psyche's fixed time windows are the same idea). With ``--overlap`` such a phase also runs on
-        until the round in flight has landed, so a link slower than the phase never blocks the
-        training thread: the round simply lasts longer."""
-        config, progress = self.config, self.progress
-        now = time.monotonic()
-        if self._phase_started is None:  # the first phase of this process (or after a resume)
-            self._phase_started = now - progress.round_compute_seconds
-            self._phase_start_step = progress.step - progress.step % config.inner_steps
-        if config.round_seconds:
-            if progress.round_tokens == 0 or now - self._phase_started < config.round_seconds:
-                return False
-            if not self.diloco.pending_done():  # overlap: train on until the round in flight lands
-                return False
-        elif progress.step - self._phase_start_step < config.inner_steps:
-            return False
-        if self.swarm is None or not self.swarm.lineage_peer_due():
-            return True
-        if self._extended_since is None:
-            self._extended_since = now
-            log.info("a node is fetching our lineage's state: training on until it joins")
-        return now - self._extended_since >= MAX_DUE_WAIT.total_seconds()
+        """Whether the inner phase is over (``node/phase_clock.py``)."""
+        return self.phase_clock.due(
+            self.progress,
+            pending_done=self.diloco.pending_done,
+            peer_due=None if self.swarm is None else self.swarm.lineage_peer_due,
+        )
 
     def _phase(self) -> int:
         """The outer round the current inner phase belongs to (1-based)."""
         return self.progress.round + 1 + (self.diloco.pending_round is not None)
 
     def _round_record(
-        self, report: OuterStepReport, compute_seconds: float, *, final: bool = False
+        self, report: OuterStepReport, compute_seconds: float, *, model_is_global: bool, final: bool = False
     ) -> dict[str, Any]:
-        progress = self.progress
-        # Held-out eval at the run's first and last rounds and every eval_every rounds (null in others).
-        final = final or self._done() or self._stop.is_set()
-        due = final or progress.round == 1 or progress.round % self.eval_every == 0
-        eval_loss = self.evaluate() if due else None
-        now = time.perf_counter()  # the record's wall interval: to here, after the eval, before the save
-        wall = now - (self._since_round if self._since_round is not None else now)
-        self._since_round = now
-        return round_record(
+        """The round's record, written now or once its background eval is in (node/round_end.py)."""
+        return self.round_end.record(
             report,
-            progress=progress,
+            progress=self.progress,
             compute_seconds=compute_seconds,
-            wall_seconds=wall,
-            eval_loss=eval_loss,
-            overlap=self.diloco.overlap,
             shard=(self.batches.shard_index, self.batches.num_shards),
+            final=final or self._done() or self._stop.is_set(),
+            model_is_global=model_is_global,
         )
 
     def _finish_rounds(self) -> None:
@@ -453,11 +408,9 @@ class Trainer:
             report = self._act_on(report, self.submitted_boundary)
             if not report.adopted:
                 self.diloco.load_global_into_model()
-            self._log_round(self._round_record(report, 0.0, final=True))
+            self._round_record(report, 0.0, model_is_global=True, final=True)
         self.diloco.close()
-
-    def _log_round(self, record: dict[str, Any]) -> None:
-        self.metrics.write(record)  # its sinks log the round line (node/progress.py) and export it
+        self.round_end.finish()  # the last eval waited for, every round record written
 
     def run(self) -> None:
         """Train until a limit is reached or :meth:`request_stop` is called; checkpoint and export the
@@ -482,6 +435,7 @@ class Trainer:
                         self.swarm.load_state_dict(self._restored_swarm_state)
                 self._train()
             finally:
+                self.round_end.close()  # the eval thread (a failed run's records are written as they are)
                 self.metrics.close()
             self.save()
             self.checkpoints.wait()  # on disk before the export (and a failed write fails the run)
@@ -496,6 +450,7 @@ class Trainer:
             record = self.inner_step()
             self.metrics.write(record)  # its sinks log every log_every-th step and export it
             self.checkpoints.poll()  # a background write that finished is logged; one that failed raises
+            self.round_end.poll()  # a background eval that landed: its round record is written
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
             if self._phase_due():
@@ -512,7 +467,7 @@ class Trainer:
                 # swarm already moved past our state, let the round's lineage check catch us up;
                 # on the swarm's step count and data position (if the round sends us to adopt
                 # again, the adopted state sets both).
-                done = self.progress.step - self._phase_start_step
+                done = self.progress.step - self.phase_clock.start_step
                 missing = 0 if config.round_seconds else max(config.inner_steps - done, 0)
                 log.info("ending the phase %d steps early to join the swarm's round", missing)
                 self.batches.skip(missing)

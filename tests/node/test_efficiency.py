@@ -17,6 +17,7 @@ from node.efficiency import (
     STEP_COST_IN_FORWARDS,
     eval_interval,
     resolve_compile,
+    resolve_eval_background,
     resolve_precision,
 )
 from node.meta_init import build_model
@@ -57,6 +58,16 @@ def test_auto_settings_on_cpu() -> None:
         resolve_compile("on", CPU, local_workers=True)
     with pytest.raises(ConfigError, match="compile"):
         NodeConfig(compile="sometimes")
+    # The held-out eval on its own thread: on with CUDA, inline on CPU and with local workers.
+    assert resolve_eval_background("auto", CPU, local_workers=False) is False
+    assert resolve_eval_background("on", CPU, local_workers=False) is True
+    assert resolve_eval_background("auto", torch.device("cuda"), local_workers=False) is True
+    assert resolve_eval_background("auto", torch.device("cuda"), local_workers=True) is False
+    assert resolve_eval_background("off", torch.device("cuda"), local_workers=False) is False
+    with pytest.raises(ConfigError, match="--eval-background on"):
+        resolve_eval_background("on", CPU, local_workers=True)
+    with pytest.raises(ConfigError, match="eval_background"):
+        NodeConfig(eval_background="later")
 
 
 def test_eval_every_auto_keeps_eval_within_its_budget() -> None:

@@ -1,0 +1,211 @@
+"""A round's end (node/round_end.py, node/held_out.py): the held-out eval off the training thread gives
+the inline eval's numbers, does not hold the next phase, and the round end makes one host copy of
+the params, shared by the served snapshot, the checkpoint and the eval."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from node import load_model
+from node.diloco import AveragingOutcome, SoloAverager
+from node.held_out import HeldOutEval
+from node.model import cross_entropy_loss
+from node.swarm_seam import Boundary, GlobalStateAccess
+from node.swarm_state import GLOBAL_PARAMS
+from node.trainer import Trainer
+from protocol.statesync.snapshot import Snapshot
+from tests.node.test_checkpoint_writer import records, small_config, wait_until
+from tests.node.test_trainer import corpus_file
+
+__all__ = ["corpus_file"]  # fixture
+
+aten = torch.ops.aten
+
+
+def exported_eval_loss(trainer: Trainer) -> float:
+    """Independent reference: the held-out loss of the model the run exported (its global params),
+    loaded afresh from disk and run on the trainer's held-out batches."""
+    model = load_model(trainer.run_dir)
+    with torch.no_grad():
+        losses = [cross_entropy_loss(model(x), y).item() for x, y in trainer.eval_set]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_background_eval_gives_the_inline_eval_of_the_global_params(
+    corpus_file: Path, tmp_path: Path, overlap: bool
+) -> None:
+    runs = {}
+    for mode in ("off", "on"):
+        trainer = Trainer(
+            small_config(
+                corpus_file,
+                tmp_path / mode,
+                max_rounds=3,
+                eval_every=1,
+                eval_background=mode,
+                overlap=overlap,
+            )
+        )
+        assert (trainer.round_end.background is not None) == (mode == "on")
+        trainer.run()
+        runs[mode] = (trainer, records(tmp_path / mode, "round"))
+    inline, background = runs["off"][1], runs["on"][1]
+    assert [r["round"] for r in background] == [r["round"] for r in inline] == [1, 2, 3]
+    assert [r["param_hash"] for r in background] == [r["param_hash"] for r in inline]
+    assert all(isinstance(r["eval_loss"], float) for r in inline)
+    # Same params, same batches: the same numbers, bit for bit.
+    assert [r["eval_loss"] for r in background] == [r["eval_loss"] for r in inline]
+    # ... and they are the loss of the global params (the last round's: what the run exported).
+    for trainer, rounds in runs.values():
+        assert rounds[-1]["eval_loss"] == exported_eval_loss(trainer)
+
+
+@pytest.mark.timeout(180)
+def test_next_phase_trains_while_the_eval_runs_and_the_record_waits_for_it(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    real = HeldOutEval._mean_loss
+    calls = []
+
+    def held_first_eval(self: HeldOutEval) -> float:
+        calls.append(1)
+        if len(calls) == 1:  # round 1's eval: held until the test lets it go
+            entered.set()
+            assert release.wait(120), "the test never released the eval"
+        return real(self)
+
+    monkeypatch.setattr(HeldOutEval, "_mean_loss", held_first_eval)
+    trainer = Trainer(small_config(corpus_file, tmp_path, max_rounds=2, eval_every=1, eval_background="on"))
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            trainer.run()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread below
+            failure.append(error)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        assert entered.wait(120), "round 1's eval never started"
+        # While round 1's eval is held, round 2's inner steps (4..6) run; round 1's record waits for its loss.
+        went_on = wait_until(lambda: len(records(tmp_path, "step")) >= 6, 120)
+        held_meanwhile = records(tmp_path, "round") == []
+    finally:
+        release.set()
+        thread.join(120)
+    assert not failure, failure
+    assert went_on, "the inner steps waited for the held-out eval"
+    assert held_meanwhile, "round 1's record was written before its eval was in"
+    rounds = records(tmp_path, "round")
+    assert [r["round"] for r in rounds] == [1, 2] and all(isinstance(r["eval_loss"], float) for r in rounds)
+    assert rounds[-1]["eval_loss"] == exported_eval_loss(trainer)
+
+
+class HostCopyCounter(TorchDispatchMode):
+    """Counts the numbers copied out of the params (θ_global and the model's parameters, and the copies
+    made of them, transitively) into new tensors, on the thread that enters it. The outer step's own
+    arithmetic (Δ = θ_global − θ_local, the Nesterov step, θ_local ← θ_global) copies none."""
+
+    def __init__(self, live: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live = {tensor.untyped_storage().data_ptr() for tensor in live}
+        self.copies: set[int] = set()  # storages of the copies counted so far
+        self.numbers = 0
+
+    @staticmethod
+    def _storage(tensor: object) -> int | None:
+        return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
+
+    def _count(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        if self._storage(source) in self.live | self.copies and self._storage(target) not in self.live:
+            self.numbers += source.numel()
+            self.copies.add(target.untyped_storage().data_ptr())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (aten.clone.default, aten._to_copy.default):
+            self._count(args[0], out)
+        elif func is aten.copy_.default:
+            self._count(args[1], args[0])
+        return out
+
+
+class ServingSwarm(SoloAverager):
+    """A swarm side of one that serves each round's state as ``SwarmSession.publish`` does (the
+    loop's ``snapshot`` callable, after the round)."""
+
+    num_adoptions = 0
+
+    def __init__(self) -> None:
+        self.served: list[Snapshot] = []
+
+    def start(self, loop: GlobalStateAccess) -> None:
+        self.loop = loop
+
+    def after_round(self, decision: Any, members: tuple[str, ...], boundary: Boundary | None = None) -> None:
+        self.served.append(self.loop.snapshot(None, boundary))
+
+    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+        return super().average(vector, round_index=round_index, weight=weight)
+
+    def publish_landed(self, round: int, boundary: Boundary) -> None:
+        raise AssertionError("no overlap here")
+
+    def phase_should_end(self) -> bool:
+        return False
+
+    def lineage_peer_due(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+@pytest.mark.timeout(180)
+def test_round_end_makes_one_host_copy_of_the_params(corpus_file: Path, tmp_path: Path) -> None:
+    swarm = ServingSwarm()
+    # Checkpoint every round, eval every round in the background, the state served after each.
+    config = small_config(corpus_file, tmp_path, max_rounds=3, eval_every=1, eval_background="on")
+    trainer = Trainer(config, swarm=swarm)
+    live = [*trainer.diloco.params, trainer.diloco.outer.params()]
+    counter = HostCopyCounter(live)
+    copied_per_round: list[int] = []
+    round_end = trainer.outer_round
+
+    def counted_outer_round() -> dict[str, Any] | None:
+        before = counter.numbers
+        with counter:  # this thread only: the writer's and the eval's threads copy nothing of the live params
+            record = round_end()
+        copied_per_round.append(counter.numbers - before)
+        return record
+
+    trainer.outer_round = counted_outer_round  # type: ignore[method-assign]
+    trainer.run()
+    num_params = trainer.diloco.num_elements
+    assert len(copied_per_round) == 3 and len(swarm.served) == 3
+    assert copied_per_round == [num_params] * 3, "more than one host copy of the params per round end"
+    # The one copy is shared: the served snapshot holds it, the eval model's params are views of it.
+    host = trainer.round_end.host.get()
+    assert swarm.served[-1].tensors[GLOBAL_PARAMS].data_ptr() == host.params.data_ptr()
+    assert swarm.served[-1].state_id == host.param_hash == records(tmp_path, "round")[-1]["param_hash"]
+    background = trainer.round_end.background
+    assert background is not None
+    eval_param = next(background.model.parameters())
+    assert eval_param.untyped_storage().data_ptr() == host.params.untyped_storage().data_ptr()
+    # ... and the checkpoint written from it holds the round's state: resume is still exact.
+    resumed = Trainer(small_config(corpus_file, tmp_path, max_rounds=3))
+    assert resumed.diloco.param_hash() == host.param_hash and resumed.progress.round == 3
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in resumed.diloco.params]), host.params)
