@@ -29,7 +29,7 @@ from node.cli_flags import add_config_flags
 from node.config import ConfigError, NodeConfig, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "wan_emulator.py"
+WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "tools" / "wan_emulator.py"
 LOOPBACK = "127.0.0.1"
 NODE_DEFAULTS = {f.name: f.default for f in fields(NodeConfig)}
 
@@ -193,7 +193,7 @@ def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None)
 
 
 def load_wan_emulator() -> ModuleType:
-    """``scripts/wan_emulator.py`` of this checkout, loaded by path; ConfigError if it cannot run here."""
+    """``scripts/tools/wan_emulator.py`` of this checkout, loaded by path; ConfigError if it cannot run here."""
     if not WAN_EMULATOR_PATH.is_file():
         raise ConfigError(
             f"--link-mbit needs the WAN emulator {WAN_EMULATOR_PATH} (a source checkout of dtnode)"

@@ -6,7 +6,7 @@ The N nodes are separate processes, as on N machines; the launcher never talks t
    writes ``RUN_DIR/node-0/node.json``; nodes 1..N-1 then join through its multiaddr (``--peers``).
    Each runs in its own process group (a Ctrl-C in the terminal reaches only the launcher, which
    decides how to stop them), output in ``RUN_DIR/node-<i>.log``. With ``link_mbit`` each node
-   runs on its own host of the WAN emulator (``scripts/wan_emulator.py``: a network namespace
+   runs on its own host of the WAN emulator (``scripts/tools/wan_emulator.py``: a network namespace
    with a capped uplink) and listens on that host's address. With ``stagger`` node i starts
    ``i * stagger`` after node 0 (late joiners on purpose). Node i's pid, which is also its process
    group's id, is in ``RUN_DIR/node-<i>.pid`` (a benchmark may freeze it with SIGSTOP).

@@ -3,8 +3,8 @@
 Three setups, chosen once at start by :func:`configure_logging`:
 
 - ``text`` on a pipe or file (a launcher, a script, a test): plain lines
-  ``HH:MM:SS logger message`` on stderr. Scripts parse these (``scripts/join_log.py``,
-  ``scripts/bench_utilization.py``), so their format does not change.
+  ``HH:MM:SS logger message`` on stderr. Scripts parse these (``scripts/bench/join_log.py``,
+  ``scripts/bench/bench_utilization.py``), so their format does not change.
 - ``text`` on a terminal: the same lines, printed through one shared rich console
   (:func:`terminal_console`) so that they scroll above the live display of ``node/progress.py``
   instead of tearing it.

@@ -2,7 +2,7 @@
 the servicer refuses with INVALID_ARGUMENT.
 
 With the generated registration a request that does not parse makes gRPC answer UNKNOWN and log a
-traceback, so a peer's garbage would look like our own bug (found by ``scripts/fuzz_rpcs.py``).
+traceback, so a peer's garbage would look like our own bug (found by ``scripts/tools/fuzz_rpcs.py``).
 """
 
 from __future__ import annotations

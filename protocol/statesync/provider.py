@@ -233,7 +233,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
         chunk_bytes = min(request.max_chunk_bytes or self.config.max_chunk_bytes, self.config.max_chunk_bytes)
         if -(-request.length // chunk_bytes) > MAX_CHUNKS_PER_RANGE:
             # Tiny chunks cost a gRPC message each: 1-byte chunks of a 256 MiB range would hold a
-            # transfer slot for 256M writes (found by scripts/fuzz_rpcs.py).
+            # transfer slot for 256M writes (found by scripts/tools/fuzz_rpcs.py).
             raise ProtocolError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.length} bytes in chunks of {chunk_bytes} take more than {MAX_CHUNKS_PER_RANGE} "

@@ -1,5 +1,5 @@
 """A real node (``dtnode join``) SIGKILLed inside its checkpoint writes resumes from the last complete
-checkpoint with the param_hash it saved (scripts/checkpoint_crash.py; the full run takes 20 trials)."""
+checkpoint with the param_hash it saved (scripts/tools/checkpoint_crash.py; the full run takes 20 trials)."""
 
 from __future__ import annotations
 

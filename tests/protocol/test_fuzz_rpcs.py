@@ -1,4 +1,4 @@
-"""Fuzzing every RPC of a live node (scripts/fuzz_rpcs.py, 200 calls per RPC here, 10,000 in the full
+"""Fuzzing every RPC of a live node (scripts/tools/fuzz_rpcs.py, 200 calls per RPC here, 10,000 in the full
 run): no crash, no hang, the node stays healthy and then completes a normal, exact round. Plus the
 regressions the fuzzer found: bytes that do not parse as the request get INVALID_ARGUMENT from the
 membership and state-sync services, not UNKNOWN with a traceback."""

@@ -26,7 +26,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import get_codec
 from tests.scripts.script_loader import load_script
 
-simulated = load_script("simulated_allreduce")  # bench_convergence imports these two by their bare names
+simulated = load_script("simulated_allreduce")
 variants = load_script("convergence_variants")
 bench = load_script("bench_convergence")
 

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py: its dry run on CPU, its figures from what it timed, its verdict line."""
+"""scripts/bench/bench_gpu.py: its dry run on CPU, its figures from what it timed, its verdict line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/bench_intranode.py: bubble formulas and verdict on hand-made records, then one tiny real run."""
+"""scripts/bench/bench_intranode.py: bubble formulas and verdict on hand-made records, then one tiny real run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import load_script, script_path
 
 bench = load_script("bench_intranode")
 
@@ -76,7 +76,7 @@ def test_verdict_fails_when_zero_does_not_shard_or_a_layout_fails() -> None:
 @pytest.mark.timeout(90)
 def test_tiny_run_shards_the_optimizer_state_and_measures_the_bubble() -> None:
     argv = [
-        sys.executable, str(SCRIPTS_DIR / "bench_intranode.py"), "--layouts", "pp2-1f1b", "dp2-zero1",
+        sys.executable, str(script_path("bench_intranode")), "--layouts", "pp2-1f1b", "dp2-zero1",
         "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--warmup-steps", "1", "--microbatches", "2",
         "--bubble-microbatches", "2", "--reference-threads", "1", "--timeout", "60",
     ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""scripts/bench_join.py end to end with the nano model: a joiner fetches the state over a capped link
+"""scripts/bench/bench_join.py end to end with the nano model: a joiner fetches the state over a capped link
 and contributes to a round; Ctrl-C leaves no process or namespace behind.
 
 The figures are checked against independent references: the fetched state is the fp32 global params
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.scripts.processes import processes_mentioning
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 wan_emulator = load_script("wan_emulator")
 _reason = wan_emulator.unavailable_reason()
@@ -29,7 +29,7 @@ REPO_ROOT = SCRIPTS_DIR.parent
 NANO_PARAMS = 919_680  # the nano preset on the embedded corpus (tests/node/test_swarm_cli.py)
 MAX_METADATA_BYTES = 4096
 LINK_MBIT = 100.0
-BENCH = [sys.executable, str(SCRIPTS_DIR / "bench_join.py"), "--model", "nano", "--inner-steps", "10"]
+BENCH = [sys.executable, str(script_path("bench_join")), "--model", "nano", "--inner-steps", "10"]
 
 
 def emulator_namespaces(owner_pid: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""scripts/bench_outer_shard.py: one small real run (nano, tp=2, 2 rounds) prints records that hold."""
+"""scripts/bench/bench_outer_shard.py: one small real run (nano, tp=2, 2 rounds) prints records that hold."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from tests.scripts.script_loader import SCRIPTS_DIR
+from tests.scripts.script_loader import script_path
 
 
 @pytest.mark.timeout(180)
 def test_a_small_run_shows_each_rank_holding_half_and_the_same_state() -> None:
-    argv = [sys.executable, str(SCRIPTS_DIR / "bench_outer_shard.py"), "--model", "nano", "--seq-len", "16",
+    argv = [sys.executable, str(script_path("bench_outer_shard")), "--model", "nano", "--seq-len", "16",
             "--layouts", "tp2", "--rounds", "2"]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-2000:]

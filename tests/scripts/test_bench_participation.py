@@ -1,4 +1,4 @@
-"""scripts/bench_participation.py: its figures from hand-written records against hand computations,
+"""scripts/bench/bench_participation.py: its figures from hand-written records against hand computations,
 its runs' commands through the real parser, the freeze of case c on a real process group, then one
 short run (--cases d --quick: three nano nodes) whose printed figures match the nodes' own files.
 """
@@ -17,10 +17,8 @@ from typing import Any
 import pytest
 
 from node.cli import build_parser
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
-load_script("wan_emulator")  # imported by the scripts as top-level modules
-load_script("bench_utilization")
 bench = load_script("bench_participation")
 
 REPO_ROOT = SCRIPTS_DIR.parent
@@ -162,7 +160,7 @@ def test_freezer_stops_the_node_group_for_one_and_a_half_periods(tmp_path):
 @pytest.mark.timeout(300)
 def test_quick_d_run_reports_the_nodes_own_figures(tmp_path):
     completed = subprocess.run(
-        [sys.executable, str(SCRIPTS_DIR / "bench_participation.py"), "--cases", "d", "--quick",
+        [sys.executable, str(script_path("bench_participation")), "--cases", "d", "--quick",
          "--keep-logs", str(tmp_path)],
         capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""scripts/bench_resources.py's growth measure against hand-computed series."""
+"""scripts/bench/bench_resources.py's growth measure against hand-computed series."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ from protocol.allreduce.robust import AggregationRule
 from protocol.codecs import get_codec
 from tests.scripts.script_loader import load_script
 
-simulated = load_script("simulated_allreduce")  # bench_robust imports these by their bare names
-load_script("convergence_variants")
+simulated = load_script("simulated_allreduce")
 bench = load_script("bench_robust")
 
 

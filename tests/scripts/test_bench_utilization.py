@@ -1,4 +1,4 @@
-"""scripts/bench_utilization.py: its figures from hand-written round records, then two short runs on
+"""scripts/bench/bench_utilization.py: its figures from hand-written round records, then two short runs on
 loopback (2 nano nodes): the printed figures match the nodes' own metrics, and Ctrl-C (twice) stops
 every node.
 """
@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 
 from tests.scripts.processes import processes_mentioning
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
-load_script("wan_emulator")  # imported by the script as a top-level module
 bench = load_script("bench_utilization")
 
 REPO_ROOT = SCRIPTS_DIR.parent
@@ -33,7 +32,7 @@ SETTINGS = bench.Settings(
     timeout=bench.datetime.timedelta(seconds=60),
 )
 SMALL_RUN = [
-    sys.executable, str(SCRIPTS_DIR / "bench_utilization.py"), "--links", "0", "--nodes", "2",
+    sys.executable, str(script_path("bench_utilization")), "--links", "0", "--nodes", "2",
     "--model", "nano", "--inner-steps", "5",
 ]  # fmt: skip
 

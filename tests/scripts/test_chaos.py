@@ -1,4 +1,4 @@
-"""scripts/chaos.py: its checks catch what they claim to (on hand-made records), and a short run of
+"""scripts/tools/chaos.py: its checks catch what they claim to (on hand-made records), and a short run of
 real faults in the WAN emulator — a restart, a kill, a pause, a partition, a slow link — ends with
 every node recovered, rejoined and in agreement.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
-wan_emulator = load_script("wan_emulator")  # first: chaos.py imports it by its script name
+wan_emulator = load_script("wan_emulator")
 chaos = load_script("chaos")
 _reason = wan_emulator.unavailable_reason()
 
@@ -111,7 +111,7 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
     results = []
     for kinds in ("restart,kill", "stop,partition,slow_link"):
         num_trials = len(kinds.split(","))
-        argv = [sys.executable, str(SCRIPTS_DIR / "chaos.py"), "--nodes", "4", "--trials", str(num_trials)]
+        argv = [sys.executable, str(script_path("chaos")), "--nodes", "4", "--trials", str(num_trials)]
         argv += [
             "--kinds",
             kinds,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import load_script, script_path
 
 hivemind_worker = load_script("hivemind_worker")
 allreduce_worker = load_script("allreduce_worker")
@@ -85,7 +85,7 @@ def test_two_peers_on_loopback_average_exactly(tmp_path: Path) -> None:
         subprocess.Popen(
             [
                 sys.executable,
-                str(SCRIPTS_DIR / "hivemind_worker.py"),
+                str(script_path("hivemind_worker")),
                 *["--index", str(index), "--num-peers", "2", "--elements", str(num_elements)],
                 *["--codec", "none", "--seed", str(seed), "--vector-round", "1"],
                 *["--rendezvous", str(rendezvous)],

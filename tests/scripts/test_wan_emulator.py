@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.scripts.script_loader import SCRIPTS_DIR, load_script
+from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 wan_emulator = load_script("wan_emulator")
 WanEmulator = wan_emulator.WanEmulator  # loaded by path, so helpers below take it as `Any`
@@ -161,7 +161,7 @@ def test_cli_runs_command_on_every_host_and_cleans_up(tmp_path: Path) -> None:
     command = (
         'echo "$WAN_HOST_INDEX $WAN_NUM_HOSTS $WAN_ADDRESSES $WAN_HOST_ADDRESS" > "$OUT/$WAN_HOST_INDEX"'
     )
-    cli = [sys.executable, str(SCRIPTS_DIR / "wan_emulator.py"), "--prefix", prefix, "--hosts", "3"]
+    cli = [sys.executable, str(script_path("wan_emulator")), "--prefix", prefix, "--hosts", "3"]
     completed = subprocess.run(
         [*cli, "--link-mbit", "10", "--", "sh", "-c", command],
         env=dict(os.environ, OUT=str(tmp_path)),
@@ -184,7 +184,7 @@ def test_cli_propagates_the_first_failure_and_stops_the_rest() -> None:
     prefix = unique_prefix()
     # Host 1 fails at once; host 0 would sleep far past the test's timeout unless it is killed.
     command = '[ "$WAN_HOST_INDEX" = 1 ] && exit 3; sleep 300'
-    cli = [sys.executable, str(SCRIPTS_DIR / "wan_emulator.py"), "--prefix", prefix, "--hosts", "2"]
+    cli = [sys.executable, str(script_path("wan_emulator")), "--prefix", prefix, "--hosts", "2"]
     completed = subprocess.run([*cli, "--", "sh", "-c", command], timeout=50)
     assert completed.returncode == 3
     assert namespaces_with_prefix(prefix) == []
@@ -196,8 +196,8 @@ def test_sigterm_cleans_up_namespaces_and_processes(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys, time
-        sys.path.insert(0, {str(SCRIPTS_DIR)!r})
-        from wan_emulator import WanEmulator
+        sys.path.insert(0, {str(SCRIPTS_DIR.parent)!r})
+        from scripts.tools.wan_emulator import WanEmulator
         wan = WanEmulator(2, 10, name_prefix={prefix!r})
         child = wan.popen(0, ["sleep", "300"])
         print(child.pid, flush=True)
@@ -247,7 +247,7 @@ def test_cli_ctrl_c_stops_hosts_and_cleans_up(tmp_path: Path) -> None:
     prefix = unique_prefix()
     started_flag = tmp_path / "started"
     command = f"touch {started_flag}; sleep 300"
-    cli = [sys.executable, str(SCRIPTS_DIR / "wan_emulator.py"), "--prefix", prefix, "--hosts", "2"]
+    cli = [sys.executable, str(script_path("wan_emulator")), "--prefix", prefix, "--hosts", "2"]
     launcher = subprocess.Popen([*cli, "--", "sh", "-c", command])
     deadline = time.monotonic() + 30
     while not started_flag.exists() and time.monotonic() < deadline:

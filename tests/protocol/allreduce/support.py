@@ -21,7 +21,7 @@ from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-WORKER = REPO_ROOT / "scripts" / "allreduce_worker.py"
+WORKER = REPO_ROOT / "scripts" / "workers" / "allreduce_worker.py"
 
 FAST_CONFIG = AllReduceConfig(
     chunk_num_elements=4096,
@@ -103,7 +103,7 @@ def exact_mean(
 
 
 class Workers:
-    """Launches scripts/allreduce_worker.py processes on loopback and collects their JSON lines."""
+    """Launches scripts/workers/allreduce_worker.py processes on loopback and collects their JSON lines."""
 
     def __init__(self, tmp_path: Path, num_peers: int, common_args: Sequence[str]) -> None:
         self.rendezvous = tmp_path / "rendezvous"

@@ -2,7 +2,7 @@
 worker itself, never by sleeping): the survivors must finish on time, bit-identical, with exactly the
 weighted mean of the contributors they report; the next round runs without the dead peer.
 
-Each test runs scripts/allreduce_worker.py processes on loopback with the `none` codec, so the
+Each test runs scripts/workers/allreduce_worker.py processes on loopback with the `none` codec, so the
 worker's own check (the exact float32 weighted mean over each part's reported contributors, summed in
 member order) must come out at an error of exactly 0. Every case runs with the result written into a
 new tensor and in place (into each peer's vector, whose numbers are then no longer there to resend).

@@ -14,8 +14,8 @@ Printed per layout (one JSON object each), then a summary object and one line:
     seconds_{delta,step,write}[_flat]: medians over the rounds;
     bit_identical: the sharded state's params and momentum equal the flat one's after every round.
 
-    python scripts/bench_outer_shard.py                     # tiny, tp2 and dp2-tp2, 3 rounds
-    python scripts/bench_outer_shard.py --model nano --layouts tp2 --rounds 2
+    python scripts/bench/bench_outer_shard.py                     # tiny, tp2 and dp2-tp2, 3 rounds
+    python scripts/bench/bench_outer_shard.py --model nano --layouts tp2 --rounds 2
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """dtnode's all-reduce against hivemind's DecentralizedAverager: same peers, same links, same vectors.
 
 For every combination of ``--peers``, ``--elements`` and ``--codec``, N peer processes average one fp32
-vector of E numbers, first with dtnode (``scripts/allreduce_worker.py``: ``--rounds`` rounds of its
-reduce-scatter + all-gather), then with hivemind 1.1.12 (``scripts/hivemind_worker.py``: one step of
+vector of E numbers, first with dtnode (``scripts/workers/allreduce_worker.py``: ``--rounds`` rounds of its
+reduce-scatter + all-gather), then with hivemind 1.1.12 (``scripts/workers/hivemind_worker.py``: one step of
 its butterfly all-reduce, Ryabinin et al., "Moshpit SGD", NeurIPS 2021) with the closest codec:
 none -> NoCompression, fp16 / bf16 -> Float16Compression, int8 / int4 -> Uniform8BitQuantization.
 Both generate peer i's vector with ``allreduce_worker.make_vector(seed, i, round, E)`` and hivemind
 averages the inputs of dtnode's round 0, so both average bit-identical inputs; both check their
 result against torch's exact mean of the regenerated vectors. With ``--link-mbit M`` the peers run
-in ``scripts/wan_emulator.py``'s network namespaces, each uplink capped at M Mbit/s (needs root,
+in ``scripts/tools/wan_emulator.py``'s network namespaces, each uplink capped at M Mbit/s (needs root,
 else exit 2); without it, on loopback 127.0.0.1. The two never run at the same time. dtnode writes
 each peer's average into its vector (``allreduce(in_place=True)``, as torch.distributed does;
 ``result: "in-place"``) unless ``--result copy`` asks for a new tensor, one more vector of memory.
@@ -58,8 +58,8 @@ Targets (``targets``; PASS / FAIL in the summary; only those that apply to the c
     speedup_vs_hivemind >= 2 for int8 at N = 2 and 4 on loopback, 25M-100M numbers;
     peak RSS per peer above the baseline <= 3 x the fp32 vector (the raw ratio is printed too).
 
-    python scripts/bench_allreduce.py --peers 2,4 --elements 25000000 --codec int8,none --rounds 3
-    python scripts/bench_allreduce.py --peers 4,8 --elements 25000000 --codec int8 --link-mbit 100
+    python scripts/bench/bench_allreduce.py --peers 2,4 --elements 25000000 --codec int8,none --rounds 3
+    python scripts/bench/bench_allreduce.py --peers 4,8 --elements 25000000 --codec int8 --link-mbit 100
 
 Exit code: 0 if every run completed (the verdicts are in the output), 1 if a run failed, 2 if the
 setup is impossible (no root for the emulator, too little memory), 130 on Ctrl-C.
@@ -78,7 +78,11 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-from allreduce_summary import (
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from protocol.codecs import CODEC_NAMES
+from scripts.bench.allreduce_summary import (
     HIVEMIND_CODECS,
     Setup,
     evaluate_targets,
@@ -86,12 +90,10 @@ from allreduce_summary import (
     summarize_hivemind,
     summary_line,
 )
-from peer_hosts import PeerHosts, run_peers
-from wan_emulator import unavailable_reason
+from scripts.bench.peer_hosts import PeerHosts, run_peers
+from scripts.tools.wan_emulator import unavailable_reason
 
-from protocol.codecs import CODEC_NAMES
-
-SCRIPTS_DIR = Path(__file__).resolve().parent
+WORKERS_DIR = Path(__file__).resolve().parents[1] / "workers"
 MEMORY_BUDGET_BYTES = 24 << 30
 # Planning estimate of one peer's footprint: interpreter + hivemind (~1 GiB) and up to six fp32
 # copies of the vector (hivemind's own, averaged and reference vectors plus check temporaries).
@@ -167,7 +169,7 @@ def check_memory(setups: list[Setup]) -> str | None:
 def dtnode_argv(setup: Setup, index: int, address: str, rendezvous: Path) -> list[str]:
     return [
         sys.executable,
-        str(SCRIPTS_DIR / "allreduce_worker.py"),
+        str(WORKERS_DIR / "allreduce_worker.py"),
         *["--index", str(index), "--num-peers", str(setup.num_peers), "--rendezvous", str(rendezvous)],
         *["--host", address, "--elements", str(setup.num_elements), "--codec", setup.codec],
         *["--rounds", str(setup.num_rounds), "--seed", str(setup.seed)],
@@ -182,7 +184,7 @@ def dtnode_argv(setup: Setup, index: int, address: str, rendezvous: Path) -> lis
 def hivemind_argv(setup: Setup, index: int, address: str, rendezvous: Path, timeout: float) -> list[str]:
     return [
         sys.executable,
-        str(SCRIPTS_DIR / "hivemind_worker.py"),
+        str(WORKERS_DIR / "hivemind_worker.py"),
         *["--index", str(index), "--num-peers", str(setup.num_peers), "--rendezvous", str(rendezvous)],
         *["--host", address, "--elements", str(setup.num_elements), "--codec", HIVEMIND_CODECS[setup.codec]],
         *["--seed", str(setup.seed), "--vector-round", "0"],

@@ -1,7 +1,7 @@
 """Does every live node train in every round? Issue 22's benchmark, on ``dtnode swarm`` runs.
 
 Each run is one ``python -m node.cli swarm …`` (``node/launcher.py``) in a scratch directory, in the
-WAN emulator (``scripts/wan_emulator.py``, needs root) where the case needs slow links; this script
+WAN emulator (``scripts/tools/wan_emulator.py``, needs root) where the case needs slow links; this script
 only reads what the nodes wrote (``metrics.jsonl``, the launcher's ``report.json``). Cases:
 
     a  a2, a4: 2 and 4 nodes, tiny, 5 inner steps, --link-mbit (20) uplinks, nodes started
@@ -42,9 +42,9 @@ solo_tokens_per_s: per node, with ``--solo-seconds S`` > 0 (cases a and b): the 
 targets (issue 22): participation >= 0.95 (a, b, c, d), tokens_ratio >= 0.90 (a, b), one final
     param_hash (all); met: every target of the run and no error.
 
-    python scripts/bench_participation.py --cases d --quick          # a dry run (3 nano nodes)
-    python scripts/bench_participation.py                            # a, b, c, d (an hour or more)
-    python scripts/bench_participation.py --cases a,b --node-args "--round-seconds 8"
+    python scripts/bench/bench_participation.py --cases d --quick          # a dry run (3 nano nodes)
+    python scripts/bench/bench_participation.py                            # a, b, c, d (an hour or more)
+    python scripts/bench/bench_participation.py --cases a,b --node-args "--round-seconds 8"
 
 Exit code: 0 if every run met its targets, 1 if one did not or could not be measured, 2 if the
 emulator cannot run here (case a needs root and iproute2), 130 on Ctrl-C or SIGTERM.
@@ -69,13 +69,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench_utilization import stop_launcher
-from wan_emulator import unavailable_reason
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.metrics import read_metrics
 from node.swarm_report import node_participation, swarm_participation
+from scripts.bench.bench_utilization import stop_launcher
+from scripts.tools.wan_emulator import unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = ("a", "b", "c", "d")
 TARGET_PARTICIPATION = 0.95
 TARGET_TOKENS_RATIO = 0.90

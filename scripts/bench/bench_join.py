@@ -1,6 +1,6 @@
 """How long a node takes to join a running swarm: from its start to its first contributed outer round.
 
-Issue 4's benchmark. Each trial runs in ``scripts/wan_emulator.py``'s network namespaces, one host
+Issue 4's benchmark. Each trial runs in ``scripts/tools/wan_emulator.py``'s network namespaces, one host
 per node, every link capped at ``--link-mbit``:
 
 1. start ``--nodes`` nodes (``dtnode join``; host 0 first, the others with ``--peers`` = host 0's
@@ -63,8 +63,8 @@ whose fetch outlasts the window misses rounds and steps to the swarm's state wit
 (``num_caught_up``: the wire codec's bytes, a fraction of the state); ``num_adoptions`` > 1 shows
 that it fetched the whole state again.
 
-    python scripts/bench_join.py                        # tiny model, 100 Mbit/s, H=10, 2 nodes + joiner
-    python scripts/bench_join.py --model nano --inner-steps 10 --link-mbit 20 --trials 3
+    python scripts/bench/bench_join.py                        # tiny model, 100 Mbit/s, H=10, 2 nodes + joiner
+    python scripts/bench/bench_join.py --model nano --inner-steps 10 --link-mbit 20 --trials 3
 
 Exit code: 0 if every trial reached its first contributed round (the verdicts are in the output),
 1 if one did not, 2 if the emulator cannot run here (needs root and iproute2), 130 on Ctrl-C.
@@ -89,7 +89,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from join_log import (
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from node.metrics import read_metrics
+from scripts.bench.join_log import (
     ADOPTED,
     CAUGHT_UP,
     FETCHED,
@@ -99,11 +103,9 @@ from join_log import (
     TRAINER_READY,
     StampedOutput,
 )
-from wan_emulator import WanEmulator, unavailable_reason
+from scripts.tools.wan_emulator import WanEmulator, unavailable_reason
 
-from node.metrics import read_metrics
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 0.2
 HASH_CHECK_TIMEOUT = datetime.timedelta(seconds=60)
 

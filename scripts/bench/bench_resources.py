@@ -14,8 +14,8 @@ node's resident memory when it was written (``rss_bytes``, ``node/metrics.py``).
 Target: no node grows by more than ``--max-growth`` (default 5 %) of its baseline between the
 warm-up and the end of the run.
 
-    python scripts/bench_resources.py                      # 2 nodes, nano, 100 rounds of H=2
-    python scripts/bench_resources.py --nodes 3 --rounds 200
+    python scripts/bench/bench_resources.py                      # 2 nodes, nano, 100 rounds of H=2
+    python scripts/bench/bench_resources.py --nodes 3 --rounds 200
 
 Prints one JSON object per node, a summary object and a one-line summary. Exit code 0 if the
 target is met, 1 if not (or the swarm failed), 130 on Ctrl-C.
@@ -36,7 +36,7 @@ from typing import Any
 
 from node.metrics import read_metrics
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def growth(rss: Sequence[int], warmup: int) -> dict[str, Any]:

@@ -25,8 +25,8 @@ round_fixed_seconds_mean / _max, exit_seconds, inner_steps_per_round, rounds, me
 and a one-line summary. ``met`` (CUDA only; null on CPU, a dry run): node_vs_bare >= 0.95 and the
 mean fixed cost <= 1 s. Exit code 0 when every model was measured (and met, on CUDA), 1 otherwise.
 
-    python scripts/bench_gpu.py                                  # CUDA: small and 1b
-    python scripts/bench_gpu.py --device cpu --models nano       # dry run anywhere (seconds)
+    python scripts/bench/bench_gpu.py                                  # CUDA: small and 1b
+    python scripts/bench/bench_gpu.py --device cpu --models nano       # dry run anywhere (seconds)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from node.config import NodeConfig  # noqa: E402

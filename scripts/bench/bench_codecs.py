@@ -6,7 +6,7 @@ reads such bytes into a preallocated output. Throughput is fp32 input bytes per 
 --repeats runs is reported (other processes on the machine only ever make a run slower). Prints one
 JSON object per codec, then a one-line summary, e.g.:
 
-    python scripts/bench_codecs.py --elements 25000000
+    python scripts/bench/bench_codecs.py --elements 25000000
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What ``scripts/fuzz_rpcs.py`` sends: hypothesis strategies built on the request messages' descriptors.
+"""What ``scripts/tools/fuzz_rpcs.py`` sends: hypothesis strategies built on the request messages' descriptors.
 
 Every field of a drawn request either keeps the value of a valid *template* request or gets a hostile
 value (edge integers, NaN / inf, unknown enums, long strings, huge repeated fields); the serialized bytes
@@ -8,10 +8,8 @@ past the server's message limit). ``build_rpcs`` lists the node's RPCs with thei
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from google.protobuf import message_factory
@@ -26,12 +24,7 @@ from protocol.gen.dtnode.v1 import membership_pb2 as membership_pb
 from protocol.gen.dtnode.v1 import statesync_pb2 as statesync_pb
 from protocol.gen.dtnode.v1 import status_pb2 as status_pb
 from protocol.swarm.config import PROTOCOL_VERSION
-
-# This file runs as a script, so its directory is not a package: make the sibling modules importable
-# also when the file is loaded by path (tests) rather than run.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_target import MAX_MESSAGE_BYTES, NUM_ELEMENTS, SNAPSHOT_TENSOR, lineage_hash  # noqa: E402
+from scripts.tools.fuzz_target import MAX_MESSAGE_BYTES, NUM_ELEMENTS, SNAPSHOT_TENSOR, lineage_hash
 
 FD = FieldDescriptor
 _UNSIGNED = {FD.TYPE_UINT32: 32, FD.TYPE_UINT64: 64, FD.TYPE_FIXED32: 32, FD.TYPE_FIXED64: 64}

@@ -16,8 +16,8 @@ ATTACK, each with every aggregation rule (``mean``, ``clipped`` with ``--clip-fa
 with ``--trim``). Target (issue 7): with the defence, the final eval loss within 5 % of the clean
 mean run; ``mean`` under attack shows the damage.
 
-    nice -n 19 python scripts/bench_robust.py                    # 8 workers, 12 runs, ~30-60 CPU min
-    nice -n 19 python scripts/bench_robust.py --steps 50 --inner-steps 25 --scenarios clean:mean,scaled:clipped
+    nice -n 19 python scripts/bench/bench_robust.py                    # 8 workers, 12 runs, ~30-60 CPU min
+    nice -n 19 python scripts/bench/bench_robust.py --steps 50 --inner-steps 25 --scenarios clean:mean,scaled:clipped
 
 Prints one JSON object per run as it finishes, then a one-line summary; ``--out`` writes them all.
 """
@@ -33,12 +33,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from convergence_variants import BenchSettings, build_worker, evaluate, inner_step, load_data, schedule_of
-from simulated_allreduce import SimulatedAllReduce
+
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.diloco import AveragingOutcome, DiLoCo
 from protocol.allreduce.robust import AGGREGATIONS, AggregationRule
 from protocol.codecs import get_codec
+from scripts.bench.convergence_variants import (
+    BenchSettings,
+    build_worker,
+    evaluate,
+    inner_step,
+    load_data,
+    schedule_of,
+)
+from scripts.bench.simulated_allreduce import SimulatedAllReduce
 
 ATTACKS = ("scaled", "sign_flipped", "noise")
 TARGET_GAP = 0.05

@@ -1,7 +1,7 @@
 """Fuzz every RPC of a live dtnode node, then check that the node still completes a normal round.
 
-    python scripts/fuzz_rpcs.py --messages 10000          # the full campaign (issue 7)
-    python scripts/fuzz_rpcs.py --messages 200 --rpcs Deliver,GetManifest
+    python scripts/tools/fuzz_rpcs.py --messages 10000          # the full campaign (issue 7)
+    python scripts/tools/fuzz_rpcs.py --messages 200 --rpcs Deliver,GetManifest
 
 Setup: a target node (a real ``SwarmNode``: DHT peer, one gRPC server with the all-reduce, state
 sync, membership and health services, the round driver) runs in its own process; a partner node
@@ -31,7 +31,7 @@ with the other, and the result must equal, bit for bit, the token-weighted mean 
 way the protocol promises for codec "none" (per part, sum(w_i x_i) in fp32 in member order, divided
 by the fp32 sum of weights).
 
-The target process is ``scripts/fuzz_target.py``, the strategies ``scripts/fuzz_messages.py``.
+The target process is ``scripts/tools/fuzz_target.py``, the strategies ``scripts/tools/fuzz_messages.py``.
 
 Prints a JSON summary (per RPC: messages, status histogram, crashes, hangs, max latency) and a
 one-line verdict; exits 1 if anything failed.
@@ -59,16 +59,22 @@ import grpc.aio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from protocol.gen.dtnode.v1 import allreduce_pb2 as allreduce_pb
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.streams import to_allreduce_group
-
-# This file runs as a script, so its directory is not a package: make the sibling modules importable
-# also when the file is loaded by path (tests) rather than run.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_messages import Case, Context, Oversized, Rpc, build_rpcs, case_strategy, draw_examples  # noqa: E402
-from fuzz_target import (  # noqa: E402
+from scripts.tools.fuzz_messages import (
+    Case,
+    Context,
+    Oversized,
+    Rpc,
+    build_rpcs,
+    case_strategy,
+    draw_examples,
+)
+from scripts.tools.fuzz_target import (
     FAILING_CODES,
     MAX_MESSAGE_BYTES,
     NUM_ELEMENTS,

@@ -67,8 +67,8 @@ params); ``eval_loss`` is the value at the end. ``final_train_loss`` is the mean
 last ``--eval-every`` steps over all workers. Target (issue 5): DiLoCo int4 within 2 % of DDP's eval
 loss while sending >= 1000x fewer bytes per worker.
 
-    python scripts/bench_convergence.py --quick
-    python scripts/bench_convergence.py --variants ddp,diloco:100:int4 --steps 2000
+    python scripts/bench/bench_convergence.py --quick
+    python scripts/bench/bench_convergence.py --variants ddp,diloco:100:int4 --steps 2000
 
 Prints one JSON object per variant, then a one-line summary; writes ``results.json`` (with each
 variant's eval history), ``convergence.png`` and per-process logs to ``--out-dir``. Variants run as
@@ -92,7 +92,11 @@ from types import FrameType
 from typing import Any
 
 import torch
-from convergence_variants import (
+
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.convergence_variants import (
     PENDING_KINDS,
     RUNNERS,
     BenchSettings,
@@ -101,7 +105,7 @@ from convergence_variants import (
     parse_variant,
     warm_start,
 )
-from simulated_allreduce import ddp_bytes_per_step
+from scripts.bench.simulated_allreduce import ddp_bytes_per_step
 
 DEFAULT_VARIANTS = (
     "ddp,diloco:25:none,diloco:100:none,diloco:100:int8,diloco:100:int4,diloco:200:int4,overlap:100:int4"

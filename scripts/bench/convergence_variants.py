@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from simulated_allreduce import SimulatedAllReduce, ddp_bytes_per_step, payload_bytes
 from torch import nn
 
 from node.config import NodeConfig
@@ -34,6 +33,7 @@ from node.replica import build_inner_optimizer
 from node.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import CODEC_NAMES, get_codec
+from scripts.bench.simulated_allreduce import SimulatedAllReduce, ddp_bytes_per_step, payload_bytes
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest a DDP rank waits in the rendezvous or one all_reduce before gloo raises."""

@@ -25,7 +25,7 @@ reset through /proc/self/clear_refs; equal to peak_rss_bytes where the kernel do
 reset). Before exiting, a worker waits (bounded) for the others to finish so it can still serve its part.
 
 Example (4 peers, 25M numbers, int8):
-    for i in 0 1 2 3; do python scripts/allreduce_worker.py --index $i --num-peers 4 \\
+    for i in 0 1 2 3; do python scripts/workers/allreduce_worker.py --index $i --num-peers 4 \\
         --rendezvous /tmp/rv --elements 25000000 --codec int8 --rounds 3 & done; wait
 """
 

@@ -1,6 +1,6 @@
 """The layouts as users run them: ``dtnode join --no-swarm --local-workers K ...``, timed from its own records.
 
-Part of ``scripts/bench_intranode.py`` (``--join``). Each layout is one real node process (the daemon is
+Part of ``scripts/bench/bench_intranode.py`` (``--join``). Each layout is one real node process (the daemon is
 rank 0 and drives K - 1 spawned workers, ``node/parallel/local.py``) training ``--join-steps`` inner steps of
 one outer round. What is read back from its ``metrics.jsonl``:
 
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # name -> (local workers, join flags)
 JOIN_LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -166,5 +166,5 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=list(JOIN_LAYOUTS),
         default=list(JOIN_LAYOUTS),
-        help="layouts of --join (K local workers and flags: JOIN_LAYOUTS in scripts/intranode_join.py)",
+        help="layouts of --join (K local workers and flags: JOIN_LAYOUTS in scripts/bench/intranode_join.py)",
     )

@@ -19,9 +19,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from allreduce_summary import PeerRun
-from hivemind_worker import descendant_pids
-from wan_emulator import WanEmulator, stop_process_groups
+from scripts.bench.allreduce_summary import PeerRun
+from scripts.tools.wan_emulator import WanEmulator, stop_process_groups
+from scripts.workers.hivemind_worker import descendant_pids
 
 STOP_GRACE = datetime.timedelta(seconds=5)
 # Once a peer failed, the others get this long to finish (or fail) on their own before being stopped.

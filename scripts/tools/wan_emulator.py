@@ -24,9 +24,9 @@ worth its cost yet): links have LAN latency and only bandwidth is constrained.
 
 Used as a module (``with WanEmulator(4, link_mbit=100) as wan: wan.popen(0, [...])``) and as a CLI:
 
-    python scripts/wan_emulator.py --hosts 4 --link-mbit 100 -- python train.py
-    python scripts/wan_emulator.py --hosts 2 --link-mbit 20 --measure-mbytes 5
-    python scripts/wan_emulator.py --cleanup
+    python scripts/tools/wan_emulator.py --hosts 4 --link-mbit 100 -- python train.py
+    python scripts/tools/wan_emulator.py --hosts 2 --link-mbit 20 --measure-mbytes 5
+    python scripts/tools/wan_emulator.py --cleanup
 
 The CLI runs CMD once per namespace with WAN_HOST_INDEX, WAN_NUM_HOSTS, WAN_ADDRESSES (comma list)
 and WAN_HOST_ADDRESS set, fails fast (kills the others when one host's command fails) and exits with

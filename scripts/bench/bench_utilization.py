@@ -2,7 +2,7 @@
 
 Issue 5's benchmark. For every link cap in ``--links`` and every mode in ``--modes`` one swarm of
 ``--nodes`` nodes runs ``--max-rounds`` outer rounds, each node on its own host of the WAN emulator
-(``scripts/wan_emulator.py``: a network namespace whose uplink a tc tbf caps at the link rate). The
+(``scripts/tools/wan_emulator.py``: a network namespace whose uplink a tc tbf caps at the link rate). The
 swarm is started, stopped and reported on by ``dtnode swarm`` (``node/launcher.py``), run as a child
 process with its run dir in a scratch directory; this script only reads what the nodes wrote.
 
@@ -54,8 +54,8 @@ int8 at 4 nodes), batch 4, H=10, 5 rounds. The nodes share this machine (the lau
 Mbit/s. Eval (1 batch, every ``--eval-every`` rounds: the node's default) and the outer step are in
 the wall time; checkpoints are off.
 
-    python scripts/bench_utilization.py                     # 4 nodes, tiny, 100 and 20 Mbit/s, both modes
-    python scripts/bench_utilization.py --links 20 --modes overlap --max-rounds 4 --model nano
+    python scripts/bench/bench_utilization.py                     # 4 nodes, tiny, 100 and 20 Mbit/s, both modes
+    python scripts/bench/bench_utilization.py --links 20 --modes overlap --max-rounds 4 --model nano
 
 Exit code: 0 if every variant was measured (the verdict is in the output), 1 if one was not, 2 if
 the emulator cannot run here (needs root and iproute2), 130 on Ctrl-C or SIGTERM (the swarm is
@@ -83,11 +83,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from wan_emulator import cleanup_leftovers, unavailable_reason
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.metrics import read_metrics
+from scripts.tools.wan_emulator import cleanup_leftovers, unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGET_UTILIZATION = 0.95
 MODES = ("sync", "overlap")
 LAUNCHER_NAME_PREFIX = "dtswarm"  # node/launcher.py's emulator namespaces

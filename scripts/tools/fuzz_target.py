@@ -1,6 +1,6 @@
-"""The target of ``scripts/fuzz_rpcs.py``: a live node in its own process, and the campaign's handle on it.
+"""The target of ``scripts/tools/fuzz_rpcs.py``: a live node in its own process, and the campaign's handle on it.
 
-``python scripts/fuzz_target.py`` runs the node (a real ``SwarmNode``: DHT peer, one gRPC server with the
+``python scripts/tools/fuzz_target.py`` runs the node (a real ``SwarmNode``: DHT peer, one gRPC server with the
 all-reduce, state sync, membership and health services, the round driver), prints its address as a JSON
 line, then obeys ``publish`` / ``round`` / ``quit`` commands read as JSON lines on stdin. ``Target`` starts
 it and talks to it with a deadline on every reply. The shared round helpers (the swarm config, the
@@ -30,7 +30,7 @@ from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_ELEMENTS = 10_007
 """Length of the averaged vector (odd, so the two parts differ in size)."""
 SNAPSHOT_TENSOR = "params"

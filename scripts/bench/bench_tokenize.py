@@ -1,6 +1,6 @@
 """Tokenization throughput against the inner step's token rate: does tokenizing starve training?
 
-    .venv/bin/python scripts/bench_tokenize.py [--vocab-sizes 4096 32768] [--models tiny small]
+    .venv/bin/python scripts/bench/bench_tokenize.py [--vocab-sizes 4096 32768] [--models tiny small]
 
 Part 1 tokenizes the embedded corpus (~31 MB of Python, 1,762 files) the way a node does at start-up
 (``load_corpus``: read, encode in batches of 1,024 documents, split, hash), once with byte tokens and once
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.config import NodeConfig  # noqa: E402
 from node.corpus import load_corpus  # noqa: E402

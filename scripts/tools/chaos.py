@@ -1,7 +1,7 @@
 """Chaos benchmark: a swarm in the WAN emulator under random faults, then checks that nothing broke.
 
 Issue 7's benchmark. ``--nodes`` ``dtnode join`` nodes (nano preset, short phases) run on the hosts
-of ``scripts/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``). Once
+of ``scripts/tools/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``). Once
 all of them finished a round together, ``--trials`` times a fault is drawn at random (seeded):
 
     kill          SIGKILL a node's process group (daemon, DHT process, p2pd); the others go on
@@ -32,8 +32,8 @@ Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/met
 Output: one JSON object (trials, faults by kind, rounds, hangs, divergences, non_finite, rejoined,
 recovery seconds p50/p90/max, eval loss first/last, wall seconds) and a one-line summary.
 
-    python scripts/chaos.py                                     # 6 nodes, 50 trials, 100 Mbit/s
-    python scripts/chaos.py --nodes 4 --trials 3 --kinds kill,stop,partition   # a quick look
+    python scripts/tools/chaos.py                                     # 6 nodes, 50 trials, 100 Mbit/s
+    python scripts/tools/chaos.py --nodes 4 --trials 3 --kinds kill,stop,partition   # a quick look
 
 Exit code: 0 if every check passed, 1 if one failed, 2 if the emulator cannot run here (needs root
 and iproute2), 130 on Ctrl-C or SIGTERM (every node is stopped and the namespaces removed first).
@@ -57,11 +57,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.metrics import read_metrics
+from scripts.tools.wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FAULT_KINDS = ("kill", "stop", "restart", "partition", "slow_link")
 SLOW_LINK_MBIT = 1.0
 NAME_PREFIX = "dtchaos"

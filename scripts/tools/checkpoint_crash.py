@@ -1,7 +1,7 @@
 """SIGKILL a real node at random points of its checkpoint writes; it must always resume from the last
 complete checkpoint, with the param_hash it saved.
 
-    python scripts/checkpoint_crash.py --trials 20
+    python scripts/tools/checkpoint_crash.py --trials 20
 
 ``node/checkpoint.py`` writes a checkpoint in stages: make ``step-<S>.tmp-<pid>/``, write
 ``tensors.safetensors`` and fsync it, write ``state.json`` durably, fsync the directory, rename it
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 STAGES = (
     "before-tensors",  # the tmp dir exists, empty

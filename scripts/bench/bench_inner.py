@@ -59,8 +59,8 @@ Defaults (``tiny``, batch 8 x 256 tokens, one thread) give ~1-2 s steps, about w
 batch of 16 takes with two threads here; a run takes ~3-4 minutes on an idle 2-core CPU, and
 longer in proportion to the load other processes put on it.
 
-    python scripts/bench_inner.py
-    python scripts/bench_inner.py --model nano --steps 200 --warmup 20 --threads 2
+    python scripts/bench/bench_inner.py
+    python scripts/bench/bench_inner.py --model nano --steps 200 --warmup 20 --threads 2
 
 Prints one JSON object, then a one-line summary. The exit code is 0 unless a run fails; the verdict
 is the ``pass`` field.

@@ -1,7 +1,7 @@
 """One hivemind ``DecentralizedAverager`` peer: the baseline dtnode's all-reduce is measured against.
 
 Every peer of a run executes this script once (``--index 0 .. --num-peers - 1``), e.g. one per network
-namespace of ``scripts/wan_emulator.py``. The run is a single averaging step of hivemind 1.1.12
+namespace of ``scripts/tools/wan_emulator.py``. The run is a single averaging step of hivemind 1.1.12
 (Ryabinin et al., "Moshpit SGD", NeurIPS 2021, which describes the matchmaking + butterfly all-reduce
 hivemind implements), timed and checked against the exact answer:
 
@@ -20,7 +20,7 @@ Phase 4 (check): the peer regenerates every peer's vector and compares its resul
     mean ``torch.stack(vectors).mean(0)``, taken one generation block at a time so no peer ever holds
     all ``n`` vectors.
 
-Vectors come from ``scripts/allreduce_worker.py``'s generator (imported, not copied): peer ``i``'s
+Vectors come from ``scripts/workers/allreduce_worker.py``'s generator (imported, not copied): peer ``i``'s
 vector is ``make_vector(seed, i, vector_round, E)``, a function of ``(seed, index, round)`` only. With
 the same ``--seed`` and ``--vector-round`` both baselines therefore average bit-identical inputs, e.g.
 this script's single step and round 0 of the dtnode worker.
@@ -52,11 +52,10 @@ from types import FrameType
 
 import torch
 
-# This file runs as a script, so its directory is not a package: make the sibling worker importable
-# also when the file is loaded by path (tests) rather than run (``python scripts/hivemind_worker.py``).
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_worker import GENERATION_BLOCK, make_vector, vector_block  # noqa: E402
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.workers.allreduce_worker import GENERATION_BLOCK, make_vector, vector_block
 
 CODECS = ("none", "fp16", "int8")
 RENDEZVOUS_FILE_NAME = "hivemind_initial_peers.txt"

@@ -74,6 +74,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from node.config import NodeConfig
 from node.model import GPT, cross_entropy_loss, model_config
 from node.parallel.pipeline import PipelineRunner, ScheduleName, build_stage
@@ -86,12 +89,12 @@ from node.parallel.zero import (
     optimizer_state_bytes,
 )
 from node.replica import build_inner_optimizer
-
-# This file runs as a script, so its directory is not a package: make the sibling module importable
-# also when the file is loaded by path (tests) rather than run.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from intranode_join import add_join_arguments, join_summary, join_summary_suffix, run_join_layouts  # noqa: E402
+from scripts.bench.intranode_join import (
+    add_join_arguments,
+    join_summary,
+    join_summary_suffix,
+    run_join_layouts,
+)
 
 LAYOUTS: dict[str, int] = {
     "single": 1,
