@@ -9,8 +9,8 @@ connection the client made.
 
 A message is held at most ``hold`` (a proposal's life: after that the formation's own timeouts
 have moved on), at most ``max_per_peer`` per receiver (the oldest go first) and for at most
-``max_peers`` receivers (the one collected longest ago goes first): a peer that claims to be a
-client and never collects costs bounded memory. Everything runs on the node's event loop.
+``max_peers`` receivers (past that, the receiver whose messages have waited longest since it last
+collected loses them): a peer that claims to be a client and never collects costs bounded memory. Everything runs on the node's event loop.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Outbox:
         self.max_per_peer = max_per_peer
         self.max_peers = max_peers
         self.clock = clock
-        # receiver -> (time put, envelope), oldest first; receivers least recently served first
+        # receiver -> (time put, envelope), oldest first; receivers in the order their queues began
         self._held: OrderedDict[str, deque[tuple[float, pb.MembershipEnvelope]]] = OrderedDict()
         self._arrived: dict[str, asyncio.Event] = {}
         self.num_dropped = 0
