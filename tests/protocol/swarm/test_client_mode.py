@@ -18,9 +18,11 @@ import torch
 
 from protocol.discovery.dht_node import DhtConfig
 from protocol.membership.lineage import Lineage
+from protocol.membership.messages import GroupMember, GroupSpec
+from protocol.membership.parts import part_boundaries
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
-from protocol.swarm.streams import to_allreduce_group
+from protocol.swarm.streams import stream_group, to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
 from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of, wait_for_lineages
 
@@ -96,3 +98,22 @@ def test_a_client_node_is_in_every_round_and_nobody_dials_it() -> None:
             assert torch.equal(averaged, reference)
             assert time.monotonic() - started < 30  # messages reached the client by its own polls
             param_hash = param_hash_of(averaged)
+
+
+def test_every_stream_of_a_round_gives_a_client_an_empty_part_and_marks_it() -> None:
+    members = tuple(
+        GroupMember(
+            peer_id=peer_id, grpc_address=f"10.0.0.{i}:7000", num_tokens=10, bandwidth_bytes_per_s=1e6,
+            stream_addresses=(f"10.0.0.{i}:7100",), client=peer_id == "a",
+        )
+        for i, peer_id in enumerate("abc")
+    )  # fmt: skip
+    group = GroupSpec(
+        round=2, group_id="b/2/1", leader_id="b", param_hash="0" * 64, vector_length=1001, members=members,
+        part_boundaries=part_boundaries([1e6] * 3, 1001, [True, False, False]),
+    )  # fmt: skip
+    for stream in (0, 1):
+        shard = stream_group(group, stream)
+        assert [m.client for m in shard.members] == [True, False, False]
+        assert shard.part_num_elements(0) == 0 and shard.chain(1) == (1, 2)
+    assert to_allreduce_group(group).members[0].client
