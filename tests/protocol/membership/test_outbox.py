@@ -6,17 +6,22 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import grpc.aio
 import pytest
 import uvloop
 
+from protocol.auth import SwarmKey
+from protocol.auth.channels import SwarmAuth
 from protocol.gen.dtnode.v1 import membership_pb2 as pb
 from protocol.gen.dtnode.v1 import membership_pb2_grpc as pb_grpc
 from protocol.membership.messages import Cancel, JoinRequest, Message, Reason
 from protocol.membership.outbox import Outbox
 from protocol.membership.transport import MembershipClient, MembershipServicer, add_membership_to_server
 from protocol.membership.wire import to_envelope
+from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
+from protocol.swarm.server import NodeServer
 from tests.protocol.membership.fake_swarm import H0
 
 VERSION = 5
@@ -110,5 +115,30 @@ def test_a_client_collects_over_grpc_what_a_peer_held_for_it() -> None:
         finally:
             await asyncio.gather(client.close(), other.close())
             await server.stop(0.1)
+
+    uvloop.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_swarms_node_hands_held_messages_to_key_holders_only(tmp_path: Path) -> None:
+    path = tmp_path / "swarm.key"
+    SwarmKey.generate().write(path)
+    key = SwarmKey.from_file(path)
+    config = SwarmConfig(run_name="closed", listen="127.0.0.1:0", auth=SwarmAuth(key))
+
+    async def scenario() -> None:
+        outbox = Outbox(hold=timedelta(seconds=10))
+        server = await NodeServer.start(config, lambda sender, message: None, outbox=outbox)
+        keyless = MembershipClient(sender_id="c1", protocol_version=PROTOCOL_VERSION)
+        member = MembershipClient(sender_id="c1", protocol_version=PROTOCOL_VERSION, auth=SwarmAuth(key))
+        try:
+            held = to_envelope(cancel(3), sender_id="leader", protocol_version=PROTOCOL_VERSION)
+            outbox.put("c1", held)
+            assert await keyless.collect(server.address, wait=timedelta(seconds=1)) is None  # refused
+            assert outbox.num_held("c1") == 1  # and it took nothing
+            assert await member.collect(server.address, wait=timedelta(seconds=1)) == [("leader", cancel(3))]
+        finally:
+            await asyncio.gather(keyless.close(), member.close())
+            await server.stop(timedelta(seconds=0.1))
 
     uvloop.run(scenario())
