@@ -11,9 +11,12 @@ momentum the swarm published. Any gap or mismatch: the caller fetches the whole 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from node.swarm_seam import AdoptedState, GlobalStateAccess
 from node.swarm_state import caught_up_state, round_mean_id, round_mean_link
 from protocol.membership.lineage import LineageDecision
+from protocol.membership.records import PeerRecord
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
@@ -51,3 +54,18 @@ def catch_up_with_means(
     except (StateSyncError, ValueError, TimeoutError) as error:
         return None, num_bytes, str(error)
     return state, num_bytes, None
+
+
+def rejoin_due(view: Iterable[PeerRecord], my_peer_id: str, adopted: tuple[int, str]) -> bool:
+    """Whether a node that adopted the state ``adopted`` = (round, param_hash) should end its inner
+    phase now: a peer of that lineage is ready for the next round (join it with the steps done so
+    far), or a peer is past the adopted round (the round's lineage check then catches us up)."""
+    round, param_hash = adopted
+    for peer in view:
+        if peer.peer_id == my_peer_id:
+            continue
+        if peer.round == round and peer.param_hash == param_hash and peer.ready_for_round == round + 1:
+            return True
+        if peer.round > round:
+            return True
+    return False

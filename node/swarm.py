@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from node.catch_up import catch_up_with_means
+from node.catch_up import catch_up_with_means, rejoin_due
 from node.config import ConfigError
 from node.diloco import AveragingOutcome
 from node.join import JOIN_TIMEOUT, Prefetch
@@ -468,15 +468,7 @@ class SwarmSession:
         round (the round's lineage check then catches us up at once, not a phase later)."""
         if not self.catching_up or self._loop is None:
             return False
-        round, param_hash = self._adopted_lineage
-        for peer in self.swarm.driver.view:
-            if peer.peer_id == self.swarm.peer_id:
-                continue
-            if peer.round == round and peer.param_hash == param_hash and peer.ready_for_round == round + 1:
-                return True
-            if peer.round > round:
-                return True
-        return False
+        return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
 
     def _feedback_elements(self) -> int:
         """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
