@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-import node.config as config_module
+import node.config_checks as config_checks
 from node.config import NodeConfig, field_types
 from protocol.gen.dtnode.v1 import allreduce_pb2
 
@@ -40,7 +40,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 """``--help`` groups, in order; see the module docstring for fields not listed."""
 
-# Settings whose values are a fixed set, with the name of the node.config tuple that lists them.
+# Settings whose values are a fixed set, with the name of the node.config_checks tuple that lists them.
 _CHOICE_CONSTANTS = {
     "lr_schedule": "LR_SCHEDULES",
     "pp_schedule": "PP_SCHEDULES",
@@ -63,7 +63,7 @@ def setting_choices() -> dict[str, tuple[str, ...]]:
     """Every setting with a fixed set of values, and those values."""
     choices = {"codec": codec_names()}
     for key, constant in _CHOICE_CONSTANTS.items():
-        values = getattr(config_module, constant, None)
+        values = getattr(config_checks, constant, None)
         if values is not None and key in field_types():
             choices[key] = tuple(values)
     return choices

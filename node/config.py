@@ -7,30 +7,20 @@ documents every setting and nothing can be set in one layer but not in another.
 
 A user mistake (unknown key, impossible value, missing file) raises :class:`ConfigError`, which the
 CLI turns into a one-line message and exit code 2. Reading the layers (types, keys, which layer
-wins) is ``node/config_layers.py``; validating the merged settings is ``NodeConfig.__post_init__``.
+wins) is ``node/config_layers.py``; validating the merged settings is ``node/config_checks.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from node import config_layers
+from node.config_checks import check_config
 from node.config_layers import ConfigError
-from protocol.membership.messages import MAX_STREAMS
-
-LR_SCHEDULES = ("cosine", "wsd", "constant")
-OUTER_SHARDING = ("auto", "on", "off")
-DEVICES = ("auto", "cpu", "cuda")
-LOG_FORMATS = ("text", "json")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-PRECISIONS = ("auto", "fp32", "bf16")
-COMPILE = ("auto", "on", "off")
-EVAL_BACKGROUND = ("auto", "on", "off")
 
 
 def _help(text: str) -> Any:
@@ -362,115 +352,7 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = (
-            "batch_size",
-            "inner_steps",
-            "eval_batches",
-            "num_shards",
-            "log_every",
-            "keep_checkpoints",
-            "grad_accumulation",
-            "pp_virtual_stages",
-        )
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        non_negative = (
-            "max_rounds", "max_steps", "seed", "threads", "seq_len", "data_seed", "warmup_steps",
-            "total_steps", "checkpoint_every", "grad_clip", "weight_decay", "local_workers", "dp", "tp",
-            "pp", "microbatches", "eval_every",
-        )  # fmt: skip
-        for key in non_negative:
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise ConfigError(
-                f"shard_index must be in [0, num_shards={self.num_shards}), got {self.shard_index}"
-            )
-        if not 0 < self.val_fraction < 0.5:
-            raise ConfigError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        for key in ("beta1", "beta2", "outer_momentum"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 < self.wsd_decay_fraction <= 1:
-            raise ConfigError(f"wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction}")
-        if self.zero not in (1, 3):
-            raise ConfigError(f"zero must be 1 or 3, got {self.zero}")
-        if not 1 <= self.swarm_streams <= MAX_STREAMS:
-            raise ConfigError(f"swarm_streams must be in 1..{MAX_STREAMS}, got {self.swarm_streams}")
-        choices = (
-            ("lr_schedule", LR_SCHEDULES), ("pp_schedule", PP_SCHEDULES), ("precision", PRECISIONS),
-            ("device", DEVICES), ("log_format", LOG_FORMATS), ("outer_sharding", OUTER_SHARDING),
-            ("compile", COMPILE), ("eval_background", EVAL_BACKGROUND),
-        )  # fmt: skip
-        for key, allowed in choices:
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port must be in [0, 65535] (0 = off), got {self.metrics_port}")
-        if self.data and not Path(self.data).exists():
-            raise ConfigError(f"data path does not exist: {self.data}")
-        for key in ("tokenizer", "model_config", "init_from"):
-            if getattr(self, key) and not Path(getattr(self, key)).exists():
-                raise ConfigError(f"{key} path does not exist: {getattr(self, key)}")
-        positive_reals = (
-            "inner_lr", "outer_lr", "local_bucket_mb", "local_timeout", "join_window", "max_wait",
-            "round_deadline", "sync_deadline", "bandwidth_mbit", "heartbeat",
-        )  # fmt: skip
-        for key in positive_reals:
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.max_wait < self.join_window:
-            raise ConfigError(f"max_wait ({self.max_wait}) must be at least join_window ({self.join_window})")
-        if self.record_ttl < 3 * self.heartbeat + 10:
-            raise ConfigError(
-                f"record_ttl must be at least 3 x heartbeat + 10 s = {3 * self.heartbeat + 10:g}, got {self.record_ttl:g}"
-            )
-        if self.start_peers < 1:
-            raise ConfigError(f"start_peers must be >= 1, got {self.start_peers}")
-        if not (self.round_seconds >= 0 and math.isfinite(self.round_seconds)):
-            raise ConfigError(f"round_seconds must be >= 0, got {self.round_seconds}")
-        if self.min_peers < 1:
-            raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
-        for key in ("listen", "dht_listen"):
-            value = getattr(self, key)
-            _, colon, port = value.rpartition(":")
-            if value and (not colon or not port.isdigit() or int(port) > 65535):
-                raise ConfigError(f"{key} must be HOST:PORT (port 0 = any free port), got {value!r}")
-        if self.announce.count(":") == 1:
-            raise ConfigError(
-                f"announce is a host (the ports are --listen's and --dht-listen's), got {self.announce!r}"
-            )
-        if self.announce and self.swarm and (not self.dht_listen or self.dht_listen.endswith(":0")):
-            raise ConfigError("--announce needs a fixed DHT port: set --dht-listen HOST:PORT")
-        if self.announce and self.swarm and not self.client_mode and self.listen.endswith(":0"):
-            # Others dial the announced host at our gRPC port: a random one cannot be forwarded.
-            raise ConfigError("--announce needs a fixed gRPC port: set --listen HOST:PORT")
-        if self.client_mode and self.swarm and not self.peers:
-            raise ConfigError("--client-mode needs --peers: a node nobody can dial cannot start a swarm")
-        if self.tls and not self.swarm_key_file:
-            raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
-        from protocol.codecs import CODEC_NAMES
-
-        if self.codec not in CODEC_NAMES:
-            raise ConfigError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {self.codec!r}")
-        from protocol.allreduce.robust import AggregationRule
-
-        try:
-            AggregationRule(
-                kind=self.aggregation,  # type: ignore[arg-type]  # the rule checks it
-                clip_factor=self.clip_factor,
-                trim_per_side=self.trim,
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        # Import here: the model module is heavy and config must stay importable on its own.
-        from node.model import MODEL_PRESETS
-
-        if self.model not in MODEL_PRESETS:
-            raise ConfigError(f"model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}")
+        check_config(self)
 
     @property
     def resolved_run_dir(self) -> Path:

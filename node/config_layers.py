@@ -3,7 +3,7 @@
 Generic over a settings dataclass, given as its field types (``{name: type}``; ``node.config``
 passes ``NodeConfig``'s): each layer's keys are checked against those names and its values
 against those types, and ``layered_values`` merges them, highest first: flag > environment >
-TOML. Validating the merged values together is the dataclass's own ``__post_init__``.
+TOML. Validating the merged values together is ``node/config_checks.py`` (the dataclass's ``__post_init__``).
 
 Types are kept strictly where the layer has them: a TOML file has strings, integers, reals and
 booleans of its own, so ``inner_steps = "5"`` is a mistake, not text to parse (an integer is
