@@ -25,7 +25,7 @@ Contract (read by ``dtnode report``, benchmarks and tests):
     hashing, the checkpoint's host copy) counts against it; ``seconds_blocked``: how long the training
     thread waited for the swarm, and ``blocked_share`` = ``seconds_blocked / seconds_wall``. Both
     shares null when no phase ran alongside the round (the one applied after a run's last overlapped
-    phase). Records written before issue 23 lack ``seconds_wall``: their ``utilization`` was
+    phase). Older records lack ``seconds_wall``: their ``utilization`` was
     ``seconds_compute / (seconds_compute + seconds_blocked)``.
   - ``eval_loss``: the mean held-out loss of the global params the record's ``param_hash`` names,
     every ``--eval-every`` rounds and at the run's first and last rounds; null in the others. With

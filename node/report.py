@@ -220,9 +220,9 @@ def plot_peers(runs: Sequence[NodeRun], path: Path) -> Figure:
 
 
 def round_utilization(record: dict[str, Any]) -> float:
-    """The record's ``utilization`` (compute / wall seconds, node/metrics.py; records written before
-    issue 23 hold compute / (compute + blocked) there); records without one: compute / (compute +
-    blocked, else comm) seconds."""
+    """The record's ``utilization`` (compute / wall seconds, node/metrics.py; older records hold
+    compute / (compute + blocked) there); records without one: compute / (compute + blocked, else
+    comm) seconds."""
     value = record.get("utilization")
     if value is not None or "utilization" in record:
         return math.nan if value is None else float(value)

@@ -88,7 +88,7 @@ class MembershipServicer(pb_grpc.MembershipServicer):
     """Receives membership messages and hands each valid one to ``on_message(sender_id, message)``.
 
     ``on_message`` runs on the server's event loop and must not block. The sender id is the one the
-    envelope claims; nothing authenticates it yet (issue 7).
+    envelope claims; nothing authenticates it yet.
     """
 
     def __init__(

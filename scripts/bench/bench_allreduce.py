@@ -70,13 +70,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
-import signal
 import sys
-import tempfile
 from pathlib import Path
-from types import FrameType
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -91,6 +87,7 @@ from scripts.bench.allreduce_summary import (
     summary_line,
 )
 from scripts.bench.peer_hosts import PeerHosts, run_peers
+from scripts.common import add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import unavailable_reason
 
 WORKERS_DIR = Path(__file__).resolve().parents[1] / "workers"
@@ -122,8 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " or into a new tensor, which costs one more vector of memory",
     )
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write all records here")
-    parser.add_argument("--keep-logs", type=Path, default=None, help="keep every peer's stdout/stderr here")
+    add_output_flags(parser, keep_logs=True)  # --keep-logs: every peer's stdout/stderr
     args = parser.parse_args(argv)
     try:
         args.peers = [int(item) for item in args.peers.split(",") if item]
@@ -240,13 +236,9 @@ def run_setup(setup: Setup, with_hivemind: bool, workdir: Path) -> dict[str, obj
     return record
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds the `with PeerHosts` blocks, which stop every peer
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds the `with PeerHosts` blocks, which stop every peer
     common = {
         "link_mbit": args.link_mbit,
         "num_rounds": args.rounds,
@@ -269,19 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     try:
         for setup in setups:
-            with tempfile.TemporaryDirectory(prefix="bench_allreduce-") as scratch:
-                name = f"n{setup.num_peers}-e{setup.num_elements}-{setup.codec}"
-                workdir = Path(scratch) if args.keep_logs is None else args.keep_logs / name
+            name = f"n{setup.num_peers}-e{setup.num_elements}-{setup.codec}"
+            with scratch_dir(args.keep_logs, name, prefix="bench_allreduce-") as workdir:
                 record = run_setup(setup, not args.no_hivemind, workdir)
             records.append(record)
-            print(json.dumps(record), flush=True)
+            print_json(record)
             print(summary_line(record), flush=True)
     except KeyboardInterrupt:
         print("bench_allreduce: interrupted; every peer and namespace was stopped", file=sys.stderr)
         return 130
     finally:
-        if args.json_out is not None:
-            args.json_out.write_text(json.dumps(records, indent=2) + "\n")
+        write_json(args.json_out, records)
     failed = any("error" in r or r.get("hivemind_ok") is False for r in records)
     return 1 if failed else 0
 

@@ -58,13 +58,13 @@ Bytes sent per worker (codec payloads; protobuf framing and control messages are
              contribution to the N - 1 other parts, and its part's encoded mean to the N - 1 others.
 
 ``reduction_vs_ddp`` = DDP's bytes / the variant's. Since DDP sends 4 bytes per number per step and
-int4 (blocks of 64) 0.5625 bytes per number per round, the reduction is H x 7.1: the issue's ">= 1000x
+int4 (blocks of 64) 0.5625 bytes per number per round, the reduction is H x 7.1: the target's ">= 1000x
 fewer bytes" needs H >= 141 with int4, hence the default ``diloco:200:int4``.
 
 Evaluation: the same fixed held-out batches (``eval_batches``) for every variant, on the model before
 training, every ``--eval-every`` steps for DDP and after every outer round for DiLoCo (the global
 params); ``eval_loss`` is the value at the end. ``final_train_loss`` is the mean training loss of the
-last ``--eval-every`` steps over all workers. Target (issue 5): DiLoCo int4 within 2 % of DDP's eval
+last ``--eval-every`` steps over all workers. Target: DiLoCo int4 within 2 % of DDP's eval
 loss while sending >= 1000x fewer bytes per worker.
 
     python scripts/bench/bench_convergence.py --quick
@@ -88,7 +88,6 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -106,6 +105,7 @@ from scripts.bench.convergence_variants import (
     warm_start,
 )
 from scripts.bench.simulated_allreduce import ddp_bytes_per_step
+from scripts.common import exit_on_sigterm
 
 DEFAULT_VARIANTS = (
     "ddp,diloco:25:none,diloco:100:none,diloco:100:int8,diloco:100:int4,diloco:200:int4,overlap:100:int4"
@@ -410,13 +410,9 @@ def _child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds run_variants, which kills the processes it started
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    previous_handler = signal.signal(signal.SIGTERM, _raise_system_exit)
+    previous_handler = exit_on_sigterm()  # unwinds run_variants, which kills the processes it started
     try:
         return _main(args)
     finally:

@@ -1,5 +1,5 @@
 """The node's inner loop against a bare compiled, fused torch loop on the same model and device, and
-what a round costs beyond its inner steps (issue 23).
+what a round costs beyond its inner steps.
 
 For every preset in ``--models`` (default ``small,1b``; batch 16 x 512 and 4 x 2048 tokens):
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -44,17 +43,18 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.config import NodeConfig  # noqa: E402
-from node.efficiency import resolve_compile, resolve_precision  # noqa: E402
-from node.meta_init import build_model  # noqa: E402
-from node.metrics import read_metrics  # noqa: E402
-from node.model import cross_entropy_loss, model_config  # noqa: E402
-from node.trainer import Trainer  # noqa: E402
+from node.config import NodeConfig
+from node.efficiency import resolve_compile, resolve_precision
+from node.meta_init import build_model
+from node.metrics import read_metrics
+from node.model import cross_entropy_loss, model_config
+from node.trainer import Trainer
+from scripts.common import add_output_flags, print_json, write_json
 
-# The shapes of issue 23's H100 table: (batch size, sequence length) per preset.
+# The shapes the H100 target is stated for: (batch size, sequence length) per preset.
 SHAPES = {"small": (16, 512), "1b": (4, 2048)}
 DRY_RUN_SHAPE = (4, 64)
 TARGET_RATIO, TARGET_FIXED_SECONDS = 0.95, 1.0
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval (8)")
     parser.add_argument("--compile", default="auto", help="the node's --compile (the bare loop follows it)")
     parser.add_argument("--precision", default="auto", help="the node's --precision (the bare loop too)")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the records here")
+    add_output_flags(parser)
     return parser
 
 
@@ -227,12 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in args.models.split(","):
         record = measure(args, model)
         records.append(record)
-        print(json.dumps(record), flush=True)
+        print_json(record)
     summary = {"summary": True, "met": all(r["met"] is not False for r in records), "models": len(records)}
-    print(json.dumps(summary))
+    print_json(summary)
     print(summary_line(records))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(records, indent=2) + "\n")
+    write_json(args.json_out, records)
     return 0 if summary["met"] else 1
 
 

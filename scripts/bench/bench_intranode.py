@@ -1,6 +1,6 @@
 """Intra-node parallel layouts on CPU: per-rank optimizer state, pipeline bubble, and step throughput.
 
-Issue 6's benchmark. Every layout trains the same model on the same global batch (``--batch-size``
+Every layout trains the same model on the same global batch (``--batch-size``
 sequences of ``--seq-len`` tokens) with the building blocks of ``node/parallel/``:
 
     single:     one process, no distribution (the reference), ``torch.set_num_threads(--reference-threads)``
@@ -95,6 +95,7 @@ from scripts.bench.intranode_join import (
     join_summary_suffix,
     run_join_layouts,
 )
+from scripts.common import print_json
 
 LAYOUTS: dict[str, int] = {
     "single": 1,
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             if layout == "single":
                 reference_state_bytes = int(ranks[0]["optimizer_state_bytes"])
             records.append(layout_record(layout, settings, ranks, reference_state_bytes))
-        print(json.dumps(records[-1]), flush=True)
+        print_json(records[-1])
     summary = summary_object(records, args.max_shard_ratio)
     if args.join:
         joined = run_join_layouts(
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["ok"] = summary["ok"] and not summary["join_failed"]
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     summary["load_average_1min"] = [round(load_average_start, 2), round(os.getloadavg()[0], 2)]
-    print(json.dumps(summary), flush=True)
+    print_json(summary)
     print(summary_line(summary), flush=True)
     return 0 if summary["ok"] else 1
 

@@ -1,6 +1,6 @@
 """How long a node takes to join a running swarm: from its start to its first contributed outer round.
 
-Issue 4's benchmark. Each trial runs in ``scripts/tools/wan_emulator.py``'s network namespaces, one host
+Each trial runs in ``scripts/tools/wan_emulator.py``'s network namespaces, one host
 per node, every link capped at ``--link-mbit``:
 
 1. start ``--nodes`` nodes (``dtnode join``; host 0 first, the others with ``--peers`` = host 0's
@@ -46,7 +46,7 @@ bound_seconds:          state_bytes * 8 / (link_mbit * 1e6), the fetch at the li
                         bottleneck and the bound is a true lower bound. Without it only uplinks are capped, and
                         the joiner fetching from N sources in parallel may get up to N times the
                         rate: the bound is then one source's uplink, not a true lower bound.
-target_seconds:         1.5 * bound_seconds + 10 (issue 4); met: seconds_to_first_round <= target.
+target_seconds:         1.5 * bound_seconds + 10; met: seconds_to_first_round <= target.
 seconds_to_state:       to the "now at round" line of the first adoption: the joiner holds the
                         swarm's state and starts its inner steps; met_to_state: that <= target.
                         seconds_to_first_round adds the H inner steps every joiner must train before
@@ -77,16 +77,13 @@ import datetime
 import functools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
@@ -103,9 +100,9 @@ from scripts.bench.join_log import (
     TRAINER_READY,
     StampedOutput,
 )
+from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import WanEmulator, unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 0.2
 HASH_CHECK_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -428,10 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true", help="every node runs with --overlap")
     parser.add_argument("--trials", type=int, default=1, help="independent swarm + joiner runs")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each wait may take")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write all trials' records here")
-    parser.add_argument(
-        "--keep-logs", type=Path, default=None, metavar="DIR", help="keep run dirs and logs under DIR"
-    )
+    add_output_flags(parser, keep_logs=True)
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.trials < 1 or args.inner_steps < 1 or args.batch_size < 1:
         parser.error("--nodes, --trials, --inner-steps and --batch-size must be >= 1")
@@ -440,16 +434,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds the emulator's `with`, which stops every node
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if (reason := unavailable_reason()) is not None:
         print(f"bench_join: cannot run the WAN emulator: {reason}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds the emulator's `with`, which stops every node
     settings = Settings(
         model=args.model,
         link_mbit=args.link_mbit,
@@ -464,17 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     try:
         for trial in range(args.trials):
-            with tempfile.TemporaryDirectory(prefix="bench_join-") as scratch:
-                workdir = Path(scratch) if args.keep_logs is None else args.keep_logs / f"trial-{trial}"
+            with scratch_dir(args.keep_logs, f"trial-{trial}", prefix="bench_join-") as workdir:
                 record = run_trial(settings, trial, workdir)
             records.append(record)
-            print(json.dumps(record), flush=True)
+            print_json(record)
     except KeyboardInterrupt:
         print("bench_join: interrupted; every node and namespace was stopped", file=sys.stderr)
         return 130
     finally:
-        if args.json_out is not None:
-            args.json_out.write_text(json.dumps(records, indent=2) + "\n")
+        write_json(args.json_out, records)
     print(summary_line(records), flush=True)
     return 1 if any("error" in r for r in records) else 0
 

@@ -1,4 +1,4 @@
-"""DiLoCo's outer state sharded over a node's local ranks vs held flat on rank 0 (issue 6).
+"""DiLoCo's outer state sharded over a node's local ranks vs held flat on rank 0.
 
 For each layout a node's replica is built over its local workers (``node.trainer.build_replica``, the
 daemon's own code: this process is rank 0, K - 1 spawned gloo ranks), one inner step is taken, then

@@ -1,4 +1,4 @@
-"""Does every live node train in every round? Issue 22's benchmark, on ``dtnode swarm`` runs.
+"""Does every live node train in every round? Measured on ``dtnode swarm`` runs.
 
 Each run is one ``python -m node.cli swarm …`` (``node/launcher.py``) in a scratch directory, in the
 WAN emulator (``scripts/tools/wan_emulator.py``, needs root) where the case needs slow links; this script
@@ -39,7 +39,7 @@ solo_tokens_per_s: per node, with ``--solo-seconds S`` > 0 (cases a and b): the 
     with S = 0, or in cases c and d: the mean of the swarm run's step records' ``tokens_per_s`` per
     node (its compute rate while stepping). solo_source says which.
     tokens_ratio = swarm_tokens_per_s / Σ solo_tokens_per_s.
-targets (issue 22): participation >= 0.95 (a, b, c, d), tokens_ratio >= 0.90 (a, b), one final
+targets: participation >= 0.95 (a, b, c, d), tokens_ratio >= 0.90 (a, b), one final
     param_hash (all); met: every target of the run and no error.
 
     python scripts/bench/bench_participation.py --cases d --quick          # a dry run (3 nano nodes)
@@ -61,12 +61,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
@@ -75,9 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from node.metrics import read_metrics
 from node.swarm_report import node_participation, swarm_participation
 from scripts.bench.bench_utilization import stop_launcher
+from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = ("a", "b", "c", "d")
 TARGET_PARTICIPATION = 0.95
 TARGET_TOKENS_RATIO = 0.90
@@ -437,8 +435,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--solo-seconds", type=float, default=60.0,
                         help="cases a, b: seconds of the --no-swarm runs (0: step records' rates)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one swarm run may take")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write every object printed")
-    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep run dirs under DIR")
+    add_output_flags(parser, keep_logs=True)  # --json-out: every object printed
     args = parser.parse_args(argv)
     if not args.cases or any(case not in CASES for case in args.cases):
         parser.error(f"--cases must list some of {', '.join(CASES)}")
@@ -447,34 +444,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds run_swarm's `finally`, which stops the swarm
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "a" in args.cases and (reason := unavailable_reason()) is not None:
         print(f"bench_participation: case a needs the WAN emulator: {reason}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds run_swarm's `finally`, which stops the swarm
     runs = case_runs(args.cases, quick=args.quick, link_mbit=args.link_mbit, stagger_seconds=args.stagger)
     records: list[dict[str, Any]] = []
     try:
         for run in runs:
-            with tempfile.TemporaryDirectory(prefix="bench_participation-") as scratch:
-                workdir = Path(scratch) if args.keep_logs is None else args.keep_logs / run.name
-                workdir.mkdir(parents=True, exist_ok=True)
+            with scratch_dir(args.keep_logs, run.name, prefix="bench_participation-") as workdir:
                 records.append(measure(run, workdir, args))
-            print(json.dumps(records[-1]), flush=True)
+            print_json(records[-1])
     except (KeyboardInterrupt, SystemExit):
         print("bench_participation: interrupted; the swarm was stopped", file=sys.stderr)
         return 130
     finally:
         summary = {"summary": True, "met": {r["run"]: r["met"] for r in records},
                    "all_met": bool(records) and all(r["met"] for r in records)}  # fmt: skip
-        if args.json_out is not None:
-            args.json_out.write_text(json.dumps([*records, summary], indent=2) + "\n")
-    print(json.dumps(summary), flush=True)
+        write_json(args.json_out, [*records, summary])
+    print_json(summary)
     print(summary_line(records), flush=True)
     return 0 if summary["all_met"] else 1
 

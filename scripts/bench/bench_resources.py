@@ -1,6 +1,6 @@
 """Bounded resources: does a node's memory grow over many outer rounds?
 
-Issue 7's check. ``dtnode swarm`` runs ``--nodes`` nodes on this machine (loopback) for ``--rounds``
+``dtnode swarm`` runs ``--nodes`` nodes on this machine (loopback) for ``--rounds``
 outer rounds of ``--inner-steps`` inner steps each (nano by default: rounds of a second or two, so
 the per-round machinery — round formation, the all-reduce and its buffers, snapshots served to
 joiners, checkpoints, metrics — runs many times in a few minutes). Every round record carries the
@@ -24,7 +24,6 @@ target is met, 1 if not (or the swarm failed), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -34,9 +33,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from node.metrics import read_metrics
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from node.metrics import read_metrics
+from scripts.common import REPO_ROOT, add_output_flags, print_json, write_json
 
 
 def growth(rss: Sequence[int], warmup: int) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="rounds before the baseline")
     parser.add_argument("--max-growth", type=float, default=0.05, help="target: growth / baseline at most")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the swarm may run")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the records here")
+    add_output_flags(parser)
     args = parser.parse_args(argv)
     if args.nodes < 2 or args.rounds < 3 * args.warmup or args.warmup < 1:
         parser.error("--nodes must be >= 2 and --rounds >= 3 x --warmup >= 3")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as error:
                 records.append({"node": index, "rounds": len(rss), "error": str(error)})
     for record in records:
-        print(json.dumps(record))
+        print_json(record)
     worst = max((r.get("growth_fraction", float("inf")) for r in records), default=float("inf"))
     met = code == 0 and worst <= args.max_growth
     summary = {
@@ -120,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "met": met,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
-    print(json.dumps(summary))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"nodes": records, "summary": summary}, indent=2) + "\n")
+    print_json(summary)
+    write_json(args.json_out, {"nodes": records, "summary": summary})
     per_node = ", ".join(
         f"node {r['node']} {r['baseline_bytes'] / 2**20:.0f} -> {r['final_bytes'] / 2**20:.0f} MiB "
         f"({100 * r['growth_fraction']:+.1f}%)"

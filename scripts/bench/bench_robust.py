@@ -7,13 +7,13 @@ with the real aggregation rules, no sockets) train the nano model for ``--steps`
 pseudo-gradient Δ, one of:
 
     scaled        Δ x ``--attack-scale`` (default 100)
-    sign_flipped  -Δ (the issue's sign-flipped pseudo-gradient)
+    sign_flipped  -Δ (a sign-flipped pseudo-gradient)
     noise         Gaussian noise whose norm is ``--attack-scale`` x ||Δ||
 
 Every worker (the attacker included) then applies the same aggregated Δ with its own outer step, so
 the global params stay identical (checked each round). Scenarios: ``clean`` (no attacker) and every
 ATTACK, each with every aggregation rule (``mean``, ``clipped`` with ``--clip-factor``, ``trimmed``
-with ``--trim``). Target (issue 7): with the defence, the final eval loss within 5 % of the clean
+with ``--trim``). Target: with the defence, the final eval loss within 5 % of the clean
 mean run; ``mean`` under attack shows the damage.
 
     nice -n 19 python scripts/bench/bench_robust.py                    # 8 workers, 12 runs, ~30-60 CPU min
@@ -25,7 +25,6 @@ Prints one JSON object per run as it finishes, then a one-line summary; ``--out`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from scripts.bench.convergence_variants import (
     schedule_of,
 )
 from scripts.bench.simulated_allreduce import SimulatedAllReduce
+from scripts.common import add_output_flags, print_json, write_json
 
 ATTACKS = ("scaled", "sign_flipped", "noise")
 TARGET_GAP = 0.05
@@ -183,7 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated ATTACK:AGGREGATION (ATTACK in clean," + ",".join(ATTACKS) + "); empty = all",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=None, help="write every record and the summary as JSON")
+    add_output_flags(parser)  # --json-out: every record (with its eval history) and the summary
     return parser.parse_args(argv)
 
 
@@ -206,11 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in scenarios:
         record = run(settings, scenario, args)
         records.append(record)
-        print(json.dumps({k: v for k, v in record.items() if k != "eval_history"}), flush=True)
+        print_json({k: v for k, v in record.items() if k != "eval_history"})
     line = summary(records)
     print(line, flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps({"records": records, "summary": line}, indent=2) + "\n")
+    write_json(args.json_out, {"records": records, "summary": line})
     return 0
 
 

@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.config import NodeConfig  # noqa: E402
-from node.corpus import load_corpus  # noqa: E402
-from node.model import GPT, cross_entropy_loss, model_config  # noqa: E402
-from node.records import iter_texts  # noqa: E402
-from node.replica import build_inner_optimizer  # noqa: E402
-from node.tokenizer import Tokenizer, load_tokenizer, train_bpe  # noqa: E402
+from node.config import NodeConfig
+from node.corpus import load_corpus
+from node.model import GPT, cross_entropy_loss, model_config
+from node.records import iter_texts
+from node.replica import build_inner_optimizer
+from node.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 
 def tokenize_rate(data: str | None, tokenizer: Tokenizer | None) -> tuple[float, int, float]:

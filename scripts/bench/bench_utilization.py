@@ -1,6 +1,6 @@
 """How much of a node's time goes to training rather than waiting for the swarm, with and without overlap.
 
-Issue 5's benchmark. For every link cap in ``--links`` and every mode in ``--modes`` one swarm of
+For every link cap in ``--links`` and every mode in ``--modes`` one swarm of
 ``--nodes`` nodes runs ``--max-rounds`` outer rounds, each node on its own host of the WAN emulator
 (``scripts/tools/wan_emulator.py``: a network namespace whose uplink a tc tbf caps at the link rate). The
 swarm is started, stopped and reported on by ``dtnode swarm`` (``node/launcher.py``), run as a child
@@ -17,11 +17,11 @@ since its previous round record: the round's own phase in sync mode, the next on
 ``seconds_wall`` (the wall time since that record) and ``seconds_blocked`` (how long the training
 thread waited for the round in it), and
 
-    utilization = seconds_compute / seconds_wall            (issue 23: wall time; everything that is
+    utilization = seconds_compute / seconds_wall            (wall time: everything that is
                                                              not an inner step counts against it)
     blocked_share = seconds_blocked / seconds_wall          (the part of that spent on the swarm)
 
-Runs recorded before issue 23 defined utilization as seconds_compute / (seconds_compute +
+Older recorded runs defined utilization as seconds_compute / (seconds_compute +
 seconds_blocked), which left eval, checkpoints, hashing and the outer step out (BENCHMARKS.md).
 
 Steady state. The samples are every node's rounds after its first ``--warmup-rounds`` (default 1:
@@ -42,7 +42,7 @@ bytes_sent_per_round: mean over the samples of a node's all-reduce bytes sent in
 min_peers: fewest nodes in any steady round (``--min-peers`` is set to ``--nodes``).
 param_hash_all_agree: every node held the same params after every round all recorded (report.json).
 exit_codes, wall_seconds: of the nodes and of the whole swarm run (start-up and stop included).
-met: overlap variants only: utilization_mean >= the target (0.95, issue 5); null for sync.
+met: overlap variants only: utilization_mean >= the target (0.95); null for sync.
 load_avg_1min_before / _after; error: why a variant could not be measured (then it counts as failed).
 
 Summary object: ``summary`` (true), ``target_utilization``, ``utilization_mean`` per variant,
@@ -75,21 +75,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.metrics import read_metrics
+from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import cleanup_leftovers, unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGET_UTILIZATION = 0.95
 MODES = ("sync", "overlap")
 LAUNCHER_NAME_PREFIX = "dtswarm"  # node/launcher.py's emulator namespaces
@@ -335,10 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup-rounds", type=int, default=1, help="first rounds of every node left out (see Steady state)"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one swarm run may take")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write every object printed here")
-    parser.add_argument(
-        "--keep-logs", type=Path, default=None, metavar="DIR", help="keep run dirs and logs under DIR"
-    )
+    add_output_flags(parser, keep_logs=True)  # --json-out: every object printed
     args = parser.parse_args(argv)
     if not args.links or any(link < 0 for link in args.links):
         parser.error("--links must list caps >= 0")
@@ -353,17 +348,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds run_variant's `finally`, which stops the swarm
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if any(link > 0 for link in args.links) and (reason := unavailable_reason()) is not None:
         print(f"bench_utilization: cannot run the WAN emulator: {reason} (--links 0 runs on loopback)",
               file=sys.stderr)  # fmt: skip
         return 2
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds run_variant's `finally`, which stops the swarm
     settings = Settings(
         num_nodes=args.nodes,
         model=args.model,
@@ -381,18 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         for variant in variants:
-            with tempfile.TemporaryDirectory(prefix="bench_utilization-") as scratch:
-                workdir = Path(scratch) if args.keep_logs is None else args.keep_logs / variant.name
+            with scratch_dir(args.keep_logs, variant.name, prefix="bench_utilization-") as workdir:
                 records.append(run_variant(settings, variant, workdir))
-            print(json.dumps(records[-1]), flush=True)
+            print_json(records[-1])
     except (KeyboardInterrupt, SystemExit):
         print("bench_utilization: interrupted; the swarm and its namespaces were stopped", file=sys.stderr)
         return 130
     finally:
-        if args.json_out is not None:
-            args.json_out.write_text(json.dumps([*records, summary_object(records)], indent=2) + "\n")
+        write_json(args.json_out, [*records, summary_object(records)])
     summary = summary_object(records) | {"wall_seconds": round(time.monotonic() - started, 1)}
-    print(json.dumps(summary), flush=True)
+    print_json(summary)
     print(summary_line(records), flush=True)
     return 1 if summary["num_failed"] else 0
 

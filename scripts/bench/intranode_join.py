@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from scripts.common import REPO_ROOT, print_json
 
 # name -> (local workers, join flags)
 JOIN_LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -129,7 +129,7 @@ def run_join_layouts(layouts: Sequence[str], **settings: Any) -> list[dict[str, 
     with tempfile.TemporaryDirectory(prefix="bench-intranode-join-") as work_dir:
         for layout in layouts:
             record = measure_join_layout(layout, Path(work_dir), **settings)
-            print(json.dumps(record), flush=True)
+            print_json(record)
             records.append(record)
     return records
 

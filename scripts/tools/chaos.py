@@ -1,6 +1,6 @@
 """Chaos benchmark: a swarm in the WAN emulator under random faults, then checks that nothing broke.
 
-Issue 7's benchmark. ``--nodes`` ``dtnode join`` nodes (nano preset, short phases) run on the hosts
+``--nodes`` ``dtnode join`` nodes (nano preset, short phases) run on the hosts
 of ``scripts/tools/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``). Once
 all of them finished a round together, ``--trials`` times a fault is drawn at random (seeded):
 
@@ -49,21 +49,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.metrics import read_metrics
+from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FAULT_KINDS = ("kill", "stop", "restart", "partition", "slow_link")
 SLOW_LINK_MBIT = 1.0
 NAME_PREFIX = "dtchaos"
@@ -329,10 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-delay", type=float, default=5.0, help="random wait before each fault")
     parser.add_argument("--recovery-timeout", type=float, default=180.0, help="seconds to wait for recovery")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the result here")
-    parser.add_argument(
-        "--keep-logs", type=Path, default=None, metavar="DIR", help="keep run dirs and logs here"
-    )
+    add_output_flags(parser, keep_logs=True)  # --json-out: the summary and every trial
     args = parser.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if unknown := [k for k in args.kinds if k not in FAULT_KINDS]:
@@ -344,25 +339,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds the `with WanEmulator`, which stops every node
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if (reason := unavailable_reason()) is not None:
         print(f"chaos: cannot run the WAN emulator: {reason}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds the `with WanEmulator`, which stops every node
     cleanup_leftovers(NAME_PREFIX)
     rng = random.Random(args.seed)
     started = time.monotonic()
-    root_holder = tempfile.TemporaryDirectory(prefix="chaos-") if args.keep_logs is None else None
-    root = Path(root_holder.name) if root_holder is not None else args.keep_logs
-    root.mkdir(parents=True, exist_ok=True)
     trials: list[dict[str, Any]] = []
     try:
-        with WanEmulator(args.nodes, args.link_mbit, name_prefix=NAME_PREFIX) as wan:
+        with (
+            scratch_dir(args.keep_logs, "", prefix="chaos-") as root,
+            WanEmulator(args.nodes, args.link_mbit, name_prefix=NAME_PREFIX) as wan,
+        ):
             swarm = Swarm(wan, root, args)
             try:
                 for node in swarm.nodes:
@@ -386,9 +377,6 @@ def main(argv: list[str] | None = None) -> int:
                 swarm.stop_all()
     except KeyboardInterrupt:
         return 130
-    finally:
-        if root_holder is not None:
-            root_holder.cleanup()
     kinds = {k: sum(1 for t in trials if t["kind"] == k) for k in args.kinds}
     summary = {
         "nodes": args.nodes,
@@ -406,9 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         and summary["loss_fell"]
     )
     summary["passed"] = passed
-    print(json.dumps(summary))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps({"summary": summary, "trials": trials}, indent=2) + "\n")
+    print_json(summary)
+    write_json(args.json_out, {"summary": summary, "trials": trials})
     print(
         f"chaos: {len(trials)} trials on {args.nodes} nodes, {summary['rounds']} rounds: "
         f"{summary['hangs']} hangs, {summary['divergences']} divergences, {summary['non_finite']} non-finite, "

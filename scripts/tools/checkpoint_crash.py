@@ -48,7 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.common import REPO_ROOT, add_output_flags, print_json, write_json
 
 STAGES = (
     "before-tensors",  # the tmp dir exists, empty
@@ -360,7 +363,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="Kills to inject (each resumes the last).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random saves, stages and fractions.")
-    parser.add_argument("--out", default="", help="Also write the JSON summary here.")
+    add_output_flags(parser)  # --json-out: the summary
     parser.add_argument("--child", action="store_true", help="Run the node (internal).")
     parser.add_argument("--data", default="", help="(child) corpus file.")
     parser.add_argument("--run-dir", default="", help="(child) run directory.")
@@ -374,10 +377,8 @@ def main() -> int:
     if args.child:
         return child(args)
     summary = run_trials(args.trials, random_seed=args.seed)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(summary)
+    write_json(args.json_out, summary)
     verdict = "PASS" if summary["ok"] else "FAIL"
     print(
         f"{verdict}: {args.trials} SIGKILLs during checkpoint writes ({len(summary['stages_hit'])} of "

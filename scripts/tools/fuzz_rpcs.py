@@ -1,6 +1,6 @@
 """Fuzz every RPC of a live dtnode node, then check that the node still completes a normal round.
 
-    python scripts/tools/fuzz_rpcs.py --messages 10000          # the full campaign (issue 7)
+    python scripts/tools/fuzz_rpcs.py --messages 10000          # the full campaign
     python scripts/tools/fuzz_rpcs.py --messages 200 --rpcs Deliver,GetManifest
 
 Setup: a target node (a real ``SwarmNode``: DHT peer, one gRPC server with the all-reduce, state
@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from protocol.gen.dtnode.v1 import allreduce_pb2 as allreduce_pb
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.streams import to_allreduce_group
+from scripts.common import add_output_flags, print_json, write_json
 from scripts.tools.fuzz_messages import (
     Case,
     Context,
@@ -397,7 +398,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="Calls in flight at once.")
     parser.add_argument("--deadline-seconds", type=float, default=5.0, help="Deadline of every fuzzed call.")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (per RPC: seed + index).")
-    parser.add_argument("--out", default="", help="Also write the JSON summary here.")
+    add_output_flags(parser)  # --json-out: the summary
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     summary = run_campaign(
@@ -407,10 +408,8 @@ def main() -> int:
         deadline=timedelta(seconds=args.deadline_seconds),
         random_seed=args.seed,
     )
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(summary)
+    write_json(args.json_out, summary)
     print(one_line(summary))
     return 0 if summary["ok"] else 1
 

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+# Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from protocol.allreduce.config import AllReduceConfig
 from protocol.discovery.dht_node import DhtConfig
 from protocol.membership.config import RoundConfig
@@ -29,8 +32,8 @@ from protocol.statesync.config import StateSyncConfig
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
+from scripts.common import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_ELEMENTS = 10_007
 """Length of the averaged vector (odd, so the two parts differ in size)."""
 SNAPSHOT_TENSOR = "params"

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import resource
 import signal
@@ -48,13 +47,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 
 import torch
 
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from scripts.common import exit_on_sigterm, print_json
 from scripts.workers.allreduce_worker import GENERATION_BLOCK, make_vector, vector_block
 
 CODECS = ("none", "fp16", "int8")
@@ -343,17 +342,13 @@ def start_watchdog(timeout: datetime.timedelta, report: StepReport) -> None:
 
     def expire() -> None:
         report.error = f"worker timed out after {timeout}"
-        print(json.dumps(dataclasses.asdict(report)), flush=True)
+        print_json(dataclasses.asdict(report))
         kill_descendants()
         os._exit(TIMEOUT_EXIT_CODE)
 
     timer = threading.Timer(timeout.total_seconds(), expire)
     timer.daemon = True
     timer.start()
-
-
-def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run_worker's finally: averager and DHT shut down
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -401,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         index=config.index, num_peers=config.num_peers, elements=config.num_elements, codec=config.codec
     )
     start_watchdog(config.timeout, report)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_on_sigterm()  # unwinds through run_worker's finally: averager and DHT shut down
     try:
         run_worker(config, report)
     except Exception as error:
@@ -410,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         report.error = f"{type(error).__name__}: {error}"
     finally:
         kill_descendants()  # belt and braces: nothing of this peer may outlive it
-    print(json.dumps(dataclasses.asdict(report)), flush=True)
+    print_json(dataclasses.asdict(report))
     return 0 if report.averaged_ok else 1
 
 

@@ -1,6 +1,6 @@
 """Nodes started through `dtnode join` form one swarm on loopback: real processes, DHT and gRPC.
 
-What must hold (issue 4): every member of a round ends it with the same param_hash; a node that
+What must hold: every member of a round ends it with the same param_hash; a node that
 joins mid-run adopts the swarm's state and matches after its first round; a SIGKILLed node does
 not stop the others past the round deadline; SIGTERM leaves cleanly with exit 0.
 """

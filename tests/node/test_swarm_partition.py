@@ -3,7 +3,7 @@
 The nodes run in the WAN emulator's network namespaces (tests/scripts/test_wan_emulator.py), so
 the partition drops packets between real hosts, DHT and gRPC alike. Side {0, 1} keeps forming
 rounds of two and side {2} rounds of one; after the heal the lineage rule (most peers first) sends
-node 2 to re-sync from the larger side (issue 4: one lineage within 2 rounds).
+node 2 to re-sync from the larger side (one lineage within 2 rounds).
 
 "Within 2 rounds" presumes a round lasts longer than the DHT takes to merge after a heal (a knock
 on lost peers every 2 s, then a record refresh): real inner phases last minutes. The rounds here

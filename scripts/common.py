@@ -1,0 +1,84 @@
+"""What the scripts share: the checkout's root, the output flags, SIGTERM as an exit, JSON out.
+
+Every script run as a file starts with the same line, before it imports anything of ``scripts``::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+(``python scripts/bench/x.py`` puts ``scripts/bench/``, not the checkout, on ``sys.path``); this module
+cannot hold that line, since importing it needs the line first. ``tools/wan_emulator.py`` imports
+nothing from here: ``dtnode swarm --link-mbit`` loads that one file by path, outside any checkout's
+``sys.path``.
+
+The output conventions the helpers keep:
+
+- one JSON object per measurement on stdout as it is made (``print_json``), then a one-line summary;
+- ``--json-out PATH`` writes what the run printed (or its summary) to a file as well (``write_json``);
+- ``--keep-logs DIR`` keeps each run's scratch directory under ``DIR/<name>``; without it the scratch is
+  a temporary directory, removed after the run (``scratch_dir``);
+- SIGTERM raises ``SystemExit(128 + signum)`` (``exit_on_sigterm``), so the ``with`` and ``finally``
+  blocks that stop child processes and remove network namespaces run, as they do for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def add_output_flags(parser: argparse.ArgumentParser, *, keep_logs: bool = False) -> None:
+    """``--json-out PATH`` and, with ``keep_logs``, ``--keep-logs DIR``."""
+    parser.add_argument(
+        "--json-out", type=Path, default=None, metavar="PATH", help="also write the run's JSON records here"
+    )
+    if keep_logs:
+        parser.add_argument(
+            "--keep-logs",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="keep each run's directory and logs under DIR (default: a temporary directory, removed)",
+        )
+
+
+def print_json(value: Any) -> None:
+    """One JSON object on one line of stdout, flushed (a reader may be following the run)."""
+    print(json.dumps(value), flush=True)
+
+
+def write_json(path: Path | None, value: Any) -> None:
+    """``value`` as indented JSON at ``path`` (``--json-out``); nothing when no path was given."""
+    if path is not None:
+        path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def scratch_dir(keep_logs: Path | None, name: str, *, prefix: str) -> Iterator[Path]:
+    """``keep_logs / name`` (made, and kept) or, without ``keep_logs``, a temporary directory removed
+    on exit."""
+    if keep_logs is not None:
+        path = keep_logs / name
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        yield Path(scratch)
+
+
+def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> SignalHandler:
+    """Make SIGTERM unwind like Ctrl-C (``SystemExit(128 + 15)``); the handler it replaced."""
+    return signal.signal(signal.SIGTERM, _raise_system_exit)
