@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up the venv and run every check CI runs: generated code up to date, lint, types, tests.
-#   bash scripts/test.sh [pytest args...]
+#   bash scripts/test.sh [pytest args...]      (e.g. -n 0: serially; tests/node: one folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,4 +11,7 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy node protocol
-exec .venv/bin/pytest -q -p no:cacheprovider "$@"
+# Tests run on parallel pytest-xdist workers: many wait on sockets, timers and child processes, so
+# more workers than cores pay; tests/conftest.py orders the longest first. DTNODE_TEST_WORKERS=0
+# runs them serially in this process; a later -n in the arguments wins.
+exec .venv/bin/pytest -q -p no:cacheprovider -n "${DTNODE_TEST_WORKERS:-4}" --dist loadgroup "$@"

@@ -24,6 +24,9 @@ from node.trainer import Trainer
 from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
 from tests.node.test_trainer import small_config
 
+# One xdist worker takes the whole module: its tests share a trained run (a module fixture).
+pytestmark = pytest.mark.xdist_group("node.test_export")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:

@@ -22,6 +22,10 @@ from tests.node.run_support import one_torch_thread, train_short_run, write_corp
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+# One xdist worker takes the whole module: its tests share a trained run (a module fixture).
+pytestmark = pytest.mark.xdist_group("node.test_report")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     with one_torch_thread():  # tiny steps on a shared machine: one thread is faster

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 
@@ -15,3 +17,12 @@ def processes_mentioning(text: str) -> list[int]:
         except OSError:
             continue  # exited while we looked
     return pids
+
+
+def kill_processes_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line contains ``text``: a failed test's leftovers."""
+    for pid in processes_mentioning(text):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # exited meanwhile

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.scripts.processes import processes_mentioning
+from tests.scripts.processes import kill_processes_mentioning, processes_mentioning
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 bench = load_script("bench_utilization")
@@ -176,7 +176,7 @@ def test_small_overlapped_run_reports_the_nodes_own_figures(tmp_path: Path) -> N
     assert 0 < record["utilization_min"] <= record["utilization_mean"] <= 1
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_node(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     bench_process = subprocess.Popen(
@@ -190,27 +190,29 @@ def test_ctrl_c_stops_every_node(tmp_path: Path) -> None:
     metrics = swarm_dir / "node-1" / "metrics.jsonl"
     node_dirs = str(swarm_dir / "node-")  # on the nodes' command lines only
     try:
-        deadline = time.monotonic() + 60
+        # Bounds for a loaded machine (parallel tests share the cores): a first round in ~10 s alone.
+        deadline = time.monotonic() + 120
         while not (metrics.exists() and '"param_hash"' in metrics.read_text()):
             assert bench_process.poll() is None, bench_process.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "no round within 60 s"
+            assert time.monotonic() < deadline, "no round within 120 s"
             time.sleep(0.5)
         assert len(processes_mentioning(node_dirs)) >= 2  # the nodes run
         # First Ctrl-C: the launcher stops the nodes gracefully (a node in a round may wait for its
         # departed peer up to the launcher's grace); a second one makes it kill them at once.
         bench_process.send_signal(signal.SIGINT)
         launcher_log = logs / "loopback-sync" / "swarm.log"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while bench_process.poll() is None and "stopping 2 node(s)" not in launcher_log.read_text():
             assert time.monotonic() < deadline, "the launcher did not start stopping its nodes"
             time.sleep(0.2)
         if bench_process.poll() is None:
             bench_process.send_signal(signal.SIGINT)
-        _, stderr = bench_process.communicate(timeout=40)
+        _, stderr = bench_process.communicate(timeout=60)
     finally:
-        if bench_process.poll() is None:
+        if bench_process.poll() is None:  # the test failed above: leave no launcher or node running
             bench_process.kill()
             bench_process.wait(timeout=10)
+            kill_processes_mentioning(str(logs))
     assert bench_process.returncode == 130, stderr[-4000:]
     assert "interrupted" in stderr
     assert processes_mentioning(node_dirs) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,7 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
     """Four nodes, one fault of each kind (taken in turn; victims, moments and spans seeded)."""
     json_out = tmp_path / "chaos.json"
     results = []
+    run_pids: list[int] = []
     for kinds in ("restart,kill", "stop,partition,slow_link"):
         num_trials = len(kinds.split(","))
         argv = [sys.executable, str(script_path("chaos")), "--nodes", "4", "--trials", str(num_trials)]
@@ -125,9 +127,18 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
             "2",
         ]
         argv += ["--recovery-timeout", "120", "--seed", "1", "--json-out", str(json_out)]
-        run = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=200)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        with subprocess.Popen(
+            argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as run:
+            try:
+                stdout, stderr = run.communicate(timeout=200)
+            finally:
+                if run.poll() is None:  # timed out: stop it (and, through its Ctrl-C path, its nodes)
+                    run.send_signal(signal.SIGINT)
+                    run.communicate(timeout=60)
+        assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
         results.append(json.loads(json_out.read_text()))
+        run_pids.append(run.pid)
     for result in results:
         summary = result["summary"]
         assert summary["passed"] and summary["trials"] == sum(summary["faults"].values())
@@ -135,6 +146,7 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
         assert (summary["hangs"], summary["divergences"], summary["non_finite"]) == (0, 0, 0)
         assert summary["rejoined"] == summary["restarted_nodes"]
         assert all(trial["recovered"] for trial in result["trials"])
-    # Nothing left behind: no namespace of the emulator's, no node process.
+    # Nothing left behind: no namespace of these runs' emulators (named after the chaos process's pid;
+    # another chaos run on the machine, e.g. a parallel test session, has its own), no node process.
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    assert "dtchaos-" not in listing
+    assert not [pid for pid in run_pids if f"dtchaos-{pid}-" in listing], listing

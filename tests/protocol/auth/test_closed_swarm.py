@@ -53,6 +53,10 @@ def patient_dht(initial_peers: tuple[str, ...]) -> DhtConfig:
     )
 
 
+# One xdist worker takes the whole module: its tests share running swarm members (a module fixture).
+pytestmark = pytest.mark.xdist_group("protocol.auth.test_closed_swarm")
+
+
 @pytest.fixture(scope="module")
 def secret_and_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, SwarmKey]:
     path: Path = tmp_path_factory.mktemp("key") / "swarm.key"

@@ -104,7 +104,9 @@ def test_startup_deadline_holds_against_a_peer_that_never_answers() -> None:
             DhtNode(DhtConfig(initial_peers=(address,), startup_timeout=timedelta(seconds=2)))
         elapsed = time.monotonic() - started
     assert address in str(failure.value)
-    assert elapsed < 2.0 + 4.0  # the deadline, plus killing the DHT process and its daemon
+    # The deadline, plus killing the DHT process and its daemon (seconds on a loaded machine, where
+    # parallel tests share the cores); still under the default 20 s, so an ignored deadline fails.
+    assert elapsed < 2.0 + 12.0
     assert not no_new_daemons(before)
 
 

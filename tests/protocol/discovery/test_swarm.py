@@ -35,6 +35,10 @@ SHORT_TTL = 3 * PERIOD + 2 * CALL_TIMEOUT  # 3.5 s
 SEE_NEW_PEER_WITHIN = timedelta(seconds=3)
 
 
+# One xdist worker takes the whole module: its tests share three running DHT peers (a module fixture).
+pytestmark = pytest.mark.xdist_group("protocol.discovery.test_swarm")
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[list[DhtNode]]:
     started: list[DhtNode] = []

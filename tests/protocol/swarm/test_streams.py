@@ -193,6 +193,10 @@ class _Servers:
         self.threads.shutdown()
 
 
+# One xdist worker takes the whole module: its tests share a running swarm (a module fixture).
+pytestmark = pytest.mark.xdist_group("protocol.swarm.test_streams")
+
+
 @pytest.fixture(scope="module")
 def streamed_nodes() -> Iterator[list[SwarmNode]]:
     run_name = f"streams-test-{uuid.uuid4().hex[:12]}"

@@ -77,6 +77,10 @@ def started_nodes(count: int, run_name: str) -> Iterator[list[SwarmNode]]:
         yield started
 
 
+# One xdist worker takes the whole module: its tests share a running swarm (a module fixture).
+pytestmark = pytest.mark.xdist_group("protocol.swarm.test_swarm_node")
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[list[SwarmNode]]:
     """Three nodes of one run (``started_nodes``)."""
