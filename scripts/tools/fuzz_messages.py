@@ -291,6 +291,8 @@ def build_rpcs(context: Context, round_ref: allreduce_pb.RoundRef, part_sizes: t
         Rpc("Deliver", membership + "Deliver", envelope.DESCRIPTOR, False, False, (
             envelope(sender_id=peer_id, protocol_version=PROTOCOL_VERSION, join_request=join),
             envelope(sender_id=peer_id, protocol_version=PROTOCOL_VERSION, begin=membership_pb.Begin(group=group)))),
+        Rpc("Collect", membership + "Collect", membership_pb.CollectRequest.DESCRIPTOR, False, False, (
+            membership_pb.CollectRequest(receiver_id=peer_id, protocol_version=PROTOCOL_VERSION, wait_ms=200),)),
         Rpc("GetManifest", statesync + "GetManifest", statesync_pb.GetManifestRequest.DESCRIPTOR, False, False, (
             statesync_pb.GetManifestRequest(state_id=state_id),)),
         Rpc("FetchRange", statesync + "FetchRange", statesync_pb.FetchRangeRequest.DESCRIPTOR, False, True, (

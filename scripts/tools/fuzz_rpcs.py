@@ -373,6 +373,7 @@ def build_rpc_names() -> list[str]:
         "PullAverage",
         "FinishRound",
         "Deliver",
+        "Collect",
         "GetManifest",
         "FetchRange",
         "GetStatus",

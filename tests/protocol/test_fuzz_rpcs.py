@@ -76,6 +76,7 @@ async def _status_of_garbage(path: str, streaming_response: bool) -> grpc.Status
     ("path", "streaming_response"),
     [
         ("/dtnode.v1.Membership/Deliver", False),
+        ("/dtnode.v1.Membership/Collect", False),
         ("/dtnode.v1.StateSync/GetManifest", False),
         ("/dtnode.v1.StateSync/FetchRange", True),
     ],

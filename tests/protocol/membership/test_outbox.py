@@ -112,6 +112,12 @@ def test_a_client_collects_over_grpc_what_a_peer_held_for_it() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as bad_id:
                 await stub.Collect(pb.CollectRequest(receiver_id="", protocol_version=VERSION), timeout=5)
             assert bad_id.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            # A wait longer than the call's own deadline ends (empty) before that deadline.
+            started = time.monotonic()
+            reply = await stub.Collect(
+                pb.CollectRequest(receiver_id="c1", protocol_version=VERSION, wait_ms=30_000), timeout=1.0
+            )
+            assert list(reply.envelopes) == [] and time.monotonic() - started < 1.0
         finally:
             await asyncio.gather(client.close(), other.close())
             await server.stop(0.1)
