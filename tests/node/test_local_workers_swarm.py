@@ -62,7 +62,7 @@ def worker_pids(pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
     with Cluster(tmp_path) as cluster:
         flags = ["--min-peers", "2", "--swarm-streams", "2"]  # no round limit: stopped by SIGTERM below
@@ -75,7 +75,9 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         wait_for(lambda: len(joiner.hashes()) >= 2, 180, "two rounds of the dp joiner", joiner)
         for node in cluster.nodes:
             node.signal(signal.SIGTERM)
-        assert cluster.wait_all(90) == [0, 0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
+        # A node stops after its round in flight and its leave record (tens of seconds when parallel
+        # tests share the cores).
+        assert cluster.wait_all(150) == [0, 0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
         assert "2 local workers: dp=1 x tp=2 x pp=1" in parallel.log()
         assert "2 local workers: dp=2 x tp=1 x pp=1" in joiner.log()
         assert "adopting the swarm's state" in joiner.log()

@@ -73,14 +73,15 @@ def test_verdict_fails_when_zero_does_not_shard_or_a_layout_fails() -> None:
     assert bench.summary_line(failed).startswith("FAIL:") and "tp2 FAILED" in bench.summary_line(failed)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_tiny_run_shards_the_optimizer_state_and_measures_the_bubble() -> None:
     argv = [
         sys.executable, str(script_path("bench_intranode")), "--layouts", "pp2-1f1b", "dp2-zero1",
         "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--warmup-steps", "1", "--microbatches", "2",
-        "--bubble-microbatches", "2", "--reference-threads", "1", "--timeout", "60",
+        "--bubble-microbatches", "2", "--reference-threads", "1", "--timeout", "150",
     ]  # fmt: skip
-    completed = subprocess.run(argv, capture_output=True, text=True, timeout=80, check=False)
+    # ~30 s alone; bounds for a machine whose cores parallel tests share.
+    completed = subprocess.run(argv, capture_output=True, text=True, timeout=200, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.strip().splitlines()
     records = [json.loads(line) for line in lines[:-1]]
