@@ -9,13 +9,15 @@ test's weight), keeping the collection order among equals.
 
 Tests that call ``node.cli.main`` in-process let it install its SIGINT/SIGTERM handlers (a node
 finishes its step on a signal); left in place, they would swallow the Ctrl-C or SIGTERM meant for
-pytest itself, so each test gets the handlers it started with back.
+pytest itself, so each test gets the handlers it started with back; and no test starts with
+SIGINT or SIGTERM ignored at the process level, which its child processes would inherit.
 """
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +36,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_declared_timeout, reverse=True)  # stable: collection order among equals
 
 
+def _ignored_by_the_process(signum: int) -> bool:
+    """Whether the kernel has ``signum`` ignored here (children inherit that, and Python keeps it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False  # no /proc: nothing to check
+
+
 @pytest.fixture(autouse=True)
 def _restore_signal_handlers() -> Iterator[None]:
+    # An ignored SIGINT/SIGTERM, left by something earlier in this worker (Python's own view may still
+    # say default), would be inherited by every child a test starts: its Ctrl-C tests could never pass.
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if _ignored_by_the_process(signum):
+            signal.signal(signum, default)
     saved = {signum: signal.getsignal(signum) for signum in _RESTORED_SIGNALS}
     yield
     for signum, handler in saved.items():
