@@ -46,8 +46,9 @@ def _ignored_by_the_process(signum: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def _restore_signal_handlers() -> Iterator[None]:
-    # An ignored SIGINT/SIGTERM, left by something earlier in this worker (Python's own view may still
-    # say default), would be inherited by every child a test starts: its Ctrl-C tests could never pass.
+    # An ignored SIGINT/SIGTERM is inherited by every child a test starts, so its Ctrl-C tests could
+    # never pass: a suite started in the background by a non-interactive shell (`bash scripts/test.sh &`)
+    # begins with SIGINT ignored, and C code can leave it so behind Python's back.
     for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if _ignored_by_the_process(signum):
             signal.signal(signum, default)
