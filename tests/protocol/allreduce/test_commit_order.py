@@ -18,9 +18,8 @@ import pytest
 import torch
 import uvloop
 
-from protocol.allreduce import GroupSpec
+from protocol.allreduce import GroupSpec, deciding
 from protocol.allreduce import allreduce as allreduce_module
-from protocol.allreduce import deciding
 from protocol.codecs import get_codec
 from tests.protocol.allreduce.support import allreduce_all, exact_mean, local_peers, members_of
 
