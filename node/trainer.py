@@ -130,9 +130,9 @@ class Trainer:
             ),
         )
         self.progress = Progress()
-        # With overlap: the (step, data position) at the end of the phase whose round is in flight,
-        # which the swarm serves with that round's state once it is applied (node/swarm.py).
+        # Overlap: (step, data position) at the end of the phase whose round is in flight (node/swarm.py).
         self.submitted_boundary: tuple[int, dict[str, Any]] | None = None
+        self.unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
@@ -141,8 +141,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
         self._prepare_run_dir()
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", sinks=self._metrics_sinks())
-        # The round records, their held-out evals (inline or on a thread) and the round's one host
-        # copy of the global state (node/round_end.py).
+        # Round records, their held-out evals and the round's one host copy of θ_global (round_end.py).
         self.round_end = RoundEnd(
             diloco=self.diloco, replica=self.replica, eval_set=self.eval_set, metrics=self.metrics,
             eval_every=eval_interval(config),  # rounds between held-out evals (the final one always)
@@ -232,8 +231,8 @@ class Trainer:
         self.diloco.load_global_state(state.global_params, state.outer_momentum)
         if self.diloco.param_hash() != state.param_hash:
             raise RuntimeError("the adopted params do not match their param_hash")
-        # The swarm's data position; our shard stays the first until the next round assigns ours
-        # (a bounded duplicate read, never a gap: protocol/membership/shards.py).
+        # The swarm's data position; our shard stays the first until the next round assigns ours (a
+        # bounded duplicate read, never a gap: protocol/membership/shards.py).
         data = {"shard_index": 0, **state.metadata["data"]}
         self.batches.load_state_dict(data)
         self.progress = Progress(
@@ -343,12 +342,12 @@ class Trainer:
     def outer_round(self) -> dict[str, Any] | None:
         """End of an inner phase: the outer step, or with ``overlap`` the previous round's.
 
-        Writes (and returns) the record of the round applied now, and checkpoints on schedule;
-        returns None for the first overlapped phase, whose round is still in flight.
+        Writes (and returns) the record of the round applied now, and checkpoints on schedule; None
+        for the first overlapped phase, whose round is still in flight (its compute goes to round 1's).
         """
         progress = self.progress
-        compute_seconds, weight = progress.round_compute_seconds, float(progress.round_tokens)
-        progress.round_tokens, progress.round_compute_seconds = 0, 0.0
+        self.unrecorded_compute += progress.round_compute_seconds  # (overlap: phase 1's is round 1's)
+        weight, progress.round_tokens, progress.round_compute_seconds = float(progress.round_tokens), 0, 0.0
         if not self.diloco.overlap:
             report: OuterStepReport | None = self.diloco.outer_step(
                 round_index=progress.round + 1, weight=weight
@@ -365,7 +364,7 @@ class Trainer:
         if report is not None:
             # Without overlap (or after adopting) the model restarts from θ_global: it holds it now.
             model_is_global = not self.diloco.overlap or report.adopted
-            record = self._round_record(report, compute_seconds, model_is_global=model_is_global)
+            record = self._round_record(report, model_is_global=model_is_global)
             if self.config.checkpoint_every and self.progress.round % self.config.checkpoint_every == 0:
                 # Before submit: no round in flight, so the saved state is consistent.
                 self.save(model_is_global=model_is_global)
@@ -389,9 +388,10 @@ class Trainer:
         return self.progress.round + 1 + (self.diloco.pending_round is not None)
 
     def _round_record(
-        self, report: OuterStepReport, compute_seconds: float, *, model_is_global: bool, final: bool = False
+        self, report: OuterStepReport, *, model_is_global: bool, final: bool = False
     ) -> dict[str, Any]:
-        """The round's record, written now or once its background eval is in (node/round_end.py)."""
+        """The round's record (the compute no record counted yet; written now or after its eval)."""
+        compute_seconds, self.unrecorded_compute = self.unrecorded_compute, 0.0
         return self.round_end.record(
             report,
             progress=self.progress,
@@ -408,7 +408,7 @@ class Trainer:
             report = self._act_on(report, self.submitted_boundary)
             if not report.adopted:
                 self.diloco.load_global_into_model()
-            self._round_record(report, 0.0, model_is_global=True, final=True)
+            self._round_record(report, model_is_global=True, final=True)
         self.diloco.close()
         self.round_end.finish()  # the last eval waited for, every round record written
 

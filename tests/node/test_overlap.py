@@ -103,6 +103,12 @@ def test_trainer_with_overlap_records_every_round(tmp_path):
     torch.testing.assert_close(local_params(trainer.model), trainer.diloco.global_params, rtol=0, atol=0)
     steps = [r for r in _read(trainer) if r["kind"] == "step"]
     assert [s["round"] for s in steps] == [1] * 4 + [2] * 4 + [3] * 4
+    # Every phase's inner compute is in some round record, the first phase's too (its round's record
+    # is written a phase later): the records' compute is the steps' own time, summed.
+    tokens = [0] + [s["tokens"] for s in steps]
+    step_seconds = [(tokens[i + 1] - tokens[i]) / s["tokens_per_s"] for i, s in enumerate(steps)]
+    assert sum(r["seconds_compute"] for r in rounds) == pytest.approx(sum(step_seconds), rel=1e-6)
+    assert rounds[0]["seconds_compute"] == pytest.approx(sum(step_seconds[:8]), rel=1e-6)
 
 
 def _read(trainer: Trainer) -> list[dict]:
