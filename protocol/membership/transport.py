@@ -109,29 +109,50 @@ class MembershipServicer(pb_grpc.MembershipServicer):
         """Calls ended with a status other than OK, by status name."""
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, *, level: int
+        self,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        level: int,
+        rpc: str = "Deliver",
     ) -> NoReturn:
         message = _shorten(message)
         self.num_refusals[code.name] += 1
-        logger.log(level, "refused Deliver from %s: %s: %s", context.peer(), code.name, message)
+        logger.log(level, "refused %s from %s: %s: %s", rpc, context.peer(), code.name, message)
         await context.abort(code, message)
         raise AssertionError("context.abort returned")
+
+    async def _check_request(
+        self,
+        request: pb.MembershipEnvelope | pb.CollectRequest | Malformed,
+        context: grpc.aio.ServicerContext,
+        *,
+        rpc: str,
+        who: str,
+    ) -> None:
+        """Refuse bytes that do not parse (INVALID_ARGUMENT) and another protocol version
+        (FAILED_PRECONDITION, routine while a swarm upgrades); ``who`` names the caller in the latter."""
+        if isinstance(request, Malformed):
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING, rpc=rpc
+            )
+        if request.protocol_version != self.protocol_version:
+            await self._refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{who} speak{'' if who == 'you' else 's'} protocol version {request.protocol_version}; "
+                f"I speak {self.protocol_version}",
+                level=logging.INFO,
+                rpc=rpc,
+            )
 
     async def Deliver(
         self, request: pb.MembershipEnvelope | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.DeliverReply:
-        if isinstance(request, Malformed):
-            await self._refuse(
-                context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING
-            )
-        if request.protocol_version != self.protocol_version:
-            claimed = request.sender_id[:MAX_PEER_ID_CHARS]
-            await self._refuse(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{claimed!r} speaks protocol version {request.protocol_version}; I speak {self.protocol_version}",
-                level=logging.INFO,  # routine while a swarm upgrades
-            )
+        who = "" if isinstance(request, Malformed) else repr(request.sender_id[:MAX_PEER_ID_CHARS])
+        await self._check_request(request, context, rpc="Deliver", who=who)
+        assert not isinstance(request, Malformed)
         try:
             sender_id, message = from_envelope(request)
         except ValueError as error:
@@ -157,24 +178,21 @@ class MembershipServicer(pb_grpc.MembershipServicer):
     async def Collect(
         self, request: pb.CollectRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.CollectReply:
-        if isinstance(request, Malformed):
-            await self._refuse(
-                context, grpc.StatusCode.INVALID_ARGUMENT, request.error, level=logging.WARNING
-            )
-        if request.protocol_version != self.protocol_version:
-            await self._refuse(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"you speak protocol version {request.protocol_version}; I speak {self.protocol_version}",
-                level=logging.INFO,
-            )
+        await self._check_request(request, context, rpc="Collect", who="you")
+        assert not isinstance(request, Malformed)
         try:
             receiver_id = check_peer_id(request.receiver_id, "receiver_id")
         except ValueError as error:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), level=logging.WARNING)
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, str(error), level=logging.WARNING, rpc="Collect"
+            )
         if self._outbox is None:
             await self._refuse(
-                context, grpc.StatusCode.UNIMPLEMENTED, "I hold no messages for clients", level=logging.INFO
+                context,
+                grpc.StatusCode.UNIMPLEMENTED,
+                "I hold no messages for clients",
+                level=logging.INFO,
+                rpc="Collect",
             )
         wait = min(timedelta(milliseconds=request.wait_ms), MAX_WAIT)
         remaining = context.time_remaining()  # answer (empty) before the caller's own deadline

@@ -52,6 +52,21 @@ class BlockedFirstWrite:
             self.returned.set()
 
 
+def start_run(trainer: Trainer) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``trainer`` on a daemon thread; what it raised lands in the returned list."""
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            trainer.run()
+        except BaseException as error:  # noqa: BLE001 - checked on the test's thread
+            failure.append(error)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    return thread, failure
+
+
 def wait_until(condition: Any, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -73,16 +88,7 @@ def test_steps_go_on_while_a_checkpoint_is_written_and_resume_from_it_is_bit_exa
     blocked = BlockedFirstWrite(checkpoint_module.save_file)
     monkeypatch.setattr(checkpoint_module, "save_file", blocked)
     trainer = Trainer(small_config(corpus_file, tmp_path / "cut", max_steps=5))
-    failure: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            trainer.run()
-        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread below
-            failure.append(error)
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
+    thread, failure = start_run(trainer)
     try:
         assert blocked.entered.wait(60), "round 1's checkpoint was never written"
         # While that write is stuck, the inner steps of round 2 (4 and 5) run: the write is not on

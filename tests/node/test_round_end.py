@@ -20,7 +20,7 @@ from node.swarm_seam import Boundary, GlobalStateAccess
 from node.swarm_state import GLOBAL_PARAMS
 from node.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
-from tests.node.test_checkpoint_writer import records, small_config, wait_until
+from tests.node.test_checkpoint_writer import records, small_config, start_run, wait_until
 from tests.node.test_trainer import corpus_file
 
 __all__ = ["corpus_file"]  # fixture
@@ -85,16 +85,7 @@ def test_next_phase_trains_while_the_eval_runs_and_the_record_waits_for_it(
 
     monkeypatch.setattr(HeldOutEval, "_mean_loss", held_first_eval)
     trainer = Trainer(small_config(corpus_file, tmp_path, max_rounds=2, eval_every=1, eval_background="on"))
-    failure: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            trainer.run()
-        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread below
-            failure.append(error)
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
+    thread, failure = start_run(trainer)
     try:
         assert entered.wait(120), "round 1's eval never started"
         # While round 1's eval is held, round 2's inner steps (4..6) run; round 1's record waits for its loss.
