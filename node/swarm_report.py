@@ -49,7 +49,7 @@ class MetricsTail:
 def round_line(name: str, record: Mapping[str, Any]) -> str:
     """``node-1 round 3 | eval_loss 2.71 | peers 3 | 1.2 MB sent | param_hash 0cefb6a965``."""
     eval_loss = record.get("eval_loss")
-    loss_text = "nan" if eval_loss is None else f"{eval_loss:.4f}"
+    loss_text = "-" if eval_loss is None else f"{eval_loss:.4f}"  # not evaluated this round (--eval-every)
     line = (
         f"{name} round {record['round']} | eval_loss {loss_text} | peers {record['peers']} | "
         f"{record['bytes_sent'] / 1e6:.1f} MB sent | param_hash {record['param_hash'][:10]}"
@@ -199,7 +199,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for node in report["nodes"]:
-        losses = ", ".join("nan" if loss is None else f"{loss:.4f}" for loss in node["eval_losses"])
+        losses = ", ".join("-" if loss is None else f"{loss:.4f}" for loss in node["eval_losses"])
         pairs = f" ({node['num_averaged']}/{node['num_pairs']})" if "num_pairs" in node else ""
         final_hash = node.get("final_param_hash")
         lines.append(

@@ -270,7 +270,7 @@ def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
     # One streamed line per round per node; the launcher's settings reached the nodes.
     for index in range(3):
         for r in records[index]:
-            loss = "nan" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"  # evaluated every few rounds
+            loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"  # evaluated every few rounds
             expected = f"node-{index} round {r['round']} | eval_loss {loss} | peers 3 |"
             assert expected in completed.stdout
         config_text = (root / f"node-{index}" / "config.toml").read_text()
