@@ -22,8 +22,25 @@ NOBODY = "12D3KooWMuv7gDCCfsaTuAsYXbh7jikSCtJDwxVgxnrhuHCkbgV2"
 
 
 def our_daemons() -> set[int]:
-    """p2pd processes started from this test process (they share its process group)."""
-    return live_processes_in_group(os.getpgrp(), name="p2pd")
+    """p2pd processes started from this test process: they share its process group and, under
+    pytest-xdist (whose workers share one group and run DHT tests of their own), its worker id."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return {
+        pid
+        for pid in live_processes_in_group(os.getpgrp(), name="p2pd")
+        if worker is None or environment_of(pid).get("PYTEST_XDIST_WORKER") == worker
+    }
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    """The environment ``pid`` started with (empty if it has exited since it was listed)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    pairs = (entry.decode(errors="replace").partition("=") for entry in entries if entry)
+    return {name: value for name, _, value in pairs}
 
 
 def no_new_daemons(before: set[int]) -> set[int]:
