@@ -112,7 +112,7 @@ class NodeConfig:
     batch_size: int = field(default=16, metadata=_help("Sequences per inner step."))
     eval_batches: int = field(default=8, metadata=_help("Held-out batches evaluated after a round."))
     eval_every: int = field(
-        default=0, metadata=_help("Eval every N rounds, the first and last (0 = auto: <= 1 percent).")
+        default=0, metadata=_help("Eval every N rounds and the last (0 = auto: <= 1 percent).")
     )
     eval_background: str = field(
         default="auto",

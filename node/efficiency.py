@@ -14,7 +14,8 @@
 - ``--eval-every 0`` (auto): the held-out eval runs every N rounds, N the smallest with
   ``eval_batches`` forward passes costing at most ``EVAL_BUDGET`` of the rounds' inner compute
   (a training step costs about ``STEP_COST_IN_FORWARDS`` forward passes: forward + a backward of
-  twice its cost). The run's first and last rounds are always evaluated.
+  twice its cost). The run's last round is always evaluated (its loss is the run's result); the first
+  is not (it would cost a short run far more than the budget).
 """
 
 from __future__ import annotations

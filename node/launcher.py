@@ -49,7 +49,7 @@ from typing import Any
 from node.checkpoint import latest_checkpoint
 from node.config import ConfigError
 from node.launch_config import LOOPBACK, LaunchConfig, load_wan_emulator, node_argv
-from node.metrics import read_metrics
+from node.metrics import read_metrics, run_utilization
 from node.swarm_report import (
     MetricsTail,
     hash_agreement,
@@ -111,6 +111,7 @@ def node_summary(node: NodeProcess) -> dict[str, Any]:
         "bytes_recv": sum(int(r["bytes_recv"]) for r in rounds),
         "fell_back_rounds": [r["round"] for r in rounds if r.get("fell_back")],
         "adopted_rounds": [r["round"] for r in rounds if r.get("adopted")],
+        "utilization": run_utilization(rounds)[2],  # inner compute / wall, first step to last record
     } | node_participation(rounds)
 
 

@@ -28,7 +28,7 @@ Contract (read by ``dtnode report``, benchmarks and tests):
     phase). Older records lack ``seconds_wall``: their ``utilization`` was
     ``seconds_compute / (seconds_compute + seconds_blocked)``.
   - ``eval_loss``: the mean held-out loss of the global params the record's ``param_hash`` names,
-    every ``--eval-every`` rounds and at the run's first and last rounds; null in the others. With
+    every ``--eval-every`` rounds and at the run's last round; null in the others. With
     ``--eval-background`` it is computed while the next phase trains and the record is written once
     it is in (a few steps later, still in round order; ``time`` and ``seconds_wall`` stay those of
     the round's end; ``node/round_end.py``).
@@ -61,7 +61,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -109,6 +109,21 @@ def utilization(compute_seconds: float, wall_seconds: float) -> float | None:
     if compute_seconds <= 0 or wall_seconds <= 0:
         return None
     return compute_seconds / wall_seconds
+
+
+def run_utilization(rounds: Iterable[Mapping[str, Any]]) -> tuple[float, float, float | None]:
+    """Over a run's round records: (Σ ``seconds_compute``, Σ ``seconds_wall``, their ratio or None).
+
+    The records' wall intervals tile the run from its first inner step to its last record, so this
+    is the run's inner compute over its wall time, the last round included (with ``--overlap`` that
+    round trains nothing: the final all-reduce, the last eval and checkpoint are its whole wall time),
+    where a mean of the per-round ``utilization`` would leave that round out (it is null). Records
+    without ``seconds_wall`` (written before it existed) are left out of both sums.
+    """
+    timed = [record for record in rounds if record.get("seconds_wall") is not None]
+    compute = sum(float(record.get("seconds_compute") or 0.0) for record in timed)
+    wall = sum(float(record["seconds_wall"]) for record in timed)
+    return compute, wall, utilization(compute, wall)
 
 
 def current_rss_bytes() -> int | None:

@@ -157,9 +157,10 @@ class RoundEnd:
         model_is_global: bool,
     ) -> dict[str, Any]:
         """The round record of ``report`` (``node.metrics.round_record``), written now or, with a
-        background eval, once its loss is in. Eval at the run's first and last rounds and every
-        ``eval_every`` rounds (null in the others)."""
-        due = final or progress.round == 1 or progress.round % self.eval_every == 0
+        background eval, once its loss is in. Eval at the run's last round and every ``eval_every``
+        rounds (null in the others: not the first round by rule, whose eval would cost a short run more
+        than ``--eval-every`` auto's budget)."""
+        due = final or progress.round % self.eval_every == 0
         eval_loss = (
             self.evaluate_inline(model_is_global=model_is_global) if due and not self.background else None
         )

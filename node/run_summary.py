@@ -3,8 +3,10 @@
 The line is built from the round records this process wrote (those stamped at or after its start:
 a resumed run appends to the same file), so it states what the records state: the rounds this run
 did, the last held-out loss measured (``eval_loss`` is null in rounds without an eval), the wire
-bytes of those rounds' all-reduces plus the state this node fetched, the wall time, and where the
-metrics and the exported model are (``dtnode report RUN_DIR`` draws the plots from them).
+bytes of those rounds' all-reduces plus the state this node fetched, the run's utilization (inner
+compute over the wall time its round records cover, the last round's included:
+``node.metrics.run_utilization``), the wall time, and where the metrics and the exported model are
+(``dtnode report RUN_DIR`` draws the plots from them).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.metrics import read_metrics
+from node.metrics import read_metrics, run_utilization
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,10 @@ class RunSummary:
     bytes_sent: int
     bytes_received: int
     """All-reduce bytes received plus the verified bytes of state fetched."""
+    compute_seconds: float
+    """Inner compute of those rounds, over ``rounds_wall_seconds``: from the first step to the last record."""
+    rounds_wall_seconds: float
+    utilization: float | None
     wall_seconds: float
 
 
@@ -39,6 +45,7 @@ def summarize_run(metrics_path: Path, *, started: float, ended: float) -> RunSum
         record for record in read_metrics(metrics_path, kind="round") if record.get("time", 0) >= started
     ]
     evaluated = [record for record in rounds if _finite(record.get("eval_loss"))]
+    compute, rounds_wall, share = run_utilization(rounds)
     return RunSummary(
         num_rounds=len(rounds),
         first_round=rounds[0]["round"] if rounds else None,
@@ -50,6 +57,9 @@ def summarize_run(metrics_path: Path, *, started: float, ended: float) -> RunSum
             int(record.get("bytes_recv") or 0) + int(record.get("bytes_recv_state_sync") or 0)
             for record in rounds
         ),
+        compute_seconds=compute,
+        rounds_wall_seconds=rounds_wall,
+        utilization=share,
         wall_seconds=max(0.0, ended - started),
     )
 
@@ -71,7 +81,7 @@ def format_duration(seconds: float) -> str:
 
 
 def summary_line(summary: RunSummary, run_dir: Path) -> str:
-    """One line: rounds, final held-out loss, bytes, wall time, where the results are."""
+    """One line: rounds, final held-out loss, bytes, utilization, wall time, where the results are."""
     if summary.num_rounds == 0:
         rounds = "no round completed"
     elif summary.first_round == summary.last_round:
@@ -82,8 +92,14 @@ def summary_line(summary: RunSummary, run_dir: Path) -> str:
     if summary.eval_loss is not None:
         loss = f"held-out loss {summary.eval_loss:.4f} (round {summary.eval_round})"
     traffic = f"sent {summary.bytes_sent / 1e6:.1f} MB, received {summary.bytes_received / 1e6:.1f} MB"
+    busy = ""
+    if summary.utilization is not None:
+        busy = (
+            f", utilization {summary.utilization:.2f} (inner compute {format_duration(summary.compute_seconds)}"
+            f" of {format_duration(summary.rounds_wall_seconds)} from the first step to the last round)"
+        )
     metrics = run_dir / "metrics.jsonl"
     return (
-        f"run ended: {rounds}, {loss}, {traffic}, {format_duration(summary.wall_seconds)}; "
+        f"run ended: {rounds}, {loss}, {traffic}{busy}, {format_duration(summary.wall_seconds)}; "
         f"metrics {metrics} (plots: dtnode report {run_dir})"
     )

@@ -195,18 +195,20 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         ]
     lines += [
         "| node | exit code | rounds | eval_loss after each round | MB sent | MB received | fell back | adopted "
-        "| participation | final round | final param_hash |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| participation | utilization | final round | final param_hash |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for node in report["nodes"]:
         losses = ", ".join("-" if loss is None else f"{loss:.4f}" for loss in node["eval_losses"])
         pairs = f" ({node['num_averaged']}/{node['num_pairs']})" if "num_pairs" in node else ""
         final_hash = node.get("final_param_hash")
+        busy = node.get("utilization")  # the run's inner compute / wall time (older reports lack it)
         lines.append(
             f"| {node['name']} | {node['exit_code']} | {node['num_rounds']} | {losses or '-'} | "
             f"{node['bytes_sent'] / 1e6:.2f} | {node['bytes_recv'] / 1e6:.2f} | "
             f"{len(node['fell_back_rounds'])} | {len(node['adopted_rounds'])} | "
-            f"{_percent(node.get('participation'))}{pairs} | {node.get('final_round') or '-'} | "
+            f"{_percent(node.get('participation'))}{pairs} | {'-' if busy is None else f'{busy:.2f}'} | "
+            f"{node.get('final_round') or '-'} | "
             f"{final_hash[:10] if final_hash else '-'} |"
         )
     return "\n".join(lines) + "\n"

@@ -38,7 +38,8 @@ def write_corpus(directory: Path) -> Path:
 
 
 def train_short_run(corpus_file: Path, run_dir: Path) -> Trainer:
-    """Two rounds of H=3 on the nano preset, without a swarm, into ``run_dir``; the finished trainer."""
-    trainer = Trainer(small_config(corpus_file, run_dir, max_rounds=2, swarm=False))
+    """Two rounds of H=3 on the nano preset, without a swarm, into ``run_dir``, both evaluated; the
+    finished trainer."""
+    trainer = Trainer(small_config(corpus_file, run_dir, max_rounds=2, swarm=False, eval_every=1))
     trainer.run()
     return trainer

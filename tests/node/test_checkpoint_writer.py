@@ -146,11 +146,11 @@ def test_utilization_is_inner_compute_over_wall_time(corpus_file: Path, tmp_path
 
 
 @pytest.mark.timeout(120)
-def test_eval_runs_every_n_rounds_and_on_the_first_and_last(corpus_file: Path, tmp_path: Path) -> None:
+def test_eval_runs_every_n_rounds_and_on_the_last(corpus_file: Path, tmp_path: Path) -> None:
     Trainer(small_config(corpus_file, tmp_path, max_rounds=5, eval_every=3)).run()
     losses = {r["round"]: r["eval_loss"] for r in records(tmp_path, "round")}
-    assert [round for round, loss in losses.items() if loss is not None] == [1, 3, 5]
-    assert all(isinstance(losses[r], float) for r in (1, 3, 5))
+    assert [round for round, loss in losses.items() if loss is not None] == [3, 5]  # not round 1
+    assert all(isinstance(losses[r], float) for r in (3, 5))
 
 
 def test_snapshot_is_a_copy_of_every_tensor() -> None:

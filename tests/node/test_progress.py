@@ -78,8 +78,9 @@ def test_trainer_logs_the_same_lines_as_its_metrics(tmp_path: Path, caplog: pyte
                 f"lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
             )
         else:
+            loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"  # round 1: no eval (auto)
             expected.append(
-                f"round {r['round']} done | eval_loss {r['eval_loss']:.4f} | peers {r['peers']} | compute "
+                f"round {r['round']} done | eval_loss {loss} | peers {r['peers']} | compute "
                 f"{r['seconds_compute']:.1f}s comm {r['seconds_comm']:.2f}s (blocked {r['seconds_blocked']:.2f}s) "
                 f"| param_hash {r['param_hash'][:12]}"
             )

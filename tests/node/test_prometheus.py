@@ -248,6 +248,7 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     config = NodeConfig(
         model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2, total_steps=30,
         data=str(corpus), run_dir=str(tmp_path / "run"), log_every=100, listen="127.0.0.1:0", metrics_port=port,
+        eval_every=1,
     )  # fmt: skip
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)

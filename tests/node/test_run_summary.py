@@ -27,19 +27,23 @@ def test_a_resumed_run_sums_only_its_own_rounds(tmp_path: Path) -> None:
     write(
         metrics,
         [
-            round_record(1, 100.0),  # the previous process
+            round_record(1, 100.0, seconds_compute=50.0, seconds_wall=51.0),  # the previous process
             {"kind": "step", "round": 2, "step": 4, "loss": 3.0, "time": 200.5},
-            round_record(2, 201.0, bytes_recv_state_sync=500_000),
-            round_record(3, 202.0, eval_loss=None),  # no eval this round: the last measured holds
+            round_record(2, 201.0, bytes_recv_state_sync=500_000, seconds_compute=118.0, seconds_wall=121.0),
+            # An overlapped run's last round trains nothing: its wall time counts, its utilization is null.
+            round_record(3, 202.0, eval_loss=None, seconds_compute=0.0, seconds_wall=14.0, utilization=None),
         ],
     )
     summary = summarize_run(metrics, started=200.0, ended=534.0)
     assert (summary.num_rounds, summary.first_round, summary.last_round) == (2, 2, 3)
     assert (summary.eval_loss, summary.eval_round) == (2.5, 2)
     assert summary.bytes_sent == 2_000_000 and summary.bytes_received == 4_500_000
+    assert (summary.compute_seconds, summary.rounds_wall_seconds) == (118.0, 135.0)
+    assert summary.utilization == 118.0 / 135.0
     line = summary_line(summary, tmp_path)
     assert line == (
         "run ended: 2 rounds (2-3), held-out loss 2.5000 (round 2), sent 2.0 MB, received 4.5 MB, "
+        "utilization 0.87 (inner compute 1 min 58 s of 2 min 15 s from the first step to the last round), "
         f"5 min 34 s; metrics {metrics} (plots: dtnode report {tmp_path})"
     )
 

@@ -118,7 +118,7 @@ def launcher_report(**extra: Any) -> dict[str, Any]:
 
 def test_report_shows_participation_and_the_verdict():
     per_node = {"num_pairs": 2, "num_averaged": 1, "participation": 0.5, "final_round": 3,
-                "final_param_hash": "0123456789abcdef", "first_round": 1}  # fmt: skip
+                "final_param_hash": "0123456789abcdef", "first_round": 1, "utilization": 0.934}  # fmt: skip
     text = report_markdown(
         launcher_report(
             node=per_node,
@@ -128,7 +128,7 @@ def test_report_shows_participation_and_the_verdict():
     )
     assert "Verdict: **no round averaged two or more nodes**." in text
     assert "Participation: 50.0% (1 of 2 (node, round) pairs" in text
-    assert "| 50.0% (1/2) | 3 | 0123456789 |" in text
+    assert "| 50.0% (1/2) | 0.93 | 3 | 0123456789 |" in text
     assert "Verdict: ok." in report_markdown(launcher_report(problems=[]))
 
 

@@ -40,8 +40,8 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.mark.timeout(120)
 def test_resume_mid_round_equals_uninterrupted_run(corpus_file: Path, tmp_path: Path) -> None:
-    # Reference: 4 rounds of H=3 without interruption.
-    Trainer(small_config(corpus_file, tmp_path / "ref", max_rounds=4)).run()
+    # Reference: 4 rounds of H=3 without interruption (evaluated every round: the eval changes nothing).
+    Trainer(small_config(corpus_file, tmp_path / "ref", max_rounds=4, eval_every=1)).run()
     # Interrupted: stop after inner step 4 (mid-round 2), then resume up to round 4.
     Trainer(small_config(corpus_file, tmp_path / "cut", max_steps=4)).run()
     resumed = Trainer(small_config(corpus_file, tmp_path / "cut", max_rounds=4))
