@@ -38,7 +38,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from node.export import MODEL_FILE
-from node.metrics import read_metrics
+from node.metrics import read_metrics, run_utilization
 from node.swarm_report import hash_agreement, hash_verdict, report_markdown
 
 PLOT_FILES = ("loss.png", "bytes.png", "peers.png", "utilization.png")
@@ -258,7 +258,10 @@ def node_summary(run: NodeRun) -> dict[str, Any]:
     steps, rounds = run.steps, run.rounds
     train_loss = _column(steps[-10:], "loss")
     eval_loss = _column(rounds, "eval_loss")
-    utilization = np.array([round_utilization(r) for r in rounds], dtype=np.float64)
+    utilization = run_utilization(rounds)[2]  # Σ compute / Σ wall, the compute-free last round too
+    if utilization is None and not any(r.get("seconds_wall") is not None for r in rounds):
+        per_round = np.array([round_utilization(r) for r in rounds], dtype=np.float64)  # older records
+        utilization = float(np.nanmean(per_round)) if np.isfinite(per_round).any() else None
     times = np.concatenate([run.seconds(steps), run.seconds(rounds)])
     return {
         "name": run.name,
@@ -270,7 +273,7 @@ def node_summary(run: NodeRun) -> dict[str, Any]:
         "best_eval_loss": float(np.nanmin(eval_loss)) if np.isfinite(eval_loss).any() else math.nan,
         "mb_sent": sum(float(r.get("bytes_sent") or 0) for r in rounds) / 1e6,
         "mb_received": sum(float(r.get("bytes_recv") or 0) for r in rounds) / 1e6,
-        "utilization": float(np.nanmean(utilization)) if np.isfinite(utilization).any() else math.nan,
+        "utilization": math.nan if utilization is None else utilization,
         "tokens_per_s": float(np.nanmean(_column(steps, "tokens_per_s"))) if steps else math.nan,
         "wall_seconds": float(np.nanmax(times)) if len(times) else 0.0,
         "param_hash": str(rounds[-1].get("param_hash", ""))[:12] if rounds else "",
@@ -304,7 +307,12 @@ def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_su
             f"{_number(row['utilization'], 3)} | {_number(row['tokens_per_s'], 0)} | "
             f"{row['wall_seconds']:.1f} | {row['param_hash'] or '-'} | {'yes' if row['exported'] else 'no'} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "utilization: the run's inner compute over its wall time from the first inner step to the last "
+        "round record (per round in utilization.png).",
+        "",
+    ]
     for run_dir in run_dirs:
         group = [run for run in runs if run.run_dir.parent == run_dir]
         if len(group) > 1:

@@ -69,6 +69,8 @@ def test_report_of_a_node_run(run_dir: Path, capsys: pytest.CaptureFixture[str])
     assert row[4] == f"{np.mean([s['loss'] for s in steps[-10:]]):.4f}"
     assert row[5] == f"{rounds[-1]['eval_loss']:.4f}"
     assert row[6] == f"{min(r['eval_loss'] for r in rounds):.4f}"
+    compute = sum(r["seconds_compute"] for r in rounds)
+    assert row[9] == f"{compute / sum(r['seconds_wall'] for r in rounds):.3f}"  # the run's, not a mean
     assert row[12] == rounds[-1]["param_hash"][:12] and row[13] == "yes"  # the run exported its model
 
 

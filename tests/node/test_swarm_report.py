@@ -135,4 +135,5 @@ def test_report_shows_participation_and_the_verdict():
 def test_report_of_an_older_launcher_renders_without_participation():
     text = report_markdown(launcher_report())
     assert "Participation" not in text and "Verdict" not in text
-    assert text.splitlines()[-1].endswith("| 0 | 0 | - | - | - |")
+    # No participation or utilization recorded: "-" in both columns.
+    assert text.splitlines()[-1].endswith("| 0 | 0 | - | - | - | - |")
