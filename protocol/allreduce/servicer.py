@@ -198,8 +198,10 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
     async def _reject(
         self, context: grpc.aio.ServicerContext, rpc: str, error: ProtocolError, peer: str | None = None
     ) -> None:
-        # ABORTED / ALREADY_EXISTS are normal failover traffic; the rest means a peer misbehaved.
-        level = logging.INFO if error.code in _ROUTINE_CODES else logging.WARNING
+        # ABORTED / ALREADY_EXISTS are normal traffic (a commit tell is answered ALREADY_EXISTS in every
+        # round; a pull of a part released here is retried elsewhere): DEBUG. The rest means a peer
+        # misbehaved: WARNING.
+        level = logging.DEBUG if error.code in _ROUTINE_CODES else logging.WARNING
         logger.log(level, "rejected %s from %s: %s", rpc, peer or context.peer(), error)
         await context.abort(error.code, error.message)
 
