@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -102,22 +103,49 @@ def exact_mean(
     return result
 
 
-class Workers:
-    """Launches scripts/workers/allreduce_worker.py processes on loopback and collects their JSON lines."""
+# Worker processes forked from one pre-imported server instead of started as fresh interpreters:
+# importing torch and gRPC costs ~1.3 CPU-seconds per process, more than a fault case's own rounds.
+# The forkserver imports them once (it starts no thread, so forking it is safe); each worker is still
+# its own process with its own sockets, killed or frozen by its own fault plan.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["tests.protocol.allreduce.support", "scripts.workers.allreduce_worker"])
 
-    def __init__(self, tmp_path: Path, num_peers: int, common_args: Sequence[str]) -> None:
+
+def _run_forked_worker(argv: list[str], stdout_path: Path, stderr_path: Path) -> None:
+    """In the forked child: the worker script's main() with its stdout and stderr in files."""
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(REPO_ROOT)
+    from scripts.workers import allreduce_worker
+
+    sys.exit(allreduce_worker.main(argv))
+
+
+class Workers:
+    """Runs scripts/workers/allreduce_worker.py peers on loopback and collects their JSON lines.
+
+    By default each peer is `python allreduce_worker.py ...`, as a user runs it; ``forked=True``
+    forks it from a server that imported torch and gRPC once (the fault tests start dozens).
+    """
+
+    def __init__(
+        self, tmp_path: Path, num_peers: int, common_args: Sequence[str], *, forked: bool = False
+    ) -> None:
         self.rendezvous = tmp_path / "rendezvous"
         self.num_peers = num_peers
         self.common_args = list(common_args)
+        self.forked = forked
         self.processes: list[subprocess.Popen[str]] = []
+        self.forked_processes: list[multiprocessing.process.BaseProcess] = []
+        self.stdout_paths = [tmp_path / f"worker-{i}.out" for i in range(num_peers)]
         self.stderr_paths = [tmp_path / f"worker-{i}.err" for i in range(num_peers)]
 
     def start(self, extra_args: dict[int, Sequence[str]] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         for index in range(self.num_peers):
-            command = [
-                sys.executable,
-                str(WORKER),
+            arguments = [
                 "--index",
                 str(index),
                 "--num-peers",
@@ -127,15 +155,31 @@ class Workers:
                 *self.common_args,
                 *((extra_args or {}).get(index, [])),
             ]
+            if self.forked:
+                process = _FORKSERVER.Process(
+                    target=_run_forked_worker,
+                    args=(arguments, self.stdout_paths[index], self.stderr_paths[index]),
+                    daemon=False,
+                )
+                process.start()
+                self.forked_processes.append(process)
+                continue
             stderr = self.stderr_paths[index].open("w")
             self.processes.append(
                 subprocess.Popen(
-                    command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO_ROOT, env=env
+                    [sys.executable, str(WORKER), *arguments],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    cwd=REPO_ROOT,
+                    env=env,
                 )
             )
 
     def read_records(self, index: int, num_rounds: int, timeout: float) -> list[dict[str, object]]:
         """The first `num_rounds` JSON lines of worker `index` (fewer if it exits first)."""
+        if self.forked:
+            return self._read_forked_records(index, num_rounds, timeout)
         process = self.processes[index]
         assert process.stdout is not None
         records: list[dict[str, object]] = []
@@ -147,11 +191,34 @@ class Workers:
             records.append(json.loads(line))
         return records
 
+    def _read_forked_records(self, index: int, num_rounds: int, timeout: float) -> list[dict[str, object]]:
+        """Poll the forked worker's stdout file for whole lines until enough, its exit, or `timeout`."""
+        process = self.forked_processes[index]
+        give_up = time.monotonic() + timeout
+        while True:
+            exited = not process.is_alive()  # read after this: a line written before the exit is seen
+            text = self.stdout_paths[index].read_text() if self.stdout_paths[index].exists() else ""
+            lines = text.splitlines(keepends=True)
+            complete = [line for line in lines if line.endswith("\n")]
+            if len(complete) >= num_rounds or exited or time.monotonic() >= give_up:
+                return [json.loads(line) for line in complete[:num_rounds]]
+            time.sleep(0.05)
+
     def wait(self, index: int, timeout: float) -> int:
+        if self.forked:
+            process = self.forked_processes[index]
+            process.join(timeout)
+            if process.exitcode is None:
+                raise subprocess.TimeoutExpired(f"forked worker {index}", timeout)
+            return process.exitcode
         return self.processes[index].wait(timeout)
 
     def stop(self) -> None:
         """Kill whatever is still running (a frozen worker needs SIGKILL) and reap everything."""
+        for forked in self.forked_processes:
+            if forked.is_alive():
+                forked.kill()
+            forked.join(10)
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)

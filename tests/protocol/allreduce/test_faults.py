@@ -2,7 +2,8 @@
 worker itself, never by sleeping): the survivors must finish on time, bit-identical, with exactly the
 weighted mean of the contributors they report; the next round runs without the dead peer.
 
-Each test runs scripts/workers/allreduce_worker.py processes on loopback with the `none` codec, so the
+Each test runs scripts/workers/allreduce_worker.py processes on loopback with the `none` codec (forked
+from a server that imported torch and gRPC once: a process start costs more than a case), so the
 worker's own check (the exact float32 weighted mean over each part's reported contributors, summed in
 member order) must come out at an error of exactly 0. Every case runs with the result written into a
 new tensor and in place (into each peer's vector, whose numbers are then no longer there to resend).
@@ -38,7 +39,8 @@ def run_workers(
     tmp_path: Path, faults: dict[int, str], result: str
 ) -> tuple[Workers, dict[int, list[dict[str, object]]]]:
     """Start the workers with the given fault plans; return the survivors' per-round records."""
-    workers = Workers(tmp_path, NUM_PEERS, COMMON_ARGS + (["--in-place"] if result == "in-place" else []))
+    in_place = ["--in-place"] if result == "in-place" else []
+    workers = Workers(tmp_path, NUM_PEERS, COMMON_ARGS + in_place, forked=True)
     workers.start({index: ["--fault", plan] for index, plan in faults.items()})
     survivors = [i for i in range(NUM_PEERS) if i not in faults]
     records = {i: workers.read_records(i, NUM_ROUNDS, timeout=90) for i in survivors}
