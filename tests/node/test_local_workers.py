@@ -11,13 +11,15 @@ order:
   a missing all-reduce or a stage left out fails.
 
 The LR is constant from step 1 (no warmup) so the 10 steps move the weights as much as possible.
+
+Each node is forked from a server that imported the CLI once (``tests/node/forked_cli.py``: a node's start
+is mostly imports); it still runs ``python -m node.cli``'s code in a process of its own and spawns its
+local ranks itself. The GPU test starts fresh interpreters.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from node.model import GPT, model_config
+from tests.node.forked_cli import run_cli
 
 LOSS_TOLERANCE = 1e-5
 PARAMS_TOLERANCE = 1e-5
@@ -91,12 +94,15 @@ BF16_LOSS_TOLERANCE = 2e-2  # bf16 rounds every matmul input to 8 significant bi
 BF16_PARAMS_TOLERANCE = 1e-2
 
 
-def run_node(run_dir: Path, corpus: Path, extra: list[str]) -> tuple[list[float], torch.Tensor]:
-    """Run ``dtnode join`` to its end; its inner-step losses and its exported global params (flat)."""
-    argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(run_dir), "--data", str(corpus)]
-    result = subprocess.run(
-        [*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS
-    )
+def run_node(
+    run_dir: Path, corpus: Path, extra: list[str], *, fresh: bool = False
+) -> tuple[list[float], torch.Tensor]:
+    """Run ``dtnode join`` to its end; its inner-step losses and its exported global params (flat).
+
+    ``fresh``: in a new interpreter rather than forked from the preloaded one."""
+    argv = ["join", "--run-dir", str(run_dir), "--data", str(corpus), *COMMON_ARGS, *extra]
+    cli_dir = run_dir.with_name(f"{run_dir.name}-cli")  # its stdout and stderr, beside the run dir
+    result = run_cli(argv, cli_dir, timeout=RUN_TIMEOUT_SECONDS, fresh=fresh)
     assert result.returncode == 0, result.stderr[-3000:]
     # With local workers the outer state is sharded over them (node/parallel/outer.py).
     sharded = "DiLoCo outer state sharded over" in result.stderr
@@ -177,8 +183,8 @@ def test_bf16_autocast_stays_close_to_fp32(
 def test_an_impossible_layout_is_a_clear_error(
     extra: list[str], message: str, corpus: Path, tmp_path: Path
 ) -> None:
-    argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(tmp_path), "--data", str(corpus)]
-    result = subprocess.run([*argv, *COMMON_ARGS, *extra], capture_output=True, text=True, timeout=100)
+    argv = ["join", "--run-dir", str(tmp_path / "run"), "--data", str(corpus), *COMMON_ARGS, *extra]
+    result = run_cli(argv, tmp_path / "cli", timeout=100)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
 
@@ -231,8 +237,10 @@ def test_a_resumed_node_with_local_workers_continues_exactly(
 @pytest.mark.parametrize("layout", ["tp2", "pp2-1f1b", "dp2-zero1"])
 def test_layout_on_two_gpus_trains_like_one_gpu(layout: str, corpus: Path, tmp_path: Path) -> None:
     """The same code path over NCCL: a layout on 2 GPUs against a single-process node on one GPU."""
-    reference_losses, reference_params = run_node(tmp_path / "one-gpu", corpus, ["--device", "cuda"])
-    losses, params = run_node(tmp_path / layout, corpus, ["--device", "cuda", *LAYOUTS[layout]])
+    reference_losses, reference_params = run_node(
+        tmp_path / "one-gpu", corpus, ["--device", "cuda"], fresh=True
+    )
+    losses, params = run_node(tmp_path / layout, corpus, ["--device", "cuda", *LAYOUTS[layout]], fresh=True)
     loss_errors = [abs(a - b) / abs(b) for a, b in zip(losses, reference_losses, strict=True)]
     assert max(loss_errors) <= 1e-4  # GPU kernels (TF32 off by default for matmuls in fp32) reorder sums
     assert relative_error(params, reference_params) <= 1e-4
