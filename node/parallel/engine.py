@@ -39,8 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from node.config import NodeConfig
@@ -398,6 +396,8 @@ class RankEngine:
 
     @staticmethod
     def _set_parameter(param: nn.Parameter, full: Tensor) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         if isinstance(param, DTensor):
             # Each rank cuts its own shard from the full tensor it already has: no communication.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -408,10 +408,14 @@ class RankEngine:
     # --- the inner optimizer's state, for checkpoints ---
     def _local_optimizer(self) -> torch.optim.Optimizer:
         """The AdamW this rank steps: ZeRO-1's optimizer over this rank's share, else the one optimizer."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
 
     def gather_optimizer_state(self) -> list[dict[str, Any]] | None:
         """Every rank's inner AdamW state (its ZeRO share, its tp / FSDP shards as local tensors) on rank 0."""
+        from torch.distributed.tensor import DTensor
+
         state = self._local_optimizer().state_dict()
         local_state = {
             "state": {
@@ -431,6 +435,8 @@ class RankEngine:
 
     def scatter_optimizer_state(self, states: list[dict[str, Any]] | None) -> None:
         """Load rank r's share of ``states`` (rank 0's list, as :meth:`gather_optimizer_state` made it)."""
+        from torch.distributed.tensor import DTensor
+
         received: list[Any] = [None]
         dist.scatter_object_list(received, states if dist.get_rank() == 0 else None, src=0)
         state = received[0]

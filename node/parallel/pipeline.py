@@ -30,6 +30,9 @@ the caller (``zero_grad / forward_backward / step``), each rank stepping the par
 
 Backend: gloo on CPU, nccl when CUDA is available (:func:`pipeline_backend`, :func:`pipeline_device`);
 the rest is one code path. Every send/receive is bounded by the process group's timeout.
+
+``torch.distributed.pipelining`` is imported by :class:`PipelineRunner` when it is built: the import costs
+about a CPU second, which a node without pipeline stages (and each of its local ranks) should not pay.
 """
 
 from __future__ import annotations
@@ -42,17 +45,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.tensor import device_type
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
-SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B] | type[ScheduleInterleaved1F1B]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-}
+SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved")
 
 
 def pipeline_backend() -> str:
@@ -214,6 +212,13 @@ class PipelineRunner:
         self.group = group
         self.stage_models = [model.to(self.device) for model in stage_models]
         self.stage_model = self.stage_models[0]
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
         # Shapes of the activations sent between stages are inferred on the first step (a metadata
         # exchange), so the runner needs no knowledge of batch size or sequence length up front.
         stages = [
@@ -224,7 +229,11 @@ class PipelineRunner:
         # the mean of the micro-batch mean losses, i.e. of the batch mean when micro-batches are equal.
         # With scale_grads=False the gradients are the sum over micro-batches, for a caller that accumulates
         # several batches and divides once at the end (the schedule would rescale the earlier batches too).
-        schedule_class = SCHEDULES[schedule]
+        schedule_class = {
+            "gpipe": ScheduleGPipe,
+            "1f1b": Schedule1F1B,
+            "interleaved": ScheduleInterleaved1F1B,
+        }[schedule]
         self._schedule = schedule_class(
             stages if interleaved else stages[0],  # type: ignore[arg-type]  # multi- vs single-stage schedules
             num_microbatches,

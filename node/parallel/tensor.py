@@ -34,28 +34,27 @@ the swarm's parameter hash need: they must see the same vector whatever the node
 Device and backend: one code path; the device type is ``cuda`` when CUDA is available (backend nccl),
 else ``cpu`` (backend gloo). The caller initialises the process group (``init_process_group``) with
 ``distributed_backend()`` and builds the mesh with ``build_tensor_parallel_mesh``.
+
+``torch.distributed.tensor`` (DTensor and its parallel styles) is imported by the functions that use it,
+not with this module: every node imports this module for ``device_type``, and the import costs about half
+a CPU second, which a node without local workers should not pay at each start.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from node.model import GPT
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 TENSOR_PARALLEL_AXIS = "tp"
 
@@ -94,6 +93,8 @@ def build_tensor_parallel_mesh(num_ranks: int) -> DeviceMesh:
 
 def _block_plan() -> dict[str, ParallelStyle]:
     """Module name (relative to a ``TransformerBlock``) -> sharding style; see the module docstring."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     return {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -111,6 +112,14 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
     stream and the RMSNorms run on ``T / tp`` positions per rank (``Shard(1)``); each pair all-gathers the
     sequence before its column-parallel matmuls and reduce-scatters after its row-parallel one, the same
     bytes as the all-reduce it replaces, with activations of norms and residuals cut by ``tp``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
@@ -131,6 +140,9 @@ def _sequence_parallel_block_plan() -> dict[str, ParallelStyle]:
 def _sequence_parallel_ends_plan() -> dict[str, ParallelStyle]:
     """Embedding rows split by vocabulary with its output sharded on the sequence; the final norm on the
     shards; the output head column-parallel from the sharded sequence to replicated logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -163,6 +175,8 @@ def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bo
     leaving each block are plain replicated tensors (``use_local_output``), so ``GPT.forward`` and the
     loss are untouched.
     """
+    from torch.distributed.tensor.parallel import parallelize_module
+
     if mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D device mesh, got {mesh.ndim} dimensions")
     validate_tensor_parallel_size(model, mesh.size())
@@ -195,6 +209,8 @@ def full_parameters(model: nn.Module) -> list[Tensor]:
 
 def full_tensor(tensor: Tensor) -> Tensor:
     """A fresh full fp32 copy of ``tensor``; a ``DTensor`` is all-gathered first (a collective)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # all-gather of the shards (a replicated DTensor may share storage)
     return tensor.float().clone()  # .float() of an fp32 tensor is the tensor itself: copy it
@@ -218,6 +234,8 @@ def clip_grad_norm(
     stages, ``stage_group`` (the ranks holding the other stages of this replica) sums the squared norms of
     all stages, so every stage clips by the replica's global norm.
     """
+    from torch.distributed.tensor import DTensor
+
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     grads = [param.grad for param in parameters if param.grad is not None]

@@ -30,22 +30,26 @@ each group separately; stage 3 simply uses ``build_inner_optimizer`` on the shar
 
 ``optimizer_state_bytes`` sums the bytes of the optimizer-state tensors this rank holds (local shards
 for ``DTensor`` state), the number the memory benchmark compares with the unsharded optimizer.
+
+FSDP2, ``ZeroRedundancyOptimizer`` and ``DTensor`` are imported by the functions that use them: together
+about a CPU second of imports, which a node or rank whose layout uses neither stage does not pay.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from node.config import NodeConfig
 from node.model import GPT
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
@@ -59,6 +63,8 @@ def build_zero_optimizer(
     ``average_gradients`` after ``backward`` and before ``step``; ``step`` updates this rank's share and
     broadcasts every share, so all ranks end the step with the same full parameters.
     """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     params = [param for param in model.parameters() if param.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
@@ -91,6 +97,8 @@ def average_gradients(
     # A tensor-parallel model (``apply_tensor_parallel`` on the tp axis of a 2-D mesh) has ``DTensor``
     # gradients; averaging over dp acts on each rank's local shard, which is what the dp peers with the same
     # tp coordinate hold too. ``to_local`` shares storage, so the copy below writes the DTensor gradient.
+    from torch.distributed.tensor import DTensor
+
     grads = [
         grad.to_local() if isinstance(grad, DTensor) else grad
         for grad in (param.grad for param in model.parameters())
@@ -117,6 +125,8 @@ def apply_fully_shard(model: GPT, mesh: DeviceMesh) -> GPT:
     block's full weights, not the model's); the root wrap then owns the leftovers (embedding, final norm,
     output head). ``mesh`` is the 1-D data-parallel mesh. Build the optimizer after this call.
     """
+    from torch.distributed.fsdp import fully_shard
+
     if mesh.ndim != 1:
         raise ValueError(f"apply_fully_shard takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
     for block in model.layers.values():
@@ -131,6 +141,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     For a ``ZeroRedundancyOptimizer`` that is the state of the local optimizer over this rank's share
     (its own ``state`` attribute is only filled by ``consolidate_state_dict``). Zero before the first step.
     """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor import DTensor
+
     local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     total = 0
     for param_state in local.state.values():
