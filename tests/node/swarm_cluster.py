@@ -3,20 +3,32 @@
 Each node is `python -m node.cli join ...` in its own process group with its own run dir; the
 first one's `node.json` gives the multiaddr the others join through. Every wait is bounded and
 `Cluster.close()` kills whatever is still running.
+
+`Cluster(..., forked=True)` forks each node from a server that imported torch, its compiler stack and
+the node once (multiprocessing's forkserver; it starts no thread of its own, so forking it is safe):
+a fresh interpreter spends about 3 CPU-seconds on those imports, as much as a short node's training.
+The forked node runs the CLI's `main` in a session of its own, as the fresh one does, with its
+output in its log; only tests that time the interpreter's start need the fresh one.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from node.metrics import read_metrics
 
@@ -31,11 +43,114 @@ FAST_FLAGS = (
 )  # fmt: skip
 
 
+# What a node imports before its first step (torch._dynamo: on torch's first optimizer step).
+NODE_PRELOAD = (
+    "node.cli",
+    "node.trainer",
+    "node.preflight",
+    "node.held_out",
+    "protocol.allreduce",
+    "torch._dynamo",
+)
+_FORKSERVER = multiprocessing.get_context("forkserver")
+
+
+class NodeProcess(Protocol):
+    """What the tests use of a node's process: subprocess.Popen's names."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class ForkedNode:
+    """A node forked from the preloaded server, behind subprocess.Popen's names."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        assert process.pid is not None
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+
+def _run_forked_node(argv: list[str], log_path: str, cwd: str) -> None:
+    """In the forked child: `python -m node.cli ARGV` in a new session, to the interpreter's own exit."""
+    os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    os.chdir(cwd)
+    from node.cli import main
+
+    try:
+        status: object = main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    except BaseException:  # an uncaught error: its traceback and exit code 1, as the interpreter gives
+        traceback.print_exc()
+        status = 1
+    code = status if isinstance(status, int) else (0 if status is None else 1)
+    # What the interpreter does on its way out and a multiprocessing child skips: wait for the
+    # non-daemon threads, run the atexit handlers.
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _preload_the_forkserver() -> None:
+    # One forkserver per process, with one global preload list: keep what other helpers asked for.
+    asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
+    _FORKSERVER.set_forkserver_preload(sorted({*asked, *NODE_PRELOAD}))
+
+
+def fork_node(argv: Sequence[str], log_path: Path) -> ForkedNode:
+    """`python -m node.cli ARGV` forked from the preloaded server, once its session exists."""
+    _preload_the_forkserver()
+    process = _FORKSERVER.Process(target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT)))
+    process.start()
+    node = ForkedNode(process)
+    deadline = time.monotonic() + 30
+    while node.poll() is None and time.monotonic() < deadline:  # killpg needs the child's setsid first
+        try:
+            if os.getpgid(node.pid) == node.pid:
+                return node
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    return node
+
+
 @dataclass
 class Node:
     name: str
     run_dir: Path
-    process: subprocess.Popen[bytes]
+    process: NodeProcess
     log_path: Path
     argv: list[str] = field(default_factory=list)
 
@@ -64,10 +179,13 @@ class Node:
 class Cluster:
     """Nodes of one run under ``root``; use as a context manager."""
 
-    def __init__(self, root: Path, *, name: str = "swarmtest", flags: Sequence[str] = FAST_FLAGS) -> None:
+    def __init__(
+        self, root: Path, *, name: str = "swarmtest", flags: Sequence[str] = FAST_FLAGS, forked: bool = False
+    ) -> None:
         self.root = root
         self.name = name
         self.flags = list(flags)
+        self.forked = forked
         self.nodes: list[Node] = []
 
     def start(self, extra: Sequence[str] = (), *, peers: str | None = None, wrap: Sequence[str] = ()) -> Node:
@@ -79,6 +197,13 @@ class Cluster:
         argv += self.flags + list(extra)
         if peers:
             argv += ["--peers", peers]
+        process: NodeProcess
+        if self.forked and not wrap:
+            log_path.write_bytes(b"")
+            process = fork_node(argv[3:], log_path)  # after `python -m node.cli`
+            node = Node(name=f"node-{index}", run_dir=run_dir, process=process, log_path=log_path, argv=argv)
+            self.nodes.append(node)
+            return node
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with log_path.open("wb") as log:
             process = subprocess.Popen(

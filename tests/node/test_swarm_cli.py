@@ -25,7 +25,7 @@ def assert_one_lineage(nodes_hashes: list[dict[int, str]], rounds: list[int]) ->
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_three_nodes_share_every_round(tmp_path, mode):
     flags = ["--max-rounds", "3", "--min-peers", "3"] + (["--overlap"] if mode == "overlap" else [])
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         assert (first.run_dir / "node.json").exists()
@@ -59,7 +59,7 @@ def test_three_nodes_share_every_round(tmp_path, mode):
 
 @pytest.mark.timeout(300)
 def test_joiner_adopts_the_swarm_state_and_matches(tmp_path):
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         flags = ["--min-peers", "2", "--inner-steps", "20"]  # no round limit: stopped by SIGTERM below
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
@@ -82,7 +82,7 @@ def test_joiner_adopts_the_swarm_state_and_matches(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_sigkilled_node_does_not_stop_the_swarm(tmp_path):
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         flags = ["--max-rounds", "5", "--min-peers", "2"]
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
@@ -102,7 +102,7 @@ def test_sigkilled_node_does_not_stop_the_swarm(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_sigterm_leaves_cleanly(tmp_path):
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         flags = ["--min-peers", "1", "--inner-steps", "20"]  # no round limit: stopped by SIGTERM below
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
@@ -130,7 +130,7 @@ def test_sigterm_leaves_cleanly(tmp_path):
 @pytest.mark.timeout(120)
 def test_sigterm_during_start_up_exits_cleanly(tmp_path):
     """A signal while torch imports, the DHT starts or the model is built is kept, not fatal:
-    the node stops before its first step and exits 0."""
+    the node stops before its first step and exits 0 (a fresh interpreter: its imports are timed)."""
     with Cluster(tmp_path) as cluster:
         node = cluster.start(["--min-peers", "1", "--inner-steps", "20"])
         time.sleep(1.5)  # past the interpreter's start, inside the slow imports and start-up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -108,7 +109,13 @@ def exact_mean(
 # The forkserver imports them once (it starts no thread, so forking it is safe); each worker is still
 # its own process with its own sockets, killed or frozen by its own fault plan.
 _FORKSERVER = multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["tests.protocol.allreduce.support", "scripts.workers.allreduce_worker"])
+WORKER_PRELOAD = ("tests.protocol.allreduce.support", "scripts.workers.allreduce_worker")
+
+
+def _preload_the_forkserver() -> None:
+    # One forkserver per process, with one global preload list: keep what other helpers asked for.
+    asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
+    _FORKSERVER.set_forkserver_preload(sorted({*asked, *WORKER_PRELOAD}))
 
 
 def _run_forked_worker(argv: list[str], stdout_path: Path, stderr_path: Path) -> None:
@@ -156,6 +163,7 @@ class Workers:
                 *((extra_args or {}).get(index, [])),
             ]
             if self.forked:
+                _preload_the_forkserver()
                 process = _FORKSERVER.Process(
                     target=_run_forked_worker,
                     args=(arguments, self.stdout_paths[index], self.stderr_paths[index]),
