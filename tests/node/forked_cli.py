@@ -7,7 +7,8 @@ modules once per test process (it starts no thread, so forking it is safe) and f
 The node then runs the CLI's own ``__main__`` (``runpy``, as ``python -m`` does) in a process of its own,
 with its stdout and stderr in files and its exit code, and spawns its local ranks itself, as it does for
 users. Nothing is initialised on a GPU before the fork (importing torch does not touch CUDA), but the GPU
-tests still start a fresh interpreter (``run_cli(..., fresh=True)``).
+tests still start a fresh interpreter (``run_cli(..., fresh=True)``). A forked node sees the environment
+the test process had when its forkserver started: a test that sets variables for its node runs it fresh.
 """
 
 from __future__ import annotations

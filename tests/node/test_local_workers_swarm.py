@@ -7,6 +7,9 @@
   their local rank 1, with the int8 codec's residual kept per stream.
 - A local worker that dies is reported by name and the node exits non-zero instead of hanging, its other
   processes gone with it.
+
+Every node is forked from the server that imported the node once (``Cluster(forked=True)``); each still
+spawns its local ranks itself.
 """
 
 from __future__ import annotations
@@ -64,8 +67,11 @@ def worker_pids(pid: int) -> list[int]:
 
 @pytest.mark.timeout(420)
 def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
-    with Cluster(tmp_path) as cluster:
-        flags = ["--min-peers", "2", "--swarm-streams", "2"]  # no round limit: stopped by SIGTERM below
+    with Cluster(tmp_path, forked=True) as cluster:
+        # No round limit: stopped by SIGTERM below. A join window of 30 s, not 5: with parallel tests on
+        # the cores a node's 10 steps have taken 11 s, and a node left out of a round would fail the
+        # check below, which is about layouts sharing rounds, not about the window.
+        flags = ["--min-peers", "2", "--swarm-streams", "2", "--join-window", "30"]
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         # The tp node keeps its outer state sharded over its ranks; the dp joiner whole on rank 0.
@@ -116,7 +122,7 @@ def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
     SwarmKey.generate().write(key_path)
     auth = SwarmAuth(SwarmKey.from_file(key_path), tls=True)
     flags = ["--min-peers", "2", "--swarm-streams", "2", "--swarm-key-file", str(key_path), "--tls"]
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         single = cluster.start(flags)
         parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=cluster.first_multiaddr(single))
         wait_for(lambda: len(parallel.records()) >= 2, 150, "two rounds of the tp node", parallel)
@@ -137,7 +143,7 @@ def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_dead_local_worker_stops_the_node_with_a_clear_error(tmp_path):
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         node = cluster.start(["--no-swarm", "--inner-steps", "1000", "--log-every", "1", *TENSOR_PARALLEL])
         wait_for(lambda: len(node.records("step")) >= 3, 120, "three inner steps", node)
         children = child_pids(node.process.pid)  # the rank, multiprocessing's resource tracker
@@ -156,7 +162,7 @@ def test_a_dead_local_worker_stops_the_node_with_a_clear_error(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_sigkilled_daemon_takes_its_local_workers_with_it(tmp_path):
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         node = cluster.start(["--no-swarm", "--inner-steps", "1000", "--log-every", "1", *TENSOR_PARALLEL])
         wait_for(lambda: len(node.records("step")) >= 3, 120, "three inner steps", node)
         workers = worker_pids(node.process.pid)
