@@ -5,8 +5,8 @@ first one's `node.json` gives the multiaddr the others join through. Every wait 
 `Cluster.close()` kills whatever is still running.
 
 `Cluster(..., forked=True)` forks each node from a server that imported torch, its compiler stack and
-the node once (multiprocessing's forkserver; it starts no thread of its own, so forking it is safe):
-a fresh interpreter spends about 3 CPU-seconds on those imports, as much as a short node's training.
+the node once (tests/forking.py): a fresh interpreter spends about 3 CPU-seconds on those imports, as
+much as a short node's training.
 The forked node runs the CLI's `main` in a session of its own, as the fresh one does, with its
 output in its log; only tests that time the interpreter's start need the fresh one.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import multiprocessing.process
 import os
 import signal
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from node.metrics import read_metrics
+from tests.forking import forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +51,6 @@ NODE_PRELOAD = (
     "protocol.allreduce",
     "torch._dynamo",
 )
-_FORKSERVER = multiprocessing.get_context("forkserver")
 
 
 class NodeProcess(Protocol):
@@ -91,8 +89,10 @@ class ForkedNode:
         return self._process.exitcode
 
 
-def _run_forked_node(argv: list[str], log_path: str, cwd: str) -> None:
+def _run_forked_node(argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
     """In the forked child: `python -m node.cli ARGV` in a new session, to the interpreter's own exit."""
+    os.environ.clear()  # the test process's environment now, not the forkserver's from its start
+    os.environ.update(env)
     os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(log, 1)
@@ -100,7 +100,6 @@ def _run_forked_node(argv: list[str], log_path: str, cwd: str) -> None:
     os.close(log)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
-    os.environ["PYTHONUNBUFFERED"] = "1"
     os.chdir(cwd)
     from node.cli import main
 
@@ -123,16 +122,12 @@ def _run_forked_node(argv: list[str], log_path: str, cwd: str) -> None:
     os._exit(code)
 
 
-def _preload_the_forkserver() -> None:
-    # One forkserver per process, with one global preload list: keep what other helpers asked for.
-    asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
-    _FORKSERVER.set_forkserver_preload(sorted({*asked, *NODE_PRELOAD}))
-
-
 def fork_node(argv: Sequence[str], log_path: Path) -> ForkedNode:
     """`python -m node.cli ARGV` forked from the preloaded server, once its session exists."""
-    _preload_the_forkserver()
-    process = _FORKSERVER.Process(target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT)))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = forkserver(NODE_PRELOAD).Process(
+        target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT), env)
+    )
     process.start()
     node = ForkedNode(process)
     deadline = time.monotonic() + 30

@@ -68,7 +68,7 @@ def test_a_late_node_whose_catch_up_outlasts_a_round_contributes_from_its_second
 @pytest.mark.timeout(240)
 def test_a_slower_node_is_in_every_round_and_the_faster_one_trains_on_meanwhile(tmp_path: Path) -> None:
     timed = ["--round-seconds", "1.5", "--start-peers", "2", "--max-rounds", "4"]
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         fast = cluster.start(timed)
         slow = cluster.start(
             [*timed, "--batch-size", "16"], peers=cluster.first_multiaddr(fast)

@@ -64,7 +64,7 @@ def mismatches(status: dict[str, Any], nodes: list[Node]) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_status_json_against_a_running_two_node_swarm(tmp_path: Path) -> None:
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         flags = ["--min-peers", "2"]  # no round limit: the cluster is killed at the end
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)

@@ -24,7 +24,7 @@ def test_closed_tls_swarm_runs_a_round_and_keeps_the_key_secret(
     SwarmKey.generate().write(key_path)
     secret = key_path.read_text().strip()
     flags = ["--max-rounds", "1", "--min-peers", "2", "--swarm-key-file", str(key_path), "--tls"]
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         first = cluster.start(flags)
         cluster.start(flags, peers=cluster.first_multiaddr(first))
         assert cluster.wait_all(180) == [0, 0], "\n\n".join(tail(node) for node in cluster.nodes)
@@ -54,7 +54,7 @@ def test_status_reaches_a_tls_node_only_with_the_key(
     SwarmKey.generate().write(key_path)
     other_key = tmp_path_factory.mktemp("other") / "other.key"
     SwarmKey.generate().write(other_key)
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, forked=True) as cluster:
         node = cluster.start(["--swarm-key-file", str(key_path), "--tls", "--inner-steps", "1000"])
         wait_for(lambda: (node.run_dir / "node.json").exists(), 60, "node.json", node)
         address = node.identity()["grpc_address"]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
-import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, 
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
+from tests.forking import forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 WORKER = REPO_ROOT / "scripts" / "workers" / "allreduce_worker.py"
@@ -104,22 +104,16 @@ def exact_mean(
     return result
 
 
-# Worker processes forked from one pre-imported server instead of started as fresh interpreters:
-# importing torch and gRPC costs ~1.3 CPU-seconds per process, more than a fault case's own rounds.
-# The forkserver imports them once (it starts no thread, so forking it is safe); each worker is still
-# its own process with its own sockets, killed or frozen by its own fault plan.
-_FORKSERVER = multiprocessing.get_context("forkserver")
+# Worker processes forked from one pre-imported server (tests/forking.py) instead of started as fresh
+# interpreters: importing torch and gRPC costs more than a fault case's own rounds. Each worker is
+# still its own process with its own sockets, killed or frozen by its own fault plan.
 WORKER_PRELOAD = ("tests.protocol.allreduce.support", "scripts.workers.allreduce_worker")
 
 
-def _preload_the_forkserver() -> None:
-    # One forkserver per process, with one global preload list: keep what other helpers asked for.
-    asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
-    _FORKSERVER.set_forkserver_preload(sorted({*asked, *WORKER_PRELOAD}))
-
-
-def _run_forked_worker(argv: list[str], stdout_path: Path, stderr_path: Path) -> None:
+def _run_forked_worker(argv: list[str], stdout_path: Path, stderr_path: Path, env: dict[str, str]) -> None:
     """In the forked child: the worker script's main() with its stdout and stderr in files."""
+    os.environ.clear()  # the test process's environment now, not the forkserver's from its start
+    os.environ.update(env)
     for fd, path in ((1, stdout_path), (2, stderr_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -163,10 +157,9 @@ class Workers:
                 *((extra_args or {}).get(index, [])),
             ]
             if self.forked:
-                _preload_the_forkserver()
-                process = _FORKSERVER.Process(
+                process = forkserver(WORKER_PRELOAD).Process(
                     target=_run_forked_worker,
-                    args=(arguments, self.stdout_paths[index], self.stderr_paths[index]),
+                    args=(arguments, self.stdout_paths[index], self.stderr_paths[index], env),
                     daemon=False,
                 )
                 process.start()
