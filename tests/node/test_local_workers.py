@@ -12,14 +12,18 @@ order:
 
 The LR is constant from step 1 (no warmup) so the 10 steps move the weights as much as possible.
 
-Each node is forked from a server that imported the CLI once (``tests/node/forked_cli.py``: a node's start
-is mostly imports); it still runs ``python -m node.cli``'s code in a process of its own and spawns its
-local ranks itself. The GPU test starts fresh interpreters.
+Each node is forked from the server that imported the node once (``fork_node`` of
+``tests/node/swarm_cluster.py``: a short node's start is mostly imports); it still runs the CLI in a process
+of its own and spawns its local ranks itself. The GPU test starts fresh interpreters.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from node.model import GPT, model_config
-from tests.node.forked_cli import run_cli
+from tests.node.swarm_cluster import fork_node
 
 LOSS_TOLERANCE = 1e-5
 PARAMS_TOLERANCE = 1e-5
@@ -94,6 +98,27 @@ BF16_LOSS_TOLERANCE = 2e-2  # bf16 rounds every matmul input to 8 significant bi
 BF16_PARAMS_TOLERANCE = 1e-2
 
 
+def run_cli(argv: list[str], log_path: Path, *, timeout: float, fresh: bool = False) -> tuple[int, str]:
+    """``dtnode ARGV`` to its end: its exit code and its output (stdout and stderr, in ``log_path``).
+
+    Forked from the preloaded server, or ``fresh``: ``python -m node.cli`` in a new interpreter."""
+    if fresh:
+        command = [sys.executable, "-m", "node.cli", *argv]
+        result = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
+        return result.returncode, result.stdout
+    log_path.write_bytes(b"")
+    node = fork_node(argv, log_path)
+    try:
+        code = node.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)  # the node and its local ranks (its session)
+        node.wait(10)
+        raise AssertionError(f"dtnode ran past {timeout} s: {log_path.read_text()[-3000:]}") from None
+    return code, log_path.read_text()
+
+
 def run_node(
     run_dir: Path, corpus: Path, extra: list[str], *, fresh: bool = False
 ) -> tuple[list[float], torch.Tensor]:
@@ -101,11 +126,11 @@ def run_node(
 
     ``fresh``: in a new interpreter rather than forked from the preloaded one."""
     argv = ["join", "--run-dir", str(run_dir), "--data", str(corpus), *COMMON_ARGS, *extra]
-    cli_dir = run_dir.with_name(f"{run_dir.name}-cli")  # its stdout and stderr, beside the run dir
-    result = run_cli(argv, cli_dir, timeout=RUN_TIMEOUT_SECONDS, fresh=fresh)
-    assert result.returncode == 0, result.stderr[-3000:]
+    log_path = run_dir.with_name(f"{run_dir.name}.log")  # beside the run dir
+    returncode, output = run_cli(argv, log_path, timeout=RUN_TIMEOUT_SECONDS, fresh=fresh)
+    assert returncode == 0, output[-3000:]
     # With local workers the outer state is sharded over them (node/parallel/outer.py).
-    sharded = "DiLoCo outer state sharded over" in result.stderr
+    sharded = "DiLoCo outer state sharded over" in output
     assert sharded == ("--local-workers" in extra and extra[extra.index("--local-workers") + 1] != "1")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [record["loss"] for record in records if record["kind"] == "step"]
@@ -184,9 +209,9 @@ def test_an_impossible_layout_is_a_clear_error(
     extra: list[str], message: str, corpus: Path, tmp_path: Path
 ) -> None:
     argv = ["join", "--run-dir", str(tmp_path / "run"), "--data", str(corpus), *COMMON_ARGS, *extra]
-    result = run_cli(argv, tmp_path / "cli", timeout=100)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert message in result.stderr
+    returncode, output = run_cli(argv, tmp_path / "run.log", timeout=100)
+    assert returncode == 2, output[-2000:]
+    assert message in output
 
 
 @pytest.mark.timeout(300)
