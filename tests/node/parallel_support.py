@@ -2,9 +2,7 @@
 
 Every test of a layout (tensor, pipeline, ZeRO, combined) trains the same nano ``GPT`` (``build_model``:
 seeded, so every rank and the single-process reference start from the same weights) on the same fixed
-batches, once in the test process without any parallelism and once on gloo ranks in processes of their
-own, forked from a server that imported torch and torch.distributed once (tests/forking.py; a fresh
-interpreter per rank spent seconds of CPU on those imports).
+batches, once in the test process without any parallelism and once on gloo ranks in spawned processes.
 ``spawned_workers`` starts those processes and holds them to a deadline; each worker opens its process
 group with ``worker_process_group``, which rendezvouses through a ``FileStore`` in the test's tmp dir
 (no port to pick).
@@ -12,6 +10,7 @@ group with ``worker_process_group``, which rendezvouses through a ``FileStore`` 
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.process
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,14 +21,11 @@ import torch
 import torch.distributed as dist
 
 from node.model import GPT, model_config
-from tests.forking import forkserver
 
 NUM_STEPS = 10
 SEQ_LEN = 32
 BATCH_SIZE = 4
 SEED = 1234
-# What the ranks import before their first collective (the target's test module is added).
-RANK_PRELOAD = ("tests.node.parallel_support", "torch.distributed", "torch.distributed.tensor")
 # After the deadline, a worker that is still running is killed; this bounds the wait for it to go.
 KILL_WAIT = timedelta(seconds=10)
 
@@ -81,7 +77,7 @@ def spawned_workers(
     their start-up). After it, the workers get ``deadline`` to finish; any still running then, or after
     the body raised, is killed.
     """
-    context = forkserver(RANK_PRELOAD + (target.__module__,))
+    context = multiprocessing.get_context("spawn")
     workers: list[multiprocessing.process.BaseProcess] = [
         context.Process(target=target, args=args) for args in args_per_rank
     ]

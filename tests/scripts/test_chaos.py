@@ -107,11 +107,12 @@ def test_a_restarted_node_counts_as_rejoined_only_once_it_matches(tmp_path: Path
 @pytest.mark.skipif(_reason is not None, reason=_reason or "")
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> None:
-    """Four nodes, one fault of each kind (taken in turn; victims, moments and spans seeded)."""
+    """Four nodes, one fault of each kind (taken in turn; victims, moments and spans seeded), in one
+    swarm: its start-up, the most CPU of a short run, is paid once."""
     json_out = tmp_path / "chaos.json"
     results = []
     run_pids: list[int] = []
-    for kinds in ("restart,kill", "stop,partition,slow_link"):
+    for kinds in ("restart,kill,stop,partition,slow_link",):
         num_trials = len(kinds.split(","))
         argv = [sys.executable, str(script_path("chaos")), "--nodes", "4", "--trials", str(num_trials)]
         argv += [
@@ -131,7 +132,7 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
             argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         ) as run:
             try:
-                stdout, stderr = run.communicate(timeout=200)
+                stdout, stderr = run.communicate(timeout=320)
             finally:
                 if run.poll() is None:  # timed out: stop it (and, through its Ctrl-C path, its nodes)
                     run.send_signal(signal.SIGINT)
