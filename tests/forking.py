@@ -13,7 +13,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
-from collections.abc import Iterable
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 
 def forkserver(preload: Iterable[str]) -> multiprocessing.context.ForkServerContext:
@@ -22,3 +25,24 @@ def forkserver(preload: Iterable[str]) -> multiprocessing.context.ForkServerCont
     asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
     context.set_forkserver_preload(sorted({*asked, *preload}))
     return context
+
+
+def enter_child(env: Mapping[str, str], cwd: Path | str, stdout: Path | str, stderr: Path | str) -> None:
+    """In a forked child: the environment the test process had at the fork (not the server's from its
+    start), ``cwd``, and stdout / stderr written to files (one file opened once when they are the same),
+    line-buffered as ``PYTHONUNBUFFERED`` would leave them."""
+    os.environ.clear()
+    os.environ.update(env)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    if str(stdout) == str(stderr):
+        shared = os.open(stdout, flags, 0o644)
+        targets = [(1, shared), (2, shared)]
+    else:
+        targets = [(1, os.open(stdout, flags, 0o644)), (2, os.open(stderr, flags, 0o644))]
+    for fd, target in targets:
+        os.dup2(target, fd)
+    for target in {target for _, target in targets}:
+        os.close(target)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    os.chdir(cwd)

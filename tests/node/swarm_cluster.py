@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from node.metrics import read_metrics
-from tests.forking import forkserver
+from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,16 +91,8 @@ class ForkedNode:
 
 def _run_forked_node(argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
     """In the forked child: `python -m node.cli ARGV` in a new session, to the interpreter's own exit."""
-    os.environ.clear()  # the test process's environment now, not the forkserver's from its start
-    os.environ.update(env)
     os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
-    os.chdir(cwd)
+    enter_child(env, cwd, log_path, log_path)
     from node.cli import main
 
     try:

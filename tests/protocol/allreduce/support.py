@@ -20,7 +20,7 @@ from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, 
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
-from tests.forking import forkserver
+from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 WORKER = REPO_ROOT / "scripts" / "workers" / "allreduce_worker.py"
@@ -112,13 +112,7 @@ WORKER_PRELOAD = ("tests.protocol.allreduce.support", "scripts.workers.allreduce
 
 def _run_forked_worker(argv: list[str], stdout_path: Path, stderr_path: Path, env: dict[str, str]) -> None:
     """In the forked child: the worker script's main() with its stdout and stderr in files."""
-    os.environ.clear()  # the test process's environment now, not the forkserver's from its start
-    os.environ.update(env)
-    for fd, path in ((1, stdout_path), (2, stderr_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    os.chdir(REPO_ROOT)
+    enter_child(env, REPO_ROOT, stdout_path, stderr_path)
     from scripts.workers import allreduce_worker
 
     sys.exit(allreduce_worker.main(argv))
