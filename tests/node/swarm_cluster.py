@@ -14,6 +14,7 @@ output in its log; only tests that time the interpreter's start need the fresh o
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import multiprocessing.process
 import os
@@ -32,6 +33,7 @@ from node.metrics import read_metrics
 from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CLONE_NEWNET = 0x40000000  # setns(2): the descriptor names a network namespace
 
 # Small and quick: the nano model at 32 tokens a sequence (a third of the CPU of its 128 a step; no swarm
 # test depends on the context length), short inner phases, short windows and leases.
@@ -90,9 +92,27 @@ class ForkedNode:
         return self._process.exitcode
 
 
-def _run_forked_node(argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
+def enter_network_namespace(name: str) -> None:
+    """As ``ip netns exec NAME`` does for its command: this process, and whatever it starts from now
+    on, opens its sockets in the named network namespace. Only for a process with one thread (a
+    namespace is entered per thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
+def _run_forked_node(
+    argv: list[str], log_path: str, cwd: str, env: dict[str, str], netns: str | None = None
+) -> None:
     """In the forked child: `python -m node.cli ARGV` in a new session, to the interpreter's own exit."""
     os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
+    if netns is not None:
+        enter_network_namespace(netns)  # the forkserver's child has one thread yet
     enter_child(env, cwd, log_path, log_path)
     from node.cli import main
 
@@ -115,11 +135,12 @@ def _run_forked_node(argv: list[str], log_path: str, cwd: str, env: dict[str, st
     os._exit(code)
 
 
-def fork_node(argv: Sequence[str], log_path: Path) -> ForkedNode:
-    """`python -m node.cli ARGV` forked from the preloaded server, once its session exists."""
+def fork_node(argv: Sequence[str], log_path: Path, *, netns: str | None = None) -> ForkedNode:
+    """`python -m node.cli ARGV` forked from the preloaded server, once its session exists; in network
+    namespace ``netns`` if given."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = forkserver(NODE_PRELOAD).Process(
-        target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT), env)
+        target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT), env, netns)
     )
     process.start()
     node = ForkedNode(process)
@@ -176,8 +197,16 @@ class Cluster:
         self.forked = forked
         self.nodes: list[Node] = []
 
-    def start(self, extra: Sequence[str] = (), *, peers: str | None = None, wrap: Sequence[str] = ()) -> Node:
-        """Start one node; ``wrap`` prefixes the command (e.g. ``ip netns exec NS``)."""
+    def start(
+        self,
+        extra: Sequence[str] = (),
+        *,
+        peers: str | None = None,
+        wrap: Sequence[str] = (),
+        netns: str | None = None,
+    ) -> Node:
+        """Start one node; ``wrap`` prefixes the command (e.g. ``ip netns exec NS``); ``netns`` runs
+        it in that network namespace (a forked node enters it itself, a fresh one through ``ip netns exec``)."""
         index = len(self.nodes)
         run_dir = self.root / f"node-{index}"
         log_path = self.root / f"node-{index}.log"
@@ -188,10 +217,12 @@ class Cluster:
         process: NodeProcess
         if self.forked and not wrap:
             log_path.write_bytes(b"")
-            process = fork_node(argv[3:], log_path)  # after `python -m node.cli`
+            process = fork_node(argv[3:], log_path, netns=netns)  # after `python -m node.cli`
             node = Node(name=f"node-{index}", run_dir=run_dir, process=process, log_path=log_path, argv=argv)
             self.nodes.append(node)
             return node
+        if netns is not None:
+            wrap = ["ip", "netns", "exec", netns, *wrap]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with log_path.open("wb") as log:
             process = subprocess.Popen(

@@ -26,6 +26,7 @@ import node.checkpoint as checkpoint
 from node.checkpoint import join_state, latest_checkpoint, load_checkpoint, save_checkpoint, split_state
 from node.config import NodeConfig
 from node.trainer import Trainer
+from tests.node.swarm_cluster import ForkedNode, fork_node
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -454,9 +455,8 @@ def test_tuple_dict_key_round_trips_or_is_refused(tmp_path: Path) -> None:
 
 
 def dtnode_argv(corpus: Path, run_dir: Path) -> list[str]:
-    script = Path(sys.executable).parent / "dtnode"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "node.cli"]
-    return command + [
+    """`dtnode ARGV`, forked from the preloaded server (a fresh interpreter spends ~3 CPU-s importing)."""
+    return [
         "join", "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "2",
         "--eval-batches", "1", "--data", str(corpus), "--run-dir", str(run_dir), "--log-every", "1000",
         "--keep-checkpoints", "2", "--checkpoint-every", "1", "--threads", "1",
@@ -472,19 +472,17 @@ def e2e_config(corpus: Path, run_dir: Path, **overrides: Any) -> NodeConfig:
 
 
 @pytest.fixture
-def node_process() -> Iterator[list[subprocess.Popen[bytes]]]:
+def node_process() -> Iterator[list[ForkedNode]]:
     """Collects started nodes and kills any still running when the test ends, pass or fail."""
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[ForkedNode] = []
     yield started
     for process in started:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
 
-def wait_for_new_checkpoint(
-    root: Path, previous: Path | None, process: subprocess.Popen[bytes], log_path: Path
-) -> Path:
+def wait_for_new_checkpoint(root: Path, previous: Path | None, process: ForkedNode, log_path: Path) -> Path:
     deadline = time.monotonic() + 60
     while (current := latest_checkpoint(root)) in (None, previous):
         assert process.poll() is None, f"node exited early:\n{log_path.read_text()}"
@@ -496,7 +494,7 @@ def wait_for_new_checkpoint(
 
 @pytest.mark.timeout(180)
 def test_sigkilled_node_resumes_from_latest_checkpoint(
-    tmp_path: Path, node_process: list[subprocess.Popen[bytes]]
+    tmp_path: Path, node_process: list[ForkedNode]
 ) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(inspect.getsource(inspect))  # ~130 KB of text
@@ -506,15 +504,12 @@ def test_sigkilled_node_resumes_from_latest_checkpoint(
     previous_step = 0
     for cycle in range(3):
         log_path = tmp_path / f"node-{cycle}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                dtnode_argv(corpus, run_dir), stdout=log_file, stderr=subprocess.STDOUT
-            )
+        process = fork_node(dtnode_argv(corpus, run_dir), log_path)
         node_process.append(process)
         previous = wait_for_new_checkpoint(root, previous, process, log_path)
         delay = rng.uniform(0.0, 1.0)  # anywhere in the following rounds, saves included
         time.sleep(delay)
-        process.send_signal(signal.SIGKILL)
+        os.kill(process.pid, signal.SIGKILL)  # the node's process alone, as before
         assert process.wait(timeout=10) == -signal.SIGKILL
 
         latest = latest_checkpoint(root)

@@ -67,7 +67,10 @@ def tcp_connects(wan: object, source: int, destination: int) -> bool:
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(_reason is not None, reason=_reason or "")
 def test_a_client_mode_node_nobody_can_reach_contributes_to_every_round(tmp_path: Path) -> None:
-    with wan_emulator.WanEmulator(3, None, name_prefix="dtnat") as wan, Cluster(tmp_path) as cluster:
+    with (
+        wan_emulator.WanEmulator(3, None, name_prefix="dtnat") as wan,
+        Cluster(tmp_path, forked=True) as cluster,
+    ):
         refuse_inbound(wan, 2)
         assert tcp_connects(wan, 2, 0), "the client's host must still open connections itself"
         assert not tcp_connects(wan, 0, 2), "the client's host must refuse inbound connections"
@@ -81,8 +84,7 @@ def test_a_client_mode_node_nobody_can_reach_contributes_to_every_round(tmp_path
                      "--listen", f"{address}:0", "--dht-listen", f"{address}:0"]  # fmt: skip
             if index == 2:
                 flags.append("--client-mode")
-            wrap = ["ip", "netns", "exec", wan.namespace(index)]
-            nodes.append(cluster.start(flags, peers=peers, wrap=wrap))
+            nodes.append(cluster.start(flags, peers=peers, netns=wan.namespace(index)))
             if index == 0:
                 peers = cluster.first_multiaddr(nodes[0], prefix=f"/ip4/{wan.address(0)}/")
         client = nodes[2]

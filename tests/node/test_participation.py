@@ -36,7 +36,10 @@ def test_a_late_node_whose_catch_up_outlasts_a_round_contributes_from_its_second
     # round's int8 mean ~1.5 s, while the first node's rounds of two inner steps alone last a
     # fraction of a second. Without the leader waiting for the announced catch-up, the late node
     # arrives a round late at every round, forever.
-    with wan_emulator.WanEmulator(2, 5.0, name_prefix="dtlate") as wan, Cluster(tmp_path) as cluster:
+    with (
+        wan_emulator.WanEmulator(2, 5.0, name_prefix="dtlate") as wan,
+        Cluster(tmp_path, forked=True) as cluster,
+    ):
         nodes: list[Node] = []
         for index in range(2):
             address = wan.address(index)
@@ -45,9 +48,7 @@ def test_a_late_node_whose_catch_up_outlasts_a_round_contributes_from_its_second
             peers = (
                 None if index == 0 else cluster.first_multiaddr(nodes[0], prefix=f"/ip4/{wan.address(0)}/")
             )
-            nodes.append(
-                cluster.start(flags, peers=peers, wrap=["ip", "netns", "exec", wan.namespace(index)])
-            )
+            nodes.append(cluster.start(flags, peers=peers, netns=wan.namespace(index)))
             if index == 0:
                 wait_for(lambda: len(nodes[0].records()) >= 5, 120, "the first node's rounds alone", nodes[0])
         source, late = nodes

@@ -1,7 +1,7 @@
 """A swarm node stopped and resumed continues exactly as an uninterrupted one: whatever one round
 carries into the next (the codec's error-feedback residual) is in the checkpoint.
 
-Real ``dtnode join`` processes, each a swarm of one (DHT, gRPC, the int8 all-reduce of a group of
+Real ``dtnode join`` processes (forked from the test's preloaded server), each a swarm of one (DHT, gRPC, the int8 all-reduce of a group of
 one): the reference runs rounds 1-4 in one go; the other stops after round 2 and resumes to round 4
 in the same run dir. Without the residual in the checkpoint, round 3's outer step encodes another
 vector and every later loss differs.
@@ -9,14 +9,14 @@ vector and every later loss differs.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from node.metrics import read_metrics
-from tests.node.swarm_cluster import FAST_FLAGS, REPO_ROOT
+from tests.node.swarm_cluster import FAST_FLAGS, fork_node
 
 FLAGS = [
     *FAST_FLAGS,
@@ -32,10 +32,18 @@ FLAGS = [
 
 
 def join(run_dir: Path, max_rounds: int) -> None:
-    argv = [sys.executable, "-m", "node.cli", "join", "--run-dir", str(run_dir), *FLAGS,
-            "--max-rounds", str(max_rounds)]  # fmt: skip
-    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """`dtnode join` to ``max_rounds``, forked from the preloaded server (tests/forking.py: a fresh
+    interpreter would spend ~3 CPU-seconds importing, as much as the node's training)."""
+    log_path = run_dir.with_name(f"{run_dir.name}-{max_rounds}.log")
+    argv = ["join", "--run-dir", str(run_dir), *FLAGS, "--max-rounds", str(max_rounds)]
+    node = fork_node(argv, log_path)
+    try:
+        code = node.wait(timeout=150)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=10)
+    assert code == 0, log_path.read_text(errors="replace")[-6000:]
 
 
 @pytest.mark.timeout(400)
