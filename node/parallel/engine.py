@@ -408,9 +408,9 @@ class RankEngine:
     # --- the inner optimizer's state, for checkpoints ---
     def _local_optimizer(self) -> torch.optim.Optimizer:
         """The AdamW this rank steps: ZeRO-1's optimizer over this rank's share, else the one optimizer."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from node.parallel.zero import local_optimizer
 
-        return self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        return local_optimizer(self.optimizer)
 
     def gather_optimizer_state(self) -> list[dict[str, Any]] | None:
         """Every rank's inner AdamW state (its ZeRO share, its tp / FSDP shards as local tensors) on rank 0."""

@@ -37,6 +37,7 @@ about a CPU second of imports, which a node or rank whose layout uses neither st
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -135,18 +136,29 @@ def apply_fully_shard(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer this rank steps: a ``ZeroRedundancyOptimizer``'s over this rank's share, else ``optimizer``.
+
+    Looked up without importing ``torch.distributed.optim`` (it imports FSDP: ~0.4 CPU-s a process, paid
+    at every checkpoint's state gather): an instance of its class exists only once the module is loaded.
+    """
+    zero_module = sys.modules.get("torch.distributed.optim")
+    if zero_module is not None and isinstance(optimizer, zero_module.ZeroRedundancyOptimizer):
+        local: torch.optim.Optimizer = optimizer.optim
+        return local
+    return optimizer
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer-state tensors held by this rank (for a ``DTensor``, its local shard).
 
     For a ``ZeroRedundancyOptimizer`` that is the state of the local optimizer over this rank's share
     (its own ``state`` attribute is only filled by ``consolidate_state_dict``). Zero before the first step.
     """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import DTensor
 
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     total = 0
-    for param_state in local.state.values():
+    for param_state in local_optimizer(optimizer).state.values():
         for value in param_state.values():
             if isinstance(value, DTensor):
                 value = value.to_local()
