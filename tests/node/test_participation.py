@@ -32,18 +32,19 @@ def _steps_per_round(records: list[dict]) -> list[int]:
 def test_a_late_node_whose_catch_up_outlasts_a_round_contributes_from_its_second_round_on(
     tmp_path: Path,
 ) -> None:
-    # 5 Mbit/s uplinks: the swarm's state (params + momentum, 7.4 MB) takes ~12 s to fetch and a
-    # round's int8 mean ~1.5 s, while the first node's rounds of two inner steps alone last a
-    # fraction of a second. Without the leader waiting for the announced catch-up, the late node
-    # arrives a round late at every round, forever.
+    # 20 Mbit/s uplinks: the swarm's state (params + momentum, 7.4 MB) takes ~3 s to fetch and a
+    # round's int8 mean ~0.4 s, while the first node's rounds of two inner steps alone last a
+    # fraction of a second (~0.15 s; under a loaded CPU still well under a second). Without the
+    # leader waiting for the announced catch-up, the late node arrives a round late at every round,
+    # forever. (The leader trains on while it waits: a slower link only makes it burn more CPU.)
     with (
-        wan_emulator.WanEmulator(2, 5.0, name_prefix="dtlate") as wan,
+        wan_emulator.WanEmulator(2, 20.0, name_prefix="dtlate") as wan,
         Cluster(tmp_path, forked=True) as cluster,
     ):
         nodes: list[Node] = []
         for index in range(2):
             address = wan.address(index)
-            flags = ["--inner-steps", "2", "--max-rounds", "100000", "--bandwidth-mbit", "5",
+            flags = ["--inner-steps", "2", "--max-rounds", "100000", "--bandwidth-mbit", "20",
                      "--listen", f"{address}:0", "--dht-listen", f"{address}:0"]  # fmt: skip
             peers = (
                 None if index == 0 else cluster.first_multiaddr(nodes[0], prefix=f"/ip4/{wan.address(0)}/")
