@@ -10,10 +10,10 @@ sequences of ``--seq-len`` tokens) with the building blocks of ``node/parallel/`
     dp2-zero1:  2 data-parallel ranks, each half the batch; ``average_gradients`` + ``build_zero_optimizer``
     dp2-fsdp:   2 data-parallel ranks with ZeRO-3 (``apply_fully_shard``) and the plain inner AdamW
 
-Each distributed layout is 2 spawned processes joined by a gloo process group over a ``FileStore``, one
-intra-op thread each (2 cores). The optimizer is ``build_inner_optimizer``'s AdamW (ZeRO-1: its sharded
-twin); no gradient clipping (a pipeline stage only sees its own gradients, so a global clip would need an
-extra all-reduce that no layout here shares).
+Each distributed layout is 2 processes (forked from one preloaded server) joined by a gloo process group
+over a ``FileStore``, one intra-op thread each (2 cores). The optimizer is ``build_inner_optimizer``'s
+AdamW (ZeRO-1: its sharded twin); no gradient clipping (a pipeline stage only sees its own gradients, so
+a global clip would need an extra all-reduce that no layout here shares).
 
 What is measured
 ----------------
@@ -316,7 +316,10 @@ def _worker(
 def run_layout(layout: str, settings: Settings) -> list[dict[str, Any]]:
     """Spawn ``layout``'s processes, wait for them (bounded), and return each rank's figures."""
     world_size = LAYOUTS[layout]
-    context = multiprocessing.get_context("spawn")
+    # Forked from a server that imported this script (torch, the node's stack) once, not ~2.5 CPU-s of
+    # imports per spawned rank; the server only imports, so each rank starts as clean as a spawned one.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "torch._dynamo"])
     with tempfile.TemporaryDirectory(prefix="bench_intranode-") as scratch:
         workers = [
             context.Process(
