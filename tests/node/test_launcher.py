@@ -25,9 +25,10 @@ from node.swarm_report import MetricsTail, hash_agreement
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
 
-# Small and quick (as FAST_FLAGS in swarm_cluster.py), but --threads is left to the launcher.
+# Small and quick (as FAST_FLAGS in swarm_cluster.py), but --threads is left to the launcher. These tests
+# check the launcher, not the model: sequences of 32 tokens make a step a third of nano's default 128.
 FAST = (
-    "--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--inner-steps", "10",
+    "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--inner-steps", "10",
     "--log-every", "1000", "--join-window", "5", "--max-wait", "60", "--round-deadline", "60",
     "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0", "--eval-every", "1",
 )  # fmt: skip
