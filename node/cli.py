@@ -370,12 +370,17 @@ def run_status(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print("dtnode: error: --timeout must be positive", file=sys.stderr)
         return EXIT_USAGE
+    from node.health import health_settings
     from protocol.auth.channels import SwarmAuth
     from protocol.auth.key import SwarmKey
 
     keys = ("name", "run_dir", "swarm_key_file", "tls")
     flags = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
-    config = load_config(config_file=args.config_file, flags=flags)
+    # Only the settings status reads, as `dtnode health` does: a whole NodeConfig checks the codec and
+    # the model preset, which imports torch (more CPU than the rest of the command).
+    config = health_settings(layered_values(config_file=args.config_file, flags=flags))
+    if config.tls and not config.swarm_key_file:
+        raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
     auth = None
     if config.swarm_key_file:  # a --tls node answers only over TLS with the swarm's certificates
         try:
@@ -386,7 +391,7 @@ def run_status(args: argparse.Namespace) -> int:
     timeout = timedelta(seconds=args.timeout)
     return print_status(
         address=args.address,
-        run_dir=config.resolved_run_dir,
+        run_dir=config.run_dir,
         as_json=args.as_json,
         timeout=timeout,
         auth=auth,

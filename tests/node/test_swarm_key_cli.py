@@ -55,7 +55,9 @@ def test_status_reaches_a_tls_node_only_with_the_key(
     other_key = tmp_path_factory.mktemp("other") / "other.key"
     SwarmKey.generate().write(other_key)
     with Cluster(tmp_path, forked=True) as cluster:
-        node = cluster.start(["--swarm-key-file", str(key_path), "--tls", "--inner-steps", "1000"])
+        # Alive but idle while the status commands run: the start barrier holds its first inner step
+        # (up to 10 minutes) for a second node that never comes; its gRPC server already answers.
+        node = cluster.start(["--swarm-key-file", str(key_path), "--tls", "--start-peers", "2"])
         wait_for(lambda: (node.run_dir / "node.json").exists(), 60, "node.json", node)
         address = node.identity()["grpc_address"]
         wait_for(lambda: dtnode_status(address, "--timeout", "2", "--swarm-key-file", str(key_path), "--tls").returncode == 0, 60, "a status answer", node)  # fmt: skip
