@@ -107,7 +107,8 @@ class Swarm:
         address = self.wan.address(node.index)
         args = self.args
         argv = [sys.executable, "-m", "node.cli", "join", "--name", "chaos", "--run-dir", str(node.run_dir)]
-        argv += ["--model", "nano", "--batch-size", "4", "--eval-batches", "1", "--threads", "1"]
+        argv += ["--model", "nano", "--seq-len", str(args.seq_len), "--batch-size", "4"]
+        argv += ["--eval-batches", "1", "--threads", "1"]
         argv += ["--eval-every", "1"]  # every round's eval_loss: null counts as non-finite below
         argv += ["--inner-steps", str(args.inner_steps), "--log-every", "1000", "--min-peers", "2"]
         argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
@@ -320,6 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--in-turn", action="store_true", help="take the kinds in turn, not at random")
     parser.add_argument("--link-mbit", type=float, default=100.0, help="every host's uplink cap")
     parser.add_argument("--inner-steps", type=int, default=20, help="H of every node (nano: ~2-5 s)")
+    parser.add_argument("--seq-len", type=int, default=0, help="every node's --seq-len (0: nano's 128)")
     parser.add_argument("--round-deadline", type=float, default=60.0, help="the nodes' --round-deadline")
     parser.add_argument(
         "--fault-seconds", type=float, nargs=2, default=(4.0, 15.0), help="how long a fault holds"
@@ -336,6 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--nodes must be >= 3 (>= 4 with partition faults)")
     if args.trials < 1 or args.inner_steps < 1:
         parser.error("--trials and --inner-steps must be >= 1")
+    if args.seq_len < 0:
+        parser.error("--seq-len must be >= 0")
     return args
 
 

@@ -121,6 +121,8 @@ def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> 
             "--in-turn",
             "--inner-steps",
             "10",
+            "--seq-len",
+            "32",  # a third of the CPU of nano's 128 a step; the faults and checks do not depend on it
             "--fault-seconds",
             "3",
             "6",
