@@ -18,13 +18,14 @@ import ctypes
 import json
 import multiprocessing.process
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,14 +108,28 @@ def enter_network_namespace(name: str) -> None:
 
 
 def _run_forked_node(
-    argv: list[str], log_path: str, cwd: str, env: dict[str, str], netns: str | None = None
+    argv: list[str],
+    log_path: str,
+    cwd: str,
+    env: dict[str, str],
+    netns: str | None = None,
+    script: str | None = None,
 ) -> None:
-    """In the forked child: `python -m node.cli ARGV` in a new session, to the interpreter's own exit."""
+    """In the forked child: `python -m node.cli ARGV` (or SCRIPT's ``main(ARGV)``) in a new session,
+    to the interpreter's own exit."""
     os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
     if netns is not None:
         enter_network_namespace(netns)  # the forkserver's child has one thread yet
     enter_child(env, cwd, log_path, log_path)
-    from node.cli import main
+    if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if script is None:
+        from node.cli import main
+    else:
+        sys.argv = [script, *argv]
+        main = runpy.run_path(script, run_name="forked_script")["main"]
 
     try:
         status: object = main(argv)
@@ -135,12 +150,21 @@ def _run_forked_node(
     os._exit(code)
 
 
-def fork_node(argv: Sequence[str], log_path: Path, *, netns: str | None = None) -> ForkedNode:
+def fork_node(
+    argv: Sequence[str],
+    log_path: Path,
+    *,
+    netns: str | None = None,
+    script: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ForkedNode:
     """`python -m node.cli ARGV` forked from the preloaded server, once its session exists; in network
-    namespace ``netns`` if given."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    namespace ``netns`` if given; ``script``'s ``main(ARGV)`` instead of the CLI's if given; with
+    ``env`` (default: the test process's environment)."""
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     process = forkserver(NODE_PRELOAD).Process(
-        target=_run_forked_node, args=(list(argv), str(log_path), str(REPO_ROOT), env, netns)
+        target=_run_forked_node,
+        args=(list(argv), str(log_path), str(REPO_ROOT), env, netns, None if script is None else str(script)),
     )
     process.start()
     node = ForkedNode(process)

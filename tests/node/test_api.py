@@ -16,8 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from node.config import ConfigError
 from node.diloco import AveragingOutcome, flatten_params
 from node.outer_state import tensor_hash
 from node.swarm_seam import AdoptedState
+from tests.node.swarm_cluster import ForkedNode, fork_node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "scripts" / "examples" / "own_loop.py"
@@ -105,22 +105,22 @@ def test_two_processes_agree_on_param_hash_every_round(tmp_path: Path) -> None:
     common = ["--name", name, "--rounds", "3", "--inner-steps", "5", "--batch-size", "8",
               "--min-peers", "2", "--start-peers", "2", "--join-window", "3", "--listen", "127.0.0.1:0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: list[ForkedNode] = []
     try:
         for index in range(2):
             run_dir = tmp_path / f"node-{index}"
-            argv = [sys.executable, str(EXAMPLE), *common, "--run-dir", str(run_dir),
-                    "--hashes", str(tmp_path / f"hashes-{index}.json")]  # fmt: skip
+            argv = [*common, "--run-dir", str(run_dir), "--hashes", str(tmp_path / f"hashes-{index}.json")]
             if index == 1:
                 argv += ["--peers", loopback_address(tmp_path / "node-0")]
-            log = (tmp_path / f"node-{index}.log").open("wb")
-            processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+            # The script's main, forked from the preloaded server (a fresh interpreter spends ~3 CPU-s
+            # importing torch, hivemind and the node).
+            processes.append(fork_node(argv, tmp_path / f"node-{index}.log", script=EXAMPLE, env=env))
         for process in processes:
             assert process.wait(timeout=180) == 0, (tmp_path / "node-0.log").read_text()[-3000:]
     finally:
         for process in processes:
             if process.poll() is None:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
     runs = [json.loads((tmp_path / f"hashes-{index}.json").read_text()) for index in range(2)]
     for reports in runs:
