@@ -24,7 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
+import os
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,3 +86,53 @@ def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
 def exit_on_sigterm() -> SignalHandler:
     """Make SIGTERM unwind like Ctrl-C (``SystemExit(128 + 15)``); the handler it replaced."""
     return signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+class ForkedScript:
+    """``main(argv)`` of the script run as ``__main__``, in a process forked from a forkserver that imported
+    that script (and ``torch._dynamo``, which torch imports at a model's first step) once: a child costs a
+    fork, not a fresh interpreter's imports (~2.5 CPU-s with torch). The server only imports, so each child
+    starts as clean as a fresh ``python SCRIPT`` would. stdout and stderr go to ``log_path``; ``poll``,
+    ``wait``, ``kill`` and ``returncode`` are ``subprocess.Popen``'s.
+
+    Only for the main program: the forkserver is one per process, started with the preload of its first
+    user, so a library caller (a test process) may already run it for other children."""
+
+    def __init__(self, main: Callable[[list[str]], int], argv: list[str], log_path: Path) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", "torch._dynamo"])
+        self._process = context.Process(target=_run_forked, args=(main, argv, str(log_path)))
+        self._process.start()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        self._process.is_alive()  # reaps the child if it ended
+        return self._process.exitcode
+
+    def wait(self) -> int | None:
+        self._process.join()
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def start_script(
+    argv: list[str], main: Callable[[list[str]], int], log_path: Path, *, forked: bool
+) -> subprocess.Popen[bytes] | ForkedScript:
+    """``argv`` (``python SCRIPT ARGS…``, stdout and stderr to ``log_path``): with ``forked``, ``main(ARGS)``
+    as a ``ForkedScript`` (for the script run as the main program), else a fresh interpreter."""
+    if forked:
+        return ForkedScript(main, argv[2:], log_path)
+    with log_path.open("wb") as log:  # the child holds its own descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _run_forked(main: Callable[[list[str]], int], argv: list[str], log_path: str) -> None:
+    with open(log_path, "wb") as log:
+        os.dup2(log.fileno(), sys.stdout.fileno())
+        os.dup2(log.fileno(), sys.stderr.fileno())
+    sys.exit(main(argv))

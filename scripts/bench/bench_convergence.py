@@ -105,7 +105,7 @@ from scripts.bench.convergence_variants import (
     warm_start,
 )
 from scripts.bench.simulated_allreduce import ddp_bytes_per_step
-from scripts.common import exit_on_sigterm
+from scripts.common import ForkedScript, exit_on_sigterm, start_script
 
 DEFAULT_VARIANTS = (
     "ddp,diloco:25:none,diloco:100:none,diloco:100:int8,diloco:100:int4,diloco:200:int4,overlap:100:int4"
@@ -136,7 +136,7 @@ PROFILES: dict[str, dict[str, Any]] = {
 @dataclass
 class _Job:
     variant: Variant
-    processes: list[subprocess.Popen[bytes]]
+    processes: list[subprocess.Popen[bytes] | ForkedScript]
     results: list[Path]
     started: float
 
@@ -151,13 +151,11 @@ def _launch(variant: Variant, settings: BenchSettings, work_dir: Path) -> _Job:
         roles = [["--ddp-rank", str(r), "--store", str(store)] for r in range(settings.num_workers)]
     else:
         roles = [["--run-variant", variant.spec()]]
-    processes, results = [], []
-    for index, role in enumerate(roles):
-        results.append(work_dir / f"{variant.name}-{index}.json")
-        log = (work_dir / f"{variant.name}-{index}.log").open("wb")
-        argv = [*script, *role, "--result-file", str(results[-1])]
-        processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        log.close()  # the child holds its own descriptor
+    processes: list[subprocess.Popen[bytes] | ForkedScript] = []
+    results = [work_dir / f"{variant.name}-{index}.json" for index in range(len(roles))]
+    for result, role in zip(results, roles, strict=True):
+        argv = [*script, *role, "--result-file", str(result)]  # forked when run as a script (start_script)
+        processes.append(start_script(argv, main, result.with_suffix(".log"), forked=__name__ == "__main__"))
     return _Job(variant, processes, results, time.perf_counter())
 
 
