@@ -111,6 +111,8 @@ class Settings:
     max_rounds: int
     warmup_rounds: int
     timeout: datetime.timedelta
+    seq_len: int = 0
+    """Tokens per sequence; 0: the model preset's own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +139,8 @@ def swarm_argv(settings: Settings, variant: Variant, run_dir: Path) -> list[str]
     ]  # fmt: skip
     if variant.link_mbit > 0:
         argv += ["--link-mbit", str(variant.link_mbit)]
+    if settings.seq_len > 0:
+        argv += ["--seq-len", str(settings.seq_len)]
     return argv
 
 
@@ -234,6 +238,7 @@ def run_variant(settings: Settings, variant: Variant, workdir: Path) -> dict[str
         "params": None,
         "inner_steps": settings.inner_steps,
         "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len or None,  # None: the model preset's
         "codec": settings.codec,
         "max_rounds": settings.max_rounds,
         "warmup_rounds": settings.warmup_rounds,
@@ -327,6 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", help="model preset (tiny: 10.8M params, nano: 0.9M)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H, inner steps per outer round")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per inner step")
+    parser.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the model's own)")
     parser.add_argument("--codec", default="int8", help="pseudo-gradient wire codec")
     parser.add_argument("--max-rounds", type=int, default=5, help="outer rounds per swarm run")
     parser.add_argument(
@@ -364,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         max_rounds=args.max_rounds,
         warmup_rounds=args.warmup_rounds,
         timeout=datetime.timedelta(seconds=args.timeout),
+        seq_len=args.seq_len,
     )
     variants = [
         Variant(link_mbit=link, overlap=mode == "overlap") for link, mode in itertools.product(args.links, args.modes)

@@ -161,7 +161,7 @@ def test_freezer_stops_the_node_group_for_one_and_a_half_periods(tmp_path):
 def test_quick_d_run_reports_the_nodes_own_figures(tmp_path):
     completed = subprocess.run(
         [sys.executable, str(script_path("bench_participation")), "--cases", "d", "--quick",
-         "--keep-logs", str(tmp_path)],
+         "--node-args=--seq-len 32", "--keep-logs", str(tmp_path)],  # 32 tokens: a third of 128's step
         capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
     )  # fmt: skip
     lines = completed.stdout.strip().splitlines()

@@ -33,7 +33,7 @@ SETTINGS = bench.Settings(
 )
 SMALL_RUN = [
     sys.executable, str(script_path("bench_utilization")), "--links", "0", "--nodes", "2",
-    "--model", "nano", "--inner-steps", "5",
+    "--model", "nano", "--inner-steps", "5", "--seq-len", "32",
 ]  # fmt: skip
 
 
