@@ -15,12 +15,22 @@ Process group and deadlines
   (which has its own deadlines), and exits within a second of the daemon's death (it watches its parent).
 - A worker that fails exits non-zero; rank 0's next collective then fails and :meth:`LocalWorkers.call`
   reports which rank died and how; :meth:`LocalWorkers.close` stops every worker (killed after a grace).
+
+Starting the ranks
+------------------
+A spawned rank is a fresh interpreter: it imports torch, the node and ``torch._dynamo`` again, ~2.5
+CPU-seconds before its first step. Where a fork is safe the ranks are forked from the daemon instead and
+start with all of that loaded (:func:`start_method`): on CPU (CUDA must not be initialized before a fork),
+from a daemon with no other thread (a swarm session's gRPC and DHT threads would be copied half-alive), and
+with one intra-op thread per rank (GNU OpenMP's pool does not survive a fork: a forked rank that entered a
+parallel region could hang). Otherwise they are spawned.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.process
 import os
 import shutil
@@ -29,7 +39,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -64,6 +74,12 @@ def _init_process_group(rank: int, world_size: int, store_path: str, timeout: ti
     return group
 
 
+def start_method(config: NodeConfig) -> Literal["fork", "spawn"]:
+    """``fork`` where forking the daemon is safe (see the module docstring), else ``spawn``."""
+    safe = device_type() == "cpu" and threading.active_count() == 1 and config.threads == 1
+    return "fork" if safe else "spawn"
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit at once when the daemon is gone (its collectives would otherwise leave us waiting)."""
     while os.getppid() == parent_pid:
@@ -81,7 +97,7 @@ def worker_main(
     timeout_seconds: float,
     parent_pid: int,
 ) -> None:
-    """A spawned local rank: build its engine, then run rank 0's calls until it says stop."""
+    """A local rank (spawned or forked): build its engine, then run rank 0's calls until it says stop."""
     # A Ctrl-C or SIGTERM reaches the whole process group; the daemon handles it (it finishes the step,
     # checkpoints, then stops us), so a rank must not die of it mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -114,7 +130,7 @@ class LocalWorkerError(RuntimeError):
 
 
 class LocalWorkers:
-    """Rank 0's side: spawns the other ranks, builds its own engine, and sends every call to all."""
+    """Rank 0's side: starts the other ranks, builds its own engine, and sends every call to all."""
 
     def __init__(
         self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
@@ -124,7 +140,12 @@ class LocalWorkers:
         world_size = layout.world_size
         self._store_dir = tempfile.mkdtemp(prefix="dtnode-local-")  # mode 0700: only this user
         store_path = os.path.join(self._store_dir, "store")
-        context = multiprocessing.get_context("spawn")
+        use_device(config.device)  # rank 0 (this process) on the same device kind as the others
+        context: multiprocessing.context.ForkContext | multiprocessing.context.SpawnContext = (
+            multiprocessing.get_context("fork")
+            if start_method(config) == "fork"
+            else multiprocessing.get_context("spawn")
+        )
         self.processes: list[multiprocessing.process.BaseProcess] = [
             context.Process(
                 target=worker_main,
@@ -143,7 +164,6 @@ class LocalWorkers:
             )
             for rank in range(1, world_size)
         ]
-        use_device(config.device)  # rank 0 (this process) on the same device kind as the others
         for process in self.processes:
             process.start()
         try:
@@ -155,8 +175,8 @@ class LocalWorkers:
             raise
         self._closed = False
         log.info(
-            "%d local workers: dp=%d x tp=%d x pp=%d, %s backend",
-            world_size, layout.dp, layout.tp, layout.pp, distributed_backend(),
+            "%d local workers: dp=%d x tp=%d x pp=%d, %s backend, ranks started by %s",
+            world_size, layout.dp, layout.tp, layout.pp, distributed_backend(), context.get_start_method(),
         )  # fmt: skip
 
     def call(self, name: str, payload: Any = None, *, rank0_payload: Any = None) -> Any:

@@ -53,14 +53,15 @@ def alive(pid: int) -> bool:
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The node's spawned local ranks (its children running multiprocessing's spawn entry point)."""
+    """The local ranks of a ``--no-swarm`` node (no DHT process): its children, spawned or forked, but not
+    multiprocessing's resource tracker."""
     pids = []
     for child in child_pids(pid):
         try:
             command = open(f"/proc/{child}/cmdline", "rb").read()  # noqa: SIM115 (a one-shot read)
         except FileNotFoundError:
             continue
-        if b"spawn_main" in command:  # not multiprocessing's resource tracker
+        if b"resource_tracker" not in command:
             pids.append(child)
     return pids
 
