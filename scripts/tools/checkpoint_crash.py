@@ -8,7 +8,8 @@ complete checkpoint, with the param_hash it saved.
 to ``step-<S>``, write ``LATEST.tmp-<pid>`` and replace ``LATEST`` with it, fsync the root, then
 prune the oldest checkpoints (rename each to a ``.tmp-`` name, then delete it). Killing the process
 "at a random moment" with a timer mostly lands between saves; this script instead kills it
-*inside* a write, deterministically: the node runs in a child process (``dtnode join``, nano preset,
+*inside* a write, deterministically: the node runs in a child process, forked from a server that
+imported the node once (``dtnode join``, nano preset,
 ``--no-swarm``, a checkpoint every round of 2 inner steps) whose checkpoint module's file operations
 are wrapped, and at the chosen stage of the chosen save the child SIGKILLs itself (no Python
 unwinding, no ``finally``: exactly what a power cut or the OOM killer does). The torn stages write
@@ -33,8 +34,12 @@ must sweep every ``.tmp-`` leftover away. Prints a JSON summary and a one-line v
 from __future__ import annotations
 
 import argparse
+import atexit
 import inspect
 import json
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import random
 import shutil
@@ -42,7 +47,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +220,40 @@ def child(args: argparse.Namespace) -> int:
 # --- the parent: trials ----------------------------------------------------------------------------------
 
 
+def _forked_child(argv: list[str], events_path: str, log_path: str, env: dict[str, str]) -> None:
+    """In a child forked from the server: ``--child ARGV`` with stdout (the events) and stderr (the
+    node's log) in files, ended as the interpreter ends (non-daemon threads joined, atexit run)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, events_path), (2, log_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    try:
+        status: object = child(build_parser().parse_args(argv))
+    except SystemExit as stop:
+        status = stop.code
+    except BaseException:  # its traceback in the log and exit code 1, as the interpreter gives
+        traceback.print_exc()
+        status = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status if isinstance(status, int) else (0 if status is None else 1))
+
+
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """The forkserver, with the node's modules among those it imports once when it starts (a fresh
+    interpreter per run would import torch and the node again: ~3 CPU-s, as much as its training)."""
+    context = multiprocessing.get_context("forkserver")
+    asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
+    context.set_forkserver_preload(sorted({*asked, "node.cli", "node.trainer"}))  # add, never replace
+    return context
+
+
 def run_child(
     corpus: Path,
     run_dir: Path,
@@ -222,20 +263,24 @@ def run_child(
     kill: tuple[int, str, float] | None,
     timeout: float,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Run the node to its end (a kill or max_rounds); its exit code and its JSON events."""
-    command = [
-        sys.executable, str(Path(__file__).resolve()), "--child", "--data", str(corpus), "--run-dir", str(run_dir),
-        "--max-rounds", str(max_rounds),
-    ]  # fmt: skip
+    """Run the node to its end (a kill or max_rounds), forked from the preloaded server; its exit
+    code (-SIGKILL after a kill) and its JSON events."""
+    argv = ["--child", "--data", str(corpus), "--run-dir", str(run_dir), "--max-rounds", str(max_rounds)]
     if kill is not None:
-        command += ["--kill-save", str(kill[0]), "--kill-stage", kill[1], "--torn-fraction", str(kill[2])]
+        argv += ["--kill-save", str(kill[0]), "--kill-stage", kill[1], "--torn-fraction", str(kill[2])]
+    events_path = log_path.with_name(f"{log_path.stem}.events")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with open(log_path, "w") as log_file:
-        result = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env, timeout=timeout
-        )
-    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return result.returncode, events
+    process = _forkserver().Process(target=_forked_child, args=(argv, str(events_path), str(log_path), env))
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join(10)
+        raise subprocess.TimeoutExpired(f"checkpoint_crash child {argv}", timeout)
+    lines = events_path.read_text().splitlines() if events_path.exists() else []
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    assert process.exitcode is not None
+    return process.exitcode, events
 
 
 def latest_name(root: Path) -> str | None:
@@ -359,7 +404,7 @@ def run_trials(
     return summary
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="Kills to inject (each resumes the last).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random saves, stages and fractions.")
@@ -373,7 +418,11 @@ def main() -> int:
     parser.add_argument(
         "--torn-fraction", type=float, default=0.5, help="(child) fraction of a torn file written."
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.child:
         return child(args)
     summary = run_trials(args.trials, random_seed=args.seed)
