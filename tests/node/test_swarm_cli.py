@@ -103,10 +103,12 @@ def test_sigkilled_node_does_not_stop_the_swarm(tmp_path):
 @pytest.mark.timeout(240)
 def test_sigterm_leaves_cleanly(tmp_path):
     with Cluster(tmp_path, forked=True) as cluster:
-        flags = ["--min-peers", "1", "--inner-steps", "20"]  # no round limit: stopped by SIGTERM below
-        first = cluster.start(flags)
+        # No round limit: stopped by SIGTERM below. Both start at the start barrier: their first round is
+        # of two, with no rounds of the first alone while the leaver starts.
+        flags = ["--min-peers", "1", "--inner-steps", "20"]
+        first = cluster.start([*flags, "--start-peers", "2"])
         peers = cluster.first_multiaddr(first)
-        leaver = cluster.start(flags, peers=peers)
+        leaver = cluster.start([*flags, "--start-peers", "2"], peers=peers)
         wait_for(lambda: any(r["peers"] == 2 for r in leaver.records()), 120, "a round of two", leaver)
         leaver.signal(signal.SIGTERM)
         assert leaver.wait(60) == 0, tail(leaver)
