@@ -14,7 +14,8 @@ The LR is constant from step 1 (no warmup) so the 10 steps move the weights as m
 
 Each node is forked from the server that imported the node once (``fork_node`` of
 ``tests/node/swarm_cluster.py``: a short node's start is mostly imports); it still runs the CLI in a process
-of its own and spawns its local ranks itself. The GPU test starts fresh interpreters.
+of its own and starts its local ranks itself (forked from it: ``--threads 1`` on CPU without a swarm,
+``node/parallel/local.py``). The GPU test starts fresh interpreters, whose ranks are spawned.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def run_node(
     # With local workers the outer state is sharded over them (node/parallel/outer.py).
     sharded = "DiLoCo outer state sharded over" in output
     assert sharded == ("--local-workers" in extra and extra[extra.index("--local-workers") + 1] != "1")
+    if sharded and "cuda" not in extra:  # on CPU, one thread, no swarm: forked from the node, not spawned
+        assert "ranks started by fork" in output, output[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [record["loss"] for record in records if record["kind"] == "step"]
     tensors = load_file(str(run_dir / "model.safetensors"))
