@@ -458,9 +458,11 @@ def test_tuple_dict_key_round_trips_or_is_refused(tmp_path: Path) -> None:
 
 
 def dtnode_argv(corpus: Path, run_dir: Path) -> list[str]:
-    """`dtnode ARGV`, forked from the preloaded server (a fresh interpreter spends ~3 CPU-s importing)."""
+    """`dtnode ARGV`, forked from the preloaded server (a fresh interpreter spends ~3 CPU-s importing);
+    offline (``--no-swarm``: the checkpoints are the subject, a DHT peer and gRPC server would only
+    add their start and their orphans after each SIGKILL)."""
     return [
-        "join", "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "2",
+        "join", "--no-swarm", "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--inner-steps", "2",
         "--eval-batches", "1", "--data", str(corpus), "--run-dir", str(run_dir), "--log-every", "1000",
         "--keep-checkpoints", "2", "--checkpoint-every", "1", "--threads", "1",
     ]  # fmt: skip
@@ -470,7 +472,7 @@ def e2e_config(corpus: Path, run_dir: Path, **overrides: Any) -> NodeConfig:
     """The config dtnode_argv gives the node (threads left alone: this is the test process)."""
     return NodeConfig(
         model="nano", seq_len=32, batch_size=4, inner_steps=2, eval_batches=1, data=str(corpus),
-        run_dir=str(run_dir), log_every=1000, keep_checkpoints=2, **overrides,
+        run_dir=str(run_dir), log_every=1000, keep_checkpoints=2, swarm=False, **overrides,
     )  # fmt: skip
 
 
