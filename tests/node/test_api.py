@@ -19,7 +19,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +57,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, 50, (16, 6), generator=generator)  # (B, T)
     return ids, ids.sum(dim=1) % 8  # (B,)
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def fresh_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

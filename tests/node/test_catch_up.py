@@ -32,13 +32,12 @@ from protocol.swarm.node import RoundResult, SwarmNode
 from tests.node.test_swarm_session import (
     RecordingAverager,
     corpus_file,
-    one_intra_op_thread,
     one_round,
     small_config,
 )
 from tests.protocol.swarm.test_swarm_node import started_nodes, wait_for_lineages
 
-__all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
+__all__ = ["corpus_file"]  # fixture
 
 
 def wait_until(condition: Callable[[], bool], seconds: float) -> bool:

@@ -27,9 +27,6 @@ from node.checkpoint import join_state, latest_checkpoint, load_checkpoint, save
 from node.config import NodeConfig
 from node.trainer import Trainer
 from tests.node.swarm_cluster import ForkedNode, fork_node
-from tests.node.test_trainer import one_intra_op_thread
-
-__all__ = ["one_intra_op_thread"]  # fixture
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:

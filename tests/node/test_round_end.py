@@ -21,9 +21,9 @@ from node.swarm_state import GLOBAL_PARAMS
 from node.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
 from tests.node.test_checkpoint_writer import records, small_config, start_run, wait_until
-from tests.node.test_trainer import corpus_file, one_intra_op_thread
+from tests.node.test_trainer import corpus_file
 
-__all__ = ["corpus_file", "one_intra_op_thread"]  # fixtures
+__all__ = ["corpus_file"]  # fixture
 
 aten = torch.ops.aten
 

@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,16 +49,6 @@ def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
     path.write_text(inspect.getsource(inspect) * 2)  # ~250 KB of Python source
     return path
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """The nano model at batch 4 gains nothing from intra-op threads, and on a busy 2-core machine
-    their barriers make each step ~10x slower; both trainers of a test run with the same count."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeConfig:

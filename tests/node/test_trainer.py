@@ -6,7 +6,6 @@ import inspect
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,6 @@ from node.config import ConfigError, NodeConfig
 from node.metrics import read_metrics
 from node.trainer import Trainer
 from tests.node.swarm_cluster import fork_node
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """The in-process runs on one intra-op thread: a second one only spins on a busy machine (a
-    6-step run: ~1.7 CPU-s on two threads against 0.2 on one, under the parallel suite's load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
