@@ -40,7 +40,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -67,6 +67,8 @@ _SHUTDOWN_GRACE = timedelta(seconds=3)
 
 
 _PARENT_POLL = timedelta(seconds=1)
+# How often a call's wait checks that the DHT process is still alive.
+_LIVENESS_POLL = timedelta(seconds=0.5)
 
 
 class _OwnedDHT(DHT):
@@ -79,6 +81,12 @@ class _OwnedDHT(DHT):
     """
 
     def run(self) -> None:
+        # A Ctrl-C or SIGTERM sent to the node's whole process group (a terminal, systemd, the launcher)
+        # must not stop the DHT before the node has left the swarm through it: the node stops us with
+        # shutdown() once it has stored its 'left' tombstone, and the watchdog if it dies. The p2p
+        # daemon started below inherits the ignored signals.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         parent = os.getppid()
         threading.Thread(
             target=_stop_when_orphaned, args=(parent,), name="dht-parent-watch", daemon=True
@@ -297,7 +305,7 @@ class DhtNode:
         with self._send_lock:
             self._check_open()
             future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
-        return bool(_wait(future, timeout, f"store of {key!r}"))
+        return bool(_wait(future, timeout, f"store of {key!r}", alive=self._dht.is_alive))
 
     def get(self, key: str, *, latest: bool, timeout: timedelta) -> DhtEntry | None:
         """The unexpired value under ``key``, or None.
@@ -309,7 +317,7 @@ class DhtNode:
         with self._send_lock:
             self._check_open()
             future = self._dht.get(key, latest=latest, return_future=True)
-        found = _wait(future, timeout, f"get of {key!r}")
+        found = _wait(future, timeout, f"get of {key!r}", alive=self._dht.is_alive)
         return None if found is None else _to_entry(found)
 
     def shutdown(self) -> None:
@@ -319,7 +327,10 @@ class DhtNode:
                 return
             self._closed = True
         daemons = _child_pids(self._dht.pid)
-        self._dht.shutdown()  # asks the node to stop p2pd, waits the grace period, then terminates
+        self._dht.shutdown()  # asks the node to stop p2pd and waits the grace period
+        if self._dht.is_alive():  # hivemind's SIGTERM after the grace is ignored (see _OwnedDHT)
+            self._dht.kill()
+            self._dht.join(_SHUTDOWN_GRACE.total_seconds())
         _kill_leftover_daemons(daemons)
 
     def __enter__(self) -> DhtNode:
@@ -336,7 +347,7 @@ class DhtNode:
         with self._send_lock:
             self._check_open()
             future = self._dht.run_coroutine(coroutine, return_future=True)  # type: ignore[arg-type]
-        return _wait(future, timeout, what)
+        return _wait(future, timeout, what, alive=self._dht.is_alive)
 
 
 # --- helpers run inside the DHT process (module-level so that they pickle by reference) ---
@@ -368,12 +379,22 @@ def _joining(config: DhtConfig) -> str:
     )
 
 
-def _wait(future: Future[object], timeout: timedelta, what: str) -> object:
-    try:
-        return future.result(timeout=timeout.total_seconds())
-    except TimeoutError:
-        future.cancel()  # the DHT process finishes the request on its own; nobody waits for it
-        raise DhtCallTimeout(f"DHT {what} did not finish within {timeout}") from None
+def _wait(future: Future[object], timeout: timedelta, what: str, *, alive: Callable[[], bool]) -> object:
+    """The call's result within ``timeout``; sooner a :class:`DhtCallTimeout` once ``alive()`` is
+    false (a DHT process that died answers nothing: no need to wait out the deadline)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(remaining, _LIVENESS_POLL.total_seconds())))
+        except TimeoutError:
+            gone = not alive()
+            if remaining > _LIVENESS_POLL.total_seconds() and not gone:
+                continue
+            future.cancel()  # the DHT process finishes the request on its own; nobody waits for it
+            if gone:
+                raise DhtCallTimeout(f"DHT {what} got no answer: the DHT process is gone") from None
+            raise DhtCallTimeout(f"DHT {what} did not finish within {timeout}") from None
 
 
 def _to_entry(found: ValueWithExpiration) -> DhtEntry:

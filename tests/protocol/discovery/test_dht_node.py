@@ -156,3 +156,70 @@ def test_a_sigkilled_owner_takes_its_dht_process_and_p2pd_with_it() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(holder.pid, signal.SIGKILL)
+
+
+SIGNALLED_HOLDER = """
+import signal, sys, threading, time
+from datetime import timedelta
+from hivemind.utils import get_dht_time
+from protocol.discovery import DhtConfig, DhtNode
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+node = DhtNode(DhtConfig(listen="127.0.0.1:0"))
+print(node.pid, flush=True)
+stop.wait(50)
+time.sleep(0.5)  # the signal has reached every process of the group by now
+started = time.monotonic()
+stored = node.store("left", "tombstone", expiration_time=get_dht_time() + 60, timeout=timedelta(seconds=10))
+print(stored, time.monotonic() - started, flush=True)
+node.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_to_the_whole_group_leaves_the_dht_up_until_its_owner_shuts_it_down() -> None:
+    """systemd, a terminal or the launcher signal a node's whole process group: the DHT process and its
+    p2p daemon must outlive the signal, so the node can still store its 'left' tombstone through them."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert holder.stdout is not None
+        dht_pid = int(holder.stdout.readline())
+        assert dht_pid in live_processes_in_group(holder.pid) and live_processes_in_group(
+            holder.pid, name="p2pd"
+        )
+        os.killpg(holder.pid, signal.SIGTERM)
+        stored, seconds = holder.stdout.readline().split()
+        assert stored == "True" and float(seconds) < 5, (stored, seconds)
+        assert holder.wait(20) == 0
+        left = poll(
+            lambda: live_processes_in_group(holder.pid), lambda alive: not alive, within=timedelta(seconds=10)
+        )
+        assert not left, f"still running after their owner shut them down: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_to_a_dead_dht_process_fails_at_once_not_at_its_deadline() -> None:
+    from hivemind.utils import get_dht_time
+
+    from protocol.discovery.dht_node import DhtCallTimeout
+
+    before = our_daemons()
+    node = DhtNode(DhtConfig(listen="127.0.0.1:0"))
+    daemons = our_daemons() - before
+    try:
+        assert node.pid is not None and len(daemons) == 1
+        os.kill(node.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(DhtCallTimeout, match="the DHT process is gone"):
+            node.store("k", "v", expiration_time=get_dht_time() + 60, timeout=timedelta(seconds=30))
+        assert time.monotonic() - started < 5
+    finally:
+        node.shutdown()
+        for pid in daemons:  # orphaned with its DHT process gone: not a child of anyone we hold
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
