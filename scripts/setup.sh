@@ -14,9 +14,10 @@ python="${PYTHON:-python3}"
 
 "$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dtnode needs Python >= 3.11")'
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-# --no-compile: pip would byte-compile every installed module (~25 CPU-s, torch's thousands of files);
-# Python compiles the ones a program imports on their first import and caches them the same way.
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
+# pip byte-compiles what it installs (~25 CPU-s, torch's thousands of files): where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines), Python never caches what it compiles,
+# and without pip's .pyc files every process would compile torch's sources again at each import.
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
