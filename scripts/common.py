@@ -30,10 +30,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,3 +138,25 @@ def _run_forked(main: Callable[[list[str]], int], argv: list[str], log_path: str
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
     sys.exit(main(argv))
+
+
+def exit_as_the_interpreter_would(main: Callable[[], object]) -> NoReturn:
+    """In a forked child: run ``main`` and exit with the code ``python`` would give it (an int as it is,
+    None 0, an uncaught error its traceback and 1), after what the interpreter does on its way out and a
+    multiprocessing child skips: the non-daemon threads joined, the atexit handlers run."""
+    import atexit
+
+    try:
+        status: object = main()
+    except SystemExit as stop:
+        status = stop.code
+    except BaseException:  # noqa: BLE001 - whatever it is, the child reports it and exits 1
+        traceback.print_exc()
+        status = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status if isinstance(status, int) else (0 if status is None else 1))

@@ -34,7 +34,6 @@ must sweep every ``.tmp-`` leftover away. Prints a JSON summary and a one-line v
 from __future__ import annotations
 
 import argparse
-import atexit
 import inspect
 import json
 import multiprocessing
@@ -47,9 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +55,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.common import REPO_ROOT, add_output_flags, print_json, write_json
+from scripts.common import REPO_ROOT, add_output_flags, exit_as_the_interpreter_would, print_json, write_json
 
 STAGES = (
     "before-tensors",  # the tmp dir exists, empty
@@ -229,20 +226,7 @@ def _forked_child(argv: list[str], events_path: str, log_path: str, env: dict[st
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    try:
-        status: object = child(build_parser().parse_args(argv))
-    except SystemExit as stop:
-        status = stop.code
-    except BaseException:  # its traceback in the log and exit code 1, as the interpreter gives
-        traceback.print_exc()
-        status = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status if isinstance(status, int) else (0 if status is None else 1))
+    exit_as_the_interpreter_would(lambda: child(build_parser().parse_args(argv)))
 
 
 def _forkserver() -> multiprocessing.context.ForkServerContext:

@@ -13,7 +13,6 @@ output in its log; only tests that time the interpreter's start need the fresh o
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import json
 import multiprocessing.process
@@ -22,15 +21,14 @@ import runpy
 import signal
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from node.metrics import read_metrics
+from scripts.common import exit_as_the_interpreter_would
 from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -131,23 +129,7 @@ def _run_forked_node(
         sys.argv = [script, *argv]
         main = runpy.run_path(script, run_name="forked_script")["main"]
 
-    try:
-        status: object = main(argv)
-    except SystemExit as stop:
-        status = stop.code
-    except BaseException:  # an uncaught error: its traceback and exit code 1, as the interpreter gives
-        traceback.print_exc()
-        status = 1
-    code = status if isinstance(status, int) else (0 if status is None else 1)
-    # What the interpreter does on its way out and a multiprocessing child skips: wait for the
-    # non-daemon threads, run the atexit handlers.
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_as_the_interpreter_would(lambda: main(argv))
 
 
 def fork_node(
