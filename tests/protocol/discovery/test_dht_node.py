@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -136,26 +137,39 @@ time.sleep(60)  # until the test SIGKILLs us
 """
 
 
-@pytest.mark.timeout(60)
-def test_a_sigkilled_owner_takes_its_dht_process_and_p2pd_with_it() -> None:
-    """Nothing of a crashed node keeps serving: its DHT process and p2p daemon stop within seconds."""
+@contextlib.contextmanager
+def holder_process(code: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -c CODE`` in a session of its own, once it printed its DHT process's pid and that process
+    and its p2pd run in its group; the whole group is killed on the way out."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         assert holder.stdout is not None
         dht_pid = int(holder.stdout.readline())
         group = live_processes_in_group(holder.pid)  # the holder, its DHT process and its p2pd
         assert dht_pid in group and live_processes_in_group(holder.pid, name="p2pd")
-        holder.kill()
-        holder.wait(10)
-        left = poll(
-            lambda: live_processes_in_group(holder.pid), lambda alive: not alive, within=timedelta(seconds=10)
-        )
-        assert not left, f"still running after their owner was SIGKILLed: {left}"
+        yield holder
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(holder.pid, signal.SIGKILL)
+
+
+def left_in_group(holder: subprocess.Popen[str]) -> set[int]:
+    """What still runs in the holder's group after a grace of 10 s (empty once all stopped)."""
+    return poll(
+        lambda: live_processes_in_group(holder.pid), lambda alive: not alive, within=timedelta(seconds=10)
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_owner_takes_its_dht_process_and_p2pd_with_it() -> None:
+    """Nothing of a crashed node keeps serving: its DHT process and p2p daemon stop within seconds."""
+    with holder_process(HOLDER) as holder:
+        holder.kill()
+        holder.wait(10)
+        left = left_in_group(holder)
+        assert not left, f"still running after their owner was SIGKILLed: {left}"
 
 
 SIGNALLED_HOLDER = """
@@ -180,26 +194,14 @@ node.shutdown()
 def test_a_sigterm_to_the_whole_group_leaves_the_dht_up_until_its_owner_shuts_it_down() -> None:
     """systemd, a terminal or the launcher signal a node's whole process group: the DHT process and its
     p2p daemon must outlive the signal, so the node can still store its 'left' tombstone through them."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", SIGNALLED_HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
+    with holder_process(SIGNALLED_HOLDER) as holder:
         assert holder.stdout is not None
-        dht_pid = int(holder.stdout.readline())
-        assert dht_pid in live_processes_in_group(holder.pid) and live_processes_in_group(
-            holder.pid, name="p2pd"
-        )
         os.killpg(holder.pid, signal.SIGTERM)
         stored, seconds = holder.stdout.readline().split()
         assert stored == "True" and float(seconds) < 5, (stored, seconds)
         assert holder.wait(20) == 0
-        left = poll(
-            lambda: live_processes_in_group(holder.pid), lambda alive: not alive, within=timedelta(seconds=10)
-        )
+        left = left_in_group(holder)
         assert not left, f"still running after their owner shut them down: {left}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(holder.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)
