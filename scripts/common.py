@@ -137,7 +137,7 @@ def _run_forked(main: Callable[[list[str]], int], argv: list[str], log_path: str
     with open(log_path, "wb") as log:
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
-    sys.exit(main(argv))
+    exit_as_the_interpreter_would(lambda: main(argv))
 
 
 def exit_as_the_interpreter_would(main: Callable[[], object]) -> NoReturn:
