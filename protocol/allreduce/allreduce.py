@@ -15,7 +15,7 @@ back to our own vector and say so; the call always returns by its deadline.
 
 In place (`state.in_place`) our result is our vector: a part's average is decoded over our numbers
 there once it arrives (a pulled part is committed, so our contribution to it is not needed again;
-see RoundCore.spend), and a fallback leaves our own numbers in the parts we could not get.
+see RoundState.spend), and a fallback leaves our own numbers in the parts we could not get.
 """
 
 from __future__ import annotations

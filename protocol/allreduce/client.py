@@ -15,23 +15,23 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 import grpc.aio
 
-from protocol.allreduce.faults import check_fault
+from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.contributions import ContributionSource
+from protocol.allreduce.faults import FaultPlan, check_fault
+from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
 from protocol.auth.channels import SwarmAuth, open_channel
-from protocol.codecs import CodecError, wire_bytes
+from protocol.codecs import Codec, CodecError, wire_bytes
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from protocol.allreduce.round_core import RoundCore
 
 # Statuses after which asking the next member of the chain cannot help: the refusal is about us.
 _REFUSALS = {
@@ -59,11 +59,38 @@ class PeerFailed(Exception):
         self.moved = moved
 
 
+class CallingRound(Protocol):
+    """The round a call belongs to, as the calls see it (`protocol.allreduce.round.RoundState` is one):
+    whom to dial and with what limits, the headers we send, our contribution's chunks, and the byte
+    counters the calls add to. The round imports these calls; they know it only through this."""
+
+    group: GroupSpec
+    config: AllReduceConfig
+    client: PeerClient
+    codec: Codec
+    weight: float
+    source: ContributionSource
+    fault_plan: FaultPlan | None
+    bytes_sent: int
+    bytes_recv: int
+
+    @property
+    def round_id(self) -> int: ...
+
+    def round_ref(self) -> pb.RoundRef: ...
+
+    def average_header(self, reduced: ReducedPart) -> pb.AverageHeader: ...
+
+    def check_average_header(self, header: pb.AverageHeader, part_index: int) -> None: ...
+
+    def count_contribution_bytes(self, *, sent: int = 0, received: int = 0) -> None: ...
+
+
 def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def _connected_stub(state: RoundCore, target: int, deadline: float) -> pb_grpc.AllReduceStub:
+async def _connected_stub(state: CallingRound, target: int, deadline: float) -> pb_grpc.AllReduceStub:
     """A stub for member `target`, once its connection is up or failed (see PeerClient.wait_connected)."""
     address = state.group.members[target].address
     wait = min(state.config.connect_timeout.total_seconds(), _remaining(deadline))
@@ -189,7 +216,7 @@ def _classify_push_error(code: grpc.StatusCode | None, details: str) -> tuple[Pu
 
 
 async def push_contribution(
-    round_state: RoundCore, target: int, part_index: int, deadline: float
+    round_state: CallingRound, target: int, part_index: int, deadline: float
 ) -> tuple[PushOutcome, str]:
     """Stream our contribution to `part_index` to member `target`; return what happened and why.
 
@@ -245,7 +272,7 @@ async def push_contribution(
 
 
 async def push_replica(
-    round_state: RoundCore, target: int, reduced: ReducedPart, deadline: float, *, committed: bool = False
+    round_state: CallingRound, target: int, reduced: ReducedPart, deadline: float, *, committed: bool = False
 ) -> None:
     """Hand member `target` a copy of our decided average; PeerFailed(moved=True) if it holds another version.
 
@@ -296,7 +323,7 @@ async def push_replica(
         raise
 
 
-async def tell_finished(state: RoundCore, targets: list[int], timeout: timedelta) -> None:
+async def tell_finished(state: CallingRound, targets: list[int], timeout: timedelta) -> None:
     """Tell `targets` we returned from the round (RoundFinished), so they can forget it; best effort."""
     request = pb.RoundFinished(round=state.round_ref())
 
@@ -313,7 +340,7 @@ async def tell_finished(state: RoundCore, targets: list[int], timeout: timedelta
 
 
 async def pull_average(
-    round_state: RoundCore,
+    round_state: CallingRound,
     target: int,
     part_index: int,
     deadline: float,

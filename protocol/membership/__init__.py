@@ -7,9 +7,9 @@ return. Only ``wire`` and ``transport`` touch gRPC: they carry the messages betw
 - ``records``: :class:`PeerRecord` (the DHT value, validated) and :class:`SwarmView` (live peers).
 - ``lineage``: the canonical ``(round, param_hash)`` and who must re-sync to it.
 - ``messages``: what peers say to form a round, and the :class:`GroupSpec` they agree on.
-- ``rounds``: :class:`RoundFormation`, one per peer per round (its events and decisions; the
-  leader's and member's moves in ``formation_roles``, its state in ``formation_state``);
-  ``actions``: what it asks for; ``proposals``: a leader's open proposal.
+- ``rounds``: :class:`RoundFormation`, one per peer per round (its state, events and decisions,
+  and the leader's and member's moves); ``actions``: what it asks for; ``proposals``: a leader's
+  open proposal.
 - ``parts``: the all-reduce part of each member, proportional to bandwidth.
 - ``shards``: the data shard of each member.
 - ``wire``: messages to and from protobuf (``protos/dtnode/v1/membership.proto``), validated;

@@ -18,8 +18,9 @@ import pytest
 import torch
 import uvloop
 
-from protocol.allreduce import GroupSpec, deciding
+from protocol.allreduce import GroupSpec
 from protocol.allreduce import allreduce as allreduce_module
+from protocol.allreduce import round as round_module
 from protocol.codecs import get_codec
 from tests.protocol.allreduce.support import allreduce_all, exact_mean, local_peers, members_of
 
@@ -32,7 +33,7 @@ HELD_BACK_SECONDS = 1.5  # how long owner 0 waits before each commit tell
 def test_no_chunk_of_a_part_is_served_before_its_voters_are_told(monkeypatch: pytest.MonkeyPatch) -> None:
     tells_done: list[float] = []  # when each of owner 0's commit tells landed
     first_chunk_of_part_0: dict[int, float] = {}  # puller -> when its first chunk of part 0 arrived
-    real_push_replica = deciding.push_replica
+    real_push_replica = round_module.push_replica
     real_pull_average = allreduce_module.pull_average
 
     async def slow_commit_tells(
@@ -59,7 +60,7 @@ def test_no_chunk_of_a_part_is_served_before_its_voters_are_told(monkeypatch: py
 
         return await real_pull_average(state, target, part_index, deadline, decode)
 
-    monkeypatch.setattr(deciding, "push_replica", slow_commit_tells)
+    monkeypatch.setattr(round_module, "push_replica", slow_commit_tells)
     monkeypatch.setattr(allreduce_module, "pull_average", timed_pull)
     generator = torch.Generator().manual_seed(7)
     vectors = [torch.randn(NUM_ELEMENTS, generator=generator) * (i + 1) for i in range(NUM_PEERS)]

@@ -16,7 +16,6 @@ from typing import TypeVar
 import pytest
 
 from protocol.membership.actions import MissedRound, Publish, Resync, RoundFailed, Send, StartAllReduce
-from protocol.membership.formation_state import Phase
 from protocol.membership.messages import (
     Accept,
     Begin,
@@ -30,7 +29,7 @@ from protocol.membership.messages import (
 )
 from protocol.membership.parts import part_boundaries
 from protocol.membership.records import PeerRecord, SwarmView
-from protocol.membership.rounds import RoundConfig, RoundFormation, TooFewPolicy
+from protocol.membership.rounds import Phase, RoundConfig, RoundFormation, TooFewPolicy
 from tests.protocol.membership.fake_swarm import (
     H0,
     PROTOCOL_VERSION,
