@@ -46,18 +46,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from node.corpus import (
-    BOS,
-    EOS,
-    PAD,
-    RESERVED,
-    VOCAB_SIZE,
-    Corpus,
-    TokenArray,
-    decode,
-    encode,
-    load_corpus,
-)
+from node.corpus import Corpus, load_corpus
+from node.tokenizer import BOS, EOS, PAD, RESERVED, VOCAB_SIZE, TokenArray, decode, encode
 
 __all__ = [
     "BOS",

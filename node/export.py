@@ -18,7 +18,7 @@ model with no other file:
 - ``preset`` and ``model_config``: the preset name and the full :class:`~node.model.ModelConfig` as
   JSON (the preset with the run's overrides, e.g. ``seq_len`` and ``vocab_size``);
 - ``tokenizer``: JSON, ``{"name": "dtnode-bytes-v1", "vocab_size", "bos", "eos", "pad"}`` for text
-  corpora (``node/corpus.py``), ``{"name": "token-ids", "vocab_size"}`` for a pre-tokenized ``.bin``;
+  corpora (``node/tokenizer.py``), ``{"name": "token-ids", "vocab_size"}`` for a pre-tokenized ``.bin``;
 - ``param_hash`` (SHA-256 of the params in canonical order, as in ``metrics.jsonl``), ``round``,
   ``step``, ``tokens``.
 
@@ -46,12 +46,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from node.corpus import BOS, EOS, PAD
 from node.diloco import flatten_params
 from node.hf import write_hf_folder
 from node.model import GPT, ModelConfig
 from node.outer_state import tensor_hash
-from node.tokenizer import write_byte_tokenizer_json
+from node.tokenizer import BOS, EOS, PAD, write_byte_tokenizer_json
 
 if TYPE_CHECKING:
     from node.tokenizer import Tokenizer

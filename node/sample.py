@@ -6,7 +6,7 @@ largest are dropped, and the next token is drawn from the softmax (Holtzman et a
 such truncated sampling; temperature 0 means greedy, the argmax). Generation stops after
 ``max_new_tokens`` or at ``EOS``, the end-of-document token the model learned from the corpus.
 
-Tokens are bytes (``node/corpus.py``): the prompt's UTF-8 bytes go in, and the new bytes are
+Tokens are bytes (``node/tokenizer.py``): the prompt's UTF-8 bytes go in, and the new bytes are
 decoded with invalid sequences replaced (a model may stop in the middle of a multi-byte character);
 a run trained with ``--tokenizer`` uses that ``tokenizer.json`` (from its ``hf/`` export) instead.
 An empty prompt starts a new document: the context is a single end-of-text token, as after a file's end.
@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from node.corpus import EOS
 from node.export import BYTE_TOKENIZER, HF_FOLDER, HF_TOKENIZER, find_model_file, load_model, read_metadata
 from node.model import GPT, TransformerBlock, apply_rotary_embedding
-from node.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from node.tokenizer import EOS, ByteTokenizer, Tokenizer, load_tokenizer
 
 
 class KVCache:

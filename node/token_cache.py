@@ -1,7 +1,7 @@
 """A node's tokenized corpus kept in its run dir, so a restart does not tokenize its data again.
 
-Tokenizing with a ``tokenizer.json`` or reading record data sets (``node/records.py``) costs seconds
-per ten megabytes of text; a resumed node would pay it at every start. After the first start the two
+Tokenizing with a ``tokenizer.json``, or a record data set, as it streams (``node/corpus.py``'s
+``load_tokenized``) costs seconds per ten megabytes of text; a resumed node would pay it at every start. After the first start the two
 token streams are written to ``RUN_DIR/token-cache/<key>.{train,val}.bin`` (the tokens' dtype, raw)
 with ``<key>.json`` beside them (description, document count, tokenizer digest), and later starts
 memory-map them: nothing is held in RAM but the pages training touches.
@@ -20,14 +20,14 @@ import hashlib
 import json
 import os
 import platform
-import sysconfig
 from pathlib import Path
 from typing import Final
 
 import numpy as np
 
-from node.corpus import Corpus, _folder_files, _make_corpus, _stdlib_files, token_dtype
-from node.tokenizer import Tokenizer
+from node.corpus import Corpus
+from node.documents import folder_files, stdlib_files, stdlib_root
+from node.tokenizer import Tokenizer, token_dtype
 
 CACHE_FOLDER: Final = "token-cache"
 _FORMAT: Final = "dtnode-token-cache-v1"
@@ -37,13 +37,13 @@ def cache_key(path: str | None, *, tokenizer: Tokenizer, text_field: str, val_fr
     """The SHA-256 naming the streams of ``path`` under these settings (see the module docstring)."""
     digest = hashlib.sha256(f"{_FORMAT}|{tokenizer.sha256}|{text_field}|{val_fraction!r}|".encode())
     if path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
+        root = stdlib_root()
         digest.update(f"stdlib {platform.python_version()} {root}|".encode())
-        files = _stdlib_files(root)
+        files = stdlib_files(root)
     else:
         root = Path(path).resolve()
         digest.update(f"{root}|".encode())
-        files = _folder_files(root) if root.is_dir() else [""]
+        files = folder_files(root) if root.is_dir() else [""]
     for relative in files:
         stat = (root / relative).stat() if relative else root.stat()
         digest.update(f"{relative}:{stat.st_size}:{stat.st_mtime_ns}|".encode())
@@ -58,7 +58,7 @@ def load_cached(folder: Path, key: str) -> Corpus | None:
     meta = json.loads(meta_file.read_text())
     dtype = token_dtype(meta["min_vocab_size"])
     train, val = (np.memmap(folder / f"{key}.{side}.bin", dtype=dtype, mode="r") for side in ("train", "val"))
-    corpus = _make_corpus(
+    corpus = Corpus.from_streams(
         train,
         val,
         description=meta["description"] + " (token cache)",

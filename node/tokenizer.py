@@ -1,9 +1,19 @@
 """How text becomes token ids: dtnode's byte tokens, or a Hugging Face ``tokenizer.json``.
 
+Byte tokens
+-----------
+dtnode tokenizes at the byte level by default: token ids 0..255 are the raw bytes of the text, followed
+by four specials (``BOS``, ``EOS``, ``PAD`` and one reserved id), so ``VOCAB_SIZE = 260``. A byte
+tokenizer has no vocabulary file and no merges table, so there is nothing to download, nothing to
+version and nothing for two peers to disagree about: the same bytes give the same ids on every machine.
+The price is ~4x longer sequences than BPE, which is fine for the small models a CPU swarm trains.
+Token streams are uint16 little-endian (nanoGPT's ``.bin`` layout); a vocabulary over 65,535 ids makes
+them uint32 (:func:`token_dtype`).
+
 Two tokenizers share one small interface (:class:`Tokenizer`):
 
-* :class:`ByteTokenizer`, the default: ids 0..255 are a text's UTF-8 bytes, then four specials
-  (``node/corpus.py``). No file, so nothing to version; its ``sha256`` is ``None``.
+* :class:`ByteTokenizer`, the default: ids 0..255 are a text's UTF-8 bytes, then the four specials
+  above. No file, so nothing to version; its ``sha256`` is ``None``.
 * :class:`HFTokenizer`: a ``tokenizer.json`` of the Hugging Face ``tokenizers`` library (``--tokenizer
   PATH``), e.g. the byte-level BPE that ``dtnode tokenizer train`` writes, or a Llama/GPT-2 one. Its
   ``sha256`` is the digest of the file's bytes: two peers tokenize alike iff their digests match, so
@@ -21,7 +31,8 @@ mapped to its UTF-8 bytes, each byte shown as one printable character, split at 
 boundaries (words, numbers, punctuation, whitespace runs), and the most frequent adjacent pair is merged
 until the vocabulary has ``vocab_size`` entries. The 256 byte characters are always in the vocabulary,
 so any text encodes, and decoding the ids gives the text back exactly. On the embedded corpus (~31 MB of
-Python) a 4,096-token BPE trains in ~7 s on 2 cores.
+Python) a 4,096-token BPE trains in ~7 s on 2 cores. The command reads its text from any ``--data``
+source (``node/documents.py``).
 """
 
 from __future__ import annotations
@@ -39,10 +50,51 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from node.corpus import EOS, VOCAB_SIZE, decode, encode, token_dtype
+from node.documents import iter_texts
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as RustTokenizer
+
+NUM_BYTE_TOKENS: Final = 256
+BOS: Final = 256
+"""Beginning of sequence; reserved for samplers that need an explicit start token."""
+EOS: Final = 257
+"""End of document: appended after every document, the separator the model learns to predict."""
+PAD: Final = 258
+"""Padding for ragged batches; never produced by ``load_corpus``."""
+RESERVED: Final = 259
+VOCAB_SIZE: Final = 260
+
+TOKEN_DTYPE: Final = np.dtype("<u2")
+"""Token streams are uint16 little-endian, the layout of nanoGPT's ``.bin`` files, unless the
+tokenizer's vocabulary needs more (:func:`token_dtype`)."""
+WIDE_TOKEN_DTYPE: Final = np.dtype("<u4")
+"""Token streams of a vocabulary over 65,535 ids (``--tokenizer``), ``.bin`` files included."""
+
+TokenArray = npt.NDArray[np.uint16] | npt.NDArray[np.uint32]
+
+
+def token_dtype(vocab_size: int) -> np.dtype[np.unsignedinteger]:
+    """uint16 little-endian for a vocabulary of at most 65,535 ids, else uint32."""
+    return TOKEN_DTYPE if vocab_size <= 65_535 else WIDE_TOKEN_DTYPE
+
+
+def encode(text: str | bytes) -> TokenArray:
+    """Token ids of ``text``: its UTF-8 bytes as uint16, with no specials added."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return np.frombuffer(data, dtype=np.uint8).astype(TOKEN_DTYPE)
+
+
+def decode(ids: npt.ArrayLike) -> str:
+    """Text of token ids: specials (and ids above the byte range) are skipped, bad UTF-8 replaced."""
+    flat = np.asarray(ids).reshape(-1)
+    if flat.size and not np.issubdtype(flat.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {flat.dtype}")
+    if flat.size and int(flat.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(flat.min())}")
+    byte_ids = flat[flat < NUM_BYTE_TOKENS].astype(np.uint8)
+    return byte_ids.tobytes().decode("utf-8", errors="replace")
+
 
 END_OF_TEXT: Final = "<|endoftext|>"
 """The special token ``dtnode tokenizer train`` adds, at id 0, as GPT-2 names it."""
@@ -69,7 +121,7 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 plus four specials (``node/corpus.py``)."""
+    """UTF-8 bytes as ids 0..255 plus four specials (:func:`encode`, :func:`decode`)."""
 
     name = "dtnode-bytes-v1"
     vocab_size = VOCAB_SIZE
@@ -241,8 +293,6 @@ def add_tokenizer_command(commands: argparse._SubParsersAction[Any]) -> None:
 
 def run_tokenizer(args: argparse.Namespace) -> int:
     """Train and write the tokenizer; a bad setting or source is one line on stderr and exit 2."""
-    from node.records import iter_texts
-
     start = time.perf_counter()
     try:
         if args.data and not Path(args.data).exists():

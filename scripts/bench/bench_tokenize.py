@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.config import NodeConfig
 from node.corpus import load_corpus
+from node.documents import iter_texts
 from node.model import GPT, cross_entropy_loss, model_config
-from node.records import iter_texts
 from node.replica import build_inner_optimizer
 from node.tokenizer import Tokenizer, load_tokenizer, train_bpe
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from node.corpus import BOS, EOS, PAD, VOCAB_SIZE, Corpus, decode, encode, load_corpus
+from node.corpus import Corpus, load_corpus
+from node.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
 
 
 def _documents(tokens: np.ndarray) -> list[bytes]:

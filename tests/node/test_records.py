@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.corpus import EOS, encode, load_corpus
+from node.corpus import load_corpus
 from node.data import ShardedBatches
 from node.records import load_node_corpus
-from node.tokenizer import load_tokenizer, train_bpe
+from node.tokenizer import EOS, encode, load_tokenizer, train_bpe
 
 pyarrow = pytest.importorskip("pyarrow")
 datasets = pytest.importorskip("datasets")

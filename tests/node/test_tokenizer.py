@@ -3,7 +3,7 @@ corpus (a resume with it exits 2 in one line, a joiner's check refuses it); wide
 
 References are independent of the code under test: the embedded corpus's documents read straight from
 the stdlib folder, a word-level ``tokenizer.json`` built by hand with a known id per word, and the byte
-ids of ``node.corpus.encode``.
+ids of ``node.tokenizer.encode``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from node.cli import main
-from node.corpus import EOS, _read_documents, _stdlib_files, encode, load_corpus
+from node.corpus import load_corpus
+from node.documents import read_documents, stdlib_files
 from node.swarm_state import adopted_state
-from node.tokenizer import ByteTokenizer, load_tokenizer, write_byte_tokenizer_json
+from node.tokenizer import EOS, ByteTokenizer, encode, load_tokenizer, write_byte_tokenizer_json
 from node.trainer import Trainer
 from tests.node.run_support import write_corpus
 from tests.node.test_trainer import small_config
@@ -44,7 +45,7 @@ def test_a_trained_bpe_round_trips_the_embedded_corpus(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(train_cli(tmp_path / "tokenizer.json", 1024))
     assert tokenizer.vocab_size == 1024 and tokenizer.eos_id == 0  # <|endoftext|> first
     root = Path(sysconfig.get_paths()["stdlib"])
-    documents = _read_documents(root, _stdlib_files(root))
+    documents = read_documents(root, stdlib_files(root))
     assert len(documents) > 1000  # the whole embedded corpus, not a sample
     texts = [data.decode("utf-8", errors="replace") for _, data in documents]
     num_tokens = 0
