@@ -5,8 +5,8 @@
 plots runs' metrics (``node/report.py``) and ``dtnode sample`` generates text with a run's exported
 model (``node/sample.py``); ``dtnode status`` shows a running node's view of the swarm
 (``node/status.py``); ``dtnode health`` exits 0 when a node's gRPC health says SERVING
-(``node/health.py``). For ``join``, one flag per :class:`~node.config.NodeConfig` field is generated
-from the dataclass, in help groups (``node/cli_flags.py``), so ``--help`` documents every setting; a
+(``node/health.py``). For ``join``, one flag per setting of :class:`~node.config.NodeConfig` is
+generated from its sections, one help group each (``node/cli_flags.py``), so ``--help`` documents every setting; a
 flag given on the command line wins over ``DTNODE_*`` environment variables, which win over
 ``--config node.toml``, which wins over defaults. Before ``join`` opens a socket it checks what can
 be checked (``node/preflight.py``); when the run ends it logs one summary line (``node/run_summary.py``).
@@ -24,7 +24,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any, NoReturn
 
 from node import __version__
@@ -208,16 +207,16 @@ def run_join(args: argparse.Namespace) -> int:
     started = time.time()
     flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
     config = load_config(config_file=args.config_file, flags=flags)
-    if config.log_format != "text":
-        setup_logging(config.log_format)
-    log.info("config: %s", " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)))
+    if config.metrics.log_format != "text":
+        setup_logging(config.metrics.log_format)
+    log.info("config: %s", config.describe())
     from node.preflight import check_before_sockets
 
     check_before_sockets(config)  # the layout, the swarm key, the addresses: exit 2 before any socket
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.trainer import Trainer
 
-    if not config.swarm:
+    if not config.network.enabled:
         trainer = Trainer(config)
         stop.attach(trainer)
         trainer.run()
@@ -232,9 +231,12 @@ def run_join(args: argparse.Namespace) -> int:
     try:
         # A fresh joiner fetches the swarm's state while its model and data are being built.
         fresh = latest_checkpoint(config.resolved_run_dir / "checkpoints") is None
-        prefetch = Prefetch(swarm, join_timeout=JOIN_TIMEOUT) if config.peers and fresh else None
+        prefetch = Prefetch(swarm, join_timeout=JOIN_TIMEOUT) if config.network.peers and fresh else None
         session = SwarmSession(
-            swarm, joining=bool(config.peers), prefetch=prefetch, start_peers=config.start_peers
+            swarm,
+            joining=bool(config.network.peers),
+            prefetch=prefetch,
+            start_peers=config.rounds.start_peers,
         )
         trainer = Trainer(config, swarm=session)
         stop.attach(trainer)

@@ -1,9 +1,14 @@
 """The layers a setting comes from, read into typed values: TOML file, ``DTNODE_*`` variables, flags.
 
-Generic over a settings dataclass, given as its field types (``{name: type}``; ``node.config``
-passes ``NodeConfig``'s): each layer's keys are checked against those names and its values
-against those types, and ``layered_values`` merges them, highest first: flag > environment >
-TOML. Validating the merged values together is ``node/config_checks.py`` (the dataclass's ``__post_init__``).
+Generic over a set of settings, given by flat name and type (``{name: type}``) and by where each
+sits in the TOML file (``{section: {field: name}}``; ``node.config`` passes ``NodeConfig``'s): each
+layer's keys are checked against those names and its values against those types, and
+``layered_values`` merges them by flat name, highest first: flag > environment > TOML. Validating
+the merged values is the config's sections' ``__post_init__`` (``node/config.py``).
+
+The TOML file has sections (``[inner]`` then ``steps = 12``). A file of flat names at the top
+(``inner_steps = 12``, as written before the sections) still loads, with one warning line that
+names the sectioned form.
 
 Types are kept strictly where the layer has them: a TOML file has strings, integers, reals and
 booleans of its own, so ``inner_steps = "5"`` is a mistake, not text to parse (an integer is
@@ -14,6 +19,7 @@ field's type (``DTNODE_INNER_STEPS=5.0`` is a mistake for an integer). Every mis
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
@@ -27,6 +33,10 @@ ENV_PREFIX = "DTNODE_"
 RESERVED_ENV = frozenset({"DTNODE_CONFIG", "DTNODE_TORCH_PIP_ARGS", "DTNODE_VENV"})
 
 Types = Mapping[str, type]
+Sections = Mapping[str, Mapping[str, str]]
+"""Section -> field -> flat name: where each setting sits in the TOML file."""
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -66,7 +76,9 @@ def check_keys(keys: Collection[str], types: Types, source: str) -> None:
         raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}")
 
 
-def read_toml(path: str | Path, types: Types) -> dict[str, Any]:
+def read_toml(path: str | Path, types: Types, sections: Sections) -> dict[str, Any]:
+    """The settings of a TOML file by flat name: ``[section]`` tables of fields, or (the deprecated
+    form, with one warning) flat names at the top."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -75,8 +87,43 @@ def read_toml(path: str | Path, types: Types) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
     raw = {key.replace("-", "_"): value for key, value in raw.items()}
-    check_keys(raw, types, str(path))
-    return {key: coerce(key, value, str(path), types[key], typed=True) for key, value in raw.items()}
+    tables = {key: value for key, value in raw.items() if isinstance(value, dict)}
+    flat = {key: value for key, value in raw.items() if key not in tables}
+    unknown_sections = sorted(set(tables) - set(sections))
+    if unknown_sections:
+        listed = ", ".join(f"[{key}]" for key in unknown_sections)
+        raise ConfigError(f"{path}: unknown section(s) {listed}; the sections are {', '.join(sections)}")
+    check_keys(flat, types, str(path))
+    if flat:
+        _warn_flat(path, next(iter(flat)), sections)
+    values = {key: coerce(key, value, str(path), types[key], typed=True) for key, value in flat.items()}
+    for section, table in tables.items():
+        names = sections[section]
+        table = {key.replace("-", "_"): value for key, value in table.items()}
+        unknown = sorted(f"[{section}] {key}" for key in table if key not in names)
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+        for key, value in table.items():
+            name = names[key]
+            if name in values:
+                raise ConfigError(f"{path}: {name} is set twice: as {name} and as [{section}] {key}")
+            values[name] = coerce(f"[{section}] {key}", value, str(path), types[name], typed=True)
+    return values
+
+
+def _warn_flat(path: Path, example: str, sections: Sections) -> None:
+    """One line: a file of flat names (as before the sections) is read, but deprecated."""
+    section, field = next(
+        (section, field)
+        for section, names in sections.items()
+        for field, name in names.items()
+        if name == example
+    )
+    log.warning(
+        "%s: settings outside a [section] are deprecated; write each in its section, e.g. "
+        "[%s] %s = ... for %s = ... (dtnode writes config.toml that way)",
+        path, section, field, example,
+    )  # fmt: skip
 
 
 def read_env(environ: Mapping[str, str], types: Types) -> dict[str, Any]:
@@ -92,6 +139,7 @@ def read_env(environ: Mapping[str, str], types: Types) -> dict[str, Any]:
 
 def layered_values(
     types: Types,
+    sections: Sections,
     *,
     config_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -103,7 +151,7 @@ def layered_values(
     config_file = config_file or environ.get("DTNODE_CONFIG") or None
     values: dict[str, Any] = {}
     if config_file:
-        values.update(read_toml(config_file, types))
+        values.update(read_toml(config_file, types, sections))
     values.update(read_env(environ, types))
     if flags:
         check_keys(flags, types, "command line")

@@ -35,10 +35,10 @@ STEP_COST_IN_FORWARDS = 3.0  # one training step ≈ forward + backward (≈ 2 f
 
 def eval_interval(config: NodeConfig) -> int:
     """Rounds between held-out evals: ``--eval-every``, or with 0 the auto rule of the module docstring."""
-    if config.eval_every > 0:
-        return config.eval_every
-    step_forwards = STEP_COST_IN_FORWARDS * config.inner_steps * config.grad_accumulation
-    return max(1, math.ceil(config.eval_batches / (step_forwards * EVAL_BUDGET)))
+    if config.eval.every > 0:
+        return config.eval.every
+    step_forwards = STEP_COST_IN_FORWARDS * config.inner.steps * config.inner.grad_accumulation
+    return max(1, math.ceil(config.eval.batches / (step_forwards * EVAL_BUDGET)))
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

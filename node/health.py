@@ -10,7 +10,7 @@ only over mutual TLS, so ``auth`` brings the swarm's certificate then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from node.config import NodeConfig, resolve_run_dir
+from node.config import flat_defaults, resolve_run_dir
 from protocol.auth.channels import SwarmAuth, operator_channel
 
 EXIT_SERVING = 0
@@ -70,8 +70,7 @@ def health_settings(values: dict[str, Any]) -> HealthSettings:
 
     A container runs the health check every few seconds: building a whole ``NodeConfig`` validates
     the model preset, which imports torch (seconds of CPU each time), so only these are read."""
-    defaults = {f.name: f.default for f in fields(NodeConfig)}
-    setting = {**defaults, **values}
+    setting = {**flat_defaults(), **values}
     return HealthSettings(
         listen=str(setting["listen"]),
         run_dir=resolve_run_dir(name=str(setting["name"]), run_dir=str(setting["run_dir"])),

@@ -155,13 +155,13 @@ def background_eval(
     """The background eval of ``--eval-background`` (``node.efficiency.resolve_eval_background``), or
     None to evaluate inline; evaluated as ``replica`` evaluates (precision, compiled or not)."""
     single = isinstance(replica, SingleReplica)
-    if not resolve_eval_background(config.eval_background, device, local_workers=not single):
+    if not resolve_eval_background(config.eval.background, device, local_workers=not single):
         return None
     assert isinstance(replica, SingleReplica)
     return HeldOutEval(
         model_config,
         device,
         batches,
-        precision=resolve_precision(config.precision, device),
+        precision=resolve_precision(config.parallel.precision, device),
         compile=replica.forward is not replica.model,
     )

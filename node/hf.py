@@ -290,11 +290,11 @@ def node_model_config(config: NodeConfig, corpus_vocab_size: int) -> ModelConfig
     ``--seq-len`` overrides the config's ``max_position_embeddings``; the vocabulary must cover the
     corpus's ids (a tokenizer larger than the model's embedding is a user mistake).
     """
-    source = config.model_config or config.init_from
+    source = config.architecture.hf_config or config.architecture.init_from
     if not source:
         return None
     try:
-        model_config = read_hf_config(source, seq_len=config.seq_len)
+        model_config = read_hf_config(source, seq_len=config.architecture.seq_len)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if model_config.vocab_size < corpus_vocab_size:
@@ -307,9 +307,9 @@ def node_model_config(config: NodeConfig, corpus_vocab_size: int) -> ModelConfig
 
 def init_state(config: NodeConfig, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
     """``--init-from``'s weights for ``GPT(model_config)``, or None when the run starts from random."""
-    if not config.init_from:
+    if not config.architecture.init_from:
         return None
     try:
-        return load_hf_checkpoint(config.init_from, model_config)
+        return load_hf_checkpoint(config.architecture.init_from, model_config)
     except ValueError as error:
         raise ConfigError(f"--init-from: {error}") from None

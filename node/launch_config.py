@@ -19,19 +19,19 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
 from node.cli_flags import add_config_flags
-from node.config import ConfigError, NodeConfig, load_config
+from node.config import ConfigError, NodeConfig, flat_defaults, flat_values, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WAN_EMULATOR_PATH = REPO_ROOT / "scripts" / "tools" / "wan_emulator.py"
 LOOPBACK = "127.0.0.1"
-NODE_DEFAULTS = {f.name: f.default for f in fields(NodeConfig)}
+NODE_DEFAULTS = flat_defaults()
 
 
 def available_cores() -> int:
@@ -47,7 +47,8 @@ class LaunchConfig:
     root: Path
     """Run directory of the swarm: node i in ``root/node-<i>``, logs and report beside them."""
     node_flags: Mapping[str, Any]
-    """``NodeConfig`` field -> value given on the command line, passed to every node."""
+    """Setting (flat name, as ``node.config.FLAT_NAMES`` lists them) -> value given on the command
+    line, passed to every node."""
     config_file: Path | None = None
     """``--config`` TOML passed to every node."""
     base: NodeConfig
@@ -57,7 +58,7 @@ class LaunchConfig:
     stagger: timedelta = timedelta(0)
     """Node i starts ``i * stagger`` after node 0 (and not before node 0 wrote its address)."""
     node_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
-    """Node index -> ``NodeConfig`` field -> value for that node only, after every other flag."""
+    """Node index -> setting (flat name) -> value for that node only, after every other flag."""
     num_cores: int = field(default_factory=available_cores)
     """CPU cores this process may use, shared by the nodes."""
     stop_grace: timedelta = timedelta(seconds=60)
@@ -70,7 +71,7 @@ class LaunchConfig:
 
 def _user_set(config: LaunchConfig, name: str) -> bool:
     """Whether the user chose ``name`` (flag, env or TOML), so the launcher must not pick it."""
-    return name in config.node_flags or getattr(config.base, name) != NODE_DEFAULTS[name]
+    return name in config.node_flags or flat_values(config.base)[name] != NODE_DEFAULTS[name]
 
 
 def launch_config(
@@ -100,17 +101,18 @@ def launch_config(
             load_config(config_file=config_file, flags={**node_flags, **flags})
         except ConfigError as error:
             raise ConfigError(f"--node-flags {index}: {error}") from None
-    if not base.swarm:
+    if not base.network.enabled:
         raise ConfigError("dtnode swarm runs a swarm: drop --no-swarm (dtnode join --no-swarm trains alone)")
+    settings = flat_values(base)
     if link_mbit is not None:
         load_wan_emulator()  # a missing emulator or no namespaces: say so before starting anything
         for key in ("peers", "listen", "dht_listen", "announce"):
-            if getattr(base, key) != NODE_DEFAULTS[key]:
+            if settings[key] != NODE_DEFAULTS[key]:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"--link-mbit gives every node an emulated host of its own: drop {flag}")
     elif num_nodes > 1:
         for key in ("listen", "dht_listen"):
-            address = getattr(base, key)
+            address = settings[key]
             if address and not address.endswith(":0"):
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(
@@ -137,7 +139,7 @@ class _NodeFlagsParser(argparse.ArgumentParser):
 
 def parse_node_flags(specs: Sequence[str]) -> dict[int, dict[str, Any]]:
     """``dtnode swarm --node-flags`` values, ``I:FLAGS`` each (``"2:--batch-size 16"``), as node
-    index -> ``NodeConfig`` field -> value; one index given twice merges, the later flag winning."""
+    index -> setting (flat name) -> value; one index given twice merges, the later flag winning."""
     parser = _NodeFlagsParser(prog="--node-flags", add_help=False, allow_abbrev=False)
     add_config_flags(parser)
     overrides: dict[int, dict[str, Any]] = {}
@@ -180,9 +182,9 @@ def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None)
         extra["dht_listen"] = f"{host}:0"
         if not _user_set(config, "bandwidth_mbit"):
             extra["bandwidth_mbit"] = config.link_mbit
-    if config.base.metrics_port:  # one Prometheus port per node: the user's, then the next ones
-        extra["metrics_port"] = config.base.metrics_port + index
-    all_peers = ",".join(address for address in (config.base.peers, peers) if address)
+    if config.base.metrics.port:  # one Prometheus port per node: the user's, then the next ones
+        extra["metrics_port"] = config.base.metrics.port + index
+    all_peers = ",".join(address for address in (config.base.network.peers, peers) if address)
     if all_peers:
         extra["peers"] = all_peers
     argv = [sys.executable, "-m", "node.cli", "join"]

@@ -134,7 +134,7 @@ class SwarmLauncher:
     def run(self) -> int:
         """Start, watch, stop, report; 0 exactly when every node exited 0."""
         config = self.config
-        max_rounds = config.base.max_rounds
+        max_rounds = config.base.run.max_rounds
         if max_rounds and all(
             checkpointed_round(config.root / f"node-{i}") >= max_rounds for i in range(config.num_nodes)
         ):

@@ -28,7 +28,7 @@ log = logging.getLogger("dtnode")
 def run_length_steps(config: NodeConfig) -> int:
     """Inner steps the run ends at (``--max-steps``, ``--max-rounds`` x ``--inner-steps``, the
     smaller of the two when both are set); 0 when the run has no end."""
-    limits = [limit for limit in (config.max_steps, config.max_rounds * config.inner_steps) if limit]
+    limits = [limit for limit in (config.run.max_steps, config.run.max_rounds * config.inner.steps) if limit]
     return min(limits) if limits else 0
 
 
@@ -36,10 +36,10 @@ def run_warnings(config: NodeConfig) -> list[str]:
     """Settings that are valid but probably not meant, each as one sentence naming the flags."""
     warnings = []
     length = run_length_steps(config)
-    if length and config.warmup_steps > length:
+    if length and config.inner.warmup_steps > length:
         warnings.append(
-            f"--warmup-steps {config.warmup_steps} exceeds the run ({length} inner steps): the learning "
-            f"rate never reaches --inner-lr {config.inner_lr:g}; lower --warmup-steps"
+            f"--warmup-steps {config.inner.warmup_steps} exceeds the run ({length} inner steps): the learning "
+            f"rate never reaches --inner-lr {config.inner.lr:g}; lower --warmup-steps"
         )
     return warnings
 
@@ -53,14 +53,16 @@ def check_before_sockets(config: NodeConfig) -> None:
     from node.parallel.layout import resolve_layout
     from node.trainer import pick_device
 
-    pick_device(config.device)  # --device cuda without a CUDA device
+    pick_device(config.run.device)  # --device cuda without a CUDA device
 
     try:
-        model = model_config(config.model, **({"seq_len": config.seq_len} if config.seq_len else {}))
+        architecture = config.architecture
+        seq_len = {"seq_len": architecture.seq_len} if architecture.seq_len else {}
+        model = model_config(architecture.preset, **seq_len)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     resolve_layout(config, model)  # raises ConfigError naming the flags
-    if config.swarm:
+    if config.network.enabled:
         from node.swarm_setup import swarm_config
 
         swarm_config(config)  # raises ConfigError (the key file, addresses, identity path)

@@ -156,11 +156,11 @@ def progress_sink(config: NodeConfig, *, is_terminal: bool | None = None) -> Pla
     format is text, else the plain lines."""
     if is_terminal is None:
         is_terminal = sys.stderr.isatty()
-    if config.log_format == "text" and is_terminal:
+    if config.metrics.log_format == "text" and is_terminal:
         return LiveProgress(
             terminal_console(),
-            inner_steps=config.inner_steps,
-            log_every=config.log_every,
-            max_rounds=config.max_rounds,
+            inner_steps=config.inner.steps,
+            log_every=config.metrics.log_every,
+            max_rounds=config.run.max_rounds,
         )
-    return PlainProgress(inner_steps=config.inner_steps, log_every=config.log_every)
+    return PlainProgress(inner_steps=config.inner.steps, log_every=config.metrics.log_every)

@@ -18,15 +18,15 @@ from node.tokenizer import Tokenizer, load_tokenizer
 
 def load_node_corpus(config: NodeConfig) -> tuple[Tokenizer, Corpus]:
     """The node's tokenizer and corpus from ``--tokenizer``, ``--data`` and ``--text-field``."""
-    path = config.data or None
+    path = config.corpus.path or None
     try:
-        tokenizer = load_tokenizer(config.tokenizer or None)
+        tokenizer = load_tokenizer(config.corpus.tokenizer or None)
         if not tokenized_here(path, tokenizer):
-            corpus = load_corpus(path, val_fraction=config.val_fraction, tokenizer=tokenizer)
+            corpus = load_corpus(path, val_fraction=config.corpus.val_fraction, tokenizer=tokenizer)
             return tokenizer, corpus
         # Tokenized once per run dir: a restart memory-maps the streams (node/token_cache.py).
         folder = config.resolved_run_dir / CACHE_FOLDER
-        text_field, val_fraction = config.text_field, config.val_fraction
+        text_field, val_fraction = config.corpus.text_field, config.corpus.val_fraction
         key = cache_key(path, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction)
         cached = load_cached(folder, key)
         if cached is not None:

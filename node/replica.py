@@ -44,13 +44,14 @@ def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.A
     (one launch per step for all parameters), torch's default (foreach) elsewhere."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    inner = config.inner
     groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": decay, "weight_decay": inner.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
     fused = True if on_cuda and decay + no_decay else None  # None: torch's default
-    return torch.optim.AdamW(groups, lr=config.inner_lr, betas=(config.beta1, config.beta2), fused=fused)
+    return torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=fused)
 
 
 class Replica(Protocol):
@@ -89,9 +90,9 @@ class SingleReplica:
         self.device = device
         self.model = build_model(model_config, device)  # = GPT(model_config).to(device), bit for bit
         self.model.train()
-        if config.activation_checkpointing:
+        if config.parallel.activation_checkpointing:
             checkpoint_blocks(self.model)
-        autocast_forward(self.model, resolve_precision(config.precision, device))
+        autocast_forward(self.model, resolve_precision(config.parallel.precision, device))
         # The compiled module shares the model's parameters: names, state dicts and DiLoCo's flat
         # view stay the plain model's; only the calls below go through the compiled graph.
         self.forward: Callable[[Tensor], Tensor] = torch.compile(self.model) if compile else self.model
@@ -108,8 +109,8 @@ class SingleReplica:
             # The gradient of the mean loss over all accumulated batches (equal sizes).
             (loss / len(batches) if len(batches) > 1 else loss).backward()
             losses.append(loss.detach())
-        if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if self.config.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack(losses).mean().item()  # syncs the device: the step is done when this returns
@@ -179,8 +180,8 @@ class ParallelReplica:
             self.model = GPT(model_config)  # names and shapes for export and checkpoints; no memory
         self.offsets = parameter_offsets(model_config)
         self.workers = LocalWorkers(model_config, config, layout, timeout=timeout)
-        self.shard_outer = config.outer_sharding == "on" or (
-            config.outer_sharding == "auto" and device_type() == "cuda"
+        self.shard_outer = config.outer.sharding == "on" or (
+            config.outer.sharding == "auto" and device_type() == "cuda"
         )
         self._streams: StreamRunner | None = None
 
@@ -263,15 +264,16 @@ def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.d
     from node.parallel.layout import resolve_layout
     from node.parallel.tensor import use_device
 
-    use_device(config.device)  # the ranks' device kind (and bf16 autocast's) follows --device
+    use_device(config.run.device)  # the ranks' device kind (and bf16 autocast's) follows --device
     layout = resolve_layout(config, model_config)
-    if layout is not None and config.overlap and config.swarm_streams > 1:
+    if layout is not None and config.outer.overlap and config.rounds.streams > 1:
         # The streams travel on the local ranks' command group, which the inner steps hold meanwhile.
         raise ConfigError(
             "--overlap with --swarm-streams > 1 needs a node without local workers "
             "(the streams of a node with local workers run between inner steps, not alongside them)"
         )
-    compile_model = resolve_compile(config.compile, device, local_workers=layout is not None)
+    compile_model = resolve_compile(config.parallel.compile, device, local_workers=layout is not None)
     if layout is None:
         return SingleReplica(model_config, config, device, compile=compile_model)
-    return ParallelReplica(model_config, config, layout, timeout=timedelta(seconds=config.local_timeout))
+    timeout = timedelta(seconds=config.parallel.local_timeout)
+    return ParallelReplica(model_config, config, layout, timeout=timeout)

@@ -151,7 +151,7 @@ class RankEngine:
         # Pipeline stages of this rank: one, or with the interleaved schedule pp_index + v * pp for v < V.
         self.num_stages = layout.pp * layout.virtual_stages
         self.stage_indices = [self.pp_index + v * layout.pp for v in range(layout.virtual_stages)]
-        torch.manual_seed(config.seed)  # the same draw as a single-process node's model
+        torch.manual_seed(config.run.seed)  # the same draw as a single-process node's model
         full_model = GPT(model_config)
         stage_models = (
             [build_stage(full_model, index, self.num_stages) for index in self.stage_indices]
@@ -229,10 +229,10 @@ class RankEngine:
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.div_(num_terms)
-        if self.config.grad_clip > 0:
+        if self.config.inner.grad_clip > 0:
             clip_grad_norm(
                 self.model.parameters(),
-                self.config.grad_clip,
+                self.config.inner.grad_clip,
                 stage_group=self.pp_group if self.layout.pp > 1 else None,
             )
         self.optimizer.step()

@@ -31,9 +31,9 @@ log = logging.getLogger("dtnode")
 
 def num_local_workers(config: NodeConfig) -> int:
     """``--local-workers``, else one per CUDA device (unless ``--device cpu``), else 1."""
-    if config.local_workers:
-        return config.local_workers
-    return torch.cuda.device_count() if config.device != "cpu" and torch.cuda.is_available() else 1
+    if config.parallel.local_workers:
+        return config.parallel.local_workers
+    return torch.cuda.device_count() if config.run.device != "cpu" and torch.cuda.is_available() else 1
 
 
 def device_memory_bytes(num_workers: int, device: str = "auto") -> int:
@@ -46,18 +46,18 @@ def device_memory_bytes(num_workers: int, device: str = "auto") -> int:
 def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout | None:
     """The node's local layout (see the module docstring), or None for a single process."""
     num_workers = num_local_workers(config)
-    explicit = (config.dp, config.tp, config.pp)
+    explicit = (config.parallel.dp, config.parallel.tp, config.parallel.pp)
     if num_workers == 1 and not any(explicit):
         return None
-    num_microbatches = config.microbatches
+    num_microbatches = config.parallel.microbatches
     if not any(explicit):
         try:
             plan = plan_layout(
                 model_config,
                 num_devices=num_workers,
-                device_memory_bytes=device_memory_bytes(num_workers, config.device),
+                device_memory_bytes=device_memory_bytes(num_workers, config.run.device),
                 seq_len=model_config.seq_len,
-                batch_size=config.batch_size,
+                batch_size=config.inner.batch_size,
             )
         except ValueError as error:
             raise ConfigError(f"no local layout for {num_workers} workers: {error}") from None
@@ -70,50 +70,51 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
                 f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} must equal the number of local workers "
                 f"({num_workers}; set --local-workers, or the layout flags to match)"
             )
-    reason = invalid_reason(model_config, Layout(dp=dp, tp=tp, pp=pp), config.batch_size)
+    reason = invalid_reason(model_config, Layout(dp=dp, tp=tp, pp=pp), config.inner.batch_size)
     if reason is not None:
-        raise ConfigError(f"local layout dp={dp} x tp={tp} x pp={pp} cannot run {config.model}: {reason}")
+        preset = config.architecture.preset
+        raise ConfigError(f"local layout dp={dp} x tp={tp} x pp={pp} cannot run {preset}: {reason}")
     num_microbatches = num_microbatches or (pp if pp > 1 else 1)
-    replica_batch = config.batch_size // dp
+    replica_batch = config.inner.batch_size // dp
     if pp > 1 and replica_batch % num_microbatches != 0:
         raise ConfigError(
             f"--microbatches {num_microbatches} must divide the per-replica batch {replica_batch} "
-            f"(batch_size {config.batch_size} / dp {dp})"
+            f"(batch_size {config.inner.batch_size} / dp {dp})"
         )
-    if pp > 1 and config.pp_schedule == "1f1b" and num_microbatches < pp:
+    if pp > 1 and config.parallel.pp_schedule == "1f1b" and num_microbatches < pp:
         raise ConfigError(f"1F1B needs --microbatches >= pp ({pp}), got {num_microbatches}")
-    if config.sequence_parallel and (tp == 1 or pp > 1):
+    if config.parallel.sequence_parallel and (tp == 1 or pp > 1):
         raise ConfigError("--sequence-parallel needs --tp > 1 and no pipeline stages (--pp 1)")
-    if config.sequence_parallel and model_config.seq_len % tp != 0:
+    if config.parallel.sequence_parallel and model_config.seq_len % tp != 0:
         raise ConfigError(
             f"--sequence-parallel needs seq_len ({model_config.seq_len}) divisible by tp ({tp})"
         )
-    interleaved = pp > 1 and config.pp_schedule == "interleaved"
-    virtual_stages = config.pp_virtual_stages if interleaved else 1
+    interleaved = pp > 1 and config.parallel.pp_schedule == "interleaved"
+    virtual_stages = config.parallel.pp_virtual_stages if interleaved else 1
     if interleaved and pp * virtual_stages > model_config.num_layers:
         raise ConfigError(
             f"interleaved: pp x --pp-virtual-stages = {pp * virtual_stages} stages exceed the "
-            f"{model_config.num_layers} layers of {config.model}"
+            f"{model_config.num_layers} layers of {config.architecture.preset}"
         )
     if interleaved and num_microbatches % pp != 0:
         raise ConfigError(
             f"interleaved 1F1B needs --microbatches divisible by pp ({pp}), got {num_microbatches}"
         )
-    if config.zero == 3 and pp > 1:
+    if config.parallel.zero == 3 and pp > 1:
         raise ConfigError("--zero 3 (FSDP2) does not run with pipeline stages: set --pp 1, or use --zero 1")
-    if config.zero == 1 and dp > 1 and tp > 1:
+    if config.parallel.zero == 1 and dp > 1 and tp > 1:
         log.warning("ZeRO-1 needs tp=1: the AdamW state is replicated over dp (--zero 3 shards it)")
     return LocalLayout(
         dp=dp,
         tp=tp,
         pp=pp,
-        zero=config.zero,
-        pp_schedule=config.pp_schedule,
+        zero=config.parallel.zero,
+        pp_schedule=config.parallel.pp_schedule,
         num_microbatches=num_microbatches if pp > 1 else 1,
         virtual_stages=virtual_stages,
-        sequence_parallel=config.sequence_parallel,
-        bucket_elements=max(1, int(config.local_bucket_mb * 2**20) // 4),  # fp32 numbers
-        precision=resolve_precision(config.precision, torch.device(device_type())),
-        activation_checkpointing=config.activation_checkpointing,
-        grad_accumulation=config.grad_accumulation,
+        sequence_parallel=config.parallel.sequence_parallel,
+        bucket_elements=max(1, int(config.parallel.local_bucket_mb * 2**20) // 4),  # fp32 numbers
+        precision=resolve_precision(config.parallel.precision, torch.device(device_type())),
+        activation_checkpointing=config.parallel.activation_checkpointing,
+        grad_accumulation=config.inner.grad_accumulation,
     )

@@ -76,7 +76,7 @@ def _init_process_group(rank: int, world_size: int, store_path: str, timeout: ti
 
 def start_method(config: NodeConfig) -> Literal["fork", "spawn"]:
     """``fork`` where forking the daemon is safe (see the module docstring), else ``spawn``."""
-    safe = device_type() == "cpu" and threading.active_count() == 1 and config.threads == 1
+    safe = device_type() == "cpu" and threading.active_count() == 1 and config.run.threads == 1
     return "fork" if safe else "spawn"
 
 
@@ -103,10 +103,10 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
     timeout = timedelta(seconds=timeout_seconds)
-    use_device(config.device)
+    use_device(config.run.device)
     commands = _init_process_group(rank, world_size, store_path, timeout)
     try:
         engine = RankEngine(model_config, config, layout, timeout=timeout)
@@ -140,7 +140,7 @@ class LocalWorkers:
         world_size = layout.world_size
         self._store_dir = tempfile.mkdtemp(prefix="dtnode-local-")  # mode 0700: only this user
         store_path = os.path.join(self._store_dir, "store")
-        use_device(config.device)  # rank 0 (this process) on the same device kind as the others
+        use_device(config.run.device)  # rank 0 (this process) on the same device kind as the others
         context: multiprocessing.context.ForkContext | multiprocessing.context.SpawnContext = (
             multiprocessing.get_context("fork")
             if start_method(config) == "fork"

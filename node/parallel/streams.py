@@ -43,7 +43,7 @@ class RankStreams:
         from node.swarm_setup import swarm_config  # the same listen host, announce host, limits and swarm key
 
         swarm = swarm_config(config)
-        self.streams = [s for s in range(1, config.swarm_streams) if rank_of_stream(s, world_size) == rank]
+        self.streams = [s for s in range(1, config.rounds.streams) if rank_of_stream(s, world_size) == rank]
         self.servers: dict[int, StreamServer] = {}
         try:
             for stream in self.streams:

@@ -69,16 +69,17 @@ def build_zero_optimizer(
     params = [param for param in model.parameters() if param.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    inner = config.inner
     groups = [
-        {"params": [param for param in params if param.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [param for param in params if param.dim() >= 2], "weight_decay": inner.weight_decay},
         {"params": [param for param in params if param.dim() < 2], "weight_decay": 0.0},
     ]
     return ZeroRedundancyOptimizer(
         [group for group in groups if group["params"]],
         optimizer_class=torch.optim.AdamW,
         process_group=process_group,
-        lr=config.inner_lr,
-        betas=(config.beta1, config.beta2),
+        lr=inner.lr,
+        betas=(inner.beta1, inner.beta2),
     )
 
 

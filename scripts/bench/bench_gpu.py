@@ -68,7 +68,7 @@ def node_config(args: argparse.Namespace, model: str, run_dir: Path, **overrides
         eval_batches=args.eval_batches,
     )  # fmt: skip
     settings.update(overrides)
-    return NodeConfig(**settings)
+    return NodeConfig.from_flat(**settings)
 
 
 def window_tokens_per_s(step_seconds: Sequence[float], tokens_per_step: int, warmup: int) -> float:
@@ -87,9 +87,9 @@ def node_loop(args: argparse.Namespace, model: str, scratch: Path) -> tuple[floa
         step_start = time.perf_counter()
         trainer.inner_step()
         seconds.append(time.perf_counter() - step_start)
-    tokens = config.batch_size * config.seq_len * config.grad_accumulation
-    precision = resolve_precision(config.precision, trainer.device)
-    compiled = resolve_compile(config.compile, trainer.device, local_workers=False)
+    tokens = config.inner.batch_size * config.architecture.seq_len * config.inner.grad_accumulation
+    precision = resolve_precision(config.parallel.precision, trainer.device)
+    compiled = resolve_compile(config.parallel.compile, trainer.device, local_workers=False)
     num_params = trainer.model.num_params()
     trainer.checkpoints.close()
     trainer.replica.close()

@@ -55,7 +55,7 @@ def timed(call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def run_layout(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-outer-") as run_dir:
-        config = NodeConfig(
+        config = NodeConfig.from_flat(
             run_dir=run_dir,
             model=args.model,
             seq_len=args.seq_len,

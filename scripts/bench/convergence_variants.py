@@ -57,21 +57,21 @@ class BenchSettings:
     """Inner steps per worker (a multiple of every DiLoCo H)."""
     warmup_steps: int
     """Linear LR warmup; then cosine decay to ``min_lr_ratio`` at ``steps``."""
-    inner_lr: float = _NODE.inner_lr
+    inner_lr: float = _NODE.inner.lr
     """Peak AdamW learning rate (the node's default)."""
-    min_lr_ratio: float = _NODE.min_lr_ratio
+    min_lr_ratio: float = _NODE.inner.min_lr_ratio
     """Final LR as a fraction of the peak."""
-    weight_decay: float = _NODE.weight_decay
+    weight_decay: float = _NODE.inner.weight_decay
     """AdamW weight decay on matrices (norm gains are not decayed), as the node."""
-    beta1: float = _NODE.beta1
+    beta1: float = _NODE.inner.beta1
     """AdamW beta1."""
-    beta2: float = _NODE.beta2
+    beta2: float = _NODE.inner.beta2
     """AdamW beta2."""
-    grad_clip: float = _NODE.grad_clip
+    grad_clip: float = _NODE.inner.grad_clip
     """Clip the (averaged, for DDP) gradient norm to this before every AdamW step."""
-    outer_lr: float = _NODE.outer_lr
+    outer_lr: float = _NODE.outer.lr
     """DiLoCo outer Nesterov learning rate (the node's default)."""
-    outer_momentum: float = _NODE.outer_momentum
+    outer_momentum: float = _NODE.outer.momentum
     """DiLoCo outer Nesterov momentum (the node's default; 0 = plain SGD)."""
     seed: int = 0
     """Seed of the model initialisation (every worker starts from the same params)."""
@@ -89,7 +89,7 @@ class BenchSettings:
     """Streamed chunk size of the simulated all-reduce (the swarm's default)."""
     warm_start_steps: int = 0
     """Steps of the one-worker warm start every variant starts from (0: from the seeded init)."""
-    warm_start_lr: float = _NODE.inner_lr
+    warm_start_lr: float = _NODE.inner.lr
     """Peak AdamW learning rate of the warm start (the node's default), whatever ``inner_lr`` the
     variants then use: a sweep of ``inner_lr`` starts every point from the same params."""
     warm_start_path: str | None = None
@@ -197,7 +197,7 @@ def build_worker(settings: BenchSettings, corpus: Corpus, shard_index: int) -> W
     if settings.warm_start_path is not None:  # or all from the same warm-started params
         model.load_state_dict(torch.load(settings.warm_start_path, weights_only=True))
     model.train()
-    node_config = NodeConfig(
+    node_config = NodeConfig.from_flat(
         inner_lr=settings.inner_lr,
         weight_decay=settings.weight_decay,
         beta1=settings.beta1,
@@ -258,7 +258,7 @@ def evaluate(model: GPT, eval_set: list[tuple[torch.Tensor, torch.Tensor]]) -> f
 
 def load_data(settings: BenchSettings) -> tuple[Corpus, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.set_num_threads(settings.threads)
-    corpus = load_corpus(None, val_fraction=_NODE.val_fraction)
+    corpus = load_corpus(None, val_fraction=_NODE.corpus.val_fraction)
     val = eval_batches(corpus.val, settings.seq_len, settings.eval_batch_size, settings.num_eval_batches)
     return corpus, val
 

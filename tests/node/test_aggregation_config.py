@@ -26,4 +26,4 @@ def test_flags_reach_the_allreduce_config() -> None:
 )
 def test_bad_values_are_config_errors(flags: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        NodeConfig(**flags)  # type: ignore[arg-type]
+        NodeConfig.from_flat(**flags)

@@ -191,7 +191,7 @@ def test_joiner_adopts_same_data_id_and_is_refused_another(tmp_path: Path) -> No
 
 
 def test_options_are_node_config_fields() -> None:
-    assert api_config(codec="int4", min_peers=3).codec == "int4"
+    assert api_config(codec="int4", min_peers=3).rounds.codec == "int4"
     with pytest.raises(ConfigError, match="unknown option"):
         api_config(not_a_field=1)
     with pytest.raises(ConfigError, match="overlap"):

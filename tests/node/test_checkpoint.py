@@ -467,7 +467,7 @@ def dtnode_argv(corpus: Path, run_dir: Path) -> list[str]:
 
 def e2e_config(corpus: Path, run_dir: Path, **overrides: Any) -> NodeConfig:
     """The config dtnode_argv gives the node (threads left alone: this is the test process)."""
-    return NodeConfig(
+    return NodeConfig.from_flat(
         model="nano", seq_len=32, batch_size=4, inner_steps=2, eval_batches=1, data=str(corpus),
         run_dir=str(run_dir), log_every=1000, keep_checkpoints=2, swarm=False, **overrides,
     )  # fmt: skip

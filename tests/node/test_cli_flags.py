@@ -19,8 +19,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from node.cli import build_parser, main
-from node.cli_flags import HELP_GROUPS, add_config_flags, codec_names, setting_groups
-from node.config import ConfigError, NodeConfig, load_config
+from node.cli_flags import add_config_flags, codec_names, setting_groups
+from node.config import FLAT_NAMES, SECTIONS, ConfigError, NodeConfig, flat_choices, load_config
 from node.preflight import run_length_steps, run_warnings
 
 
@@ -30,24 +30,33 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
     )
 
 
-def test_every_field_is_in_exactly_one_help_group_in_declaration_order() -> None:
+def test_every_setting_is_in_its_sections_help_group_in_declaration_order() -> None:
     groups = setting_groups()
-    assert list(groups) == list(HELP_GROUPS)
-    placed = [name for names in groups.values() for name in names]
-    assert sorted(placed) == sorted(f.name for f in fields(NodeConfig))
-    order = [f.name for f in fields(NodeConfig)]
-    for names in groups.values():
-        assert names == sorted(names, key=order.index)
+    assert list(groups) == list(SECTIONS)
+    for section, names in groups.items():
+        assert [FLAT_NAMES[name] for name in names] == [
+            f"{section}.{f.name}" for f in fields(SECTIONS[section])
+        ]
     parser = argparse.ArgumentParser(allow_abbrev=False)
     by_title = add_config_flags(parser)
     for title, group in by_title.items():
         assert [action.dest for action in group._group_actions] == groups[title]
+        assert group.title is not None and group.title.startswith(f"[{title}] ")
 
 
 def test_codec_choices_are_the_codecs() -> None:
     from protocol.codecs import CODEC_NAMES
 
-    assert codec_names() == CODEC_NAMES
+    assert codec_names() == CODEC_NAMES == flat_choices()["codec"]
+
+
+def test_a_setting_with_a_literal_type_has_its_values_as_choices() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_config_flags(parser)
+    choices = {action.dest: tuple(action.choices) for action in parser._actions if action.choices}
+    assert choices == flat_choices()
+    assert choices["lr_schedule"] == ("cosine", "wsd", "constant")
+    assert choices["aggregation"] == ("mean", "clipped", "trimmed")
 
 
 @pytest.mark.parametrize("argv", [["join", "--inner-step", "5"], ["join", "--inner", "5"]])
@@ -100,7 +109,7 @@ def test_a_toml_string_for_a_number_or_bool_is_an_error_naming_the_key(tmp_path:
         load_config(config_file=toml, environ={})
     toml.write_text('inner_lr = 1\nname = "x"\n')  # an integer for a real is a number all the same
     config = load_config(config_file=toml, environ={})
-    assert config.inner_lr == 1.0 and isinstance(config.inner_lr, float) and config.name == "x"
+    assert config.inner.lr == 1.0 and isinstance(config.inner.lr, float) and config.run.name == "x"
 
 
 @pytest.mark.parametrize(
@@ -114,17 +123,17 @@ def test_a_toml_string_for_a_number_or_bool_is_an_error_naming_the_key(tmp_path:
 def test_an_env_value_of_the_wrong_type_is_an_error(name: str, value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(environ={name: value})
-    assert load_config(environ={"DTNODE_INNER_STEPS": " 7 "}).inner_steps == 7
+    assert load_config(environ={"DTNODE_INNER_STEPS": " 7 "}).inner.steps == 7
 
 
 def test_a_warmup_longer_than_the_run_is_warned_about() -> None:
-    short = NodeConfig(max_rounds=3, inner_steps=12, warmup_steps=50)
+    short = NodeConfig.from_flat(max_rounds=3, inner_steps=12, warmup_steps=50)
     assert run_length_steps(short) == 36
     (warning,) = run_warnings(short)
     assert "--warmup-steps 50 exceeds the run (36 inner steps)" in warning
-    assert run_length_steps(NodeConfig(max_rounds=3, inner_steps=12, max_steps=20)) == 20
-    assert run_warnings(NodeConfig(max_rounds=3, inner_steps=12, warmup_steps=36)) == []
-    assert run_warnings(NodeConfig(warmup_steps=10**6)) == []  # a run without an end
+    assert run_length_steps(NodeConfig.from_flat(max_rounds=3, inner_steps=12, max_steps=20)) == 20
+    assert run_warnings(NodeConfig.from_flat(max_rounds=3, inner_steps=12, warmup_steps=36)) == []
+    assert run_warnings(NodeConfig.from_flat(warmup_steps=10**6)) == []  # a run without an end
 
 
 def free_port() -> int:

@@ -1,14 +1,30 @@
-"""Config precedence (flag > env > TOML > default) and every kind of user mistake."""
+"""Config precedence (flag > env > TOML > default), the sections and their flat names, the TOML
+file in sections (and the deprecated flat one), and every kind of user mistake."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
-from node.config import ConfigError, NodeConfig, load_config
+from node.config import (
+    FLAT_NAMES,
+    SECTIONS,
+    Aggregation,
+    Codec,
+    ConfigError,
+    InnerConfig,
+    NodeConfig,
+    flat_values,
+    load_config,
+    replace,
+)
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:
@@ -20,23 +36,26 @@ def write_toml(tmp_path: Path, text: str) -> Path:
 def test_defaults() -> None:
     config = load_config(environ={})
     assert config == NodeConfig()
-    assert config.outer_lr == 0.7 and config.outer_momentum == 0.9 and config.outer_nesterov
+    assert config.outer.lr == 0.7 and config.outer.momentum == 0.9 and config.outer.nesterov
 
 
 def test_precedence_flag_over_env_over_toml_over_default(tmp_path: Path) -> None:
-    toml = write_toml(tmp_path, "inner_steps = 7\nbatch_size = 3\nmodel = 'nano'\ninner_lr = 0.002\n")
+    toml = write_toml(
+        tmp_path, "[inner]\nsteps = 7\nbatch_size = 3\nlr = 0.002\n\n[architecture]\npreset = 'nano'\n"
+    )
     env = {"DTNODE_INNER_STEPS": "9", "DTNODE_BATCH_SIZE": "5"}
     config = load_config(config_file=toml, environ=env, flags={"inner_steps": 11})
-    assert config.inner_steps == 11  # flag
-    assert config.batch_size == 5  # env
-    assert config.model == "nano" and config.inner_lr == 0.002  # TOML
-    assert config.outer_lr == 0.7  # default
+    assert config.inner.steps == 11  # flag
+    assert config.inner.batch_size == 5  # env
+    assert config.architecture.preset == "nano" and config.inner.lr == 0.002  # TOML
+    assert config.outer.lr == 0.7  # default
 
 
 def test_config_file_from_env_and_bool_parsing(tmp_path: Path) -> None:
-    toml = write_toml(tmp_path, "outer-offload = true\n")  # dashes are accepted in TOML keys
+    toml = write_toml(tmp_path, "[outer]\noffload = true\n[parallel]\nlocal-workers = 1\n")  # dashes too
     config = load_config(environ={"DTNODE_CONFIG": str(toml), "DTNODE_OUTER_NESTEROV": "false"})
-    assert config.outer_offload is True and config.outer_nesterov is False
+    assert config.outer.offload is True and config.outer.nesterov is False
+    assert config.parallel.local_workers == 1
 
 
 def test_the_setup_scripts_variables_are_not_settings() -> None:
@@ -44,10 +63,76 @@ def test_the_setup_scripts_variables_are_not_settings() -> None:
     assert load_config(environ=environ) == load_config(environ={})
 
 
-def test_to_toml_round_trips(tmp_path: Path) -> None:
-    config = NodeConfig(model="nano", inner_steps=3, name='we"ird', outer_offload=True)
-    path = write_toml(tmp_path, config.to_toml())
-    assert load_config(config_file=path, environ={}) == config
+def test_to_toml_round_trips_in_sections(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = NodeConfig.from_flat(model="nano", inner_steps=3, name='we"ird', outer_offload=True)
+    text = config.to_toml()
+    assert list(tomllib.loads(text)) == list(SECTIONS)
+    assert "[inner]\nsteps = 3\n" in text and '[architecture]\npreset = "nano"\n' in text
+    path = write_toml(tmp_path, text)
+    with caplog.at_level(logging.WARNING):
+        assert load_config(config_file=path, environ={}) == config
+    assert not caplog.records  # the sectioned form is not deprecated
+
+
+def test_a_flat_toml_file_still_loads_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config.toml written before the sections (flat names at the top) gives the same config."""
+    flat = "inner_steps = 7\nmodel = 'nano'\noverlap = true\ncodec = 'int4'\n"
+    with caplog.at_level(logging.WARNING):
+        config = load_config(config_file=write_toml(tmp_path, flat), environ={})
+    assert config == NodeConfig.from_flat(inner_steps=7, model="nano", overlap=True, codec="int4")
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "node.toml" in message and "deprecated" in message and "[inner] steps = ..." in message
+    assert "\n" not in message
+
+
+def test_the_flat_names_are_every_section_field_once_in_order() -> None:
+    locations = [tuple(location.split(".")) for location in FLAT_NAMES.values()]
+    expected = [(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert locations == expected
+    assert [f.name for f in dataclasses.fields(NodeConfig)] == list(SECTIONS)
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+def test_replace_takes_flat_names_and_checks_each_section_once() -> None:
+    config = replace(NodeConfig(), inner_steps=5, inner_lr=0.01, codec="int4", max_wait=10.0, join_window=5.0)
+    assert (config.inner.steps, config.inner.lr, config.rounds.codec) == (5, 0.01, "int4")
+    assert (config.rounds.max_wait, config.rounds.join_window) == (10.0, 5.0)  # valid only together
+    assert flat_values(config)["inner_steps"] == 5
+    assert config == NodeConfig(inner=InnerConfig(steps=5, lr=0.01), rounds=config.rounds)
+    with pytest.raises(ConfigError, match="unknown setting\\(s\\): inner_stepz"):
+        replace(config, inner_stepz=5)
+    with pytest.raises(ConfigError, match="inner_steps must be >= 1, got 0"):
+        replace(config, inner_steps=0)
+    with pytest.raises(ConfigError, match="inner_steps must be >= 1"):
+        InnerConfig(steps=0)  # a section checks itself
+
+
+def test_the_choice_types_are_the_wire_contract() -> None:
+    from protocol.allreduce.robust import AGGREGATIONS
+    from protocol.codecs import CODEC_NAMES
+
+    assert get_args(Codec) == CODEC_NAMES
+    assert get_args(Aggregation) == AGGREGATIONS
+
+
+def test_the_resolved_config_line_names_every_setting() -> None:
+    line = NodeConfig.from_flat(inner_steps=7).describe()
+    assert "inner.steps=7" in line and "run.name='dtnode'" in line and "\n" not in line
+    assert len(line.split(" ")) >= len(FLAT_NAMES)
+
+
+def test_flat_reads_during_the_transition() -> None:
+    """TRANSITION: removed with NodeConfig's flat accessor, once every reader uses sections."""
+    config = NodeConfig.from_flat(inner_steps=7, codec="int4")
+    assert (config.inner_steps, config.codec) == (7, "int4")
+    assert dataclasses.replace(config, inner_steps=3).inner.steps == 3  # node/api.py's call
+    with pytest.raises(AttributeError):
+        config.no_such_setting  # noqa: B018
 
 
 @pytest.mark.parametrize(
@@ -77,6 +162,16 @@ def test_bad_toml(tmp_path: Path) -> None:
         load_config(config_file=write_toml(tmp_path, "inner_steps = = 3"), environ={})
     with pytest.raises(ConfigError, match="unknown setting"):
         load_config(config_file=write_toml(tmp_path, "inner_stepz = 3"), environ={})
+    with pytest.raises(ConfigError, match=r"node\.toml: unknown setting\(s\): \[inner\] stepz"):
+        load_config(config_file=write_toml(tmp_path, "[inner]\nstepz = 3"), environ={})
+    with pytest.raises(
+        ConfigError, match=r"node\.toml: unknown section\(s\) \[model\]; the sections are run, "
+    ):
+        load_config(config_file=write_toml(tmp_path, "[model]\npreset = 'nano'"), environ={})
+    with pytest.raises(ConfigError, match=r"node\.toml: \[inner\] steps expects int, got the string '3'"):
+        load_config(config_file=write_toml(tmp_path, "[inner]\nsteps = '3'"), environ={})
+    with pytest.raises(ConfigError, match="inner_steps is set twice"):
+        load_config(config_file=write_toml(tmp_path, "inner_steps = 2\n[inner]\nsteps = 3"), environ={})
     with pytest.raises(ConfigError, match="inner_steps expects int"):
         load_config(config_file=write_toml(tmp_path, "inner_steps = 'x'"), environ={})
 
@@ -109,9 +204,9 @@ def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
 def test_cli_help_documents_every_field_and_version() -> None:
     result = run_cli("join", "--help")
     assert result.returncode == 0
-    from dataclasses import fields
-
-    for f in fields(NodeConfig):
-        assert "--" + f.name.replace("_", "-") in result.stdout, f.name
+    for name in FLAT_NAMES:
+        assert "--" + name.replace("_", "-") in result.stdout, name
+    for section in SECTIONS:
+        assert f"[{section}] " in result.stdout, section  # one help group per section
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("dtnode ")

@@ -3,14 +3,13 @@ the --eval-every auto rule (node/meta_init.py, node/efficiency.py, node/replica.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 
 import pytest
 import torch
 
-from node.config import ConfigError, NodeConfig
+from node.config import ConfigError, NodeConfig, replace
 from node.diloco import ModuleParams
 from node.efficiency import (
     EVAL_BUDGET,
@@ -57,7 +56,7 @@ def test_auto_settings_on_cpu() -> None:
     with pytest.raises(ConfigError, match="--compile on"):
         resolve_compile("on", CPU, local_workers=True)
     with pytest.raises(ConfigError, match="compile"):
-        NodeConfig(compile="sometimes")
+        NodeConfig.from_flat(compile="sometimes")
     # The held-out eval on its own thread: on with CUDA, inline on CPU and with local workers.
     assert resolve_eval_background("auto", CPU, local_workers=False) is False
     assert resolve_eval_background("on", CPU, local_workers=False) is True
@@ -67,7 +66,7 @@ def test_auto_settings_on_cpu() -> None:
     with pytest.raises(ConfigError, match="--eval-background on"):
         resolve_eval_background("on", CPU, local_workers=True)
     with pytest.raises(ConfigError, match="eval_background"):
-        NodeConfig(eval_background="later")
+        NodeConfig.from_flat(eval_background="later")
 
 
 def test_eval_every_auto_keeps_eval_within_its_budget() -> None:
@@ -75,15 +74,15 @@ def test_eval_every_auto_keeps_eval_within_its_budget() -> None:
     every = eval_interval(defaults)
     # The defaults (8 eval batches, H=50): one eval ≈ 8 forwards against 50 steps ≈ 150 forwards.
     assert every == 6
-    cost = defaults.eval_batches / (STEP_COST_IN_FORWARDS * defaults.inner_steps * every)
+    cost = defaults.eval.batches / (STEP_COST_IN_FORWARDS * defaults.inner.steps * every)
     assert (
         cost
         <= EVAL_BUDGET
-        < defaults.eval_batches / (STEP_COST_IN_FORWARDS * defaults.inner_steps * (every - 1))
+        < defaults.eval.batches / (STEP_COST_IN_FORWARDS * defaults.inner.steps * (every - 1))
     )
-    assert eval_interval(dataclasses.replace(defaults, eval_every=2)) == 2
-    assert eval_interval(dataclasses.replace(defaults, inner_steps=1000)) == 1
-    assert eval_interval(dataclasses.replace(defaults, eval_batches=1, inner_steps=10)) == math.ceil(1 / 0.3)
+    assert eval_interval(replace(defaults, eval_every=2)) == 2
+    assert eval_interval(replace(defaults, inner_steps=1000)) == 1
+    assert eval_interval(replace(defaults, eval_batches=1, inner_steps=10)) == math.ceil(1 / 0.3)
 
 
 def test_inner_adamw_is_fused_only_on_cuda() -> None:
@@ -94,7 +93,7 @@ def test_inner_adamw_is_fused_only_on_cuda() -> None:
 
 
 def replica_losses(compile: bool) -> list[float]:
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         model="nano", seq_len=32, batch_size=4, inner_lr=3e-3, compile="on" if compile else "off"
     )
     torch.manual_seed(0)

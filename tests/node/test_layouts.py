@@ -69,7 +69,7 @@ def _train_reference(*, clip: bool) -> TrainResult:
         loss = cross_entropy_loss(model(inputs), targets)
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.inner.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -90,7 +90,7 @@ def _train_data_and_tensor_parallel(mesh: DeviceMesh) -> TrainResult:
         loss = cross_entropy_loss(model(local_inputs), local_targets)
         loss.backward()
         average_gradients(model, dp_group)
-        clip_grad_norm(model.parameters(), config.grad_clip)
+        clip_grad_norm(model.parameters(), config.inner.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         batch_loss = loss.detach().clone()

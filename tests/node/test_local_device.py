@@ -32,15 +32,15 @@ def test_auto_on_a_cuda_machine_uses_one_nccl_rank_per_gpu(four_gpus: None) -> N
     tensor.use_device("auto")
     assert tensor.device_type() == "cuda" and tensor.distributed_backend() == "nccl"
     assert pipeline_device() == torch.device("cuda", 2)
-    assert num_local_workers(NodeConfig(device="auto")) == 4
+    assert num_local_workers(NodeConfig.from_flat(device="auto")) == 4
 
 
 def test_device_cpu_on_a_cuda_machine_keeps_every_rank_on_the_cpu_with_gloo(four_gpus: None) -> None:
     tensor.use_device("cpu")
     assert tensor.device_type() == "cpu" and tensor.distributed_backend() == "gloo"
     assert pipeline_device() == torch.device("cpu")
-    assert num_local_workers(NodeConfig(device="cpu")) == 1  # not one per GPU
-    assert num_local_workers(NodeConfig(device="cpu", local_workers=3)) == 3
+    assert num_local_workers(NodeConfig.from_flat(device="cpu")) == 1  # not one per GPU
+    assert num_local_workers(NodeConfig.from_flat(device="cpu", local_workers=3)) == 3
     host_share = device_memory_bytes(2, "cpu")
     assert host_share > 0 and host_share < 2**50  # the host's RAM halved, not a GPU's memory query
 

@@ -47,7 +47,7 @@ def test_fixed_ports_with_announce_and_a_client_without_any_are_accepted() -> No
     )
     # A client is dialled by nobody: no port of its own needs to be fixed or announced.
     client = load_config(flags={"client_mode": True, "peers": PEER}, environ={})
-    assert client.client_mode and client.listen.endswith(":0")
+    assert client.network.client_mode and client.network.listen.endswith(":0")
 
 
 def test_relay_and_client_mode_reach_the_dht_settings() -> None:
@@ -65,7 +65,7 @@ def test_relay_and_client_mode_reach_the_dht_settings() -> None:
 
 def test_the_python_api_takes_client_mode() -> None:
     config = api_config(client_mode=True, peers=PEER)
-    assert config.client_mode and swarm_config(config).client_mode
+    assert config.network.client_mode and swarm_config(config).client_mode
     with pytest.raises(ConfigError, match="--client-mode needs --peers"):
         api_config(client_mode=True)
 

@@ -85,7 +85,7 @@ def test_overlapped_rounds_apply_the_mean_one_round_late():
 
 @pytest.mark.timeout(120)
 def test_trainer_with_overlap_records_every_round(tmp_path):
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         model="nano", run_dir=str(tmp_path / "run"), max_rounds=3, inner_steps=4, batch_size=2,
         eval_batches=1, log_every=100, overlap=True, swarm=False, threads=1,
     )  # fmt: skip
@@ -139,14 +139,14 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     settings = dict(
         model="nano", inner_steps=4, batch_size=2, eval_batches=1, log_every=100, swarm=False, threads=1
     )
-    source = Trainer(NodeConfig(run_dir=str(tmp_path / "source"), max_rounds=2, **settings))  # type: ignore[arg-type]
+    source = Trainer(NodeConfig.from_flat(run_dir=str(tmp_path / "source"), max_rounds=2, **settings))
     source.run()  # round 2, step 8
     state = adopted_state(
         source.snapshot(), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
     )
     averager = AdoptingAverager(state)
     trainer = Trainer(
-        NodeConfig(run_dir=str(tmp_path / "run"), max_rounds=3, overlap=True, **settings),  # type: ignore[arg-type]
+        NodeConfig.from_flat(run_dir=str(tmp_path / "run"), max_rounds=3, overlap=True, **settings),
         averager=averager,
     )
     trainer.run()

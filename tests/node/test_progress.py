@@ -64,7 +64,7 @@ def test_trainer_logs_the_same_lines_as_its_metrics(tmp_path: Path, caplog: pyte
     caplog.set_level(logging.INFO, logger="dtnode")
     corpus = tmp_path / "text.txt"
     corpus.write_text(inspect.getsource(inspect))
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         model="nano", seq_len=32, batch_size=4, inner_steps=2, eval_batches=1, warmup_steps=1, total_steps=10,
         data=str(corpus), run_dir=str(tmp_path / "run"), log_every=1, max_rounds=2, threads=1,
     )  # fmt: skip
@@ -116,9 +116,9 @@ def test_live_display_renders_steps_and_rounds(caplog: pytest.LogCaptureFixture)
 def test_live_display_only_for_text_on_a_terminal() -> None:
     assert isinstance(progress_sink(NodeConfig(), is_terminal=True), LiveProgress)
     assert isinstance(progress_sink(NodeConfig(), is_terminal=False), PlainProgress)
-    assert isinstance(progress_sink(NodeConfig(log_format="json"), is_terminal=True), PlainProgress)
+    assert isinstance(progress_sink(NodeConfig.from_flat(log_format="json"), is_terminal=True), PlainProgress)
     with pytest.raises(ConfigError, match="log_format"):
-        NodeConfig(log_format="xml")
+        NodeConfig.from_flat(log_format="xml")
 
 
 def test_json_formatter_writes_one_object_per_record() -> None:

@@ -229,8 +229,8 @@ def test_a_taken_port_is_an_error(exporter: PrometheusExporter) -> None:
 
 def test_metrics_port_is_validated() -> None:
     with pytest.raises(ConfigError, match="metrics_port"):
-        NodeConfig(metrics_port=70000)
-    assert NodeConfig().metrics_port == 0  # off unless asked for
+        NodeConfig.from_flat(metrics_port=70000)
+    assert NodeConfig().metrics.port == 0  # off unless asked for
 
 
 def free_port() -> int:
@@ -245,7 +245,7 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     corpus = tmp_path / "text.txt"
     corpus.write_text(inspect.getsource(inspect))
     port = free_port()
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2, total_steps=30,
         data=str(corpus), run_dir=str(tmp_path / "run"), log_every=100, listen="127.0.0.1:0", metrics_port=port,
         eval_every=1,
@@ -254,7 +254,7 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     trainer = Trainer(config)
     try:
-        for _ in range(config.inner_steps):  # what Trainer.run does, stopped before it closes the endpoint
+        for _ in range(config.inner.steps):  # what Trainer.run does, stopped before it closes the endpoint
             trainer.metrics.write(trainer.inner_step())
         trainer.outer_round()
         samples, _ = scrape(port)

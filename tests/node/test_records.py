@@ -148,7 +148,7 @@ def test_a_bpe_tokenizes_records_like_the_tokenizer_itself(sources: dict[str, Pa
 def test_a_restart_reads_the_token_cache_and_a_changed_file_misses_it(tmp_path: Path) -> None:
     rows = texts()
     sources = write_all(tmp_path, rows)
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         data=str(sources["jsonl"]),
         text_field="body",
         val_fraction=VAL_FRACTION,

@@ -35,7 +35,7 @@ class Halver:
 
 
 def build(layout: dict[str, int], tmp_path: Path, sharding: str = "on") -> ParallelReplica:
-    config = NodeConfig(
+    config = NodeConfig.from_flat(
         run_dir=str(tmp_path), model="nano", seq_len=32, batch_size=4, threads=1, seed=7,
         local_bucket_mb=0.1, outer_sharding=sharding, **layout,  # ~37 buckets, each cut by the ranks' ranges
     )  # fmt: skip

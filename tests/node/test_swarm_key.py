@@ -37,29 +37,29 @@ def test_swarm_key_file_flag_reaches_the_swarm_config_without_the_secret(tmp_pat
     secret = path.read_text().strip()
     args = build_parser().parse_args(["join", "--swarm-key-file", str(path)])
     assert args.swarm_key_file == str(path)
-    config = NodeConfig(swarm_key_file=str(path))
+    config = NodeConfig.from_flat(swarm_key_file=str(path))
     swarm = swarm_config(config)
     assert swarm.auth == SwarmAuth(SwarmKey.from_file(path), tls=False)
     for text in (repr(swarm), repr(config), config.to_toml()):  # what logs and the run dir get
         assert secret not in text
     assert swarm_config(NodeConfig()).auth is None
-    assert swarm_config(NodeConfig(swarm_key_file=str(path), tls=True)).auth == SwarmAuth(
+    assert swarm_config(NodeConfig.from_flat(swarm_key_file=str(path), tls=True)).auth == SwarmAuth(
         SwarmKey.from_file(path), tls=True
     )
     with pytest.raises(ConfigError, match="--tls needs --swarm-key-file"):
-        NodeConfig(tls=True)
+        NodeConfig.from_flat(tls=True)
 
 
 def test_unusable_key_files_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the swarm key file"):
-        swarm_config(NodeConfig(swarm_key_file=str(tmp_path / "missing.key")))
+        swarm_config(NodeConfig.from_flat(swarm_key_file=str(tmp_path / "missing.key")))
     readable = tmp_path / "readable.key"
     SwarmKey.generate().write(readable)
     readable.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
-        swarm_config(NodeConfig(swarm_key_file=str(readable)))
+        swarm_config(NodeConfig.from_flat(swarm_key_file=str(readable)))
     short = tmp_path / "short.key"
     short.write_text("00ff" * 4)
     short.chmod(0o600)
     with pytest.raises(ConfigError, match="at least 32 random bytes"):
-        swarm_config(NodeConfig(swarm_key_file=str(short)))
+        swarm_config(NodeConfig.from_flat(swarm_key_file=str(short)))

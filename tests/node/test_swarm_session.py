@@ -58,7 +58,7 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
         eval_every=1,  # every round's eval_loss is compared
     )  # fmt: skip
     settings.update(overrides)
-    return NodeConfig(**settings)  # type: ignore[arg-type]
+    return NodeConfig.from_flat(**settings)
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +135,7 @@ def test_adopted_state_rejects_another_model_or_corpus(corpus_file: Path, tmp_pa
 
     other_file = tmp_path / "other.txt"
     other_file.write_text(inspect.getsource(os) * 2)
-    other_corpus = load_corpus(str(other_file), val_fraction=nano.config.val_fraction)
+    other_corpus = load_corpus(str(other_file), val_fraction=nano.config.corpus.val_fraction)
     assert other_corpus.sha256 != nano.corpus.sha256
     with pytest.raises(ValueError, match="corpus"):
         adopted_state(snapshot, num_elements=nano.diloco.num_elements, corpus_sha256=other_corpus.sha256)

@@ -78,7 +78,7 @@ def _train(model: GPT, clip: ClipGradNorm) -> TrainResult:
         loss.backward()
         if not first_grads:
             first_grads = [full_tensor(param.grad) for param in model.parameters() if param.grad is not None]
-        grad_norms.append(float(clip(model.parameters(), config.grad_clip)))
+        grad_norms.append(float(clip(model.parameters(), config.inner.grad_clip)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

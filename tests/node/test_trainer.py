@@ -30,7 +30,7 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
         total_steps=30, data=str(corpus_file), run_dir=str(run_dir), log_every=100, inner_lr=3e-3,
     )  # fmt: skip
     settings.update(overrides)
-    return NodeConfig(**settings)  # type: ignore[arg-type]
+    return NodeConfig.from_flat(**settings)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -128,7 +128,7 @@ def test_outer_momentum_zero_is_plain_sgd_whatever_the_nesterov_flag(
     landed = {}
     for lr in (1.0, 0.5):
         config = small_config(corpus_file, tmp_path / str(lr), max_rounds=1, outer_lr=lr, outer_momentum=0.0)
-        assert config.outer_nesterov
+        assert config.outer.nesterov
         trainer = Trainer(config)
         assert trainer.diloco.outer.settings()["nesterov"] is False
         start = trainer.diloco.global_params.clone()

@@ -67,7 +67,7 @@ def _train(model: GPT, optimizer: torch.optim.Optimizer, rank: int | None, stage
         loss.backward()
         if rank is not None and stage == 1:
             average_gradients(model)  # ZeRO-3 reduce-scatters inside backward
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.inner.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -98,11 +98,11 @@ def _reference_ddp_hash(warm_start_path: Path, **overrides: float) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)  # the ranks' thread count: the same matmul reduction order
     try:
-        corpus = load_corpus(None, val_fraction=NodeConfig().val_fraction)
+        corpus = load_corpus(None, val_fraction=NodeConfig().corpus.val_fraction)
         torch.manual_seed(settings.seed)
         model = GPT(model_config("nano", vocab_size=corpus.vocab_size, seq_len=settings.seq_len))
         model.load_state_dict(torch.load(warm_start_path, weights_only=True))
-        optimizer = build_inner_optimizer(model, NodeConfig(inner_lr=settings.inner_lr))
+        optimizer = build_inner_optimizer(model, NodeConfig.from_flat(inner_lr=settings.inner_lr))
         schedule = LRSchedule(
             kind="cosine", peak_lr=settings.inner_lr, warmup_steps=settings.warmup_steps,
             horizon_steps=settings.steps, min_lr_ratio=settings.min_lr_ratio,
