@@ -16,13 +16,14 @@ One outer round (Douillard et al., 2023, "DiLoCo"; ``node/diloco.py`` has the al
 2. the swarm averages Δ over the round's group, weighted by what each node trained (tokens or
    samples), through the compressed all-reduce of ``node/swarm.py`` (``SwarmSession``);
 3. outer Nesterov SGD on θ_global with the mean, then θ_module ← θ_global;
-4. the round's decision (``node/swarm_seam.py``) is acted on in one ``match``: Averaged and FellBack
-   count the round; Adopt (this node missed the round or is off the swarm's lineage) loads the
-   swarm's verified global state into the module instead.
+4. the round's decision (``node/swarm_seam.py``) is acted on: Averaged and FellBack count the round;
+   Adopt (this node missed the round or is off the swarm's lineage) loads the swarm's verified global
+   state into the module instead.
 
-As with torchft's Manager the swarm never holds this object, only a
-:class:`~node.swarm_seam.GlobalStateAccess`; as with hivemind's Optimizer the user says what was
-trained and the round is due after ``inner_steps`` calls (or ``round_seconds`` seconds).
+The round is the daemon's own: this class is a thin wrapper of :class:`~node.outer_round.OuterRound`,
+which the daemon's loop drives too. As with torchft's Manager the swarm never holds this object; as
+with hivemind's Optimizer the user says what was trained and the round is due after ``inner_steps``
+calls (or ``round_seconds`` seconds).
 
 Options are :class:`~node.config.NodeConfig`'s fields, as ``dtnode join`` takes them (``peers``,
 ``codec``, ``swarm_key_file``, ``aggregation``, ``min_peers``, …), validated by NodeConfig; the ones
@@ -39,34 +40,27 @@ run continues bit for bit as if it had not stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from node.config import ConfigError, NodeConfig
-from node.diloco import DiLoCo, SoloAverager
-from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess
-from node.swarm_state import state_snapshot
+from node.config import ConfigError, NodeConfig, replace
+from node.diloco import DiLoCo
+from node.outer_round import OuterRound, RoundKind, RoundProgress, RoundSettings
+from node.swarm_seam import SoloAverager
 
 if TYPE_CHECKING:
     from node.swarm import SwarmSession
-    from protocol.statesync.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-MAX_DUE_WAIT_SECONDS = 120.0
-"""The longest a phase runs past its end while a node fetches our lineage's state (Trainer's MAX_DUE_WAIT)."""
-
 STATE_VERSION = 1  # of SwarmTrainer.state_dict
-RoundKind = Literal["averaged", "fell_back", "adopted"]
 
 
 def data_sha256(data_id: str) -> str:
@@ -92,15 +86,31 @@ class RoundReport:
 def api_config(config: NodeConfig | None = None, **options: Any) -> NodeConfig:
     """``config`` (default: NodeConfig's defaults) with ``options`` over it, validated by NodeConfig;
     ConfigError for an unknown option, a bad value, or one the API cannot honour."""
-    try:
-        resolved = dataclasses.replace(config or NodeConfig(), **options)
-    except TypeError as error:  # an unknown keyword
-        raise ConfigError(f"unknown option: {error}") from None
-    if resolved.overlap:
+    resolved = replace(config or NodeConfig(), **options)
+    if resolved.outer.overlap:
         raise ConfigError("overlap=True is not supported by the Python API (use dtnode join --overlap)")
-    if resolved.swarm_streams > 1:
+    if resolved.rounds.streams > 1:
         raise ConfigError("swarm_streams > 1 needs the daemon's local ranks; the Python API runs one stream")
     return resolved
+
+
+class _UserData:
+    """The API's data cursor: the user reads their own data; the swarm only assigns a shard."""
+
+    def __init__(self, shard: tuple[int, int]) -> None:
+        self.shard = shard
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the data position is the user's: a served state carries only the counters
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """An adopted state's data position is the swarm's counters only: nothing to load here."""
+
+    def skip(self, num_steps: int) -> None:
+        """Catching up skips steps of the user's data: their loop follows ``num_steps``."""
+
+    def reshard(self, shard_index: int, num_shards: int) -> None:
+        self.shard = (shard_index, num_shards)
 
 
 class SwarmTrainer:
@@ -119,32 +129,36 @@ class SwarmTrainer:
         self.corpus_sha256 = data_sha256(data_id)
         self._stop = threading.Event()
         self._session: SwarmSession | None = None
-        if config.swarm:
+        if config.network.enabled:
             from node.swarm import SwarmSession  # imported late: the gRPC stack is slow to import
             from node.swarm_setup import start_swarm
 
             self._session = SwarmSession(
-                start_swarm(config), joining=bool(config.peers), start_peers=config.start_peers
+                start_swarm(config), joining=bool(config.network.peers), start_peers=config.rounds.start_peers
             )
         self.diloco = DiLoCo(
             module,
-            averager=self._session if self._session is not None else SoloAverager(),
-            outer_lr=config.outer_lr,
-            outer_momentum=config.outer_momentum,
-            nesterov=config.outer_nesterov,
-            offload=config.outer_offload,
+            outer_lr=config.outer.lr,
+            outer_momentum=config.outer.momentum,
+            nesterov=config.outer.nesterov,
+            offload=config.outer.offload,
         )
-        self.num_steps = 0  # inner steps over the run (the swarm's count after an adoption)
-        self.num_rounds = 0  # outer rounds applied over the run
-        self._round_weight = 0  # tokens or samples trained since the last round
+        self._data = _UserData((config.corpus.shard_index, config.corpus.num_shards))
+        self.round = OuterRound(
+            self.diloco,
+            averager=self._session if self._session is not None else SoloAverager(),
+            swarm=self._session,
+            settings=RoundSettings(
+                inner_steps=config.inner.steps, round_seconds=config.rounds.seconds,
+                model=f"api:{type(module).__name__}", corpus_sha256=self.corpus_sha256,
+            ),
+            data=self._data,
+            stop_requested=self._stop.is_set,
+        )  # fmt: skip
         self._unit: str = ""  # "tokens" or "samples", fixed by the first step
-        self._phase_start_step = 0
-        self._phase_started: float | None = None  # monotonic start of the phase under way
-        self._extended_since: float | None = None
-        self._shard = (config.shard_index, config.num_shards)
         self._pending_swarm_state: dict[str, torch.Tensor] = {}
         self._started = False
-        log.info("Python API: %s", {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        log.info("Python API: %s", config)
 
     # --- lifecycle ---
 
@@ -155,15 +169,11 @@ class SwarmTrainer:
         if self._started:
             return
         self._started = True
-        if self._session is not None:
-            try:
-                self._session.start(self.global_state_access())
-            except BaseException:  # refused (another data_id or model) or interrupted: free the sockets
-                self.close()
-                raise
-            if self._pending_swarm_state and not self._session.num_adoptions:  # not another's residual
-                self._session.load_state_dict(self._pending_swarm_state)
-        self._phase_started = time.monotonic()
+        try:
+            self.round.start(self._pending_swarm_state)
+        except BaseException:  # refused (another data_id or model) or interrupted: free the sockets
+            self.close()
+            raise
 
     def finish(self) -> None:
         """End of the run: serve our last state while a node is behind it, then leave the swarm."""
@@ -174,6 +184,7 @@ class SwarmTrainer:
     def close(self) -> None:
         """Leave the swarm and close its connections (idempotent)."""
         self._stop.set()
+        self.round.close()
         session, self._session = self._session, None
         if session is not None:
             session.stop()
@@ -181,12 +192,19 @@ class SwarmTrainer:
     # --- the loop ---
 
     @property
+    def num_steps(self) -> int:
+        """Inner steps over the run (the swarm's count after an adoption)."""
+        return self.round.progress.step
+
+    @property
+    def num_rounds(self) -> int:
+        """Outer rounds applied over the run."""
+        return self.round.progress.round
+
+    @property
     def shard(self) -> tuple[int, int]:
         """(index, count): the data shard the swarm's last round assigned this node."""
-        return self._shard
-
-    def _set_shard(self, index: int, count: int) -> None:
-        self._shard = (index, count)
+        return self._data.shard
 
     def param_hash(self) -> str:
         """SHA-256 of the global params (equal on every node of the swarm's lineage)."""
@@ -204,115 +222,21 @@ class SwarmTrainer:
         if self._stop.is_set():
             raise RuntimeError("step() after close()")
         self.start()  # (once)
-        self.num_steps += 1
-        self._round_weight += tokens or samples
-        if self._round_due():
-            return self._outer_round()
-        if self._session is not None and self._session.phase_should_end():
-            # Catching up after an adoption: join the round the swarm is forming with what we have,
-            # on the swarm's step count.
-            if not self.config.round_seconds:
-                self.num_steps = max(self.num_steps, self._phase_start_step + self.config.inner_steps)
-            return self._outer_round()
-        return None
-
-    def _round_due(self) -> bool:
-        """After ``inner_steps`` steps, or with ``round_seconds`` once the phase lasted that long; in
-        either case not while a node is fetching our lineage's state (then at most MAX_DUE_WAIT_SECONDS
-        longer), so it joins this round (``SwarmSession.lineage_peer_due``)."""
-        config, now = self.config, time.monotonic()
-        if config.round_seconds:
-            started = self._phase_started if self._phase_started is not None else now
-            if now - started < config.round_seconds:
-                return False
-        elif self.num_steps - self._phase_start_step < config.inner_steps:
-            return False
-        if self._session is None or not self._session.lineage_peer_due():
-            return True
-        if self._extended_since is None:
-            self._extended_since = now
-            log.info("a node is fetching our lineage's state: training on until it joins")
-        return now - self._extended_since >= MAX_DUE_WAIT_SECONDS
-
-    def _outer_round(self) -> RoundReport:
-        """DiLoCo's outer step, and the one place the loop acts on the round's decision."""
-        weight = float(self._round_weight)
-        self._round_weight = 0
-        report = self.diloco.outer_step(round_index=self.num_rounds + 1, weight=weight)
-        param_hash, reason = report.param_hash, ""
-        kind: RoundKind
-        match report.decision:
-            case Adopt(state=state):
-                self._adopt(state)
-                kind, param_hash = "adopted", state.param_hash
-            case Averaged():
-                kind, self.num_rounds = "averaged", report.round_index
-            case FellBack(reason=why):
-                kind, reason, self.num_rounds = "fell_back", why, report.round_index
-        if self._session is not None:
-            self._session.after_round(report.decision, report.outcome.members)
-        self._phase_started, self._phase_start_step = time.monotonic(), self.num_steps
-        self._extended_since = None
+        self.round.count_step(tokens or samples)  # timed by the wall clock between calls
+        applied = self.round.at_step_boundary()
+        if applied is None:
+            return None
         return RoundReport(
             round=self.num_rounds,
-            kind=kind,
-            num_peers=report.num_peers,
-            param_hash=param_hash,
+            kind=applied.kind,
+            num_peers=applied.num_peers,
+            param_hash=applied.param_hash,
             step=self.num_steps,
-            weight=weight,
-            seconds_comm=report.seconds_comm,
-            shard=self._shard,
-            reason=reason,
+            weight=applied.weight,
+            seconds_comm=applied.seconds_comm,
+            shard=self.shard,
+            reason=applied.reason,
         )
-
-    # --- the seam: what the swarm reads and does here ---
-
-    def global_state_access(self) -> GlobalStateAccess:
-        """This loop's side of the seam, handed to the swarm (``SwarmSide.start``)."""
-        return GlobalStateAccess(
-            num_elements=self.diloco.num_elements,
-            corpus_sha256=self.corpus_sha256,
-            lineage=lambda: (self.num_rounds, self.diloco.param_hash()),
-            snapshot=self._snapshot,
-            stepped=self.diloco.stepped,
-            adopt=self._adopt,
-            tokens_per_s=self._rate,
-            stop_requested=self._stop.is_set,
-            reshard=self._set_shard,
-        )
-
-    def _snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
-        """The global state as served: the data position is the user's, so only counters are in it."""
-        step, data = boundary if boundary is not None else (self.num_steps, {})
-        with self.diloco.consistent():
-            params, momentum = self.diloco.global_params, self.diloco.momentum_buffer()
-        return state_snapshot(
-            global_params=params,
-            outer_momentum=momentum,
-            round=self.num_rounds if round is None else round,
-            step=step,
-            data=data,
-            model=f"api:{type(self.module).__name__}",
-            corpus_sha256=self.corpus_sha256,
-        )
-
-    def _adopt(self, state: AdoptedState) -> None:
-        """Load the swarm's global state into the module (the inner optimizer's state is kept, as in
-        DiLoCo); its counters replace ours, the steps since our last round are dropped."""
-        self.diloco.load_global_state(state.global_params, state.outer_momentum)
-        if self.diloco.param_hash() != state.param_hash:
-            raise RuntimeError("the adopted params do not match their param_hash")
-        self.num_rounds, self.num_steps = state.round, int(state.metadata["step"])
-        self._round_weight, self._phase_start_step = 0, self.num_steps
-        self._phase_started = time.monotonic()
-        log.info("adopted the swarm's state: round %d, param_hash %s", state.round, state.param_hash[:12])
-
-    def _rate(self) -> float:
-        """What this node trains per second in the phase under way (tokens or samples)."""
-        if self._phase_started is None:
-            return 0.0
-        seconds = time.monotonic() - self._phase_started
-        return self._round_weight / seconds if seconds > 0 else 0.0
 
     # --- checkpoints ---
 
@@ -322,6 +246,7 @@ class SwarmTrainer:
         (copies; save with ``torch.save``)."""
         module_state = {name: value.detach().clone() for name, value in self.module.state_dict().items()}
         swarm_state = self._session.state_dict() if self._session is not None else {}
+        progress = self.round.progress
         return {
             "version": STATE_VERSION,
             "corpus_sha256": self.corpus_sha256,
@@ -329,12 +254,12 @@ class SwarmTrainer:
             "module": module_state,
             "outer": self.diloco.state_dict(),
             "counters": {
-                "num_steps": self.num_steps,
-                "num_rounds": self.num_rounds,
-                "round_weight": self._round_weight,
-                "phase_start_step": self._phase_start_step,
+                "num_steps": progress.step,
+                "num_rounds": progress.round,
+                "round_weight": progress.round_tokens,
+                "phase_start_step": self.round.phase_start_step,
                 "unit": self._unit,
-                "shard": list(self._shard),
+                "shard": list(self.shard),
             },
             "swarm": swarm_state or self._pending_swarm_state,
         }
@@ -356,11 +281,16 @@ class SwarmTrainer:
         if self.diloco.param_hash() != state["param_hash"]:
             raise RuntimeError("restored global params do not match the saved param_hash")
         counters = state["counters"]
-        self.num_steps, self.num_rounds = int(counters["num_steps"]), int(counters["num_rounds"])
-        self._round_weight = int(counters["round_weight"])
-        self._phase_start_step = int(counters["phase_start_step"])
+        self.round.restore(
+            RoundProgress(
+                step=int(counters["num_steps"]),
+                round=int(counters["num_rounds"]),
+                round_tokens=int(counters["round_weight"]),
+            ),
+            phase_start_step=int(counters["phase_start_step"]),
+        )
         self._unit = str(counters["unit"])
-        self._shard = (int(counters["shard"][0]), int(counters["shard"][1]))
+        self._data.shard = (int(counters["shard"][0]), int(counters["shard"][1]))
         self._pending_swarm_state = dict(state.get("swarm", {}))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from node.swarm_seam import AdoptedState, GlobalStateAccess
+from node.swarm_seam import AdoptedState, Lineage, OuterStepper, Stepped
 from node.swarm_state import caught_up_state, round_mean_id, round_mean_link
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.records import PeerRecord
@@ -23,13 +23,20 @@ from protocol.swarm.node import SwarmNode
 
 
 def catch_up_with_means(
-    swarm: SwarmNode, loop: GlobalStateAccess, decision: LineageDecision
+    swarm: SwarmNode,
+    decision: LineageDecision,
+    *,
+    ours: Lineage,
+    held: Stepped,
+    stepper: OuterStepper,
+    num_elements: int,
+    corpus_sha256: str,
 ) -> tuple[AdoptedState | None, int, str | None]:
-    """(the swarm's state stepped to from ours, or None; bytes fetched; why not, if None). Every
-    fetch is announced (``SwarmNode.fetch_state(announce=True)``): the lineage's members train on
-    while we fetch (``participation.peer_due``), so the state we step to is still theirs when we hold it."""
+    """(the swarm's state stepped to from ours, or None; bytes fetched; why not, if None). ``ours``:
+    the lineage of the global state ``held`` = (params, momentum) this node holds. Every fetch is
+    announced (``SwarmNode.fetch_state(announce=True)``): the lineage's members train on while we
+    fetch (``participation.peer_due``), so the state we step to is still theirs when we hold it."""
     canonical = decision.canonical
-    ours = loop.lineage()
     # Newest first: (the mean that led to `wanted`, the state it says it leads to), then the one before.
     links: list[tuple[Snapshot, tuple[int, str]]] = []
     wanted, num_bytes = canonical.param_hash, 0
@@ -44,11 +51,11 @@ def catch_up_with_means(
             wanted = previous[1]
         else:
             raise ValueError(f"the round means served do not lead back to ours (round {ours[0]})")
-        state, previous = None, ours
+        state, previous, start = None, ours, held
         for fetched, target in reversed(links):
-            state = caught_up_state(loop, fetched, previous=previous, target=target,
-                                    corpus_sha256=loop.corpus_sha256, start=state)  # fmt: skip
-            previous = target
+            state = caught_up_state(stepper, fetched, previous=previous, target=target, start=start,
+                                    num_elements=num_elements, corpus_sha256=corpus_sha256)  # fmt: skip
+            previous, start = target, (state.global_params, state.outer_momentum)
         if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
             raise ValueError("the round means do not end at the swarm's state")
     except (StateSyncError, ValueError, TimeoutError) as error:

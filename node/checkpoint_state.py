@@ -5,7 +5,7 @@
      "rng": torch's CPU RNG, "swarm": what one round carries into the next (the codec's residual)}
 
 The tree is built at a round's end from the round's one host copy of the global state
-(``node.round_end.HostGlobalState``): the outer entry is made of it, and when the model holds θ_global
+(``node.global_copy.HostGlobalState``): the outer entry is made of it, and when the model holds θ_global
 (after a synchronous outer step or an adoption) so are the model's parameters (views). Those
 tensors are returned as *owned* so that the background writer (``node/checkpoint_writer.py``) takes
 them as they are instead of copying them again; everything else is copied by the writer's snapshot.
@@ -21,8 +21,8 @@ from torch import Tensor
 
 from node.checkpoint import load_checkpoint
 from node.config import ConfigError
+from node.global_copy import HostGlobalState, model_state_as_views, outer_checkpoint_state
 from node.replica import Replica, SingleReplica
-from node.round_end import HostGlobalState, model_state_as_views, outer_checkpoint_state
 
 if TYPE_CHECKING:
     from node.data import ShardedBatches

@@ -51,7 +51,7 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def snapshot_state(state: Any, owned: Collection[torch.Tensor] = ()) -> Any:
     """The state tree with every tensor replaced by a host copy; lists, tuples and dicts rebuilt.
     The tensors in ``owned`` are taken as they are: host copies already, which nobody writes to
-    (``node.round_end.HostGlobalState`` and views of it)."""
+    (``node.global_copy.HostGlobalState`` and views of it)."""
     tensors: dict[str, torch.Tensor] = {}
     json_tree = _snapshot(state, "", tensors, frozenset(id(tensor) for tensor in owned))
     if torch.cuda.is_available():

@@ -641,15 +641,6 @@ class NodeConfig:
             blocks.append("\n".join(lines))
         return "\n\n".join(blocks) + "\n"
 
-    # TRANSITION: removed once every reader uses sections. A flat name read as its section's field
-    # (``config.inner_steps`` is ``config.inner.steps``), for the modules not yet converted.
-    def __getattr__(self, name: str) -> Any:
-        location = _LOCATIONS.get(name)
-        if location is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        section, field_name = location
-        return getattr(object.__getattribute__(self, section), field_name)
-
 
 FLAT_NAMES: Mapping[str, str] = {
     # flat name: flag --inner-steps, variable DTNODE_INNER_STEPS, option join_swarm(inner_steps=…)
@@ -863,20 +854,3 @@ def load_config(
         raise ConfigError(str(error)) from None
     except ConfigError as error:  # a bad value: say it with the flags a user types
         raise ConfigError(config_layers.name_flags(str(error), FLAT_NAMES)) from None
-
-
-# TRANSITION: removed once every reader uses sections. NodeConfig(...) also takes flat names, so
-# that ``dataclasses.replace(config, inner_steps=5)`` (node/api.py) keeps working meanwhile.
-_sectioned_init = NodeConfig.__init__
-
-
-def _init_taking_flat_names(self: NodeConfig, **options: Any) -> None:
-    flat = {key: options.pop(key) for key in list(options) if key in _LOCATIONS}
-    _sectioned_init(self, **options)
-    if flat:
-        updated = replace(self, **flat)
-        for section in fields(NodeConfig):
-            object.__setattr__(self, section.name, getattr(updated, section.name))
-
-
-NodeConfig.__init__ = _init_taking_flat_names  # type: ignore[method-assign]

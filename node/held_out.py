@@ -3,7 +3,7 @@ model while the next inner phase trains (``--eval-background``; ``node.efficienc
 
     Phase 1 (training thread, at the round's end): the params are handed over. On the CPU the eval
              model's parameters become views of the round's one host copy of θ_global
-             (``node.round_end.HostGlobalState``, made for the checkpoint and the served snapshot
+             (``node.global_copy.HostGlobalState``, made for the checkpoint and the served snapshot
              anyway): no copy at all. On a GPU they are copied device to device into the eval
              model on the training stream, and an event marks the end of that copy.
     Phase 2 (eval thread): the forward passes over the fixed held-out batches, on the eval thread's

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from node.diloco import OuterStepReport
+    from node.outer_round import RoundApplied
 
 # The kinds of ``failures_by_kind`` (see above), in the order a round can meet them.
 FAILURE_KINDS = ("peer", "fell_back", "round_failed", "timeout", "missed", "resync", "state_sync")
@@ -155,52 +155,52 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 
 def round_record(
-    report: OuterStepReport,
+    applied: RoundApplied,
     *,
     progress: Any,
-    compute_seconds: float,
     wall_seconds: float,
     eval_loss: float | None,
     overlap: bool,
     shard: tuple[int, int],
 ) -> dict[str, Any]:
     """A ``round`` record (the contract above) of one applied round: the round's statistics straight
-    from the swarm's outcome (``report.outcome``), the loop's counters (``progress``: step, round,
+    from the swarm's outcome (``applied.stats``), the loop's counters (``progress``: step, round,
     tokens) and timings. ``wall_seconds``: since the previous round record."""
-    outcome, blocked, wall = report.outcome, report.seconds_waited, wall_seconds
+    stats, blocked, wall = applied.stats, applied.seconds_waited, wall_seconds
+    compute_seconds = applied.compute_seconds
     return {
         "kind": "round",
         "round": progress.round,
         "step": progress.step,
         "eval_loss": eval_loss,
-        "peers": report.num_peers,
-        "bytes_sent": outcome.bytes_sent,
-        "bytes_recv": outcome.bytes_recv,
+        "peers": stats.num_peers,
+        "bytes_sent": stats.bytes_sent,
+        "bytes_recv": stats.bytes_recv,
         "seconds_compute": compute_seconds,
-        "seconds_comm": report.seconds_comm,
+        "seconds_comm": applied.seconds_comm,
         "seconds_blocked": blocked,
-        "seconds_forming": outcome.seconds_forming,
-        "seconds_allreduce": outcome.seconds_allreduce,
-        "streams": outcome.streams,
+        "seconds_forming": stats.seconds_forming,
+        "seconds_allreduce": stats.seconds_allreduce,
+        "streams": stats.streams,
         "seconds_wall": wall,
         # Inner compute / wall time since the previous record, and the share of it spent waiting for
         # the swarm (node/metrics.py); None for the round applied after a run's last overlapped phase.
         "utilization": utilization(compute_seconds, wall),
         "blocked_share": (blocked / wall) if compute_seconds > 0 and wall > 0 else None,
         "overlap": overlap,
-        "param_hash": report.param_hash,
-        "pseudo_gradient_norm": report.pseudo_gradient_norm,
+        "param_hash": applied.param_hash,
+        "pseudo_gradient_norm": applied.pseudo_gradient_norm,
         "tokens": progress.tokens,
-        "fell_back": report.fell_back,
-        "adopted": report.adopted,
+        "fell_back": applied.kind == "fell_back",
+        "adopted": applied.kind == "adopted",
         # Adopted by stepping with the round's mean from our own state, not by a whole-state fetch.
-        "caught_up": outcome.adopted_state is not None and outcome.adopted_state.caught_up,
+        "caught_up": applied.caught_up,
         "shard": list(shard),
-        "members": list(outcome.members),
+        "members": list(stats.members),
         "rss_bytes": current_rss_bytes(),
-        "bytes_recv_state_sync": outcome.bytes_recv_state_sync,
-        "bytes_by_phase": outcome.bytes_by_phase,
-        "codec_error": outcome.codec_error,
-        "failures_by_kind": outcome.failures_by_kind,
+        "bytes_recv_state_sync": stats.bytes_recv_state_sync,
+        "bytes_by_phase": stats.bytes_by_phase,
+        "codec_error": stats.codec_error,
+        "failures_by_kind": stats.failures_by_kind,
         "time": time.time(),
     }

@@ -1,10 +1,10 @@
 """The node's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
 
-:class:`SwarmSession` is the :class:`~node.diloco.Averager` of a node in a swarm and the loop's
-:class:`~node.swarm_seam.SwarmSide`. It talks to the swarm only through
-:class:`protocol.swarm.node.SwarmNode` (which owns every socket) and to the loop only through the
-:class:`~node.swarm_seam.GlobalStateAccess` it is started with. Each round's answer becomes one
-decision the loop acts on (``AveragingOutcome.decision``):
+:class:`SwarmSession` is the loop's :class:`~node.swarm_seam.SwarmSide`. It talks to the swarm only
+through :class:`protocol.swarm.node.SwarmNode` (which owns every socket) and never calls the loop:
+the outer round (``node/outer_round.py``) tells it what it needs as arguments (the lineage, the state
+to serve, the model's identity) and acts on what it answers. Each round's answer is one
+:class:`~node.swarm_seam.RoundOutcome` whose decision the loop acts on:
 
 ========================  ===========================  ===========================================
 swarm's answer            decision                     what follows
@@ -38,28 +38,43 @@ import torch
 
 from node.catch_up import catch_up_with_means, rejoin_due
 from node.config import ConfigError
-from node.diloco import AveragingOutcome
 from node.join import JOIN_TIMEOUT, Prefetch
-from node.swarm_seam import Adopt, Boundary, GlobalStateAccess, RoundDecision
-from node.swarm_state import (
+from node.swarm_seam import (
+    MAX_DUE_WAIT,
+    Adopt,
     AdoptedState,
-    RoundMean,
-    adopted_state,
-    round_mean_snapshot,
+    Averaged,
+    FellBack,
+    JoinAnswer,
+    JoinRequest,
+    Lineage,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+    Stepped,
 )
+from node.swarm_state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_state, round_mean_snapshot
+from protocol.allreduce.allreduce import AllReduceResult
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
-from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.node import SwarmNode
 from protocol.swarm.participation import START_TIMEOUT, await_start_peers, peer_due, serve_stragglers
+from protocol.swarm.result import (
+    GroupAveraged,
+    LineageResync,
+    RoundMissed,
+    RoundNotFormed,
+    RoundResult,
+    result_name,
+)
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
 log = logging.getLogger(__name__)
-
-MAX_DUE_WAIT_SECONDS = 120.0
-"""How far ahead a syncing peer's estimate may lie for us to train on for it (Trainer's MAX_DUE_WAIT)."""
 
 MAX_CATCH_UP_ROUNDS = 2
 """How many rounds behind a node may step to the swarm's state with their means: providers keep the
@@ -67,7 +82,7 @@ means of their last two publishes (StateSyncConfig.num_snapshots_kept)."""
 
 
 class SwarmSession:
-    """Averager for a node in a swarm; see the module docstring.
+    """The swarm side of a node; see the module docstring.
 
     ``joining``: the node was given peers, so before its first inner step it waits (up to
     ``join_timeout``) to see them and adopts the swarm's state if its own is not canonical;
@@ -97,9 +112,11 @@ class SwarmSession:
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
         self._catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
-        self._adopted_lineage: tuple[int, str] = (0, "")
-        self._loop: GlobalStateAccess | None = None  # the training loop's side of the seam (start)
-        self._published: tuple[int, str] | None = None  # the lineage our last publish served
+        self._adopted_lineage: Lineage = (0, "")
+        self._join: JoinRequest | None = None  # the model's identity and tools (join)
+        # The global state this node holds: the one it last served, or an older state of the
+        # swarm's it stepped to at start; a catch-up with the rounds' means starts from it.
+        self._held: tuple[Lineage, Stepped] | None = None
         # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
         # the next round's outcome (node/metrics.py).
         self._bytes_state_sync = 0
@@ -115,47 +132,37 @@ class SwarmSession:
     # --- lifecycle ---
 
     @property
-    def loop(self) -> GlobalStateAccess:
-        assert self._loop is not None, "start() the session first"
-        return self._loop
+    def identity(self) -> JoinRequest:
+        assert self._join is not None, "join() the swarm first"
+        return self._join
 
-    def start(self, loop: GlobalStateAccess) -> None:
-        """Announce the node; a joiner adopts the swarm's state first if its own is not canonical;
-        then the start barrier (``start_peers``): wait until that many nodes of the run are live."""
-        self._join(loop)
-        self._await_start_peers()
-
-    def _await_start_peers(self) -> None:
-        """The start barrier (``protocol/swarm/participation.py``)."""
-        if self.start_peers > 1:
-            await_start_peers(self.swarm, self.start_peers, self.start_timeout, self.loop.stop_requested)
-
-    def _join(self, loop: GlobalStateAccess) -> None:
-        self._loop = loop
+    def join(self, request: JoinRequest) -> JoinAnswer:
+        """Announce the node; a joiner whose own state is not the swarm's gets the swarm's to adopt.
+        The loop then loads and serves what this answers, and calls :meth:`await_start_peers`."""
+        self._join = request
+        held = request.held
+        self._held = ((held.round_id, held.state_id), _held_state(held))
         self.streams = None
-        if loop.open_streams is not None:
-            self.streams = loop.open_streams()
+        if request.open_streams is not None:
+            self.streams = request.open_streams()
             self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
             self.error_feedback = ErrorFeedback(self._feedback_elements())
         if not self.joining:
-            self.publish()
-            return
-        # A joiner publishes the state it holds only once it is the swarm's: a record of any other would
+            return JoinAnswer()
+        # A joiner serves the state it holds only once it is the swarm's: a record of any other would
         # count for a lineage the swarm could be sent back to (several joiners on one seeded init).
         ahead = self.prefetch.result() if self.prefetch is not None else None
         view = self.swarm.wait_for_peers(1, self.join_timeout)
         if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
             log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
-            self.publish()
-            return
-        round, param_hash = loop.lineage()
-        decision = self.swarm.lineage(round=round, param_hash=param_hash)
+            return JoinAnswer()
+        ours = self._held[0]
+        decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
         if decision.in_canonical:
-            self.publish()
-            return
-        state, behind = None, False
+            return JoinAnswer()
+        state, behind = None, None
         if ahead is not None and ahead[0].canonical == decision.canonical:
             state = self._checked(ahead[1])
         else:
@@ -165,24 +172,28 @@ class SwarmSession:
             ):
                 # The swarm finished a round while we fetched: from the state we have, its mean
                 # (its wire bytes) may take us the rest of the way (_catch_up).
-                loop.adopt(self._checked(ahead[1]))
-                behind = True
-            state = self._fetch_canonical(decision, why="joining")
+                behind = self._checked(ahead[1])
+                self._held = (behind.lineage, (behind.global_params, behind.outer_momentum))
+            state = self._fetch_canonical(decision, why="joining", ours=self._held[0])
         if state is None:
             log.warning("training on our own state until the next round's lineage check")
-            if behind:  # behind the swarm, on its lineage: the next round's check catches us up
-                self._adopted(publish=False)
             self.swarm.announce_syncing(decision.canonical)  # still syncing (see above)
-            return
-        loop.adopt(state)
-        self._adopted()
+            if behind is not None:  # behind the swarm, on its lineage: the next round's check catches us up
+                self._adopted(behind)
+                return JoinAnswer(behind, serve=False)
+            return JoinAnswer(serve=False)  # our own state, not the swarm's: not served (see above)
+        self._adopted(state)
+        return JoinAnswer(state)
 
-    def publish(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
-        """Advertise and serve the loop's current global state (after ``round``, default the rounds
-        it applied; at ``boundary``, default its step and data position now), with the round's mean
-        beside it if this node stepped to it with one."""
-        loop = self.loop
-        snapshot = loop.snapshot(round, boundary)
+    def await_start_peers(self) -> None:
+        """The start barrier (``protocol/swarm/participation.py``): wait until ``start_peers`` nodes
+        of the run are live (after the loop served its state: each counts the others' records)."""
+        if self.start_peers > 1:
+            await_start_peers(self.swarm, self.start_peers, self.start_timeout, self.identity.stop_requested)
+
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
+        """Advertise and serve ``snapshot``, the loop's global state now, with the round's mean beside
+        it if this node stepped to it with one."""
         round = snapshot.round_id
         companions = []
         if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
@@ -191,22 +202,11 @@ class SwarmSession:
         self.swarm.publish(
             round=round,
             param_hash=snapshot.state_id,
-            tokens_per_s=loop.tokens_per_s(),
+            tokens_per_s=tokens_per_s,
             snapshot=snapshot,
             companions=companions,
         )
-        self._published = (round, snapshot.state_id)
-
-    def publish_landed(self, round: int, boundary: Boundary) -> None:
-        """Overlap: round ``round`` was applied on the averaging thread (the loop saw it land at a
-        step boundary, ``DiLoCo.landed``); advertise and serve it now, not a phase later, so the
-        swarm's lineage check sees every member of the round on its new params at once, and a node
-        that sees that lineage can fetch it (or its mean) right away.
-
-        ``boundary``: the step and data position of the round's end, which the loop kept when it
-        handed the round over: every member serves the same ones, while each is mid-phase."""
-        if self._published is None or self._published[0] < round:
-            self.publish(round, boundary=boundary)
+        self._held = ((round, snapshot.state_id), _held_state(snapshot))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What one round carries into the next, for the checkpoint: the codec's error-feedback
@@ -217,7 +217,7 @@ class SwarmSession:
         return {"error_feedback": self.error_feedback.residual.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`state_dict` (after :meth:`start`; not after adopting the swarm's state,
+        """Restore :meth:`state_dict` (after :meth:`join`; not after adopting the swarm's state,
         whose residual would be of other params). A residual of another size (another codec or
         streams setting) is dropped with a warning: it only delays what error feedback adds."""
         residual = state.get("error_feedback")
@@ -253,154 +253,166 @@ class SwarmSession:
             self.swarm.watch_closely(value)
         self._catching_up = value
 
-    # --- the Averager ---
+    # --- the round ---
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
         """The round's outcome (:meth:`_average`) with its metrics: codec error, state-sync bytes and
         failures since the previous round."""
         self.catching_up = False  # we take part in a round (with overlap, in the background)
-        outcome = self._average(vector, round_index=round_index, weight=weight)
-        failures = Counter(outcome.failures_by_kind)
+        decision, stats = self._average(vector, request)
+        failures = Counter(stats.failures_by_kind)
         if self._state_sync_failures:
             failures["state_sync"] += self._state_sync_failures
         codec_error = None
-        if self.last_result is not None and self.last_result.kind == "averaged":
+        result = self.last_result
+        if isinstance(result, GroupAveraged):
             # The residual is what the codec failed to deliver of this round's Δ (plus the carry);
             # the lossless codec "none" runs without one.
             codec_error = 0.0
             if self.error_feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
                 delta_norm = float(torch.linalg.vector_norm(vector[: self.error_feedback.num_elements]))
                 codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
-        result = self.last_result
-        allreduce = None if result is None else result.allreduce
-        group = None if result is None else result.group
-        outcome = dataclasses.replace(
-            outcome,
+        stats = dataclasses.replace(
+            stats,
             failures_by_kind=dict(failures),
             codec_error=codec_error,
             bytes_recv_state_sync=self._bytes_state_sync,
             seconds_forming=None if result is None else result.seconds_forming,
-            seconds_allreduce=None if allreduce is None else allreduce.seconds,
-            streams=None if allreduce is None or group is None else group.num_streams,
+            seconds_allreduce=result.allreduce.seconds if isinstance(result, GroupAveraged) else None,
+            streams=result.group.num_streams if isinstance(result, GroupAveraged) else None,
         )
         self._bytes_state_sync = self._state_sync_failures = 0
-        self._stepped_alone = outcome.fell_back
-        return outcome
+        self._stepped_alone = isinstance(decision, FellBack)
+        return RoundOutcome(decision, stats)
 
-    def _average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        loop = self.loop
-        previous = (round_index - 1, loop.lineage()[1])
+    def _average(self, vector: torch.Tensor, request: RoundRequest) -> tuple[RoundDecision, RoundStats]:
+        round_index, previous = request.round_index, request.lineage
         self._round_mean = None
+        result: RoundResult
         try:
             result = self.swarm.run_round(
                 vector.to("cpu", torch.float32).contiguous(),
                 round=previous[0],
                 param_hash=previous[1],
-                num_tokens=int(weight),
-                tokens_per_s=loop.tokens_per_s(),
+                num_tokens=int(request.weight),
+                tokens_per_s=request.tokens_per_s,
                 error_feedback=self.error_feedback,
             )
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
             log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)
-            result = RoundResult(kind="failed", round=round_index, reason=f"timeout: {error}")
+            result = RoundNotFormed(round=round_index, reason=f"timeout: {error}")
             failure_kind = "timeout"
         else:
-            failure_kind = "round_failed" if result.kind == "failed" else result.kind  # missed, resync
+            failure_kind = {"failed": "round_failed"}.get(result_name(result), result_name(result))
         self.last_result = result
         if self.on_round is not None:
             self.on_round(result)
-        if result.kind == "averaged":
-            assert result.allreduce is not None and result.group is not None
-            outcome = result.allreduce
-            if outcome.fell_back:
-                log.warning(
-                    "round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3])
+        match result:
+            case GroupAveraged(group=group, allreduce=outcome):
+                return self._averaged(vector, round_index, previous, group.member_ids, outcome)
+            case RoundNotFormed(reason=reason):
+                log.warning("round %d: %s; stepping on our own Δ", round_index, reason)
+                return _own_delta(vector, reason, failure_kind)
+            case LineageResync(decision=lineage):
+                return self._resync(vector, round_index, lineage, why="resync", failure_kind=failure_kind)
+            case RoundMissed():
+                lineage_past = self._wait_for_canonical_past(previous)
+                return self._resync(
+                    vector, round_index, lineage_past, why="missed", failure_kind=failure_kind
                 )
-            if not outcome.fell_back:
-                # With overlap too: the round steps θ_global from `previous` (the averaging thread
-                # starts only after the round before was applied), just a phase later.
-                codec = self.swarm.codec
-                self._round_mean = RoundMean(
-                    previous=previous,
-                    mean=outcome.averaged,
-                    encoded=outcome.payloads,
-                    codec=codec.name,
-                    block_size=codec.block_size,
-                )
-            contributors = {peer for part in outcome.contributors for peer in part}
-            kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
-            if outcome.fell_back:
-                kinds["fell_back"] = 1
-            return AveragingOutcome(
-                averaged=outcome.averaged,
-                num_peers=1 if outcome.fell_back else max(len(contributors), 1),
-                bytes_sent=outcome.bytes_sent,
-                bytes_recv=outcome.bytes_recv,
-                bytes_by_phase={
-                    **{f"sent_{phase}": n for phase, n in outcome.bytes_sent_by_phase.items()},
-                    **{f"recv_{phase}": n for phase, n in outcome.bytes_recv_by_phase.items()},
-                },
-                fell_back=outcome.fell_back,
-                failures=tuple(outcome.failures),
-                members=result.group.member_ids,
-                failures_by_kind=kinds,
-            )
-        if result.kind == "failed":
-            log.warning("round %d: %s; stepping on our own Δ", round_index, result.reason)
-            return _own_delta(vector, result.reason, failure_kind)
-        decision = result.resync
-        if result.kind == "missed":
-            decision = self._wait_for_canonical_past(round_index - 1)
-        if decision is not None and not decision.in_canonical:
-            state = self._fetch_canonical(decision, why=f"round {round_index} {result.kind}")
-            if state is not None:  # the loop loads it (Adopt)
-                return AveragingOutcome(
-                    averaged=vector,
-                    num_peers=0,
-                    adopted_state=state,
-                    failures=(result.kind,),
-                    failures_by_kind={failure_kind: 1},
-                )
-            return _own_delta(vector, result.kind, failure_kind)
-        log.warning(
-            "round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, result.kind
-        )
-        return _own_delta(vector, result.kind, failure_kind)
 
-    def after_round(
-        self, decision: RoundDecision, members: tuple[str, ...], boundary: Boundary | None = None
-    ) -> None:
-        """After the loop acted on a round's decision (stepped, or adopted the swarm's state): take
-        the round's data shard and serve the new state, unless it was served when it landed
-        (``publish_landed``; ``boundary``: the round's end, with overlap)."""
-        loop = self.loop
+    def _averaged(
+        self,
+        vector: torch.Tensor,
+        round_index: int,
+        previous: Lineage,
+        members: tuple[str, ...],
+        outcome: AllReduceResult,
+    ) -> tuple[RoundDecision, RoundStats]:
+        """A group ran its all-reduce: its mean, or our own Δ if it fell back."""
+        if outcome.fell_back:
+            log.warning("round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3]))
+        else:
+            # With overlap too: the round steps θ_global from `previous` (the averaging thread
+            # starts only after the round before was applied), just a phase later.
+            codec = self.swarm.codec
+            self._round_mean = RoundMean(
+                previous=previous,
+                mean=outcome.averaged,
+                encoded=outcome.payloads,
+                codec=codec.name,
+                block_size=codec.block_size,
+            )
+        contributors = {peer for part in outcome.contributors for peer in part}
+        kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
+        if outcome.fell_back:
+            kinds["fell_back"] = 1
+        stats = RoundStats(
+            num_peers=1 if outcome.fell_back else max(len(contributors), 1),
+            members=members,
+            bytes_sent=outcome.bytes_sent,
+            bytes_recv=outcome.bytes_recv,
+            bytes_by_phase={
+                **{f"sent_{phase}": n for phase, n in outcome.bytes_sent_by_phase.items()},
+                **{f"recv_{phase}": n for phase, n in outcome.bytes_recv_by_phase.items()},
+            },
+            failures=tuple(outcome.failures),
+            failures_by_kind=kinds,
+        )
+        if outcome.fell_back:
+            return FellBack(outcome.averaged, "; ".join(outcome.failures[:3]) or "fell back"), stats
+        return Averaged(outcome.averaged), stats
+
+    def _resync(
+        self,
+        vector: torch.Tensor,
+        round_index: int,
+        decision: LineageDecision | None,
+        *,
+        why: str,
+        failure_kind: str,
+    ) -> tuple[RoundDecision, RoundStats]:
+        """We missed the round or are off the lineage: the swarm's state to adopt, else our own Δ."""
+        if decision is not None and not decision.in_canonical:
+            state = self._fetch_canonical(decision, why=f"round {round_index} {why}", ours=None)
+            if state is not None:  # the loop loads it (Adopt)
+                stats = RoundStats(num_peers=0, failures=(why,), failures_by_kind={failure_kind: 1})
+                return Adopt(state), stats
+            return _own_delta(vector, why, failure_kind)
+        log.warning("round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, why)
+        return _own_delta(vector, why, failure_kind)
+
+    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
+        """After the loop acted on a round's decision (stepped, or adopted the swarm's state): the data
+        shard (index, count) to train on next, if the round's group assigned one."""
         if isinstance(decision, Adopt):
-            self._adopted()
-            return
+            self._adopted(decision.state)
+            return None
         self.catching_up = False
         if members and self.swarm.peer_id in members:
             shard = assign_shard(members, self.swarm.peer_id)
-            loop.reshard(shard.shard_index, shard.num_shards)
-        if self._published != loop.lineage():
-            self.publish(boundary=boundary)
+            return shard.shard_index, shard.num_shards
+        return None
 
     # --- adopting the canonical state ---
 
-    def _wait_for_canonical_past(self, round: int) -> LineageDecision | None:
-        """After a missed round: the lineage decision once the group published params newer than ``round``."""
-        loop = self.loop
+    def _wait_for_canonical_past(self, ours: Lineage) -> LineageDecision | None:
+        """After a missed round: the lineage decision once the group published params newer than ours."""
         budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
         deadline = time.monotonic() + budget.total_seconds()
-        while time.monotonic() < deadline and not loop.stop_requested():  # SIGTERM ends the wait
-            decision = self.swarm.lineage(round=round, param_hash=loop.lineage()[1])
-            if not decision.in_canonical and decision.canonical.round > round:
+        while time.monotonic() < deadline and not self.identity.stop_requested():  # SIGTERM ends the wait
+            decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
+            if not decision.in_canonical and decision.canonical.round > ours[0]:
                 return decision
             time.sleep(self.swarm.config.view_refresh.total_seconds())
         return None
 
-    def _fetch_canonical(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
+    def _fetch_canonical(
+        self, decision: LineageDecision, *, why: str, ours: Lineage | None
+    ) -> AdoptedState | None:
         """Fetch the canonical state, checked against this node's model and corpus; None (logged) if
-        no source delivered it in time.
+        no source delivered it in time. ``ours``: the lineage of the state we hold (None: the one
+        we last served).
 
         Every fetch is announced (``SwarmNode.fetch_state(announce=True)``): until we hold the state
         our record says which state we fetch and when we expect to hold it, so the leader of that
@@ -413,9 +425,13 @@ class SwarmSession:
         healed yet), and the next round's lineage check tries again.
         """
         canonical = decision.canonical
-        behind = canonical.round - self.loop.lineage()[0]
-        if not self._stepped_alone and 0 < behind <= MAX_CATCH_UP_ROUNDS:
-            caught_up = self._catch_up(decision, why=why)
+        held = self._held
+        if (
+            held is not None
+            and not self._stepped_alone
+            and 0 < canonical.round - held[0][0] <= MAX_CATCH_UP_ROUNDS
+        ):
+            caught_up = self._catch_up(decision, held, why=why)
             if caught_up is not None:
                 return caught_up
         log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
@@ -428,11 +444,16 @@ class SwarmSession:
             return None
         return self._checked(report)
 
-    def _catch_up(self, decision: LineageDecision, *, why: str) -> AdoptedState | None:
-        """At most MAX_CATCH_UP_ROUNDS behind: step to the swarm's state with its rounds' means
-        (``node/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
-        canonical = decision.canonical
-        state, num_bytes, error = catch_up_with_means(self.swarm, self.loop, decision)
+    def _catch_up(
+        self, decision: LineageDecision, held: tuple[Lineage, Stepped], *, why: str
+    ) -> AdoptedState | None:
+        """At most MAX_CATCH_UP_ROUNDS behind: step from ``held`` to the swarm's state with its rounds'
+        means (``node/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
+        canonical, identity = decision.canonical, self.identity
+        state, num_bytes, error = catch_up_with_means(
+            self.swarm, decision, ours=held[0], held=held[1], stepper=identity.stepper,
+            num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256,
+        )  # fmt: skip
         self._bytes_state_sync += num_bytes
         if state is None:
             log.info("%s: cannot step to round %d with its means (%s)", why, canonical.round, error)
@@ -446,27 +467,27 @@ class SwarmSession:
     def _checked(self, report: FetchReport) -> AdoptedState:
         """The fetched snapshot checked against this node's model and corpus (ConfigError if it does
         not fit: another model or corpus, so this node cannot be part of this swarm)."""
-        loop = self.loop
+        identity = self.identity
         self._bytes_state_sync += sum(report.bytes_by_source.values())
         try:
             return adopted_state(
-                report.snapshot, num_elements=loop.num_elements, corpus_sha256=loop.corpus_sha256
+                report.snapshot, num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256
             )
         except ValueError as error:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
 
     def lineage_peer_due(self) -> bool:
         """Whether a node is fetching our lineage's state: the loop then trains on past its phase's end
-        (``Trainer._phase_due``), so the state is still the lineage's when the node holds it and it
-        joins our next round (ARCHITECTURE.md, "Participation"; ``participation.peer_due``)."""
-        return peer_due(self.swarm, max_ahead=timedelta(seconds=MAX_DUE_WAIT_SECONDS))
+        (``OuterRound``), so the state is still the lineage's when the node holds it and it joins our
+        next round (ARCHITECTURE.md, "Participation"; ``participation.peer_due``)."""
+        return peer_due(self.swarm, max_ahead=MAX_DUE_WAIT)
 
     def phase_should_end(self) -> bool:
         """Whether a node catching up should end its inner phase now (the view is read every
         ``view_refresh`` meanwhile): a peer of its lineage is ready for the next round (join it with
         the steps done so far; the mean weights members by tokens), or a peer is past the adopted
         round (the round's lineage check then catches us up at once, not a phase later)."""
-        if not self.catching_up or self._loop is None:
+        if not self.catching_up or self._join is None:
             return False
         return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
 
@@ -474,24 +495,26 @@ class SwarmSession:
         """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
         (each other stream keeps its shard's residual where it runs)."""
         num_streams = 1 + len(self.swarm.stream_addresses)
-        return stream_bounds(self.loop.num_elements, num_streams)[1]
+        return stream_bounds(self.identity.num_elements, num_streams)[1]
 
-    def _adopted(self, *, publish: bool = True) -> None:
-        """The trainer loaded the swarm's state: fresh error-feedback residuals, serve the new state
-        (unless ``publish`` is False: an older state of the swarm's, which only catches us up)."""
+    def _adopted(self, state: AdoptedState) -> None:
+        """The loop loads ``state``, the swarm's: fresh error-feedback residuals (ours are of other
+        params); end our phase as soon as the swarm's next round forms."""
         self.catching_up, self._stepped_alone = True, False
-        self._adopted_lineage = self.loop.lineage()
+        self._adopted_lineage = state.lineage
+        self._held = (state.lineage, (state.global_params, state.outer_momentum))
         if self.error_feedback is not None:  # residuals of other params
             self.error_feedback = ErrorFeedback(self._feedback_elements())
             if self.streams is not None:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1
-        if publish:
-            self.publish()
 
 
-def _own_delta(vector: torch.Tensor, reason: str, failure_kind: str) -> AveragingOutcome:
-    """The outcome of a round this node steps through on its own Δ (``failure_kind``: metrics.py)."""
-    return AveragingOutcome(
-        averaged=vector, num_peers=1, fell_back=True, failures=(reason,), failures_by_kind={failure_kind: 1}
-    )
+def _held_state(snapshot: Snapshot) -> Stepped:
+    """The (global params, outer momentum) a served snapshot holds."""
+    return snapshot.tensors[GLOBAL_PARAMS], snapshot.tensors.get(OUTER_MOMENTUM)
+
+
+def _own_delta(vector: torch.Tensor, reason: str, failure_kind: str) -> tuple[RoundDecision, RoundStats]:
+    """A round this node steps through on its own Δ (``failure_kind``: metrics.py)."""
+    return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})

@@ -21,50 +21,50 @@ from protocol.swarm.node import SwarmNode
 
 def swarm_config(config: NodeConfig) -> SwarmConfig:
     """The swarm side's settings from the node's (durations in seconds become timedeltas)."""
-    listen_host = config.listen.rpartition(":")[0] or "0.0.0.0"
-    peers = tuple(address.strip() for address in config.peers.split(",") if address.strip())
-    announce = config.announce or None
-    dht_listen = config.dht_listen or f"{listen_host}:0"
+    listen_host = config.network.listen.rpartition(":")[0] or "0.0.0.0"
+    peers = tuple(address.strip() for address in config.network.peers.split(",") if address.strip())
+    announce = config.network.announce or None
+    dht_listen = config.network.dht_listen or f"{listen_host}:0"
     try:
         dht = DhtConfig(
             initial_peers=peers,
             listen=dht_listen,
             announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
-            identity_path=config.identity_path or None,
-            use_relay=config.use_relay,
-            client_mode=config.client_mode,
+            identity_path=config.security.identity_path or None,
+            use_relay=config.network.use_relay,
+            client_mode=config.network.client_mode,
         )
-        max_wait = timedelta(seconds=config.max_wait)
-        join_window = timedelta(seconds=config.join_window)
+        max_wait = timedelta(seconds=config.rounds.max_wait)
+        join_window = timedelta(seconds=config.rounds.join_window)
         rounds = RoundConfig(
-            min_peers=config.min_peers,
+            min_peers=config.rounds.min_peers,
             join_window=join_window,
             max_wait=max_wait,
             proposal_timeout=min(timedelta(seconds=5), join_window),
             begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
         )
         auth = None
-        if config.swarm_key_file:
-            auth = SwarmAuth(SwarmKey.from_file(Path(config.swarm_key_file)), tls=config.tls)
+        if config.security.key_file:
+            auth = SwarmAuth(SwarmKey.from_file(Path(config.security.key_file)), tls=config.security.tls)
         return SwarmConfig(
-            run_name=config.name,
-            listen=config.listen,
+            run_name=config.run.name,
+            listen=config.network.listen,
             announce_host=announce,
             dht=dht,
             rounds=rounds,
             allreduce=AllReduceConfig(
                 keep_payloads=True,  # the round's mean is served on compressed (node/swarm_state.py)
-                aggregation=config.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
-                clip_factor=config.clip_factor,
-                trim_per_side=config.trim,
+                aggregation=config.rounds.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
+                clip_factor=config.rounds.clip_factor,
+                trim_per_side=config.rounds.trim,
             ),
-            codec=config.codec,
-            round_deadline=timedelta(seconds=config.round_deadline),
-            sync_deadline=timedelta(seconds=config.sync_deadline),
-            bandwidth_bytes_per_s=config.bandwidth_mbit * 1e6 / 8,
-            client_mode=config.client_mode,
-            heartbeat=timedelta(seconds=config.heartbeat),
-            record_ttl=timedelta(seconds=config.record_ttl),
+            codec=config.rounds.codec,
+            round_deadline=timedelta(seconds=config.rounds.deadline),
+            sync_deadline=timedelta(seconds=config.rounds.sync_deadline),
+            bandwidth_bytes_per_s=config.network.bandwidth_mbit * 1e6 / 8,
+            client_mode=config.network.client_mode,
+            heartbeat=timedelta(seconds=config.network.heartbeat),
+            record_ttl=timedelta(seconds=config.network.record_ttl),
             auth=auth,
         )
     except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
@@ -87,20 +87,20 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
     except DhtStartupError as error:
         raise ConfigError(str(error)) from None
     except OSError as error:
-        raise ConfigError(f"cannot listen on {config.listen}: {error}") from None
+        raise ConfigError(f"cannot listen on {config.network.listen}: {error}") from None
     multiaddrs = reachable_first(swarm.multiaddrs())
     run_dir = config.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
     (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
-    action = "joined the swarm" if config.peers else "started a new swarm"
-    if config.client_mode:  # nobody can dial it, so nobody can join through it either
-        print(f"dtnode: joined the swarm {config.name!r} as {swarm.peer_id} in client mode (accepts no "
+    action = "joined the swarm" if config.network.peers else "started a new swarm"
+    if config.network.client_mode:  # nobody can dial it, so nobody can join through it either
+        print(f"dtnode: joined the swarm {config.run.name!r} as {swarm.peer_id} in client mode (accepts no "
               "connections; join others through a node without --client-mode).", flush=True)  # fmt: skip
         return swarm
     print(
-        f"dtnode: {action} {config.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
-        f"To join it from another machine:\n  dtnode join --name {config.name} --peers {','.join(multiaddrs)}",
+        f"dtnode: {action} {config.run.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
+        f"To join it from another machine:\n  dtnode join --name {config.run.name} --peers {','.join(multiaddrs)}",
         flush=True,
     )
     return swarm

@@ -1,18 +1,18 @@
 """The global state a node serves and adopts: its snapshot (global params, outer momentum, counters,
 data position), the round mean served beside it, and the checks a fetched state must pass before
-the trainer loads it (``Trainer.adopt``)."""
+the loop loads it (``OuterRound``'s adoption)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from node.outer_state import tensor_hash
-from node.swarm_seam import AdoptedState, Stepped
+from node.swarm_seam import AdoptedState, OuterStepper, Stepped
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot
@@ -31,18 +31,6 @@ def round_mean_id(param_hash: str) -> str:
     return f"round-mean:{param_hash}"
 
 
-class Stepper(Protocol):
-    """Steps a copy of the outer state with a round's mean (``DiLoCo``, or the loop's
-    ``GlobalStateAccess``)."""
-
-    @property
-    def num_elements(self) -> int: ...
-
-    def stepped(
-        self, averaged: torch.Tensor, *, start: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    ) -> Stepped: ...
-
-
 def state_snapshot(
     *,
     global_params: torch.Tensor,
@@ -56,9 +44,9 @@ def state_snapshot(
     copy: bool = True,
 ) -> Snapshot:
     """A global state as served to joiners: params, momentum, counters, data position
-    (``Trainer.snapshot`` gathers them). ``round``: the rounds the global params went through;
+    (``OuterRound.snapshot`` gathers them). ``round``: the rounds the global params went through;
     ``step`` and ``data``: the inner step and data position at that round's end. ``copy=False``:
-    the tensors are host copies nobody writes to (``node.round_end.HostGlobalState``), served as
+    the tensors are host copies nobody writes to (``node.global_copy.HostGlobalState``), served as
     they are, with their known ``param_hash``."""
     tensors = {GLOBAL_PARAMS: global_params.detach().to("cpu")}
     if outer_momentum is not None:
@@ -194,19 +182,19 @@ def round_mean_link(fetched: Snapshot) -> tuple[tuple[int, str], tuple[int, str]
 
 
 def caught_up_state(
-    stepper: Stepper,
+    stepper: OuterStepper,
     fetched: Snapshot,
     *,
     previous: tuple[int, str],
     target: tuple[int, str],
+    start: Stepped,
+    num_elements: int,
     corpus_sha256: str,
-    start: AdoptedState | None = None,
 ) -> AdoptedState:
-    """The state ``target = (round, param_hash)`` stepped to from ours (``previous``) with the round
-    mean ``fetched`` (``round_mean_snapshot``); ValueError unless the step reproduces the target's
-    global params and outer momentum bit for bit. Everything in ``fetched`` came from a peer: each
-    field is checked before use. ``start``: step from this state instead (the previous link of a
-    chain of round means)."""
+    """The state ``target = (round, param_hash)`` stepped to from ``start`` (the global params and
+    outer momentum of ``previous``) with the round mean ``fetched`` (``round_mean_snapshot``);
+    ValueError unless the step reproduces the target's global params and outer momentum bit for
+    bit. Everything in ``fetched`` came from a peer: each field is checked before use."""
     stepped_from, _ = round_mean_link(fetched)
     metadata = json.loads(fetched.metadata)
     if not isinstance(metadata.get("state"), dict):
@@ -216,12 +204,10 @@ def caught_up_state(
             f"the round mean follows another state than ours ({previous[0]}, {previous[1][:12]})"
         )
     state_metadata = _checked_metadata(
-        metadata["state"], num_elements=stepper.num_elements, corpus_sha256=corpus_sha256
+        metadata["state"], num_elements=num_elements, corpus_sha256=corpus_sha256
     )
-    round_mean = _fetched_mean(fetched, metadata, stepper.num_elements)
-    params, momentum = stepper.stepped(
-        round_mean.mean, start=None if start is None else (start.global_params, start.outer_momentum)
-    )
+    round_mean = _fetched_mean(fetched, metadata, num_elements)
+    params, momentum = stepper(round_mean.mean, start)
     if tensor_hash(params) != target[1]:
         raise ValueError("stepping with the round mean does not give the swarm's param_hash")
     momentum_sha256 = (

@@ -1,29 +1,28 @@
-"""The node's training loop: H inner AdamW steps, then one DiLoCo outer round, repeated.
+"""The node's training loop: inner AdamW steps, the outer round at each step boundary, repeated.
 
-One outer round as the loop sees it (see ARCHITECTURE.md for the swarm side):
+One outer round as the loop sees it (``node/outer_round.py`` owns the round; ARCHITECTURE.md the swarm):
 
-    for step in round:                                   # inner phase, this node alone
+    for step in phase:                                   # inner phase, this node alone
         x, y = batches.next_batch()                      # this node's data shard
         loss = CE(model(x), y); loss.backward()
         clip; set LR from the schedule; adamw.step(); adamw.zero_grad()
-    diloco.outer_step(weight=tokens)                      # Δ → averager → Nesterov → model
-    round end (node/round_end.py): one host copy of θ_global for the served snapshot and the
-    checkpoint; held-out eval (inline, or on a thread during the next phase); metrics.jsonl
+        round.count_step(tokens, seconds)
+        round.at_step_boundary()                         # the phase's end: Δ → swarm → Nesterov → model
+    on each round applied (``_round_applied``): the round record with its held-out eval (inline, or
+    on a thread during the next phase: node/round_end.py), metrics.jsonl, a checkpoint on schedule
 
 Counters are global over the run (a resumed run continues them): ``step`` = inner steps done,
-``round`` = outer rounds done; the current round is ``step // H + 1``.
+``round`` = outer rounds done.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -32,37 +31,24 @@ from node.checkpoint_state import checkpoint_state, restore_state
 from node.checkpoint_writer import CheckpointWriter
 from node.config import ConfigError, NodeConfig
 from node.data import ShardedBatches, eval_batches
-from node.diloco import Averager, DiLoCo, OuterStepReport, SoloAverager
+from node.diloco import DiLoCo
 from node.efficiency import eval_interval
 from node.export import export_model, tokenizer_info
 from node.held_out import background_eval
 from node.hf import init_state, node_model_config
 from node.metrics import MetricsSink, MetricsWriter
 from node.model import model_config
+from node.outer_round import OuterRound, RoundApplied, RoundProgress, RoundSettings
 from node.outer_state import outer_sgd_settings
-from node.phase_clock import PhaseClock
 from node.progress import progress_sink
 from node.prometheus import PrometheusExporter
 from node.records import load_node_corpus
 from node.replica import build_replica, pick_device
 from node.round_end import RoundEnd
 from node.schedule import LRSchedule
-from node.swarm_seam import Adopt, AdoptedState, Averaged, Boundary, FellBack, GlobalStateAccess, SwarmSide
-from node.swarm_state import state_snapshot
-
-if TYPE_CHECKING:
-    from protocol.statesync.snapshot import Snapshot
+from node.swarm_seam import Averager, SoloAverager, SwarmSide
 
 log = logging.getLogger("dtnode")
-
-
-@dataclass
-class Progress:
-    step: int = 0  # inner steps done over the whole run
-    round: int = 0  # outer rounds done over the whole run
-    tokens: int = 0  # training tokens this node has processed over the whole run
-    round_tokens: int = 0  # tokens processed since the last outer step
-    round_compute_seconds: float = 0.0
 
 
 class Trainer:
@@ -74,92 +60,105 @@ class Trainer:
         self.config = config
         self.swarm = swarm
         self.run_dir = config.resolved_run_dir
-        self.device = pick_device(config.device)
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.device = pick_device(config.run.device)
+        if config.run.threads:
+            torch.set_num_threads(config.run.threads)
         self._stop = threading.Event()
 
         self.tokenizer, self.corpus = load_node_corpus(config)  # --tokenizer, --data (node/records.py)
         overrides: dict[str, Any] = {"vocab_size": self.corpus.vocab_size}
-        if config.seq_len:
-            overrides["seq_len"] = config.seq_len
+        if config.architecture.seq_len:
+            overrides["seq_len"] = config.architecture.seq_len
         # --model-config / --init-from (an HF Llama config.json: node/hf.py), else the preset.
         self.model_config = node_model_config(config, self.corpus.vocab_size) or model_config(
-            config.model, **overrides
+            config.architecture.preset, **overrides
         )
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.run.seed)
         self.replica = build_replica(config, self.model_config, self.device)
         initial_state = init_state(config, self.model_config)
         if initial_state is not None:  # --init-from: before DiLoCo copies the params as the global ones
             self.replica.load_model_state(initial_state)
         self.model = self.replica.model  # plain GPT (on the meta device when the local workers hold it)
         self.schedule = LRSchedule(
-            kind=config.lr_schedule,
-            peak_lr=config.inner_lr,
-            warmup_steps=config.warmup_steps,
+            kind=config.inner.lr_schedule,
+            peak_lr=config.inner.lr,
+            warmup_steps=config.inner.warmup_steps,
             horizon_steps=config.schedule_horizon,
-            min_lr_ratio=config.min_lr_ratio,
-            decay_fraction=config.wsd_decay_fraction,
+            min_lr_ratio=config.inner.min_lr_ratio,
+            decay_fraction=config.inner.wsd_decay_fraction,
         )
         self.batches = ShardedBatches(
             self.corpus.train,
             seq_len=self.model_config.seq_len,
-            batch_size=config.batch_size,
-            seed=config.data_seed,
-            shard_index=config.shard_index,
-            num_shards=config.num_shards,
+            batch_size=config.inner.batch_size,
+            seed=config.corpus.seed,
+            shard_index=config.corpus.shard_index,
+            num_shards=config.corpus.num_shards,
         )
         self.eval_set = eval_batches(
             self.corpus.val,
             seq_len=self.model_config.seq_len,
-            batch_size=config.batch_size,
-            num_batches=config.eval_batches,
+            batch_size=config.inner.batch_size,
+            num_batches=config.eval.batches,
         )
         self.diloco = DiLoCo(
             self.model,
-            averager=averager or swarm or SoloAverager(),
-            outer_lr=config.outer_lr,
-            outer_momentum=config.outer_momentum,
-            nesterov=config.outer_nesterov,
-            offload=config.outer_offload,
-            overlap=config.overlap,
+            outer_lr=config.outer.lr,
+            outer_momentum=config.outer.momentum,
+            nesterov=config.outer.nesterov,
+            offload=config.outer.offload,
             local=self.replica,
             outer=self.replica.outer_state(
-                offload=config.outer_offload,
-                **outer_sgd_settings(config.outer_lr, config.outer_momentum, config.outer_nesterov),
+                offload=config.outer.offload,
+                **outer_sgd_settings(config.outer.lr, config.outer.momentum, config.outer.nesterov),
             ),
         )
-        self.progress = Progress()
-        # Overlap: (step, data position) at the end of the phase whose round is in flight (node/swarm.py).
-        self.submitted_boundary: tuple[int, dict[str, Any]] | None = None
-        self.unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
+        # The outer round: phase clock, the swarm's round, adoption, overlap (node/outer_round.py).
+        self.round = OuterRound(
+            self.diloco,
+            averager=averager or swarm or SoloAverager(),
+            swarm=swarm,
+            settings=RoundSettings(
+                inner_steps=config.inner.steps, round_seconds=config.rounds.seconds, overlap=config.outer.overlap,
+                model=config.architecture.preset, corpus_sha256=self.corpus.sha256,
+            ),
+            data=self.batches,
+            stop_requested=self._stop.is_set,
+            on_applied=self._round_applied,
+            open_streams=self.replica.open_streams if config.rounds.streams > 1 else None,
+        )  # fmt: skip
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.resumed_from: Path | None = None
         self._saved_step = -1  # inner step of the newest checkpoint written by this process
-        self.phase_clock = PhaseClock(config)  # the inner phase under way (_phase_due)
         self._restored_swarm_state: dict[str, torch.Tensor] = {}  # from the checkpoint resumed (_restore)
-        self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.keep_checkpoints)
+        self.checkpoints = CheckpointWriter(self.checkpoint_root, keep=config.checkpoint.keep)
         self._prepare_run_dir()
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", sinks=self._metrics_sinks())
-        # Round records, their held-out evals and the round's one host copy of θ_global (round_end.py).
+        # Round records and their held-out evals, read from the round's one host copy of θ_global.
         self.round_end = RoundEnd(
             diloco=self.diloco, replica=self.replica, eval_set=self.eval_set, metrics=self.metrics,
             eval_every=eval_interval(config),  # rounds between held-out evals (the final one always)
             background=background_eval(config, self.replica, self.model_config, self.device, self.eval_set),
+            host=self.round.host, overlap=config.outer.overlap,
         )  # fmt: skip
+
+    @property
+    def progress(self) -> RoundProgress:
+        """The run's counters (the outer round's)."""
+        return self.round.progress
 
     def _metrics_sinks(self) -> list[MetricsSink]:
         """The progress display, and the Prometheus endpoint on the --listen host if --metrics-port."""
         config = self.config
         sinks: list[MetricsSink] = [progress_sink(config)]
-        if config.metrics_port:
+        if config.metrics.port:
             exporter = PrometheusExporter()
-            host = config.listen.rpartition(":")[0] or "0.0.0.0"
+            host = config.network.listen.rpartition(":")[0] or "0.0.0.0"
             try:
-                exporter.serve(host, config.metrics_port)
+                exporter.serve(host, config.metrics.port)
             except OSError as error:
-                raise ConfigError(f"cannot serve metrics on {host}:{config.metrics_port}: {error}") from None
-            log.info("Prometheus metrics at http://%s:%d/metrics", host, config.metrics_port)
+                raise ConfigError(f"cannot serve metrics on {host}:{config.metrics.port}: {error}") from None
+            log.info("Prometheus metrics at http://%s:%d/metrics", host, config.metrics.port)
             sinks.append(exporter)
         return sinks
 
@@ -184,7 +183,7 @@ class Trainer:
     def _checkpoint_state(self, model_is_global: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
         return checkpoint_state(
             replica=self.replica, diloco=self.diloco, batches=self.batches, swarm=self.swarm,
-            host=self.round_end.host.get(), model_is_global=model_is_global,
+            host=self.round.host.get(), model_is_global=model_is_global,
         )  # fmt: skip
 
     def save(self, *, model_is_global: bool = False) -> None:
@@ -200,7 +199,7 @@ class Trainer:
             "tokens": progress.tokens,
             "round_tokens": progress.round_tokens,
             "corpus_sha256": self.corpus.sha256,
-            "model": self.config.model,
+            "model": self.config.architecture.preset,
             "time": time.time(),
         }  # + param_hash, of the snapshot's global params, by the writer
         state, owned = self._checkpoint_state(model_is_global)
@@ -210,10 +209,15 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         meta, self._restored_swarm_state = restore_state(
             path, replica=self.replica, diloco=self.diloco, batches=self.batches,
-            corpus_sha256=self.corpus.sha256, model_name=self.config.model,
+            corpus_sha256=self.corpus.sha256, model_name=self.config.architecture.preset,
         )  # fmt: skip
-        self.progress = Progress(
-            step=meta["step"], round=meta["round"], tokens=meta["tokens"], round_tokens=meta["round_tokens"]
+        self.round.restore(
+            RoundProgress(
+                step=meta["step"],
+                round=meta["round"],
+                tokens=meta["tokens"],
+                round_tokens=meta["round_tokens"],
+            )
         )
         self.resumed_from = path
         self._saved_step = self.progress.step
@@ -221,79 +225,6 @@ class Trainer:
             "resumed from %s: round %d, step %d, param_hash %s",
             path, meta["round"], meta["step"], meta["param_hash"][:12],
         )  # fmt: skip
-
-    def adopt(self, state: AdoptedState) -> None:
-        """Continue from the swarm's global state: params, outer momentum, counters, data position.
-
-        The inner steps since the last round are dropped (their Δ belongs to other params); the
-        inner optimizer's state is this node's own and is kept, as in DiLoCo.
-        """
-        self.diloco.load_global_state(state.global_params, state.outer_momentum)
-        if self.diloco.param_hash() != state.param_hash:
-            raise RuntimeError("the adopted params do not match their param_hash")
-        # The swarm's data position; our shard stays the first until the next round assigns ours (a
-        # bounded duplicate read, never a gap: protocol/membership/shards.py).
-        data = {"shard_index": 0, **state.metadata["data"]}
-        self.batches.load_state_dict(data)
-        self.progress = Progress(
-            step=int(state.metadata["step"]), round=state.round, tokens=self.progress.tokens
-        )
-        log.info(
-            "now at round %d, step %d, param_hash %s", state.round, self.progress.step, state.param_hash[:12]
-        )
-
-    def _act_on(self, report: OuterStepReport, boundary: Boundary | None = None) -> OuterStepReport:
-        """The one place the loop acts on a round's decision (``node/swarm_seam.py``): count the round
-        it stepped through, or load the state it was sent to (the report then names the params this
-        node holds now; ``adopt`` checked they hash to it); then the swarm reshards and serves it."""
-        match report.decision:
-            case Adopt(state=state):
-                self.adopt(state)
-                report = dataclasses.replace(report, param_hash=state.param_hash)
-            case Averaged() | FellBack():
-                self.progress.round = report.round_index
-        if self.swarm is not None:
-            self.swarm.after_round(report.decision, report.outcome.members, boundary)
-        return report
-
-    def snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
-        """The global state as served to joiners (``swarm_state.state_snapshot``): after ``round``
-        (default the rounds applied), at ``boundary`` (default the step and data position now)."""
-        step, data = boundary if boundary is not None else (self.progress.step, self.batches.state_dict())
-        host = self.round_end.host.get()  # the round's one host copy, shared with the checkpoint
-        return state_snapshot(
-            global_params=host.params,
-            outer_momentum=host.momentum,
-            param_hash=host.param_hash,
-            copy=False,
-            round=self.progress.round if round is None else round,
-            step=step,
-            data=data,
-            model=self.config.model,
-            corpus_sha256=self.corpus.sha256,
-        )
-
-    def global_state_access(self) -> GlobalStateAccess:
-        """The loop's side of the seam, handed to the swarm (``SwarmSide.start``)."""
-        return GlobalStateAccess(
-            num_elements=self.diloco.num_elements,
-            corpus_sha256=self.corpus.sha256,
-            lineage=lambda: (self.progress.round, self.diloco.param_hash()),
-            snapshot=self.snapshot,
-            stepped=self.diloco.stepped,
-            adopt=self.adopt,
-            tokens_per_s=self.tokens_per_s,
-            stop_requested=self._stop.is_set,
-            reshard=self.batches.reshard,
-            open_streams=self.replica.open_streams if self.config.swarm_streams > 1 else None,
-        )
-
-    def tokens_per_s(self) -> float:
-        """This node's inner-phase throughput so far in the round (0 before its first step)."""
-        progress = self.progress
-        return (
-            progress.round_tokens / progress.round_compute_seconds if progress.round_compute_seconds else 0.0
-        )
 
     # --- the loop ---
     @property
@@ -306,28 +237,27 @@ class Trainer:
 
     def _done(self) -> bool:
         config, progress = self.config, self.progress
-        rounds = progress.round + (self.diloco.pending_round is not None)  # applied or in flight
-        return (config.max_rounds > 0 and rounds >= config.max_rounds) or (
-            config.max_steps > 0 and progress.step >= config.max_steps
+        rounds = progress.round + self.round.in_flight  # applied or in flight
+        return (config.run.max_rounds > 0 and rounds >= config.run.max_rounds) or (
+            config.run.max_steps > 0 and progress.step >= config.run.max_steps
         )
 
     def inner_step(self) -> dict[str, Any]:
         """One AdamW step on the next batch of this node's shard; returns its step record."""
         start = time.perf_counter()
         self.round_end.phase_started(start)  # the first round's wall time starts at this process's first step
-        batches = [self.batches.next_batch() for _ in range(self.config.grad_accumulation)]  # (B, T) pairs
+        batches = [
+            self.batches.next_batch() for _ in range(self.config.inner.grad_accumulation)
+        ]  # (B, T) pairs
         lr = self.schedule.lr(self.progress.step)
         loss_value = self.replica.train_step(batches, lr)  # returns when the step is done
         seconds = time.perf_counter() - start
         progress = self.progress
         num_tokens = sum(x.numel() for x, _ in batches)
-        progress.step += 1
-        progress.tokens += num_tokens
-        progress.round_tokens += num_tokens
-        progress.round_compute_seconds += seconds
+        self.round.count_step(num_tokens, seconds)
         return {
             "kind": "step",
-            "round": self._phase(),
+            "round": self.round.phase,
             "step": progress.step,
             "loss": loss_value,
             "lr": lr,
@@ -339,78 +269,18 @@ class Trainer:
     def evaluate(self) -> float:
         return self.replica.eval_loss(self.eval_set)
 
-    def outer_round(self) -> dict[str, Any] | None:
-        """End of an inner phase: the outer step, or with ``overlap`` the previous round's.
-
-        Writes (and returns) the record of the round applied now, and checkpoints on schedule; None
-        for the first overlapped phase, whose round is still in flight (its compute goes to round 1's).
-        """
-        progress = self.progress
-        self.unrecorded_compute += progress.round_compute_seconds  # (overlap: phase 1's is round 1's)
-        weight, progress.round_tokens, progress.round_compute_seconds = float(progress.round_tokens), 0, 0.0
-        if not self.diloco.overlap:
-            report: OuterStepReport | None = self.diloco.outer_step(
-                round_index=progress.round + 1, weight=weight
-            )
-            delta = None
-        else:
-            delta = self.diloco.phase_delta()  # before finish_pending: the model still holds this phase
-            report = self.diloco.finish_pending()
-        if report is not None:
-            report = self._act_on(report, self.submitted_boundary if self.diloco.overlap else None)
-            if report.adopted:
-                delta = None  # this phase's progress belongs to other params
-        record = None
-        if report is not None:
-            # Without overlap (or after adopting) the model restarts from θ_global: it holds it now.
-            model_is_global = not self.diloco.overlap or report.adopted
-            record = self._round_record(report, model_is_global=model_is_global)
-            if self.config.checkpoint_every and self.progress.round % self.config.checkpoint_every == 0:
-                # Before submit: no round in flight, so the saved state is consistent.
-                self.save(model_is_global=model_is_global)
-        if delta is not None:
-            self.submitted_boundary = (progress.step, self.batches.state_dict())
-            self.diloco.submit(delta, round_index=self._phase(), weight=weight)
-        # The next phase starts now (self.progress: an adopted state replaced the object `progress` is).
-        self.phase_clock.restart(self.progress.step)
-        return record
-
-    def _phase_due(self) -> bool:
-        """Whether the inner phase is over (``node/phase_clock.py``)."""
-        return self.phase_clock.due(
-            self.progress,
-            pending_done=self.diloco.pending_done,
-            peer_due=None if self.swarm is None else self.swarm.lineage_peer_due,
-        )
-
-    def _phase(self) -> int:
-        """The outer round the current inner phase belongs to (1-based)."""
-        return self.progress.round + 1 + (self.diloco.pending_round is not None)
-
-    def _round_record(
-        self, report: OuterStepReport, *, model_is_global: bool, final: bool = False
-    ) -> dict[str, Any]:
-        """The round's record (the compute no record counted yet; written now or after its eval)."""
-        compute_seconds, self.unrecorded_compute = self.unrecorded_compute, 0.0
-        return self.round_end.record(
-            report,
-            progress=self.progress,
-            compute_seconds=compute_seconds,
+    def _round_applied(self, applied: RoundApplied) -> None:
+        """A round was applied (``OuterRound.on_applied``, before the next is in flight): write its
+        record (now, or after its background eval) and checkpoint on schedule."""
+        config, progress = self.config, self.progress
+        self.round_end.record(
+            applied,
+            progress=progress,
             shard=(self.batches.shard_index, self.batches.num_shards),
-            final=final or self._done() or self._stop.is_set(),
-            model_is_global=model_is_global,
+            final=self._done() or self._stop.is_set(),
         )
-
-    def _finish_rounds(self) -> None:
-        """Overlap: apply the round still in flight, so the run ends on the swarm's latest params."""
-        report = self.diloco.finish_pending()
-        if report is not None:
-            report = self._act_on(report, self.submitted_boundary)
-            if not report.adopted:
-                self.diloco.load_global_into_model()
-            self._round_record(report, model_is_global=True, final=True)
-        self.diloco.close()
-        self.round_end.finish()  # the last eval waited for, every round record written
+        if config.checkpoint.every and progress.round % config.checkpoint.every == 0:
+            self.save(model_is_global=applied.model_is_global)
 
     def run(self) -> None:
         """Train until a limit is reached or :meth:`request_stop` is called; checkpoint and export the
@@ -424,15 +294,12 @@ class Trainer:
             return
         log.info(
             "training %s (%s params) on %s; H=%d, device %s, run dir %s",
-            config.model_config or config.init_from or config.model, f"{self.model.num_params():,}",
-            self.corpus.description, config.inner_steps, self.device, self.run_dir,
+            config.architecture.hf_config or config.architecture.init_from or config.architecture.preset, f"{self.model.num_params():,}",
+            self.corpus.description, config.inner.steps, self.device, self.run_dir,
         )  # fmt: skip
         try:
             try:
-                if self.swarm is not None:
-                    self.swarm.start(self.global_state_access())
-                    if self._restored_swarm_state and not self.swarm.num_adoptions:
-                        self.swarm.load_state_dict(self._restored_swarm_state)
+                self.round.start(self._restored_swarm_state)
                 self._train()
             finally:
                 self.round_end.close()  # the eval thread (a failed run's records are written as they are)
@@ -445,7 +312,6 @@ class Trainer:
             self.replica.close()  # the local workers, if any (after save: it reads their params)
 
     def _train(self) -> None:
-        config = self.config
         while not self._done() and not self._stop.is_set():
             record = self.inner_step()
             self.metrics.write(record)  # its sinks log every log_every-th step and export it
@@ -453,34 +319,11 @@ class Trainer:
             self.round_end.poll()  # a background eval that landed: its round record is written
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"inner loss is {record['loss']} at step {record['step']}")
-            if self._phase_due():
-                self.outer_round()
-            elif self.diloco.pending_adopts():
-                # Overlap: the round in flight sent us to adopt the swarm's state; this phase's
-                # steps are on params it replaces, so adopt now rather than at the phase's end,
-                # a round behind the swarm again (then catch up as any adopter does, below).
-                log.info("adopting the swarm's state mid-phase (the round in flight was not ours)")
-                self.outer_round()
-            elif self.swarm is not None and self.swarm.phase_should_end():
-                # Catching up after adopting the swarm's state: join the round the swarm is
-                # forming now with the steps done so far (weighted by their tokens), or, if the
-                # swarm already moved past our state, let the round's lineage check catch us up;
-                # on the swarm's step count and data position (if the round sends us to adopt
-                # again, the adopted state sets both).
-                done = self.progress.step - self.phase_clock.start_step
-                missing = 0 if config.round_seconds else max(config.inner_steps - done, 0)
-                log.info("ending the phase %d steps early to join the swarm's round", missing)
-                self.batches.skip(missing)
-                self.progress.step += missing
-                self.outer_round()
-            elif self.swarm is not None and (landed := self.diloco.landed()) is not None:
-                # Overlap: the round in flight was applied (polled at this step boundary): serve it
-                # now, not at the phase's end (the swarm serves each round once).
-                assert self.submitted_boundary is not None
-                self.swarm.publish_landed(landed.round_index, self.submitted_boundary)
+            self.round.at_step_boundary()  # the phase's end, if due: its round is recorded in _round_applied
         if self._stop.is_set():
             log.info("stop requested: checkpointing at step %d", self.progress.step)
-        self._finish_rounds()
+        self.round.finish()  # overlap: the round still in flight, applied and recorded
+        self.round_end.finish()  # the last eval waited for, every round record written
 
     def export(self) -> Path:
         """Write the global params, the swarm's model, as ``RUN_DIR/model.safetensors`` (node/export.py)."""
@@ -489,8 +332,8 @@ class Trainer:
             self.run_dir,
             self.model,
             self.diloco.global_params,  # the averaging thread is closed: nothing steps it now
-            preset=self.config.model,
-            tokenizer=tokenizer_info(self.config.data, self.corpus.vocab_size, self.tokenizer),
+            preset=self.config.architecture.preset,
+            tokenizer=tokenizer_info(self.config.corpus.path, self.corpus.vocab_size, self.tokenizer),
             round_index=progress.round,
             step=progress.step,
             tokens=progress.tokens,

@@ -57,7 +57,7 @@ from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.collect import collect_messages
 from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig, routable_host
 from protocol.swarm.driver import RoundDriver, watch_swarm
-from protocol.swarm.result import RoundResult, not_averaged
+from protocol.swarm.result import GroupAveraged, RoundResult, not_averaged
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
 from protocol.swarm.streams import StreamRunner, run_streamed, stream_group, to_allreduce_group
@@ -394,8 +394,7 @@ class SwarmNode:
                 )
             else:
                 result = self._run_streams(vector, group, weight, error_feedback)
-            return RoundResult(
-                kind="averaged",
+            return GroupAveraged(
                 round=next_round,
                 group=group,
                 allreduce=result,

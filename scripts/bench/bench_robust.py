@@ -36,7 +36,7 @@ import torch
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.diloco import AveragingOutcome, DiLoCo
+from node.diloco import DiLoCo
 from protocol.allreduce.robust import AGGREGATIONS, AggregationRule
 from protocol.codecs import get_codec
 from scripts.bench.convergence_variants import (
@@ -65,18 +65,6 @@ class Scenario:
         return f"{self.attack}:{self.aggregation}"
 
 
-class _FixedAverager:
-    """A worker's ``Averager``: hands ``DiLoCo.outer_step`` the mean the simulated group computed."""
-
-    def __init__(self) -> None:
-        self.outcome: AveragingOutcome | None = None
-
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        outcome, self.outcome = self.outcome, None
-        assert outcome is not None, "set the round's outcome first"
-        return outcome
-
-
 def attacked(delta: torch.Tensor, attack: str, scale: float, generator: torch.Generator) -> torch.Tensor:
     """What the malicious worker sends instead of its pseudo-gradient `delta` (E,)."""
     if attack == "scaled":
@@ -92,11 +80,10 @@ def run(settings: BenchSettings, scenario: Scenario, args: argparse.Namespace) -
     start = time.perf_counter()
     corpus, eval_set = load_data(settings)
     workers = [build_worker(settings, corpus, i) for i in range(settings.num_workers)]
-    averagers = [_FixedAverager() for _ in workers]
     outer = [
-        DiLoCo(w.model, averager=a, outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, nesterov=True)
-        for w, a in zip(workers, averagers, strict=True)
-    ]  # fmt: skip
+        DiLoCo(w.model, outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, nesterov=True)
+        for w in workers
+    ]
     rule = AggregationRule(
         kind=scenario.aggregation,  # type: ignore[arg-type]
         clip_factor=args.clip_factor,
@@ -124,11 +111,8 @@ def run(settings: BenchSettings, scenario: Scenario, args: argparse.Namespace) -
         before = len(allreduce.adjustments)
         averaged = allreduce.reduce(sent, [weight] * settings.num_workers)
         num_attacker_adjusted += sum(f"member {ATTACKER} " in note for note in allreduce.adjustments[before:])
-        for o, averager in zip(outer, averagers, strict=True):
-            averager.outcome = AveragingOutcome(
-                averaged=averaged.clone(), num_peers=settings.num_workers, bytes_sent=0
-            )
-            o.outer_step(round_index=round_index, weight=weight)
+        for o in outer:  # each worker steps with its own copy of the group's mean, as each node does
+            o.outer_step(averaged.clone())
         hashes = {o.param_hash() for o in outer}
         assert len(hashes) == 1, "the workers' global params diverged"
         history.append(evaluate(workers[0].model, eval_set))

@@ -26,7 +26,7 @@ from torch import nn
 from node.config import NodeConfig
 from node.corpus import Corpus
 from node.data import ShardedBatches, eval_batches, load_corpus
-from node.diloco import AveragingOutcome, DiLoCo, flatten_params
+from node.diloco import DiLoCo, flatten_params
 from node.model import GPT, cross_entropy_loss, model_config
 from node.outer_state import tensor_hash
 from node.replica import build_inner_optimizer
@@ -297,24 +297,6 @@ def warm_start(settings: BenchSettings, path: Path) -> dict[str, Any]:
 # --- variant runners -------------------------------------------------------------------------------
 
 
-class _RoundAverager:
-    """One member's ``Averager``: hands ``DiLoCo.outer_step`` the mean the simulated group computed."""
-
-    def __init__(self) -> None:
-        self._expected: torch.Tensor | None = None
-        self._outcome: AveragingOutcome | None = None
-
-    def prepare(self, vector: torch.Tensor, outcome: AveragingOutcome) -> None:
-        self._expected, self._outcome = vector, outcome
-
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        outcome, expected = self._outcome, self._expected
-        assert outcome is not None and expected is not None, "prepare() the round first"
-        assert torch.equal(vector, expected), "DiLoCo averaged another Δ than the group reduced"
-        self._outcome = self._expected = None
-        return outcome
-
-
 @torch.no_grad()
 def _global_model(flat: torch.Tensor, into: GPT) -> GPT:
     """``into`` holding the global params ``flat`` (overlap: the workers' models are mid-phase)."""
@@ -328,10 +310,14 @@ def _global_model(flat: torch.Tensor, into: GPT) -> GPT:
 def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     """N DiLoCo workers in this process, outer rounds through ``SimulatedAllReduce``.
 
-    ``overlap`` variants run the node's delayed outer update (``DiLoCo(overlap=True)``): round k's
-    mean is applied on the averaging thread during phase k+1, and each worker restarts phase k+1
-    from the newest global params minus its own Δ_k. Their eval at round k is of the global params
-    every worker holds then (rounds up to k-1), plus a last point once the last round is applied.
+    Each worker steps its ``DiLoCo`` with the mean its simulated group computed, as the node's outer
+    round (``node/outer_round.py``) does with the swarm's. ``overlap`` variants run the node's delayed
+    outer update (``--overlap``), in ``OuterRound``'s order: at the end of phase k each worker takes
+    its own Δ_k (``phase_delta``), restarts phase k+1 from the newest global params minus Δ_k
+    (``restart_from``), and then steps the global params with round k's mean (``apply_mean``; the node
+    does it on its averaging thread during phase k+1, which never reads them). Their eval at round k
+    is of the global params every worker holds then (rounds up to k-1), plus a last point once the
+    last round is applied.
     """
     start = time.perf_counter()
     overlap = variant.kind == "overlap"
@@ -340,16 +326,9 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
     corpus, eval_set = load_data(settings)
     workers = [build_worker(settings, corpus, i) for i in range(num_workers)]
-    averagers = [_RoundAverager() for _ in workers]
     outer = [
-        DiLoCo(
-            w.model,
-            averager=a,
-            outer_lr=variant.settings(settings).outer_lr,
-            outer_momentum=settings.outer_momentum,
-            overlap=overlap,
-        )
-        for w, a in zip(workers, averagers, strict=True)
+        DiLoCo(w.model, outer_lr=variant.settings(settings).outer_lr, outer_momentum=settings.outer_momentum)
+        for w in workers
     ]
     allreduce = SimulatedAllReduce(
         num_members=num_workers, num_elements=outer[0].num_elements, codec=get_codec(variant.codec),
@@ -366,28 +345,22 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             inner_step(worker, settings, lr)
         if (step + 1) % inner_steps:
             continue
-        round_index = (step + 1) // inner_steps
         # As in the node, a worker's weight is the number of tokens of its round.
         weight = float(inner_steps * settings.batch_size * settings.seq_len)
         if overlap:
-            deltas = [o.phase_delta() for o in outer]
-            for o in outer:
-                o.finish_pending()  # round k-1, applied to the global params in the background
-            hashes = [o.param_hash() for o in outer]  # before the threads may step them again
+            deltas = [o.phase_delta() for o in outer]  # Δ_k, while the model still holds phase k
+            hashes = [o.param_hash() for o in outer]  # rounds up to k-1, before round k steps them
             global_now = outer[0].global_params.clone()
         else:
             deltas = [o.pseudo_gradient() for o in outer]
-        sent_before = list(allreduce.bytes_sent)
         averaged = allreduce.reduce(deltas, [weight] * num_workers)
-        for m, (o, averager, delta) in enumerate(zip(outer, averagers, deltas, strict=True)):
-            sent = allreduce.bytes_sent[m] - sent_before[m]
-            averager.prepare(
-                delta, AveragingOutcome(averaged=averaged.clone(), num_peers=num_workers, bytes_sent=sent)
-            )
+        for o, delta in zip(outer, deltas, strict=True):
+            # Each member's own copy of the mean, as each node gets one (SGD may write to its gradient).
             if overlap:
-                o.submit(delta, round_index=round_index, weight=weight)
+                o.restart_from(delta)  # before round k steps the global params
+                o.apply_mean(averaged.clone())
             else:
-                o.outer_step(round_index=round_index, weight=weight)
+                o.outer_step(averaged.clone())
         if not overlap:
             hashes = [o.param_hash() for o in outer]
         assert len(set(hashes)) == 1, "the workers' global params diverged"
@@ -396,10 +369,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         evaluated = _global_model(global_now, eval_model) if overlap else workers[0].model
         history.append((tokens, bytes_per_worker, evaluate(evaluated, eval_set)))
         _progress(step + 1, settings.steps, history[-1][2])
-    if overlap:  # the last round lands: every worker holds the same, final, global params
-        for o in outer:
-            o.finish_pending()
-            o.close()
+    if overlap:  # the last round landed: every worker holds the same, final, global params
         hashes = [o.param_hash() for o in outer]
         assert len(set(hashes)) == 1, "the workers' global params diverged"
         history.append(

@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from protocol.gen.dtnode.v1 import allreduce_pb2 as allreduce_pb
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged, result_name
 from protocol.swarm.streams import to_allreduce_group
 from scripts.common import add_output_flags, print_json, write_json
 from scripts.tools.fuzz_messages import (
@@ -228,9 +229,8 @@ def check_round(
         return theirs, mine.result(timeout.total_seconds())
 
 
-def exact_mean(result: RoundResult, peer_ids: dict[str, str], round: int) -> torch.Tensor:
+def exact_mean(result: GroupAveraged, peer_ids: dict[str, str], round: int) -> torch.Tensor:
     """Per part: sum(w_i x_i) in fp32 in member order, divided by the fp32 sum of the weights."""
-    assert result.group is not None and result.allreduce is not None
     group = to_allreduce_group(result.group)
     who = {peer_id: name for name, peer_id in peer_ids.items()}
     reference = torch.empty(NUM_ELEMENTS)
@@ -251,8 +251,8 @@ def verify_round(
 ) -> tuple[dict[str, Any], RoundResult]:
     """A normal round: both averaged with each other, identical bytes, equal to the exact mean."""
     theirs, mine = check_round(target, partner, round, timedelta(seconds=60))
-    verdict: dict[str, Any] = {"target": theirs, "partner_kind": mine.kind, "ok": False}
-    if mine.kind == "averaged" and theirs.get("kind") == "averaged" and mine.allreduce is not None:
+    verdict: dict[str, Any] = {"target": theirs, "partner_kind": result_name(mine), "ok": False}
+    if isinstance(mine, GroupAveraged) and theirs.get("kind") == "averaged":
         averaged = mine.allreduce.averaged
         both = all(sorted(c) == sorted(peer_ids.values()) for c in mine.allreduce.contributors)
         verdict.update(
@@ -309,7 +309,7 @@ def run_campaign(
         wait_for_lineage(partner, peer_ids, 0)
         before, first = verify_round(target, partner, 1, peer_ids)
         summary["round_before"] = before
-        if not before["ok"] or first.group is None:
+        if not before["ok"] or not isinstance(first, GroupAveraged):
             raise RuntimeError(f"round 1 (before fuzzing) failed: {before}")
         group = to_allreduce_group(first.group)
         partner_index = group.index_of(partner.peer_id)

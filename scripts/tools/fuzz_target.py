@@ -32,6 +32,7 @@ from protocol.statesync.config import StateSyncConfig
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged, result_name
 from scripts.common import REPO_ROOT
 
 NUM_ELEMENTS = 10_007
@@ -131,8 +132,8 @@ def serve() -> int:
                 print(json.dumps({"published": round}), flush=True)
             elif command["op"] == "round":
                 result = run_round(node, "target", int(command["round"]))
-                reply: dict[str, Any] = {"kind": result.kind, "reason": result.reason}
-                if result.allreduce is not None:
+                reply: dict[str, Any] = {"kind": result_name(result), "reason": getattr(result, "reason", "")}
+                if isinstance(result, GroupAveraged):
                     reply["sha256"] = tensor_sha256(result.allreduce.averaged)
                     reply["fell_back"] = result.allreduce.fell_back
                 print(json.dumps(reply), flush=True)

@@ -28,9 +28,9 @@ from torch import nn
 
 from node.api import RoundReport, SwarmTrainer, api_config, join_swarm
 from node.config import ConfigError
-from node.diloco import AveragingOutcome, flatten_params
+from node.diloco import flatten_params
 from node.outer_state import tensor_hash
-from node.swarm_seam import AdoptedState
+from node.swarm_seam import Adopt, AdoptedState, RoundOutcome, RoundRequest, RoundStats
 from tests.node.swarm_cluster import ForkedNode, fork_node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +192,7 @@ def test_joiner_adopts_same_data_id_and_is_refused_another(tmp_path: Path) -> No
 
 def test_options_are_node_config_fields() -> None:
     assert api_config(codec="int4", min_peers=3).rounds.codec == "int4"
-    with pytest.raises(ConfigError, match="unknown option"):
+    with pytest.raises(ConfigError, match="unknown setting"):
         api_config(not_a_field=1)
     with pytest.raises(ConfigError, match="overlap"):
         api_config(overlap=True)
@@ -208,8 +208,8 @@ class AdoptingAverager:
     def __init__(self, state: AdoptedState) -> None:
         self.state = state
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        return AveragingOutcome(averaged=vector, num_peers=0, adopted_state=self.state)
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        return RoundOutcome(Adopt(self.state), RoundStats(num_peers=0))
 
 
 def test_adopt_decision_loads_the_swarms_state_into_the_module() -> None:
@@ -218,8 +218,8 @@ def test_adopt_decision_loads_the_swarms_state_into_the_module() -> None:
     other = torch.randn(swarm.diloco.num_elements, generator=torch.Generator().manual_seed(5))
     momentum = torch.randn(other.shape, generator=torch.Generator().manual_seed(6))
     state = AdoptedState(round=7, param_hash=tensor_hash(other), global_params=other,
-                         outer_momentum=momentum, metadata={"step": 70})  # fmt: skip
-    swarm.diloco.averager = AdoptingAverager(state)
+                         outer_momentum=momentum, metadata={"step": 70, "data": {}})  # fmt: skip
+    swarm.round.averager = AdoptingAverager(state)
     (report,) = train_to_step(swarm, model, opt, 3)
     assert (report.kind, report.round, report.step, report.param_hash) == ("adopted", 7, 70, state.param_hash)
     assert torch.equal(flatten_params(list(model.parameters()), device="cpu"), other)

@@ -2,9 +2,10 @@
 
 Two SwarmNodes on loopback (hivemind DHT, gRPC): the first serves a trainer's states after rounds 2
 and 3, each with its round's mean beside it (``round_mean_snapshot``); the second holds the same
-trainer's state after round 1. Its SwarmSession fetches only the two means (their int8 bytes, each
-under 1/7 of the state's), steps itself to the swarm's param_hash and outer momentum through round
-2's, and serves round 3's mean on. When no source serves a mean, it fetches the whole state instead.
+trainer's state after round 1. When its next round's lineage check sends it to the swarm's state,
+its SwarmSession fetches only the two means (their int8 bytes, each under 1/7 of the state's), steps
+itself to the swarm's param_hash and outer momentum through round 2's, and its loop serves round 3's
+mean on. When no source serves a mean, it fetches the whole state instead.
 """
 
 from __future__ import annotations
@@ -22,18 +23,22 @@ import pytest
 import torch
 
 from node.swarm import SwarmSession
+from node.swarm_seam import JoinAnswer, JoinRequest
 from node.swarm_state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
 from node.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback
-from protocol.membership.lineage import Lineage
-from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.membership.lineage import Lineage, LineageDecision
+from protocol.swarm.node import SwarmNode
+from protocol.swarm.result import GroupAveraged, LineageResync, RoundResult
 from tests.node.test_swarm_session import (
     RecordingAverager,
     corpus_file,
+    end_phase,
     one_round,
     small_config,
+    stepper,
 )
 from tests.protocol.swarm.test_swarm_node import started_nodes, wait_for_lineages
 
@@ -50,6 +55,15 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
     return condition()
 
 
+def resync_to(decision: LineageDecision) -> Callable[..., RoundResult]:
+    """A ``SwarmNode.run_round`` whose lineage check finds us off the swarm's lineage: ``decision``."""
+
+    def run_round(vector: torch.Tensor, *, round: int, **_: object) -> RoundResult:
+        return LineageResync(round=round + 1, decision=decision)
+
+    return run_round
+
+
 @pytest.fixture
 def two_nodes() -> Iterator[list[SwarmNode]]:
     with started_nodes(2, f"catch-up-{uuid.uuid4().hex[:12]}") as started:
@@ -63,41 +77,52 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     server, client = two_nodes
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()
-    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1))
-    behind.adopt(adopted_state(source.snapshot(), num_elements=behind.diloco.num_elements,
-                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    session = SwarmSession(client, joining=False)
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1), swarm=session)
+    round_1 = adopted_state(source.round.snapshot(), num_elements=behind.diloco.num_elements,
+                            corpus_sha256=behind.corpus.sha256)  # fmt: skip
     previous = (1, source.diloco.param_hash())
 
     companions = []
     for round in (2, 3):  # two rounds without `behind`; the server keeps both publishes
         round_mean = one_round(source, RecordingAverager("int8"))
-        state = source.snapshot()
+        state = source.round.snapshot()
         companions.append(round_mean_snapshot(state, round_mean))
         server.publish(round=round, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state,
                        companions=companions[-1:])  # fmt: skip
     assert companions[0].state_id in server.server.state_provider.kept_state_ids
-    session = SwarmSession(client, joining=False)
-    session.start(behind.global_state_access())  # publishes round 1
+
+    # `behind` holds the swarm's state after round 1: its join is answered with it (as a joiner's
+    # join is with a state fetched whole); its loop loads it and serves round 1.
+    join = session.join
+
+    def join_on_round_1(request: JoinRequest) -> JoinAnswer:
+        join(request)
+        return JoinAnswer(round_1)
+
+    monkeypatch.setattr(session, "join", join_on_round_1)
+    behind.round.start()
     wait_for_lineages(
         two_nodes, {server.peer_id: Lineage(3, state.state_id), client.peer_id: Lineage(*previous)}
     )
 
+    # Its next round's lineage check sends it to the swarm's state, which it steps to with the means.
     decision = client.lineage(round=1, param_hash=previous[1])
     assert not decision.in_canonical and decision.canonical == Lineage(3, state.state_id)
-    adopted = session._fetch_canonical(decision, why="test")
-    assert adopted is not None and session.num_caught_up == 1
+    monkeypatch.setattr(client, "run_round", resync_to(decision))
+    applied = end_phase(behind)
+    assert applied.kind == "adopted" and applied.caught_up and session.num_caught_up == 1
     # Both rounds' int8 bytes, well under the one state's.
-    assert session._bytes_state_sync == sum(c.num_bytes for c in companions) < state.num_bytes / 3.5
-    behind.adopt(adopted)
-    session._adopted()
+    assert applied.stats.bytes_recv_state_sync == sum(c.num_bytes for c in companions) < state.num_bytes / 3.5
     assert session.catching_up and client.driver.watch_closely  # to see the swarm's next round sooner
-    assert behind.diloco.param_hash() == state.state_id
+    assert behind.diloco.param_hash() == applied.param_hash == state.state_id
+    assert behind.progress.round == 3
     assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
     assert client.server.state_provider.kept_state_ids[:2] == [state.state_id, round_mean_id(state.state_id)]
 
     # Round 4 served without its mean (e.g. its members ran with --overlap): the whole state it is.
     one_round(source, RecordingAverager("int8"))
-    newer = source.snapshot()
+    newer = source.round.snapshot()
     assert not session.phase_should_end()  # the swarm is where we are, and not ready yet
     server.publish(round=4, param_hash=newer.state_id, tokens_per_s=1.0, snapshot=newer)
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(4, newer.state_id)})
@@ -106,12 +131,12 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     assert wait_until(session.phase_should_end, 10)
     decision = client.lineage(round=3, param_hash=state.state_id)
     assert decision.canonical == Lineage(4, newer.state_id)
-    before = session._bytes_state_sync
-    adopted = session._fetch_canonical(decision, why="test")
-    assert adopted is not None and adopted.param_hash == newer.state_id and not adopted.caught_up
-    assert session.num_caught_up == 1 and session._bytes_state_sync - before == newer.num_bytes
-    behind.adopt(adopted)
-    session._adopted()
+    monkeypatch.setattr(client, "run_round", resync_to(decision))
+    behind.inner_step()
+    early = behind.round.at_step_boundary()  # one step into the phase of H = 2
+    assert early is not None and early.kind == "adopted"
+    assert early.param_hash == newer.state_id and not early.caught_up
+    assert session.num_caught_up == 1 and early.stats.bytes_recv_state_sync == newer.num_bytes
 
     # Our round 5 fails (the swarm's loop misses its deadline) and we step on our own Δ, while the
     # swarm steps to rounds 5 and 6 and serves both means: no chain of means leads to our state, so
@@ -120,22 +145,21 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
         raise TimeoutError("injected: the round's loop missed its deadline")
 
     monkeypatch.setattr(client, "run_round", late_round)
-    behind.diloco.averager = session
-    behind.inner_step(), behind.inner_step()
-    report = behind.outer_round()
-    assert report is not None and report["round"] == 5 and session._stepped_alone
+    applied = end_phase(behind)
+    assert applied.round_index == behind.progress.round == 5 and applied.kind == "fell_back"
+    assert session._stepped_alone
     for round in (5, 6):
         round_mean = one_round(source, RecordingAverager("int8"))
-        newest = source.snapshot()
+        newest = source.round.snapshot()
         server.publish(round=round, param_hash=newest.state_id, tokens_per_s=1.0, snapshot=newest,
                        companions=[round_mean_snapshot(newest, round_mean)])  # fmt: skip
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(6, newest.state_id)})
     decision = client.lineage(round=5, param_hash=behind.diloco.param_hash())
     assert not decision.in_canonical and decision.canonical == Lineage(6, newest.state_id)
-    before = session._bytes_state_sync
-    adopted = session._fetch_canonical(decision, why="test")
-    assert adopted is not None and adopted.param_hash == newest.state_id and not adopted.caught_up
-    assert session.num_caught_up == 1 and session._bytes_state_sync - before == newest.num_bytes
+    monkeypatch.setattr(client, "run_round", resync_to(decision))
+    applied = end_phase(behind)
+    assert applied.kind == "adopted" and applied.param_hash == newest.state_id and not applied.caught_up
+    assert session.num_caught_up == 1 and applied.stats.bytes_recv_state_sync == newest.num_bytes
 
 
 class SwarmOfOne:
@@ -175,7 +199,7 @@ class SwarmOfOne:
             seconds=0.0, payloads=tuple(chunks),
         )  # fmt: skip
         group = SimpleNamespace(member_ids=(self.peer_id,), num_streams=1)
-        return RoundResult(kind="averaged", round=round + 1, group=group, allreduce=allreduce)  # type: ignore[arg-type]
+        return GroupAveraged(round=round + 1, group=group, allreduce=allreduce)  # type: ignore[arg-type]
 
     def leave(self) -> None:
         pass
@@ -204,20 +228,23 @@ def test_an_overlapped_member_serves_means_that_step_a_member_behind_to_its_stat
     assert [len(served[r]["companions"]) for r in (1, 2, 3)] == [1, 1, 1]
     assert source.diloco.param_hash() == served[3]["param_hash"]
 
+    # A member behind, on round 1's state: it steps through rounds 2 and 3 with their means.
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1))
-    behind.adopt(adopted_state(served[1]["snapshot"], num_elements=behind.diloco.num_elements,
-                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    num_elements, corpus_sha256 = behind.diloco.num_elements, behind.corpus.sha256
+    round_1 = adopted_state(served[1]["snapshot"], num_elements=num_elements, corpus_sha256=corpus_sha256)
     state, previous = None, (1, served[1]["param_hash"])
+    start = round_1_start = (round_1.global_params, round_1.outer_momentum)
     for round in (2, 3):
         (companion,) = served[round]["companions"]
         assert companion.state_id == round_mean_id(served[round]["param_hash"])
         target = (round, served[round]["param_hash"])
-        state = caught_up_state(behind.diloco, companion, previous=previous, target=target,
-                                corpus_sha256=behind.corpus.sha256, start=state)  # fmt: skip
-        previous = target
+        state = caught_up_state(stepper(behind), companion, previous=previous, target=target, start=start,
+                                num_elements=num_elements, corpus_sha256=corpus_sha256)  # fmt: skip
+        previous, start = target, (state.global_params, state.outer_momentum)
     assert state is not None and state.param_hash == source.diloco.param_hash()
     assert torch.equal(state.outer_momentum, source.diloco.momentum_buffer())
     # Not a chain of anything: the mean of round 3 does not step round 1's state.
     with pytest.raises(ValueError, match="another state"):
-        caught_up_state(behind.diloco, served[3]["companions"][0], previous=(1, served[1]["param_hash"]),
-                        target=(3, served[3]["param_hash"]), corpus_sha256=behind.corpus.sha256)  # fmt: skip
+        caught_up_state(stepper(behind), served[3]["companions"][0], previous=(1, served[1]["param_hash"]),
+                        target=(3, served[3]["param_hash"]), start=round_1_start, num_elements=num_elements,
+                        corpus_sha256=corpus_sha256)  # fmt: skip

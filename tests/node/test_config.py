@@ -126,15 +126,6 @@ def test_the_resolved_config_line_names_every_setting() -> None:
     assert len(line.split(" ")) >= len(FLAT_NAMES)
 
 
-def test_flat_reads_during_the_transition() -> None:
-    """TRANSITION: removed with NodeConfig's flat accessor, once every reader uses sections."""
-    config = NodeConfig.from_flat(inner_steps=7, codec="int4")
-    assert (config.inner_steps, config.codec) == (7, "int4")
-    assert dataclasses.replace(config, inner_steps=3).inner.steps == 3  # node/api.py's call
-    with pytest.raises(AttributeError):
-        config.no_such_setting  # noqa: B018
-
-
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -1,12 +1,16 @@
-"""The outer step against a hand-computed Nesterov update."""
+"""The outer step against a hand-computed Nesterov update, through the outer round as the loop runs it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from node.diloco import AveragingOutcome, DiLoCo, SoloAverager
+from node.diloco import DiLoCo
+from node.outer_round import OuterRound, RoundSettings
 from node.outer_state import tensor_hash
+from node.swarm_seam import Averaged, RoundOutcome, RoundRequest, RoundStats, SoloAverager
 
 
 class RecordingAverager:
@@ -15,12 +19,33 @@ class RecordingAverager:
     def __init__(self, answers: list[torch.Tensor]) -> None:
         self.answers = answers
         self.sent: list[torch.Tensor] = []
+        self.requests: list[RoundRequest] = []
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
         self.sent.append(vector.clone())
-        return AveragingOutcome(
-            averaged=self.answers[round_index - 1], num_peers=3, bytes_sent=10, bytes_recv=20
+        self.requests.append(request)
+        return RoundOutcome(
+            Averaged(self.answers[request.round_index - 1]), RoundStats(num_peers=3, bytes_sent=10, bytes_recv=20)
         )
+
+
+class NoData:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def skip(self, num_steps: int) -> None: ...
+
+    def reshard(self, shard_index: int, num_shards: int) -> None: ...
+
+
+def one_step_rounds(diloco: DiLoCo, averager: Any) -> OuterRound:
+    """An outer round due after every inner step (H = 1), alone."""
+    settings = RoundSettings(inner_steps=1, model="test", corpus_sha256="none")
+    return OuterRound(
+        diloco, averager=averager, swarm=None, settings=settings, data=NoData(), stop_requested=lambda: False
+    )
 
 
 def make_model() -> nn.Module:
@@ -39,13 +64,17 @@ def test_outer_steps_match_hand_computed_nesterov() -> None:
     g1, g2 = torch.linspace(-1, 1, n), torch.linspace(0.5, -0.25, n)
     averager = RecordingAverager([g1, g2])
     lr, m = 0.7, 0.9
-    diloco = DiLoCo(model, averager=averager, outer_lr=lr, outer_momentum=m, nesterov=True)
+    diloco = DiLoCo(model, outer_lr=lr, outer_momentum=m, nesterov=True)
+    rounds = one_step_rounds(diloco, averager)
 
     # Round 1: the inner steps moved the local params by -0.1.
     with torch.no_grad():
         for p in model.parameters():
             p.sub_(0.1)
-    report = diloco.outer_step(round_index=1, weight=100.0)
+    rounds.count_step(100, 1.0)
+    report = rounds.at_step_boundary()
+    assert report is not None and report.kind == "averaged" and report.weight == 100.0
+    assert averager.requests[0].lineage == (0, tensor_hash(theta0)) and averager.requests[0].round_index == 1
     torch.testing.assert_close(averager.sent[0], torch.full((n,), 0.1), rtol=0, atol=1e-6)
     # Hand-computed torch-style Nesterov: b1 = g1; θ1 = θ0 − lr (g1 + m b1)
     b1 = g1
@@ -58,7 +87,8 @@ def test_outer_steps_match_hand_computed_nesterov() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05)
-    diloco.outer_step(round_index=2, weight=100.0)
+    rounds.count_step(100, 1.0)
+    assert rounds.at_step_boundary() is not None and rounds.progress.round == 2
     torch.testing.assert_close(averager.sent[1], torch.full((n,), -0.05), rtol=0, atol=1e-6)
     b2 = m * b1 + g2
     theta2 = theta1 - lr * (g2 + m * b2)
@@ -69,25 +99,28 @@ def test_outer_steps_match_hand_computed_nesterov() -> None:
 def test_swarm_of_one_with_lr_1_no_momentum_keeps_local_params() -> None:
     """Outer SGD with lr 1 and no momentum: θ_global − Δ = θ_local, i.e. plain local training."""
     model = make_model()
-    diloco = DiLoCo(model, averager=SoloAverager(), outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    diloco = DiLoCo(model, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    rounds = one_step_rounds(diloco, SoloAverager())
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     local = flat(model).clone()
-    diloco.outer_step(round_index=1, weight=1.0)
+    rounds.count_step(1, 1.0)
+    report = rounds.at_step_boundary()
+    assert report is not None and report.kind == "averaged" and report.num_peers == 1
     torch.testing.assert_close(flat(model), local, rtol=0, atol=1e-6)
 
 
 def test_offload_keeps_outer_state_on_cpu_and_state_round_trips() -> None:
     model = make_model()
-    diloco = DiLoCo(model, averager=SoloAverager(), offload=True)
+    diloco = DiLoCo(model, offload=True)
     assert diloco.global_params.device.type == "cpu"
     with torch.no_grad():
         for p in model.parameters():
             p.sub_(0.2)
-    diloco.outer_step(round_index=1, weight=1.0)
+    diloco.outer_step(diloco.pseudo_gradient())  # a swarm of one: Δ̄ = Δ
     state = diloco.state_dict()
-    other = DiLoCo(make_model(), averager=SoloAverager(), offload=True)
+    other = DiLoCo(make_model(), offload=True)
     other.load_state_dict(state)
     assert other.param_hash() == diloco.param_hash()
     momentum, other_momentum = diloco.momentum_buffer(), other.momentum_buffer()

@@ -110,21 +110,22 @@ def test_fresh_joiners_that_outnumber_the_swarm_adopt_its_state_and_never_form_a
     with started_nodes(3, f"join-test-{uuid.uuid4().hex[:12]}") as (source_node, *joiner_nodes):
         source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
         source.run()  # round 1
-        state = source.snapshot()
+        state = source.round.snapshot()
         source_node.publish(round=1, param_hash=state.state_id, tokens_per_s=1.0, snapshot=state)
         published = record_publishes(joiner_nodes, monkeypatch)
         prefetches = [Prefetch(node, join_timeout=timedelta(seconds=20)) for node in joiner_nodes]
-        joiners = [Trainer(small_config(corpus_file, tmp_path / f"joiner-{i}")) for i in range(2)]
-        init_hash = joiners[0].diloco.param_hash()
-        assert joiners[1].diloco.param_hash() == init_hash != state.state_id  # one seeded init
         sessions = [
             SwarmSession(node, joining=True, prefetch=prefetch)
             for node, prefetch in zip(joiner_nodes, prefetches, strict=True)
         ]
-        threads = [
-            threading.Thread(target=session.start, args=(trainer.global_state_access(),))
-            for session, trainer in zip(sessions, joiners, strict=True)
+        joiners = [
+            Trainer(small_config(corpus_file, tmp_path / f"joiner-{i}"), swarm=session)
+            for i, session in enumerate(sessions)
         ]
+        init_hash = joiners[0].diloco.param_hash()
+        assert joiners[1].diloco.param_hash() == init_hash != state.state_id  # one seeded init
+        # What Trainer.run does first: join the swarm (adopt its state, serve it, the start barrier).
+        threads = [threading.Thread(target=trainer.round.start) for trainer in joiners]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -156,9 +157,9 @@ def test_a_joiner_whose_fetch_fails_stays_syncing_and_publishes_no_state_of_its_
         swarm_hash = param_hash_of(torch.arange(10.0))
         source_node.publish(round=1, param_hash=swarm_hash, tokens_per_s=1.0, snapshot=None)
         published = record_publishes([joiner_node], monkeypatch)
-        joiner = Trainer(small_config(corpus_file, tmp_path / "joiner"))
         session = SwarmSession(joiner_node, joining=True)
-        session.start(joiner.global_state_access())
+        joiner = Trainer(small_config(corpus_file, tmp_path / "joiner"), swarm=session)
+        joiner.round.start()  # what Trainer.run does first: join the swarm
 
         assert joiner.progress.round == 0 and session._state_sync_failures == 1
         assert published and all(

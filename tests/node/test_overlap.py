@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from node.config import NodeConfig
-from node.diloco import AveragingOutcome, DiLoCo
+from node.diloco import DiLoCo
+from node.outer_round import OuterRound, RoundSettings
 from node.outer_state import tensor_hash
+from node.swarm_seam import Adopt, AdoptedState, Averaged, RoundOutcome, RoundRequest, RoundStats
 from node.trainer import Trainer
+from tests.node.test_diloco import NoData
 
 LR, MOMENTUM = 0.7, 0.9
 
@@ -24,17 +27,22 @@ LR, MOMENTUM = 0.7, 0.9
 class HalvingAverager:
     """Pretends the other peers contributed nothing: the 'swarm mean' is half of our Δ.
 
-    Runs on DiLoCo's background thread; records which thread and which rounds it saw.
+    Runs on the outer round's averaging thread; records which thread and which rounds it saw.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, gated: bool = False) -> None:
         self.rounds: list[int] = []
         self.threads: set[str] = set()
+        # gated: each round answers only once the test releases it, so the test can read the global
+        # params between one round landing and the next one (in flight at once) being applied.
+        self.gate = threading.Semaphore(0) if gated else None
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        self.rounds.append(round_index)
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        if self.gate is not None:
+            assert self.gate.acquire(timeout=30), "the test never released the round"
+        self.rounds.append(request.round_index)
         self.threads.add(threading.current_thread().name)
-        return AveragingOutcome(averaged=0.5 * vector, num_peers=2)
+        return RoundOutcome(Averaged(0.5 * vector), RoundStats(num_peers=2))
 
 
 def nesterov(theta: torch.Tensor, buffer: torch.Tensor | None, grad: torch.Tensor):
@@ -50,8 +58,12 @@ def local_params(model: nn.Module) -> torch.Tensor:
 def test_overlapped_rounds_apply_the_mean_one_round_late():
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    averager = HalvingAverager()
-    diloco = DiLoCo(model, averager=averager, outer_lr=LR, outer_momentum=MOMENTUM, overlap=True)
+    averager = HalvingAverager(gated=True)
+    diloco = DiLoCo(model, outer_lr=LR, outer_momentum=MOMENTUM)
+    settings = RoundSettings(inner_steps=1, overlap=True, model="test", corpus_sha256="none")
+    rounds = OuterRound(
+        diloco, averager=averager, swarm=None, settings=settings, data=NoData(), stop_requested=lambda: False
+    )
     theta = local_params(model).clone()  # θ_global, by hand
     buffer = None
     steps = [torch.randn_like(theta) * 0.1 for _ in range(4)]  # what each phase's inner steps do
@@ -60,25 +72,28 @@ def test_overlapped_rounds_apply_the_mean_one_round_late():
         for phase, step in enumerate(steps, start=1):
             start = local_params(model).clone()
             torch.nn.utils.vector_to_parameters(start - step, model.parameters())  # "inner steps"
-            delta = diloco.phase_delta()
-            torch.testing.assert_close(delta, step, rtol=0, atol=1e-6)  # Δ_k is this phase's progress
-            report = diloco.finish_pending()
+            torch.testing.assert_close(diloco.phase_delta(), step, rtol=0, atol=1e-6)  # Δ_k: this phase's
+            rounds.count_step(1, 1.0)
+            report = rounds.at_step_boundary()  # round k-1 lands, round k goes in flight
             if pending_delta is None:
                 assert report is None  # nothing in flight after the first phase
             else:
                 theta, buffer = nesterov(theta, buffer, 0.5 * pending_delta)
-                assert report is not None and report.round_index == phase - 1
+                assert report is not None and report.round_index == phase - 1 and report.kind == "averaged"
                 torch.testing.assert_close(diloco.global_params, theta, rtol=0, atol=1e-6)
-            diloco.submit(delta, round_index=phase, weight=1.0)
+            assert rounds.in_flight and rounds.phase == phase + 1
             # The next phase starts from the newest global params plus this phase's own progress.
             torch.testing.assert_close(local_params(model), theta - step, rtol=0, atol=1e-6)
             pending_delta = step
-        last = diloco.finish_pending()
+            assert averager.gate is not None
+            averager.gate.release()  # round `phase` may land now (during the next phase)
+        last = rounds.finish()
         theta, buffer = nesterov(theta, buffer, 0.5 * pending_delta)
-        assert last is not None and last.round_index == len(steps)
+        assert last is not None and last.round_index == len(steps) and last.model_is_global
         torch.testing.assert_close(diloco.global_params, theta, rtol=0, atol=1e-6)
+        torch.testing.assert_close(local_params(model), diloco.global_params, rtol=0, atol=0)  # the model ends on θ_global
     finally:
-        diloco.close()
+        rounds.close()
     assert averager.rounds == [1, 2, 3, 4]
     assert all(name.startswith("outer-averaging") for name in averager.threads)
 
@@ -120,14 +135,14 @@ def _read(trainer: Trainer) -> list[dict]:
 class AdoptingAverager:
     """Round 1 sends us to adopt ``state`` (as a swarm whose lineage moved on would); later rounds halve."""
 
-    def __init__(self, state: object) -> None:
+    def __init__(self, state: AdoptedState) -> None:
         self.state, self.rounds = state, []
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        self.rounds.append(round_index)
-        if round_index == 1:
-            return AveragingOutcome(averaged=vector, num_peers=0, adopted_state=self.state)
-        return AveragingOutcome(averaged=0.5 * vector, num_peers=2)
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        self.rounds.append(request.round_index)
+        if request.round_index == 1:
+            return RoundOutcome(Adopt(self.state), RoundStats(num_peers=0))
+        return RoundOutcome(Averaged(0.5 * vector), RoundStats(num_peers=2))
 
 
 def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
@@ -142,7 +157,7 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     source = Trainer(NodeConfig.from_flat(run_dir=str(tmp_path / "source"), max_rounds=2, **settings))
     source.run()  # round 2, step 8
     state = adopted_state(
-        source.snapshot(), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
+        source.round.snapshot(), num_elements=source.diloco.num_elements, corpus_sha256=source.corpus.sha256
     )
     averager = AdoptingAverager(state)
     trainer = Trainer(

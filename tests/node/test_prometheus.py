@@ -29,11 +29,12 @@ from node.config import ConfigError, NodeConfig
 from node.metrics import FAILURE_KINDS, current_rss_bytes, read_metrics
 from node.prometheus import PrometheusExporter
 from node.swarm import SwarmSession
+from node.swarm_seam import Averaged, FellBack, RoundRequest
 from node.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback
-from protocol.swarm.node import RoundResult
+from protocol.swarm.result import GroupAveraged, RoundNotFormed, RoundResult
 
 HTTP_TIMEOUT_S = 10
 
@@ -256,11 +257,11 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     try:
         for _ in range(config.inner.steps):  # what Trainer.run does, stopped before it closes the endpoint
             trainer.metrics.write(trainer.inner_step())
-        trainer.outer_round()
+        assert trainer.round.at_step_boundary() is not None  # the phase's end: its round is recorded
         samples, _ = scrape(port)
     finally:
         trainer.metrics.close()
-        trainer.diloco.close()
+        trainer.round.close()
         torch.set_num_threads(previous_threads)
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="step")
     (round_,) = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="round")
@@ -301,11 +302,13 @@ class FakeSwarm:
 
 def session_with(result: RoundResult | Exception, num_elements: int) -> SwarmSession:
     session = SwarmSession(FakeSwarm(result), joining=False)  # type: ignore[arg-type]
-    session._loop = SimpleNamespace(  # type: ignore[assignment]  # what average reads of the loop
-        lineage=lambda: (0, "00" * 32), tokens_per_s=lambda: 1.0
-    )
     session.error_feedback = ErrorFeedback(num_elements)
     return session
+
+
+def round_one(weight: float) -> RoundRequest:
+    """The first round's request, from the initial params (what ``OuterRound`` hands the swarm)."""
+    return RoundRequest(round_index=1, weight=weight, lineage=(0, "00" * 32), tokens_per_s=1.0)
 
 
 def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes() -> None:
@@ -316,36 +319,37 @@ def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes
         bytes_sent_by_phase={"reduce_scatter": 100, "all_gather": 11},
         bytes_recv_by_phase={"reduce_scatter": 200, "all_gather": 22},
     )  # fmt: skip
-    result = RoundResult(
-        kind="averaged",
+    result = GroupAveraged(
         round=1,
-        group=SimpleNamespace(member_ids=("a", "b"), num_streams=1),
+        group=SimpleNamespace(member_ids=("a", "b"), num_streams=1),  # type: ignore[arg-type]
         allreduce=allreduce,
-    )  # type: ignore[arg-type]
+    )
     session = session_with(result, vector.numel())
     session._bytes_state_sync, session._state_sync_failures = 5000, 1  # a fetch while joining, one failed
-    outcome = session.average(vector, round_index=1, weight=10.0)
+    outcome = session.average(vector, round_one(weight=10.0))
+    stats = outcome.stats
 
     codec = get_codec("int8")  # reference: what int8 loses of the vector, by the codec alone
     decoded = codec.decode_into(codec.encode(vector.clone()), torch.empty_like(vector))
     expected = float(torch.linalg.vector_norm(vector - decoded) / torch.linalg.vector_norm(vector))
-    assert outcome.codec_error == pytest.approx(expected, rel=1e-6) and 0 < expected < 0.01
-    assert outcome.failures_by_kind == {"peer": 2, "state_sync": 1}
-    assert outcome.seconds_allreduce == 0.1 and outcome.streams == 1 and outcome.seconds_forming == 0.0
-    assert (outcome.bytes_sent, outcome.bytes_recv, outcome.bytes_recv_state_sync) == (111, 222, 5000)
-    assert outcome.bytes_by_phase == {
+    assert stats.codec_error == pytest.approx(expected, rel=1e-6) and 0 < expected < 0.01
+    assert stats.failures_by_kind == {"peer": 2, "state_sync": 1}
+    assert stats.seconds_allreduce == 0.1 and stats.streams == 1 and stats.seconds_forming == 0.0
+    assert (stats.bytes_sent, stats.bytes_recv, stats.bytes_recv_state_sync) == (111, 222, 5000)
+    assert stats.bytes_by_phase == {
         "sent_reduce_scatter": 100, "sent_all_gather": 11, "recv_reduce_scatter": 200, "recv_all_gather": 22
     }  # fmt: skip
-    assert outcome.num_peers == 2 and not outcome.fell_back
+    assert stats.num_peers == 2 and stats.members == ("a", "b")
+    assert isinstance(outcome.decision, Averaged) and torch.equal(outcome.decision.mean, allreduce.averaged)
     # Reported once: the next round starts from zero.
     assert session._bytes_state_sync == 0 and session._state_sync_failures == 0
-    assert set(outcome.failures_by_kind) <= set(FAILURE_KINDS)
+    assert set(stats.failures_by_kind) <= set(FAILURE_KINDS)
 
 
 @pytest.mark.parametrize(
     ("result", "kind"),
     [
-        (RoundResult(kind="failed", round=1, reason="only 1 peer ready"), "round_failed"),
+        (RoundNotFormed(round=1, reason="only 1 peer ready"), "round_failed"),
         (TimeoutError("swarm loop"), "timeout"),
     ],
 )
@@ -353,7 +357,7 @@ def test_a_failed_round_counts_its_kind_and_has_no_codec_error(
     result: RoundResult | Exception, kind: str
 ) -> None:
     vector = torch.ones(10)
-    outcome = session_with(result, vector.numel()).average(vector, round_index=1, weight=1.0)
-    assert outcome.failures_by_kind == {kind: 1}
-    assert outcome.fell_back and outcome.codec_error is None
-    torch.testing.assert_close(outcome.averaged, vector)  # its own Δ
+    outcome = session_with(result, vector.numel()).average(vector, round_one(weight=1.0))
+    assert outcome.stats.failures_by_kind == {kind: 1}
+    assert isinstance(outcome.decision, FellBack) and outcome.stats.codec_error is None
+    torch.testing.assert_close(outcome.decision.own, vector)  # its own Δ

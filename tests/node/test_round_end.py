@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from node import load_model
-from node.diloco import AveragingOutcome, SoloAverager
 from node.held_out import HeldOutEval
 from node.model import cross_entropy_loss
-from node.swarm_seam import Boundary, GlobalStateAccess
+from node.outer_round import RoundApplied
+from node.swarm_seam import JoinAnswer, JoinRequest, RoundDecision, SoloAverager
 from node.swarm_state import GLOBAL_PARAMS
 from node.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
@@ -132,25 +132,24 @@ class HostCopyCounter(TorchDispatchMode):
 
 
 class ServingSwarm(SoloAverager):
-    """A swarm side of one that serves each round's state as ``SwarmSession.publish`` does (the
-    loop's ``snapshot`` callable, after the round)."""
+    """A swarm side of one that keeps what the round serves (``SwarmSession.publish``)."""
 
     num_adoptions = 0
 
     def __init__(self) -> None:
         self.served: list[Snapshot] = []
 
-    def start(self, loop: GlobalStateAccess) -> None:
-        self.loop = loop
+    def join(self, request: JoinRequest) -> JoinAnswer:
+        return JoinAnswer()
 
-    def after_round(self, decision: Any, members: tuple[str, ...], boundary: Boundary | None = None) -> None:
-        self.served.append(self.loop.snapshot(None, boundary))
+    def await_start_peers(self) -> None:
+        pass
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        return super().average(vector, round_index=round_index, weight=weight)
+    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
+        return None
 
-    def publish_landed(self, round: int, boundary: Boundary) -> None:
-        raise AssertionError("no overlap here")
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
+        self.served.append(snapshot)
 
     def phase_should_end(self) -> bool:
         return False
@@ -174,20 +173,26 @@ def test_round_end_makes_one_host_copy_of_the_params(corpus_file: Path, tmp_path
     live = [*trainer.diloco.params, trainer.diloco.outer.params()]
     counter = HostCopyCounter(live)
     copied_per_round: list[int] = []
-    round_end = trainer.outer_round
+    copied_between_rounds = 0
+    at_step_boundary = trainer.round.at_step_boundary
 
-    def counted_outer_round() -> dict[str, Any] | None:
+    def counted_step_boundary() -> RoundApplied | None:
+        nonlocal copied_between_rounds
         before = counter.numbers
         with counter:  # this thread only: the writer's and the eval's threads copy nothing of the live params
-            record = round_end()
-        copied_per_round.append(counter.numbers - before)
-        return record
+            applied = at_step_boundary()
+        if applied is not None:  # a round's end: the round, its record, its checkpoint, its served state
+            copied_per_round.append(counter.numbers - before)
+        else:
+            copied_between_rounds += counter.numbers - before
+        return applied
 
-    trainer.outer_round = counted_outer_round  # type: ignore[method-assign]
+    trainer.round.at_step_boundary = counted_step_boundary  # type: ignore[method-assign]
     trainer.run()
     num_params = trainer.diloco.num_elements
-    assert len(copied_per_round) == 3 and len(swarm.served) == 3
+    assert len(copied_per_round) == 3 and [s.round_id for s in swarm.served] == [0, 1, 2, 3]
     assert copied_per_round == [num_params] * 3, "more than one host copy of the params per round end"
+    assert copied_between_rounds == 0
     # The one copy is shared: the served snapshot holds it, the eval model's params are views of it.
     host = trainer.round_end.host.get()
     assert swarm.served[-1].tensors[GLOBAL_PARAMS].data_ptr() == host.params.data_ptr()

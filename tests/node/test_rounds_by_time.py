@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.diloco import AveragingOutcome
 from node.metrics import read_metrics
+from node.swarm_seam import Averaged, RoundOutcome, RoundRequest
 from node.trainer import Trainer
 from tests.node.test_swarm_session import corpus_file, small_config
 
@@ -34,15 +34,16 @@ class HeldAverager:
         self.step_at_start: dict[int, int] = {}
         self.released = threading.Event()
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
         assert self.trainer is not None
+        round_index = request.round_index
         start = self.step_at_start[round_index] = self.trainer.progress.step
         if round_index == 1:
             deadline = time.monotonic() + 60  # bounded: a phase that blocks would never get there
             while self.trainer.progress.step < start + HELD_FOR_STEPS and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.released.set()
-        return AveragingOutcome(averaged=vector, num_peers=1)
+        return RoundOutcome(Averaged(vector))
 
 
 @pytest.mark.timeout(120)

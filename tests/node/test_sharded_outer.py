@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.diloco import AveragingOutcome, DiLoCo
+from node.diloco import DiLoCo
 from node.model import model_config
 from node.outer_state import FlatOuterState, tensor_hash
 from node.parallel.outer import ShardedOuterState, shard_ranges
@@ -27,11 +27,9 @@ from tests.node.parallel_support import fixed_batches
 SETTINGS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-class Halver:
-    """An averager whose 'swarm mean' is a fixed function of our Δ (as if another node sent −Δ/3 + 0.01)."""
-
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
-        return AveragingOutcome(averaged=(vector - vector / 3) / 2 + 0.005, num_peers=2)
+def swarm_mean(delta: torch.Tensor) -> torch.Tensor:
+    """A 'swarm mean' that is a fixed function of our Δ (as if another node sent −Δ/3 + 0.01)."""
+    return (delta - delta / 3) / 2 + 0.005
 
 
 def build(layout: dict[str, int], tmp_path: Path, sharding: str = "on") -> ParallelReplica:
@@ -58,7 +56,7 @@ def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
         sharded = replica.outer_state(offload=offload, **SETTINGS)
         assert isinstance(sharded, ShardedOuterState)
         flat = FlatOuterState(replica, device=torch.device("cpu"), **SETTINGS)
-        diloco = DiLoCo(replica.model, averager=Halver(), local=replica, outer=sharded)
+        diloco = DiLoCo(replica.model, local=replica, outer=sharded)
         assert torch.equal(sharded.params(), flat.params())
         assert sharded.momentum() is None
         initial = flat.params().clone()
@@ -67,10 +65,12 @@ def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
             for batch in batches[3 * round_index : 3 * round_index + 3]:
                 replica.train_step([batch], lr=1e-3)
             flat_delta = flat.delta()
-            report = diloco.outer_step(round_index=round_index, weight=1.0)
-            flat.step(Halver().average(flat_delta, round_index=round_index, weight=1.0).averaged)
-            # The sharded step: the same Δ (from the same model), the same SGD arithmetic per range.
-            assert report.param_hash == flat.hash() == tensor_hash(sharded.params())
+            delta = diloco.pseudo_gradient()
+            assert torch.equal(delta, flat_delta)  # the same Δ (from the same model)
+            diloco.outer_step(swarm_mean(delta))
+            flat.step(swarm_mean(flat_delta))
+            # The sharded step: the same SGD arithmetic per range.
+            assert diloco.param_hash() == flat.hash() == tensor_hash(sharded.params())
             assert torch.equal(sharded.params(), flat.params())
             momentum, flat_momentum = sharded.momentum(), flat.momentum()
             assert momentum is not None and flat_momentum is not None
@@ -88,7 +88,7 @@ def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
         # A checkpoint of either loads into the other (the flat SGD's state-dict format).
         state = diloco.state_dict()
         other = FlatOuterState(replica, device=torch.device("cpu"), **SETTINGS)
-        DiLoCo(replica.model, averager=Halver(), local=replica, outer=other).load_state_dict(state)
+        DiLoCo(replica.model, local=replica, outer=other).load_state_dict(state)
         assert torch.equal(other.params(), flat.params())
         assert torch.equal(other.momentum(), flat.momentum())  # type: ignore[arg-type]
         diloco.load_global_state(torch.zeros(num_elements), None)

@@ -1,8 +1,10 @@
-"""Adopting the swarm's state, with no sockets: Trainer.snapshot -> adopted_state -> Trainer.adopt.
+"""Adopting the swarm's state, with no sockets: OuterRound.snapshot -> adopted_state -> the loop's
+one adoption path (``OuterRound``, handed the state by a fake swarm side at join or as a round's
+``Adopt`` answer).
 
 A joiner that adopts a peer's snapshot must be that peer as far as the swarm can tell: the same
 global params (param_hash), outer momentum, counters and data position. The inner AdamW state is
-deliberately *not* part of it (DiLoCo keeps it per node, ``Trainer.adopt``), so to compare whole
+deliberately *not* part of it (DiLoCo keeps it per node, ``OuterRound._adopt``), so to compare whole
 training trajectories the test hands the joiner the source's inner state too; then every loss and
 the next round's param_hash must match bit for bit. The model has no dropout and the data order
 is a pure function of (seed, epoch, position), so no RNG state is involved.
@@ -18,6 +20,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +28,22 @@ from torch import nn
 
 from node.config import NodeConfig
 from node.data import load_corpus
-from node.diloco import AveragingOutcome, DiLoCo, SoloAverager, flatten_params
+from node.diloco import DiLoCo, flatten_params
+from node.metrics import read_metrics
+from node.outer_round import RoundApplied
+from node.swarm_seam import (
+    Adopt,
+    AdoptedState,
+    Averaged,
+    JoinAnswer,
+    JoinRequest,
+    OuterStepper,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+    Stepped,
+)
 from node.swarm_state import (
     GLOBAL_PARAMS,
     OUTER_MOMENTUM,
@@ -61,6 +79,88 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
     return NodeConfig.from_flat(**settings)
 
 
+class Handover:
+    """A swarm side (``node.swarm_seam.SwarmSide``) with no sockets that hands the loop the state it
+    is given to adopt: as the answer to the loop's join (a joiner whose own state is not the swarm's),
+    or to its next round (``Adopt``: it missed the round). Otherwise a swarm of one, whose mean of one
+    vector is itself. It keeps every snapshot the loop serves."""
+
+    def __init__(self) -> None:
+        self.num_adoptions = 0
+        self.served: list[Snapshot] = []
+        self._state: AdoptedState | None = None
+
+    def hand(self, state: AdoptedState) -> None:
+        """The loop adopts ``state`` at its join, or at its next round's end."""
+        self._state = state
+
+    def _take(self) -> AdoptedState | None:
+        state, self._state = self._state, None
+        if state is not None:
+            self.num_adoptions += 1
+        return state
+
+    def join(self, request: JoinRequest) -> JoinAnswer:
+        return JoinAnswer(self._take())
+
+    def await_start_peers(self) -> None:
+        return None  # no peers to wait for
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        state = self._take()
+        if state is None:
+            return RoundOutcome(Averaged(vector))
+        return RoundOutcome(Adopt(state), RoundStats(num_peers=0))
+
+    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
+        return None  # no group: the data shard stays
+
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
+        self.served.append(snapshot)
+
+    def phase_should_end(self) -> bool:
+        return False
+
+    def lineage_peer_due(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        assert not state
+
+
+def end_phase(trainer: Trainer) -> RoundApplied:
+    """Inner steps as the loop runs them (``OuterRound.at_step_boundary`` after each) until the phase
+    ends; the round applied then."""
+    for _ in range(trainer.config.inner.steps):
+        trainer.inner_step()
+        applied = trainer.round.at_step_boundary()
+        if applied is not None:
+            return applied
+    raise AssertionError("the phase did not end after H inner steps")
+
+
+def round_record(trainer: Trainer) -> dict[str, Any]:
+    """The phase's end and the record of the round it applied, as ``metrics.jsonl`` holds it."""
+    applied = end_phase(trainer)
+    record = read_metrics(trainer.metrics.path, kind="round")[-1]
+    assert (record["round"], record["param_hash"]) == (trainer.progress.round, applied.param_hash)
+    return record
+
+
+def stepper(trainer: Trainer) -> OuterStepper:
+    """Steps a copy of an outer state with a round's mean, as the loop hands it to the swarm
+    (``JoinRequest.stepper``)."""
+    return lambda mean, start: trainer.diloco.stepped(mean, start=start)
+
+
+def held(trainer: Trainer) -> Stepped:
+    """The (global params, outer momentum) ``trainer`` holds."""
+    return trainer.diloco.global_params, trainer.diloco.momentum_buffer()
+
+
 @pytest.mark.timeout(120)
 def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: Path, tmp_path: Path) -> None:
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
@@ -70,21 +170,24 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
     assert live_momentum is not None and bool(live_momentum.abs().sum() > 0)
     source_momentum = live_momentum.clone()  # the optimizer updates its buffer in place
 
-    snapshot = source.snapshot()
+    snapshot = source.round.snapshot()
     source_hash = source.diloco.param_hash()
     global_bytes = source.diloco.global_params.detach().numpy().tobytes()
     assert snapshot.state_id == source_hash == hashlib.sha256(global_bytes).hexdigest()
     assert snapshot.sha256(GLOBAL_PARAMS).hex() == source_hash  # what a fetcher verifies
     assert snapshot.round_id == 1 and set(snapshot.tensors) == {GLOBAL_PARAMS, OUTER_MOMENTUM}
 
-    joiner = Trainer(small_config(corpus_file, tmp_path / "joiner", seed=1, data_seed=5))
+    handover = Handover()
+    joiner = Trainer(small_config(corpus_file, tmp_path / "joiner", seed=1, data_seed=5), swarm=handover)
     assert joiner.diloco.param_hash() != source_hash
     state = adopted_state(
         snapshot, num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
     )
-    joiner.adopt(state)
+    handover.hand(state)
+    joiner.round.start()  # what Trainer.run does first: join the swarm, which answers with its state
 
     assert joiner.diloco.param_hash() == source_hash
+    assert [served.state_id for served in handover.served] == [source_hash]  # served once loaded
     assert torch.equal(flatten_params(joiner.diloco.params, device="cpu"), source.diloco.global_params)
     joiner_momentum = joiner.diloco.momentum_buffer()
     assert joiner_momentum is not None and torch.equal(joiner_momentum, source_momentum)
@@ -101,7 +204,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
     assert joiner.schedule.lr(joiner.progress.step) == source.schedule.lr(source.progress.step)
     assert joiner.evaluate() == source.evaluate()
 
-    # The inner AdamW state is the node's own (kept by adopt); hand over the source's to compare
+    # The inner AdamW state is the node's own (kept by adoption); hand over the source's to compare
     # trajectories. Everything else the next round depends on came with the snapshot.
     joiner.replica.load_optimizer_state(copy.deepcopy(source.replica.optimizer_state()))
     source_steps = [source.inner_step() for _ in range(2)]
@@ -110,8 +213,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
     assert [s["lr"] for s in joiner_steps] == [s["lr"] for s in source_steps]
     assert [s["step"] for s in joiner_steps] == [3, 4]
     # The outer Nesterov step reads the momentum: equal hashes after it need the adopted momentum.
-    source_round, joiner_round = source.outer_round(), joiner.outer_round()
-    assert source_round is not None and joiner_round is not None
+    source_round, joiner_round = round_record(source), round_record(joiner)
     assert joiner_round["param_hash"] == source_round["param_hash"] != source_hash
     assert joiner_round["round"] == source_round["round"] == 2
     assert joiner_round["eval_loss"] == source_round["eval_loss"]
@@ -125,7 +227,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
 @pytest.mark.timeout(120)
 def test_adopted_state_rejects_another_model_or_corpus(corpus_file: Path, tmp_path: Path) -> None:
     nano = Trainer(small_config(corpus_file, tmp_path / "nano"))
-    snapshot = nano.snapshot()  # before any outer step: no momentum
+    snapshot = nano.round.snapshot()  # before any outer step: no momentum
     state = adopted_state(snapshot, num_elements=nano.diloco.num_elements, corpus_sha256=nano.corpus.sha256)
     assert state.outer_momentum is None and state.round == 0 and state.param_hash == nano.diloco.param_hash()
 
@@ -167,11 +269,11 @@ def test_adopted_state_rejects_another_model_or_corpus(corpus_file: Path, tmp_pa
 def test_load_global_state_without_momentum_restarts_nesterov() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)  # 15 parameters
-    diloco = DiLoCo(model, averager=SoloAverager(), outer_lr=0.7, outer_momentum=0.9)
+    diloco = DiLoCo(model, outer_lr=0.7, outer_momentum=0.9)
     with torch.no_grad():
         for param in diloco.params:
             param.sub_(0.1)
-    diloco.outer_step(round_index=1, weight=1.0)
+    diloco.outer_step(diloco.pseudo_gradient())  # a swarm of one: the mean is our own Δ
     kept_momentum = diloco.momentum_buffer()
     assert kept_momentum is not None and bool(kept_momentum.abs().sum() > 0)
 
@@ -191,7 +293,8 @@ def test_load_global_state_without_momentum_restarts_nesterov() -> None:
             param.copy_(local[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
     delta = global_params - local
-    diloco.outer_step(round_index=2, weight=1.0)
+    assert torch.equal(diloco.pseudo_gradient(), delta)
+    diloco.outer_step(delta)
     expected = global_params - 0.7 * (delta + 0.9 * delta)
     torch.testing.assert_close(diloco.global_params.detach(), expected)
     momentum = diloco.momentum_buffer()
@@ -205,14 +308,14 @@ def test_load_global_state_without_momentum_restarts_nesterov() -> None:
 
 class RecordingAverager:
     """A swarm of one whose mean went through the wire codec ``codec`` in chunks, as an all-reduce
-    hands it back; it keeps each round's mean and the bytes it was decoded from (a ``RoundMean``)."""
+    hands it back; it keeps each round's mean, the bytes it was decoded from and the lineage the
+    round stepped from (a ``RoundMean``)."""
 
     def __init__(self, codec: str = "int8", chunk: int = 10_000) -> None:
         self.codec, self.chunk = get_codec(codec), chunk
         self.means: list[RoundMean] = []
-        self.previous: tuple[int, str] = (0, "")
 
-    def average(self, vector: torch.Tensor, *, round_index: int, weight: float) -> AveragingOutcome:
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
         chunks, mean = [], torch.empty_like(vector)
         for offset in range(0, vector.numel(), self.chunk):
             piece = vector[offset : offset + self.chunk]
@@ -221,19 +324,18 @@ class RecordingAverager:
             chunks.append(EncodedChunk(offset, piece.numel(), payload))
         self.means.append(
             RoundMean(
-                previous=self.previous, mean=mean, encoded=tuple(chunks), codec=self.codec.name,
+                previous=request.lineage, mean=mean, encoded=tuple(chunks), codec=self.codec.name,
                 block_size=self.codec.block_size,
             )
         )  # fmt: skip
-        return AveragingOutcome(averaged=mean, num_peers=1)
+        return RoundOutcome(Averaged(mean))
 
 
 def one_round(trainer: Trainer, recorder: RecordingAverager) -> RoundMean:
-    """Two inner steps and an outer step with ``recorder``'s mean; that mean."""
-    recorder.previous = (trainer.progress.round, trainer.diloco.param_hash())
-    trainer.diloco.averager = recorder
-    trainer.inner_step(), trainer.inner_step()
-    assert trainer.outer_round() is not None
+    """An inner phase and its outer round averaged by ``recorder``; the round's mean."""
+    trainer.round.averager = recorder
+    applied = end_phase(trainer)
+    assert isinstance(applied.decision, Averaged)
     return recorder.means[-1]
 
 
@@ -244,9 +346,11 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
 ) -> None:
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()  # round 1: the outer momentum exists from here on
-    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, data_seed=5))
-    behind.adopt(adopted_state(source.snapshot(), num_elements=behind.diloco.num_elements,
-                               corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    handover = Handover()
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, data_seed=5), swarm=handover)
+    handover.hand(adopted_state(source.round.snapshot(), num_elements=behind.diloco.num_elements,
+                                corpus_sha256=behind.corpus.sha256))  # fmt: skip
+    behind.round.start()  # joins on the swarm's state after round 1
     previous = (1, source.diloco.param_hash())
     assert (behind.progress.round, behind.diloco.param_hash()) == previous
 
@@ -254,7 +358,7 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     assert round_mean.previous == previous
     if not encoded:
         round_mean = dataclasses.replace(round_mean, encoded=None)
-    state = source.snapshot()
+    state = source.round.snapshot()
     mean = round_mean_snapshot(state, round_mean)
     assert mean.state_id == round_mean_id(state.state_id) and mean.round_id == 2
     if encoded:  # int8: one byte per number plus a 4-byte scale per 256-number block, and the chunk table
@@ -265,10 +369,13 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
 
     target = (2, state.state_id)
     caught_up = caught_up_state(
-        behind.diloco, mean, previous=previous, target=target, corpus_sha256=behind.corpus.sha256
-    )
+        stepper(behind), mean, previous=previous, target=target, start=held(behind),
+        num_elements=behind.diloco.num_elements, corpus_sha256=behind.corpus.sha256,
+    )  # fmt: skip
     assert caught_up.caught_up
-    behind.adopt(caught_up)
+    handover.hand(caught_up)  # behind's next round (which it missed) answers with it
+    applied = end_phase(behind)
+    assert applied.kind == "adopted" and applied.caught_up and applied.param_hash == state.state_id
     # Now the same as the source as far as the swarm can tell, and as a full fetch would have made it.
     assert behind.diloco.param_hash() == source.diloco.param_hash() == state.state_id
     assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
@@ -278,9 +385,10 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
         == (4, 2)
     )
     assert behind.batches.state_dict() == {**source.batches.state_dict(), "shard_index": 0}
-    assert behind.snapshot().metadata == state.metadata  # it serves the same bytes on
+    assert behind.round.snapshot().metadata == state.metadata  # it serves the same bytes on
+    assert handover.served[-1].metadata == state.metadata
     assert caught_up.round_mean is not None
-    again = round_mean_snapshot(behind.snapshot(), caught_up.round_mean)
+    again = round_mean_snapshot(behind.round.snapshot(), caught_up.round_mean)
     assert again.metadata == mean.metadata
     assert all(torch.equal(again.tensors[name], tensor) for name, tensor in mean.tensors.items())
 
@@ -292,7 +400,7 @@ def test_a_round_mean_that_does_not_lead_to_the_swarms_state_is_refused(
     source = Trainer(small_config(corpus_file, tmp_path / "source"))
     good = one_round(source, RecordingAverager("none"))
     previous = good.previous
-    state = source.snapshot()
+    state = source.round.snapshot()
     target = (1, state.state_id)
     behind = Trainer(small_config(corpus_file, tmp_path / "behind"))  # the same seed: the same start
     assert behind.diloco.param_hash() == previous[1]
@@ -300,8 +408,9 @@ def test_a_round_mean_that_does_not_lead_to_the_swarms_state_is_refused(
     def attempt(round_mean: RoundMean, *, of: Snapshot = state) -> None:
         fetched = round_mean_snapshot(of, round_mean)
         caught_up_state(
-            behind.diloco, fetched, previous=previous, target=target, corpus_sha256=behind.corpus.sha256
-        )
+            stepper(behind), fetched, previous=previous, target=target, start=held(behind),
+            num_elements=behind.diloco.num_elements, corpus_sha256=behind.corpus.sha256,
+        )  # fmt: skip
 
     def with_mean(change: Callable[[torch.Tensor], None]) -> RoundMean:
         mean = good.mean.clone()

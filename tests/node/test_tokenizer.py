@@ -145,7 +145,7 @@ def test_a_resume_or_a_joiner_with_another_tokenizer_is_refused(
     )  # the same model: only the tokenizer differs
     with pytest.raises(ValueError, match="--tokenizer"):
         adopted_state(
-            source.snapshot(), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
+            source.round.snapshot(), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
         )
 
 

@@ -29,6 +29,7 @@ from protocol.membership.lineage import Lineage
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import fetch_state
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged
 from protocol.swarm.streams import to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
 from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of
@@ -139,7 +140,7 @@ def test_members_average_exactly_and_the_keyless_outsider_is_refused(
     everyone = [list(group.member_ids)] * 2
     reference = exact_mean(member_vectors, [100.0, 100.0], to_allreduce_group(group), everyone)
     for result in results:
-        assert result.kind == "averaged" and result.group == group, result
+        assert isinstance(result, GroupAveraged) and result.group == group, result
         assert result.allreduce is not None and not result.allreduce.fell_back, result.allreduce.failures
         assert result.allreduce.contributors == everyone
         assert torch.equal(result.allreduce.averaged, reference)

@@ -22,6 +22,7 @@ from protocol.membership.messages import GroupMember, GroupSpec
 from protocol.membership.parts import part_boundaries
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged
 from protocol.swarm.streams import stream_group, to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
 from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of, wait_for_lineages
@@ -73,7 +74,7 @@ def test_a_client_node_is_in_every_round_and_nobody_dials_it() -> None:
             with ThreadPoolExecutor(max_workers=3) as pool:
                 results = list(pool.map(run, range(3), timeout=100))
             for result in results:
-                assert result.kind == "averaged", result
+                assert isinstance(result, GroupAveraged), result
                 assert result.group == results[0].group
                 assert result.allreduce is not None and not result.allreduce.fell_back, result.allreduce
                 assert result.allreduce.failures == [], result.allreduce.failures

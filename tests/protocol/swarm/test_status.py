@@ -27,6 +27,7 @@ from protocol.membership.messages import GroupMember, GroupSpec
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
 from protocol.swarm.node import SwarmNode
+from protocol.swarm.result import GroupAveraged
 from protocol.swarm.server import OPERATOR_SERVICES
 from protocol.swarm.status import (
     GroupStatus,
@@ -312,7 +313,7 @@ def test_swarm_node_serves_its_phase_and_view() -> None:
         result = node.run_round(
             torch.ones(10), round=5, param_hash=HASH_B, num_tokens=10, tokens_per_s=1.0, error_feedback=None
         )
-        assert result.kind == "averaged", result
+        assert isinstance(result, GroupAveraged), result
         assert seen == [(NodePhase.FORMING, 6), (NodePhase.ALLREDUCE, 6)]
         status = get_status(node.grpc_address, timeout=timedelta(seconds=5))
         assert (status.phase, status.phase_round, status.rounds_formed) == (NodePhase.TRAINING, 6, 1)

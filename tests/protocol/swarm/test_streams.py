@@ -27,6 +27,7 @@ from protocol.membership.messages import Accept, Cancel, GroupMember, GroupSpec,
 from protocol.membership.parts import part_boundaries
 from protocol.membership.wire import from_envelope, to_envelope
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged
 from protocol.swarm.streams import StreamJob, StreamServer, combine, stream_bounds, stream_group
 from tests.protocol.allreduce.support import exact_mean
 from tests.protocol.membership.test_rounds import _machine, _proposal, sends
@@ -262,7 +263,7 @@ def test_three_nodes_on_three_streams_average_to_the_exact_token_weighted_mean(
         ]
     )
     for result in results:
-        assert result.kind == "averaged" and result.group == group, result
+        assert isinstance(result, GroupAveraged) and result.group == group, result
         outcome = result.allreduce
         assert outcome is not None and not outcome.fell_back, outcome.failures
         assert len(outcome.contributors) == STREAMS * NUM_NODES  # every part of every stream
@@ -280,7 +281,7 @@ def test_streams_keep_serving_the_next_round(streamed_nodes: list[SwarmNode]) ->
     vectors = [torch.full((9_000,), float(i + 1)) for i in range(NUM_NODES)]
     results = _round(streamed_nodes, vectors, [1, 1, 2], round=1)  # round ids increase on every server
     for result in results:
-        assert result.kind == "averaged" and result.allreduce is not None
+        assert isinstance(result, GroupAveraged)
         torch.testing.assert_close(
             result.allreduce.averaged, torch.full((9_000,), 9.0 / 4.0)
         )  # (1 + 2 + 2 x 3) / 4

@@ -28,6 +28,7 @@ from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig, routable_host
 from protocol.swarm.node import RoundResult, SwarmNode
+from protocol.swarm.result import GroupAveraged, LineageResync
 from protocol.swarm.server import SERVICES, _merged_options
 from protocol.swarm.streams import to_allreduce_group
 from tests.protocol.allreduce.support import exact_mean
@@ -137,7 +138,7 @@ def test_three_nodes_average_to_the_exact_token_weighted_mean(nodes: list[SwarmN
 
     allreduces = []
     for result in results:
-        assert result.kind == "averaged", result
+        assert isinstance(result, GroupAveraged), result
         assert result.round == 1
         assert result.group == results[0].group  # one group, agreed by all
         assert result.allreduce is not None and not result.allreduce.fell_back, result.allreduce
@@ -242,9 +243,9 @@ def test_minority_lineage_resyncs_from_the_majority_and_fetches_its_snapshot(nod
         tokens_per_s=500.0,
         error_feedback=None,
     )
-    assert result.kind == "resync" and result.round == 4 and result.resync is not None
-    assert result.resync.canonical == Lineage(5, majority_hash)
-    assert sorted(result.resync.sync_sources) == sorted(decision.sync_sources)
+    assert isinstance(result, LineageResync) and result.round == 4
+    assert result.decision.canonical == Lineage(5, majority_hash)
+    assert sorted(result.decision.sync_sources) == sorted(decision.sync_sources)
 
 
 # --- one server, every service ---
