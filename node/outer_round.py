@@ -481,17 +481,21 @@ class OuterRound:
         """Phases 3-4: the one place a round's decision is acted on: count the round it stepped
         through, or load the state it was sent to; then the swarm reshards and the new state is
         served (at ``boundary``, the round's end, with overlap)."""
-        decision, param_hash = landed.outcome.decision, landed.param_hash
+        decision, param_hash, swarm = landed.outcome.decision, landed.param_hash, self.swarm
         match decision:
             case Adopt(state=state):
                 self._adopt(state)
                 param_hash, boundary = state.param_hash, None
+                if swarm is not None:
+                    swarm.after_adopt(state)
             case Averaged() | FellBack():
                 self.progress.round = landed.request.round_index
-        if self.swarm is not None:
-            shard = self.swarm.after_round(decision, landed.outcome.stats.members)
-            if shard is not None:
-                self.data.reshard(*shard)
+                if (
+                    swarm is not None
+                    and (shard := swarm.after_step(landed.outcome.stats.members)) is not None
+                ):
+                    self.data.reshard(*shard)
+        if swarm is not None:
             self._serve(boundary=boundary)
         compute_seconds, self._unrecorded_compute = self._unrecorded_compute, 0.0
         return RoundApplied(

@@ -128,6 +128,7 @@ class SwarmSession:
         # Our last round stepped on our own Δ (it fell back): no member's chain of means leads to our
         # state, so a catch-up cannot start from it; the whole state is fetched at once.
         self._stepped_alone = False
+        self._stepping_alone = False  # the same, for the round being averaged
 
     # --- lifecycle ---
 
@@ -282,12 +283,13 @@ class SwarmSession:
             streams=result.group.num_streams if isinstance(result, GroupAveraged) else None,
         )
         self._bytes_state_sync = self._state_sync_failures = 0
-        self._stepped_alone = isinstance(decision, FellBack)
+        self._stepped_alone = self._stepping_alone
         return RoundOutcome(decision, stats)
 
     def _average(self, vector: torch.Tensor, request: RoundRequest) -> tuple[RoundDecision, RoundStats]:
         round_index, previous = request.round_index, request.lineage
         self._round_mean = None
+        self._stepping_alone = False  # this round steps on our own Δ (_own_delta; _stepped_alone after it)
         result: RoundResult
         try:
             result = self.swarm.run_round(
@@ -312,7 +314,7 @@ class SwarmSession:
                 return self._averaged(vector, round_index, previous, group.member_ids, outcome)
             case RoundNotFormed(reason=reason):
                 log.warning("round %d: %s; stepping on our own Δ", round_index, reason)
-                return _own_delta(vector, reason, failure_kind)
+                return self._own_delta(vector, reason, failure_kind)
             case LineageResync(decision=lineage):
                 return self._resync(vector, round_index, lineage, why="resync", failure_kind=failure_kind)
             case RoundMissed():
@@ -360,6 +362,7 @@ class SwarmSession:
             failures_by_kind=kinds,
         )
         if outcome.fell_back:
+            self._stepping_alone = True
             return FellBack(outcome.averaged, "; ".join(outcome.failures[:3]) or "fell back"), stats
         return Averaged(outcome.averaged), stats
 
@@ -378,16 +381,13 @@ class SwarmSession:
             if state is not None:  # the loop loads it (Adopt)
                 stats = RoundStats(num_peers=0, failures=(why,), failures_by_kind={failure_kind: 1})
                 return Adopt(state), stats
-            return _own_delta(vector, why, failure_kind)
+            return self._own_delta(vector, why, failure_kind)
         log.warning("round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, why)
-        return _own_delta(vector, why, failure_kind)
+        return self._own_delta(vector, why, failure_kind)
 
-    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
-        """After the loop acted on a round's decision (stepped, or adopted the swarm's state): the data
-        shard (index, count) to train on next, if the round's group assigned one."""
-        if isinstance(decision, Adopt):
-            self._adopted(decision.state)
-            return None
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+        """The loop stepped through a round (Averaged or FellBack): the data shard (index, count) to
+        train on next, if the round's group assigned one."""
         self.catching_up = False
         if members and self.swarm.peer_id in members:
             shard = assign_shard(members, self.swarm.peer_id)
@@ -497,6 +497,10 @@ class SwarmSession:
         num_streams = 1 + len(self.swarm.stream_addresses)
         return stream_bounds(self.identity.num_elements, num_streams)[1]
 
+    def after_adopt(self, state: AdoptedState) -> None:
+        """The loop loaded ``state``, the swarm's (a round's Adopt)."""
+        self._adopted(state)
+
     def _adopted(self, state: AdoptedState) -> None:
         """The loop loads ``state``, the swarm's: fresh error-feedback residuals (ours are of other
         params); end our phase as soon as the swarm's next round forms."""
@@ -509,12 +513,15 @@ class SwarmSession:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1
 
+    def _own_delta(
+        self, vector: torch.Tensor, reason: str, failure_kind: str
+    ) -> tuple[RoundDecision, RoundStats]:
+        """A round this node steps through on its own Δ (``failure_kind``: metrics.py): no member's
+        chain of means leads to the state that gives, so a later catch-up fetches the whole state."""
+        self._stepping_alone = True
+        return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})
+
 
 def _held_state(snapshot: Snapshot) -> Stepped:
     """The (global params, outer momentum) a served snapshot holds."""
     return snapshot.tensors[GLOBAL_PARAMS], snapshot.tensors.get(OUTER_MOMENTUM)
-
-
-def _own_delta(vector: torch.Tensor, reason: str, failure_kind: str) -> tuple[RoundDecision, RoundStats]:
-    """A round this node steps through on its own Δ (``failure_kind``: metrics.py)."""
-    return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})

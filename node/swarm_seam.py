@@ -12,7 +12,8 @@ the round calls             with                                     the swarm a
 ``await_start_peers()``                                               (the start barrier)
 ``average(Δ, round=...)``   the lineage Δ was trained from, weight,   one :class:`RoundOutcome`
                             throughput (:class:`RoundRequest`)
-``after_round(decision)``   the decision the loop acted on            the data shard to train next
+``after_step(members)``     the round's group, once stepped through   the data shard to train next
+``after_adopt(state)``      the swarm's state, once loaded            —
 ``publish(snapshot)``       the global state to serve now             —
 ``phase_should_end()``                                                a catching-up node's phase ends
 ``lineage_peer_due()``                                                a node is fetching our state
@@ -202,7 +203,9 @@ class SwarmSide(Averager, Protocol):
 
     def await_start_peers(self) -> None: ...
 
-    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None: ...
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None: ...
+
+    def after_adopt(self, state: AdoptedState) -> None: ...
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
 

@@ -92,7 +92,6 @@ class FakeSwarm:
     calls: list[str] = field(default_factory=list)
     requests: list[RoundRequest] = field(default_factory=list)
     served: list[Snapshot] = field(default_factory=list)
-    decisions: list[RoundDecision] = field(default_factory=list)
     _busy: threading.Lock = field(default_factory=threading.Lock)
 
     def _enter(self, name: str) -> None:
@@ -116,13 +115,13 @@ class FakeSwarm:
             decision, RoundStats(num_peers=0 if isinstance(decision, Adopt) else 2, members=("a", "b"))
         )
 
-    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
-        self._enter("after_round")
-        self.decisions.append(decision)
-        if isinstance(decision, Adopt):
-            self.num_adoptions += 1
-            return None
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+        self._enter("after_step")
         return self.shard
+
+    def after_adopt(self, state: AdoptedState) -> None:
+        self._enter("after_adopt")
+        self.num_adoptions += 1
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self._enter("publish")
@@ -224,9 +223,9 @@ def test_the_loop_acts_on_each_decision_once_and_tells_the_swarm_what_it_needs()
     assert (outer_round.progress.step, outer_round.progress.round) == (70, 7)
     assert data.position == {"epoch": 3, "position": 40}
     assert swarm.served[-1].round_id == 7 and swarm.served[-1].state_id == adopted.param_hash
-    # Each decision reached the swarm once, after the loop acted on it; nothing else crossed the seam.
-    assert [type(d) for d in swarm.decisions] == [Averaged, FellBack, Adopt]
-    assert swarm.calls == ["join", "publish", "await_start_peers"] + ["average", "after_round", "publish"] * 3
+    # Each round reached the swarm once more after the loop acted on it; nothing else crossed the seam.
+    rounds = ["average", "after_step", "publish"] * 2 + ["average", "after_adopt", "publish"]
+    assert swarm.calls == ["join", "publish", "await_start_peers", *rounds] and swarm.num_adoptions == 1
     # A new phase of H steps starts at the swarm's step 70.
     assert train_phase(outer_round, model, H - 1, 0.0) == [] and outer_round.progress.step == 72
 
@@ -451,7 +450,7 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision() -> None:
         "recv_all_gather": 8,
     }
     assert stats.seconds_allreduce == 0.5 and stats.codec_error is not None
-    assert session.after_round(decisions[0], stats.members) == (0, 2)
+    assert session.after_step(stats.members) == (0, 2)
     # fell back inside the all-reduce, no group formed, the swarm's loop out of time: our own Δ.
     assert [type(d) for d in decisions[1:4]] == [FellBack, FellBack, FellBack]
     assert [o.stats.failures_by_kind for o in outcomes[1:4]] == [
@@ -470,7 +469,7 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision() -> None:
     assert node.fetched == [canonical.state_id] and outcomes[4].stats.bytes_recv_state_sync == 100
     assert outcomes[4].stats.num_peers == 0
     residual = session.error_feedback
-    assert session.after_round(adopt, ()) is None
+    session.after_adopt(adopt.state)
     assert session.num_adoptions == 1 and session.error_feedback is not residual  # fresh residual
     assert session.catching_up and node.closely == [True]
 

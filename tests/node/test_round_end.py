@@ -16,7 +16,7 @@ from node import load_model
 from node.held_out import HeldOutEval
 from node.model import cross_entropy_loss
 from node.outer_round import RoundApplied
-from node.swarm_seam import JoinAnswer, JoinRequest, RoundDecision, SoloAverager
+from node.swarm_seam import AdoptedState, JoinAnswer, JoinRequest, SoloAverager
 from node.swarm_state import GLOBAL_PARAMS
 from node.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
@@ -145,8 +145,11 @@ class ServingSwarm(SoloAverager):
     def await_start_peers(self) -> None:
         pass
 
-    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
         return None
+
+    def after_adopt(self, state: AdoptedState) -> None:
+        pass
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self.served.append(snapshot)

@@ -38,7 +38,6 @@ from node.swarm_seam import (
     JoinAnswer,
     JoinRequest,
     OuterStepper,
-    RoundDecision,
     RoundOutcome,
     RoundRequest,
     RoundStats,
@@ -112,8 +111,11 @@ class Handover:
             return RoundOutcome(Averaged(vector))
         return RoundOutcome(Adopt(state), RoundStats(num_peers=0))
 
-    def after_round(self, decision: RoundDecision, members: tuple[str, ...]) -> tuple[int, int] | None:
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
         return None  # no group: the data shard stays
+
+    def after_adopt(self, state: AdoptedState) -> None:
+        pass
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self.served.append(snapshot)
