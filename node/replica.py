@@ -19,39 +19,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from node.config import ConfigError, NodeConfig
 from node.diloco import ModuleParams
-from node.efficiency import resolve_compile
+from node.efficiency import resolve_compile, resolve_precision
+from node.meta_init import build_model
 from node.model import GPT, ModelConfig, cross_entropy_loss
 from node.outer_state import OuterState
+from node.parallel.commands import start_local_workers
+from node.parallel.engine import autocast_forward, checkpoint_blocks, parameter_offsets
+from node.parallel.layout import LocalLayout, resolve_layout
+from node.parallel.outer import ShardedOuterState
+from node.parallel.streams import LocalStreams, RankStreams
+from node.parallel.tensor import device_type, use_device
+from node.parallel.zero import build_inner_optimizer
 from protocol.swarm.streams import StreamRunner
-
-if TYPE_CHECKING:
-    from node.parallel.streams import RankStreams
 
 log = logging.getLogger("dtnode")
 
 Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
-
-
-def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed); the fused kernel on CUDA
-    (one launch per step for all parameters), torch's default (foreach) elsewhere."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    inner = config.inner
-    groups = [
-        {"params": decay, "weight_decay": inner.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
-    fused = True if on_cuda and decay + no_decay else None  # None: torch's default
-    return torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=fused)
 
 
 class Replica(Protocol):
@@ -81,10 +71,6 @@ class SingleReplica:
     def __init__(
         self, model_config: ModelConfig, config: NodeConfig, device: torch.device, *, compile: bool = False
     ) -> None:
-        from node.efficiency import resolve_precision
-        from node.meta_init import build_model
-        from node.parallel.engine import autocast_forward, checkpoint_blocks
-
         self.config = config
         self._streams: RankStreams | None = None
         self.device = device
@@ -154,8 +140,6 @@ class SingleReplica:
 
     def open_streams(self) -> StreamRunner:
         """The extra all-reduce streams (``--swarm-streams``), all in this process; closed with us."""
-        from node.parallel.streams import RankStreams
-
         if self._streams is None:
             self._streams = RankStreams(self.config, rank=0, world_size=1)
         return self._streams
@@ -167,19 +151,16 @@ class SingleReplica:
 
 
 class ParallelReplica:
-    """The replica over the node's local workers (``node.parallel.local``); this process is rank 0."""
+    """The replica over the node's local workers (``node.parallel.local``, running the calls of
+    ``node.parallel.commands``); this process is rank 0."""
 
     def __init__(
-        self, model_config: ModelConfig, config: NodeConfig, layout: Any, *, timeout: timedelta
+        self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
     ) -> None:
-        from node.parallel.engine import parameter_offsets
-        from node.parallel.local import LocalWorkers
-        from node.parallel.tensor import device_type
-
         with torch.device("meta"):
             self.model = GPT(model_config)  # names and shapes for export and checkpoints; no memory
         self.offsets = parameter_offsets(model_config)
-        self.workers = LocalWorkers(model_config, config, layout, timeout=timeout)
+        self.workers = start_local_workers(model_config, config, layout, timeout=timeout)
         self.shard_outer = config.outer.sharding == "on" or (
             config.outer.sharding == "auto" and device_type() == "cuda"
         )
@@ -233,16 +214,12 @@ class ParallelReplica:
     def outer_state(self, *, offload: bool, **settings: Any) -> OuterState | None:
         """DiLoCo's outer state sharded over the local ranks (``node.parallel.outer``), unless
         ``--outer-sharding`` says otherwise (then None: flat on rank 0's host)."""
-        from node.parallel.outer import ShardedOuterState
-
         if not self.shard_outer:
             return None
         return ShardedOuterState(self.workers, offload=offload, **settings)
 
     def open_streams(self) -> StreamRunner:
         """The extra all-reduce streams (``--swarm-streams``): stream s on local rank s mod K."""
-        from node.parallel.streams import LocalStreams
-
         if self._streams is None:
             self._streams = LocalStreams(self.workers)
         return self._streams
@@ -261,9 +238,6 @@ def pick_device(name: str) -> torch.device:
 
 def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.device) -> Replica:
     """The node's replica: in this process, or over its local workers (``--local-workers``, ``--dp/--tp/--pp``)."""
-    from node.parallel.layout import resolve_layout
-    from node.parallel.tensor import use_device
-
     use_device(config.run.device)  # the ranks' device kind (and bf16 autocast's) follows --device
     layout = resolve_layout(config, model_config)
     if layout is not None and config.outer.overlap and config.rounds.streams > 1:

@@ -1,8 +1,9 @@
 """One rank of a node's model replica: the layout applied to the plain ``GPT``, its inner step, eval and params.
 
-Every local rank of a node builds one :class:`RankEngine` with the same arguments; its methods are
-collectives (every rank calls them together, in the same order). ``node.parallel.local`` drives them: rank 0
-is the daemon and sends each rank the next call.
+Every local rank of a node builds one :class:`RankEngine` with the same arguments (its
+``node.parallel.layout.LocalLayout``); its methods are collectives (every rank calls them together, in the
+same order). Rank 0 is the daemon and sends each rank the next call (``node.parallel.commands``, over the
+processes of ``node.parallel.local``).
 
 Build order (as torchtitan applies its parallelisms), every step a function of ``node.parallel``:
     1. the full model from the seed (``GPT.init_weights`` draws each parameter from ``(seed, name)``, so
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -43,14 +43,18 @@ from torch.utils.checkpoint import checkpoint
 
 from node.config import NodeConfig
 from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.parallel.layout import LocalLayout
 from node.parallel.mesh import build_mesh
-from node.parallel.outer import OUTER_COMMANDS, OuterShard
 from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device
-from node.parallel.streams import RankStreams, open_streams, run_streams
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, device_type, full_tensor
-from node.parallel.zero import apply_fully_shard, average_gradients, build_zero_optimizer
-from protocol.allreduce.allreduce import AllReduceResult
-from protocol.swarm.streams import StreamJob
+from node.parallel.zero import (
+    apply_fully_shard,
+    average_gradients,
+    build_inner_optimizer,
+    build_zero_optimizer,
+    local_optimizer,
+    optimizer_state_bytes,
+)
 
 Batch = tuple[Tensor, Tensor]  # tokens (B, T), targets (B, T)
 Ranges = dict[int, tuple[int, int]]  # local rank -> its range [first, last) of the node's flat vector
@@ -60,28 +64,6 @@ def bucket_pieces(start: int, end: int, ranges: Ranges) -> list[tuple[int, int, 
     """(rank, low, high): the parts of bucket [start, end) that fall in each rank's range."""
     cuts = [(rank, max(start, first), min(end, last)) for rank, (first, last) in sorted(ranges.items())]
     return [(rank, low, high) for rank, low, high in cuts if low < high]
-
-
-@dataclass(frozen=True)
-class LocalLayout:
-    """How a node's local ranks share its replica; ``dp * tp * pp`` is the number of local workers."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 1  # 1: AdamW state sharded over dp; 3: FSDP2 (weights, grads and state sharded)
-    pp_schedule: str = "1f1b"  # gpipe or 1f1b
-    num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
-    virtual_stages: int = 1  # pipeline stages per rank (> 1 with the interleaved schedule)
-    sequence_parallel: bool = False  # with tp > 1: norms and residuals on T / tp positions per rank
-    bucket_elements: int = 16 * 2**20  # the flat vector moves between ranks in pieces of this many numbers
-    precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
-    activation_checkpointing: bool = False
-    grad_accumulation: int = 1  # batches per inner step
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 def parameter_offsets(model_config: ModelConfig) -> dict[str, tuple[int, torch.Size]]:
@@ -182,12 +164,7 @@ class RankEngine:
         if layout.dp > 1 and layout.zero == 1 and layout.tp == 1:
             self.optimizer: torch.optim.Optimizer = build_zero_optimizer(model, config, self.dp_group)
         else:
-            from node.replica import build_inner_optimizer  # the single-process node's AdamW groups
-
-            self.optimizer = build_inner_optimizer(model, config)
-        self.commands: dist.ProcessGroup | None = None  # the node's gloo command group (set by local.py)
-        self.outer: OuterShard | None = None  # this rank's range of DiLoCo's outer state, once opened
-        self.streams: RankStreams | None = None  # this rank's all-reduce streams, once opened
+            self.optimizer = build_inner_optimizer(model, config)  # the single-process node's AdamW groups
         self.runner: PipelineRunner | None = None
         if layout.pp > 1:
             self.runner = PipelineRunner(
@@ -408,8 +385,6 @@ class RankEngine:
     # --- the inner optimizer's state, for checkpoints ---
     def _local_optimizer(self) -> torch.optim.Optimizer:
         """The AdamW this rank steps: ZeRO-1's optimizer over this rank's share, else the one optimizer."""
-        from node.parallel.zero import local_optimizer
-
         return local_optimizer(self.optimizer)
 
     def gather_optimizer_state(self) -> list[dict[str, Any]] | None:
@@ -453,46 +428,4 @@ class RankEngine:
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the inner optimizer state this rank holds (its ZeRO share)."""
-        from node.parallel.zero import optimizer_state_bytes
-
         return optimizer_state_bytes(self.optimizer)
-
-    # --- the swarm all-reduce streams served by this rank (node/parallel/streams.py) ---
-
-    def open_streams(self) -> dict[int, str] | None:
-        assert self.commands is not None
-        if self.streams is None:
-            self.streams = RankStreams(self.config, rank=dist.get_rank(), world_size=dist.get_world_size())
-        return open_streams(self.streams, self.commands)
-
-    def run_streams(self, jobs: list[StreamJob], shards: list[Tensor] | None) -> list[AllReduceResult] | None:
-        assert self.commands is not None
-        return run_streams(self.streams, self.commands, jobs, shards)
-
-    def reset_streams(self) -> None:
-        if self.streams is not None:
-            self.streams.reset_error_feedback()
-
-    def close(self) -> None:
-        """Close what outlives a call: the stream servers."""
-        if self.streams is not None:
-            self.streams.close()
-            self.streams = None
-
-
-Command = tuple[str, Any]
-Dispatch = Callable[[RankEngine, Any], object]
-
-# What rank 0 can ask every rank to do, and how a rank does it; the payload travels with the command.
-COMMANDS: dict[str, Dispatch] = {
-    "train_step": lambda engine, payload: engine.train_step(payload[0], payload[1]),
-    "eval_loss": lambda engine, payload: engine.eval_loss(payload),
-    "read_params": lambda engine, payload: engine.read_params(),
-    "write_params": lambda engine, payload: engine.write_params(payload),
-    "optimizer_state": lambda engine, payload: engine.gather_optimizer_state(),
-    "load_optimizer_state": lambda engine, payload: engine.scatter_optimizer_state(payload),
-    "open_streams": lambda engine, payload: engine.open_streams(),
-    "run_streams": lambda engine, payload: engine.run_streams(*payload),
-    "reset_streams": lambda engine, payload: engine.reset_streams(),
-    **OUTER_COMMANDS,  # this rank's range of DiLoCo's outer state
-}

@@ -1,5 +1,9 @@
 """Which local layout a node runs: its number of local workers and their ``dp x tp x pp`` mesh.
 
+A :class:`LocalLayout` says how the node's local ranks share its replica (the mesh, the ZeRO stage, the
+pipeline schedule, precision, recompute, the bucket the flat vector moves in); every rank builds its part
+of the replica from it (``node.parallel.engine.RankEngine``).
+
 Resolution (``resolve_layout``), in order:
     1. workers: ``--local-workers K``, else one per CUDA device, else one (a CPU node runs in one process);
     2. one worker and no layout flag: no local parallelism at all (``None``: the replica stays in the
@@ -16,17 +20,39 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from node.config import ConfigError, NodeConfig
 from node.efficiency import resolve_precision
 from node.model import ModelConfig
-from node.parallel.engine import LocalLayout
 from node.parallel.plan import Layout, invalid_reason, plan_layout
 from node.parallel.tensor import device_type
 
 log = logging.getLogger("dtnode")
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """How a node's local ranks share its replica; ``dp * tp * pp`` is the number of local workers."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 1  # 1: AdamW state sharded over dp; 3: FSDP2 (weights, grads and state sharded)
+    pp_schedule: str = "1f1b"  # gpipe or 1f1b
+    num_microbatches: int = 1  # per dp replica and inner step, when pp > 1
+    virtual_stages: int = 1  # pipeline stages per rank (> 1 with the interleaved schedule)
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals on T / tp positions per rank
+    bucket_elements: int = 16 * 2**20  # the flat vector moves between ranks in pieces of this many numbers
+    precision: str = "fp32"  # fp32 or bf16 (autocast of the forward pass)
+    activation_checkpointing: bool = False
+    grad_accumulation: int = 1  # batches per inner step
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
 
 
 def num_local_workers(config: NodeConfig) -> int:

@@ -1,9 +1,9 @@
 """A node's local workers: the daemon is rank 0, and ``world_size - 1`` spawned processes are the other ranks.
 
 The node stays one peer in the swarm: only rank 0 runs the swarm session (DHT, gRPC, outer step). The other
-ranks are servants of one replica: rank 0 broadcasts each call (:data:`node.parallel.engine.COMMANDS`) and
-every rank, rank 0 included, runs it on its :class:`~node.parallel.engine.RankEngine`, whose collectives
-tie them together.
+ranks are servants of one replica: rank 0 broadcasts each call, a name and a payload, and every rank, rank 0
+included, runs it on its :class:`Rank` (``node.parallel.commands.LocalRank``: what each call does), whose
+collectives tie them together. This module knows the processes and the channel, not the calls.
 
 Process group and deadlines
 ---------------------------
@@ -38,15 +38,15 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 from node.config import NodeConfig
-from node.model import ModelConfig
-from node.parallel.engine import COMMANDS, LocalLayout, RankEngine
+from node.parallel.layout import LocalLayout
 from node.parallel.tensor import device_type, distributed_backend, use_device
 
 log = logging.getLogger("dtnode")
@@ -57,6 +57,18 @@ COMMAND_TIMEOUT = timedelta(days=1)
 PARENT_POLL_SECONDS = 1.0
 STOP_GRACE = timedelta(seconds=10)
 DEATH_GRACE = timedelta(seconds=3)  # how long a failed call waits for a dying rank to be reaped
+
+
+class Rank(Protocol):
+    """What every local rank runs: rank 0's calls, one at a time, then ``close``."""
+
+    def run(self, name: str, payload: Any) -> object: ...
+    def close(self) -> None: ...
+
+
+RankFactory = Callable[[dist.ProcessGroup], Rank]
+"""Builds a rank's :class:`Rank` once the process group is up, given the group the calls travel on. A
+spawned rank receives it pickled: a class or module-level function (or a ``functools.partial`` of one)."""
 
 
 def _init_process_group(rank: int, world_size: int, store_path: str, timeout: timedelta) -> dist.ProcessGroup:
@@ -91,13 +103,12 @@ def worker_main(
     rank: int,
     world_size: int,
     store_path: str,
-    model_config: ModelConfig,
     config: NodeConfig,
-    layout: LocalLayout,
+    start_rank: RankFactory,
     timeout_seconds: float,
     parent_pid: int,
 ) -> None:
-    """A local rank (spawned or forked): build its engine, then run rank 0's calls until it says stop."""
+    """A local rank (spawned or forked): build its :class:`Rank`, then run rank 0's calls until it says stop."""
     # A Ctrl-C or SIGTERM reaches the whole process group; the daemon handles it (it finishes the step,
     # checkpoints, then stops us), so a rank must not die of it mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -109,8 +120,7 @@ def worker_main(
     use_device(config.run.device)
     commands = _init_process_group(rank, world_size, store_path, timeout)
     try:
-        engine = RankEngine(model_config, config, layout, timeout=timeout)
-        engine.commands = commands
+        handler = start_rank(commands)
         try:
             while True:  # ends at STOP, or by the parent watch when the daemon dies
                 message: list[Any] = [None]
@@ -118,9 +128,9 @@ def worker_main(
                 name, payload = message[0]
                 if name == STOP:
                     break
-                COMMANDS[name](engine, payload)
+                handler.run(name, payload)
         finally:
-            engine.close()
+            handler.close()
     finally:
         dist.destroy_process_group()
 
@@ -130,10 +140,10 @@ class LocalWorkerError(RuntimeError):
 
 
 class LocalWorkers:
-    """Rank 0's side: starts the other ranks, builds its own engine, and sends every call to all."""
+    """Rank 0's side: starts the other ranks, builds its own :class:`Rank`, and sends every call to all."""
 
     def __init__(
-        self, model_config: ModelConfig, config: NodeConfig, layout: LocalLayout, *, timeout: timedelta
+        self, config: NodeConfig, layout: LocalLayout, start_rank: RankFactory, *, timeout: timedelta
     ) -> None:
         self.layout = layout
         self._calling = threading.Lock()
@@ -153,9 +163,8 @@ class LocalWorkers:
                     rank,
                     world_size,
                     store_path,
-                    model_config,
                     config,
-                    layout,
+                    start_rank,
                     timeout.total_seconds(),
                     os.getpid(),
                 ),
@@ -168,8 +177,7 @@ class LocalWorkers:
             process.start()
         try:
             self._commands = _init_process_group(0, world_size, store_path, timeout)
-            self.engine = RankEngine(model_config, config, layout, timeout=timeout)
-            self.engine.commands = self._commands
+            self.rank = start_rank(self._commands)
         except BaseException:
             self._stop_processes()
             raise
@@ -180,7 +188,7 @@ class LocalWorkers:
         )  # fmt: skip
 
     def call(self, name: str, payload: Any = None, *, rank0_payload: Any = None) -> Any:
-        """Run ``COMMANDS[name]`` on every rank; returns rank 0's result.
+        """Run call ``name`` on every rank's :class:`Rank`; returns rank 0's result.
 
         The other ranks get ``payload`` with the command; rank 0 runs with ``rank0_payload`` when given
         (data a collective of the command distributes, e.g. the flat vector ``write_params`` broadcasts).
@@ -189,7 +197,7 @@ class LocalWorkers:
             self._check_workers()
             try:
                 dist.broadcast_object_list([(name, payload)], src=0, group=self._commands)
-                return COMMANDS[name](self.engine, payload if rank0_payload is None else rank0_payload)
+                return self.rank.run(name, payload if rank0_payload is None else rank0_payload)
             except (RuntimeError, dist.DistError) as error:
                 # A rank that was killed resets its connections before it is reaped: give it a moment to
                 # show up as dead, so the error names it rather than the socket.
@@ -213,7 +221,7 @@ class LocalWorkers:
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
+        self.rank.close()
         try:
             if all(process.is_alive() for process in self.processes):
                 dist.broadcast_object_list([(STOP, None)], src=0, group=self._commands)

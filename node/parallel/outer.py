@@ -20,23 +20,23 @@ What needs the whole vector on rank 0 (param_hash, the snapshot a joiner fetches
 export) gathers the ranges there on demand (``params``, ``momentum``); the hash is computed once per
 change of the state. Every transfer is a collective or a point-to-point send over the node's process
 group with the engine's deadline.
+
+Two sides: :class:`OuterShard` is a rank's range, over its ``RankEngine``; :class:`ShardedOuterState` is
+rank 0's ``OuterState``, which sends the ``outer_*`` calls of ``node.parallel.commands`` to every rank.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from node.outer_state import SGD_SETTINGS, tensor_hash
-
-if TYPE_CHECKING:
-    from node.parallel.engine import Ranges, RankEngine
-    from node.parallel.local import LocalWorkers
+from node.parallel.engine import Ranges, RankEngine
+from node.parallel.local import LocalWorkers
 
 log = logging.getLogger("dtnode")
 
@@ -242,35 +242,10 @@ class ShardedOuterState:
         return held
 
 
-# --- the commands rank 0 sends every rank (merged into ``node.parallel.engine.COMMANDS``) ---
-
-
-def _open(engine: RankEngine, settings: dict[str, Any], offload: bool) -> int:
-    engine.outer = OuterShard(engine, settings, offload=offload)
-    return engine.num_elements
-
-
-def _shard(engine: RankEngine) -> OuterShard:
-    if engine.outer is None:
-        raise RuntimeError("the outer state was not opened on this rank")
-    return engine.outer
-
-
-def _bytes_per_rank(engine: RankEngine) -> list[int] | None:
-    """Bytes of outer state every rank holds, on rank 0 (None elsewhere)."""
-    held = 0 if engine.outer is None else engine.outer.num_bytes()
+def bytes_per_rank(shard: OuterShard | None, commands: dist.ProcessGroup) -> list[int] | None:
+    """Collective: bytes of outer state every rank holds (0 where it was not opened), on rank 0 (None
+    elsewhere), gathered over the command group."""
+    held = 0 if shard is None else shard.num_bytes()
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(held, gathered if dist.get_rank() == 0 else None, dst=0, group=engine.commands)
+    dist.gather_object(held, gathered if dist.get_rank() == 0 else None, dst=0, group=commands)
     return gathered if dist.get_rank() == 0 else None
-
-
-OUTER_COMMANDS: dict[str, Callable[[RankEngine, Any], object]] = {
-    "outer_open": lambda engine, payload: _open(engine, *payload),
-    "outer_delta": lambda engine, payload: _shard(engine).delta(),
-    "outer_step": lambda engine, payload: _shard(engine).step(payload),
-    "outer_write": lambda engine, payload: _shard(engine).write_to_model(),
-    "outer_gather": lambda engine, payload: _shard(engine).gather(payload),
-    "outer_load": lambda engine, payload: _shard(engine).load(*payload),
-    "outer_settings": lambda engine, payload: _shard(engine).set_settings(payload),
-    "outer_bytes": lambda engine, payload: _bytes_per_rank(engine),
-}

@@ -6,7 +6,8 @@ serve a stream encodes, sends and decodes its shards in K processes at once.
   concurrently on threads (each server has its own event loop); with rank 0 of 1, the ``StreamRunner``
   of a node without local workers (every stream in the daemon).
 - ``LocalStreams``: the ``StreamRunner`` of a node with local workers: the daemon sends each rank its
-  shards over the node's gloo command group, every rank runs its streams, and the averages come back.
+  shards over the node's gloo command group, every rank runs its streams, and the averages come back
+  (``open_streams`` and ``run_streams`` on every rank: the ``*_streams`` calls of ``node.parallel.commands``).
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from node.config import NodeConfig
+from node.parallel.local import LocalWorkers
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.swarm.streams import RESULT_MARGIN, StreamJob, StreamServer, fell_back
-
-if TYPE_CHECKING:
-    from node.parallel.local import LocalWorkers
 
 log = logging.getLogger("dtnode")
 
@@ -40,7 +39,9 @@ class RankStreams:
     """The all-reduce stream servers of local rank ``rank``: streams ``s >= 1`` with ``s mod K == rank``."""
 
     def __init__(self, config: NodeConfig, *, rank: int, world_size: int) -> None:
-        from node.swarm_setup import swarm_config  # the same listen host, announce host, limits and swarm key
+        # The daemon's listen host, announce host, limits and swarm key. Imported here: it loads the gRPC
+        # swarm stack (~1.5 CPU-s), which a rank that serves no stream never needs.
+        from node.swarm_setup import swarm_config
 
         swarm = swarm_config(config)
         self.streams = [s for s in range(1, config.rounds.streams) if rank_of_stream(s, world_size) == rank]

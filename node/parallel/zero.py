@@ -1,4 +1,8 @@
-"""ZeRO across a node's data-parallel ranks: shard the inner AdamW state (and, with ZeRO-3, the weights).
+"""The inner AdamW, whole or sharded with ZeRO over a node's data-parallel ranks (ZeRO-3: the weights too).
+
+``build_inner_optimizer`` is the replica's AdamW: weight decay on matrices only (norm gains are not
+decayed), the fused kernel on CUDA. A single-process replica (``node.replica.SingleReplica``) and a local
+rank without ZeRO-1 (``node.parallel.engine.RankEngine``) step it as is; the stages below shard it.
 
 Algorithm (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models")
 ---------------------------------------------------------------------------------------------------------
@@ -23,9 +27,9 @@ the moments alone are twice the parameters. ZeRO partitions them over the ``dp``
         are reduce-scattered (averaged) after its backward; no ``average_gradients`` call is needed. Works
         on CPU with gloo in torch 2.13.
 
-Both keep the same weight-decay split as ``node.trainer.build_inner_optimizer`` (matrices decayed, norm
-gains not): stage 1 passes the same two parameter groups to ``ZeroRedundancyOptimizer``, which partitions
-each group separately; stage 3 simply uses ``build_inner_optimizer`` on the sharded model (a sharded
+Both keep the same weight-decay split as ``build_inner_optimizer`` (matrices decayed, norm gains not):
+stage 1 passes the same two parameter groups to ``ZeroRedundancyOptimizer``, which partitions each group
+separately; stage 3 simply uses ``build_inner_optimizer`` on the sharded model (a sharded
 ``DTensor`` keeps its logical ``dim()``).
 
 ``optimizer_state_bytes`` sums the bytes of the optimizer-state tensors this rank holds (local shards
@@ -53,6 +57,21 @@ if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def build_inner_optimizer(model: nn.Module, config: NodeConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed); the fused kernel on CUDA
+    (one launch per step for all parameters), torch's default (foreach) elsewhere."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    inner = config.inner
+    groups = [
+        {"params": decay, "weight_decay": inner.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+    fused = True if on_cuda and decay + no_decay else None  # None: torch's default
+    return torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=fused)
 
 
 def build_zero_optimizer(
