@@ -22,6 +22,7 @@ from protocol.membership.transport import MembershipClient, MembershipServicer, 
 from protocol.membership.wire import to_envelope
 from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
 from protocol.swarm.server import NodeServer
+from tests.machine_load import stretched
 from tests.protocol.membership.fake_swarm import H0
 
 VERSION = 5
@@ -77,7 +78,8 @@ def test_a_waiting_collect_returns_as_soon_as_a_message_is_put() -> None:
         assert [e.WhichOneof("message") for e in taken] == ["join_request"]
         return time.monotonic() - started
 
-    assert uvloop.run(scenario()) < 2
+    # Returned when the message came (0.2 s), not at the end of its 20 s wait.
+    assert uvloop.run(scenario()) < 0.2 + stretched(1.8)
 
 
 @pytest.mark.timeout(30)
@@ -112,12 +114,13 @@ def test_a_client_collects_over_grpc_what_a_peer_held_for_it() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as bad_id:
                 await stub.Collect(pb.CollectRequest(receiver_id="", protocol_version=VERSION), timeout=5)
             assert bad_id.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            # A wait longer than the call's own deadline ends (empty) before that deadline.
-            started = time.monotonic()
+            # A wait longer than the call's own deadline ends (empty) before that deadline: a reply at
+            # all says so (past its deadline the call ends DEADLINE_EXCEEDED on this side, whenever the
+            # server answers). The server answers at 90% of the deadline less 50 ms: 0.35 s early at 3 s.
             reply = await stub.Collect(
-                pb.CollectRequest(receiver_id="c1", protocol_version=VERSION, wait_ms=30_000), timeout=1.0
+                pb.CollectRequest(receiver_id="c1", protocol_version=VERSION, wait_ms=30_000), timeout=3.0
             )
-            assert list(reply.envelopes) == [] and time.monotonic() - started < 1.0
+            assert list(reply.envelopes) == []
         finally:
             await asyncio.gather(client.close(), other.close())
             await server.stop(0.1)
