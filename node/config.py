@@ -39,7 +39,7 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["auto", "fp32", "bf16"]
 AutoOnOff = Literal["auto", "on", "off"]
 """``auto`` decides from the hardware (e.g. on with CUDA); ``on`` and ``off`` force it."""
-Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
+Codec = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
 """The wire codecs (``protocol/codecs.py``, the contract's ``CodecKind``)."""
 Aggregation = Literal["mean", "clipped", "trimmed"]
 """How an all-reduce part is combined (``protocol/allreduce/robust.py``)."""
@@ -449,7 +449,18 @@ class RoundsConfig:
     """The outer rounds: when one is due, who takes part, how the pseudo-gradient travels and is combined."""
 
     codec: Codec = field(
-        default="int8", metadata=_help("Pseudo-gradient wire codec: none, fp16, bf16, int8 or int4.")
+        default="int8",
+        metadata=_help(
+            "Pseudo-gradient wire codec: none, fp16, bf16, int8, int4 or topk (each block of 4096 numbers "
+            "sends only its --topk-density largest, 2 bits each; what is not sent waits in the error feedback)."
+        ),
+    )
+    topk_density: float = field(
+        default=0.015,
+        metadata=_help(
+            "--codec topk: fraction of each block's numbers sent, in (0, 1] (0.015: 62 of 4096). Every node "
+            "of the swarm must use the same."
+        ),
     )
     streams: int = field(
         default=1,
@@ -508,6 +519,8 @@ class RoundsConfig:
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError(f"swarm_streams must be in 1..{MAX_STREAMS}, got {self.streams}")
         _check_choices(self, "codec")
+        if not 0.0 < self.topk_density <= 1.0:
+            raise ConfigError(f"topk_density must be in (0, 1], got {self.topk_density}")
         # The all-reduce's own rule checks aggregation, clip_factor and trim; imported here because
         # it imports torch, and the config must stay light to import.
         from protocol.allreduce.robust import AggregationRule
@@ -712,6 +725,7 @@ FLAT_NAMES: Mapping[str, str] = {
     "heartbeat": "network.heartbeat",
     "record_ttl": "network.record_ttl",
     "codec": "rounds.codec",
+    "topk_density": "rounds.topk_density",
     "swarm_streams": "rounds.streams",
     "aggregation": "rounds.aggregation",
     "clip_factor": "rounds.clip_factor",

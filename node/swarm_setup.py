@@ -59,6 +59,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
                 trim_per_side=config.rounds.trim,
             ),
             codec=config.rounds.codec,
+            topk_density=config.rounds.topk_density,
             round_deadline=timedelta(seconds=config.rounds.deadline),
             sync_deadline=timedelta(seconds=config.rounds.sync_deadline),
             bandwidth_bytes_per_s=config.network.bandwidth_mbit * 1e6 / 8,

@@ -9,6 +9,7 @@ per-element error bound `error_bound(x)` such that |decode(encode(x)) - x| <= er
     bf16  bfloat16, round to nearest even          |x| * 2^-8 (relative), 2^-134 near zero
     int8  blockwise absmax, scale = absmax / 127   absmax_block * (1/254 + 2^-20)
     int4  blockwise absmax, scale = absmax / 7     absmax_block * (1/14 + 2^-20)
+    topk  each block's k largest |x|, 2 bits each  |x| where not sent, (hi - lo)/2 + hi * 2^-20 where sent
 
 The blockwise codecs follow the absmax quantization of Dettmers et al. 2022 ("8-bit Optimizers via
 Block-wise Quantization", arXiv:2110.02861): each block of `block_size` numbers carries its own fp32
@@ -16,6 +17,9 @@ scale, so one outlier only costs precision inside its own block. The 2^-20 slack
 rounding of the scale, of x / scale and of code * scale. Payload layout for a chunk of n numbers in
 b = ceil(n / block_size) blocks: b fp32 scales, then the codes (int8: n bytes; int4: ceil(n / 2)
 bytes, code + 8 in a nibble, even element in the low nibble).
+
+The top-k codec (``TopKCodec``) is the sparse one: decoding writes zeros where it sent nothing, so it
+is meant to run with error feedback (``protocol.error_feedback``); its layout is in its docstring.
 
 All work is vectorized torch on whole chunks (numpy only for checking a chunk's few scales); there is
 no per-element Python.
@@ -42,10 +46,12 @@ Payload = bytes | bytearray | memoryview | torch.Tensor
 FP16_MAX = 65504.0
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 QUANT_ROUNDING_SLACK = 2.0**-20
+MAX_TOPK_BLOCK_SIZE = 1 << 16
 
 
 class CodecError(ValueError):
-    """A payload does not decode: wrong length, or it holds non-finite numbers."""
+    """A payload does not decode: wrong length, non-finite numbers, or (top-k) positions that are out of
+range, repeated or out of order."""
 
 
 def as_uint8(payload: Payload) -> torch.Tensor:
@@ -378,26 +384,322 @@ class Int4Codec(_BlockwiseCodec):
         return 4 * self._num_blocks(num_elements) + math.ceil(num_elements / 2)
 
 
-DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 64}
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack non-negative integers (1-D int64, each < 2^width <= 2^56) into one bit stream, value i
+    at bits [i * width, (i + 1) * width), least significant bit first within each byte, zero-padded to
+    whole bytes: ceil(len * width / 8) uint8."""
+    num_bytes = math.ceil(values.numel() * width / 8)
+    if 8 % width == 0:  # whole values per byte: shift each into its slot of its byte and add
+        per_byte = 8 // width
+        padded = torch.zeros(num_bytes * per_byte, dtype=torch.int64)
+        padded[: values.numel()] = values
+        shifted = padded.view(num_bytes, per_byte) << torch.arange(0, 8, width)  # (bytes, per_byte)
+        return shifted.sum(dim=1).to(torch.uint8)
+    # A value starting at bit b covers bytes b // 8 ... of the stream; values share no bits, so the
+    # stream is the sum of their shifted bytes.
+    first_bit = torch.arange(values.numel()) * width
+    shifted = values << (first_bit & 7)
+    first_byte = first_bit >> 3
+    span = (width + 7 + 7) // 8
+    stream = torch.zeros(num_bytes + span, dtype=torch.int64)
+    for byte in range(span):
+        stream.index_add_(0, first_byte + byte, (shifted >> (8 * byte)) & 0xFF)
+    return stream[:num_bytes].to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The first `count` width-bit integers of a stream written by pack_bits, as int64 (count,)."""
+    mask = (1 << width) - 1
+    if 8 % width == 0:
+        per_byte = 8 // width
+        num_bytes = math.ceil(count / per_byte)
+        slots = packed[:num_bytes, None].to(torch.int64) >> torch.arange(0, 8, width)  # (bytes, per_byte)
+        return slots.view(-1)[:count] & mask
+    first_bit = torch.arange(count) * width
+    first_byte = first_bit >> 3
+    span = (width + 7 + 7) // 8
+    stream = torch.zeros(packed.numel() + span, dtype=torch.int64)
+    stream[: packed.numel()] = packed
+    word = stream[first_byte]
+    for byte in range(1, span):
+        word |= stream[first_byte + byte] << (8 * byte)
+    return (word >> (first_bit & 7)) & mask
+
+
+TOPK_PREFILTER_HALVINGS = 3
+"""Top-k first keeps the k of the block's 2^3 = 8-number groups with the largest maximum (see
+_top_offsets)."""
+
+
+def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Offsets (blocks, k), in no order, of the k largest of each row of magnitude (blocks, m).
+
+    torch.topk's CPU kernel sorts a heap when k <= m / 64, ~5 ns a number on 4096-number blocks at
+    k = 62. We first cut a block into m / 8 groups (numbers j, j + m/8, ..., j + 7m/8: three halvings
+    by elementwise maximum) and keep the k groups of largest maximum. That loses nothing: a number
+    outside them is at most its group's maximum, which is at most each of the k kept maxima, and those
+    are k candidates already. Then top-k of the 8k candidates, on the kernel's fast selection path.
+    """
+    num_blocks, width = magnitude.shape
+    groups = width >> TOPK_PREFILTER_HALVINGS
+    if width % (1 << TOPK_PREFILTER_HALVINGS) or 2 * k * (1 << TOPK_PREFILTER_HALVINGS) > width:
+        return magnitude.topk(k, dim=1, sorted=False).indices
+    group_max = magnitude
+    for _ in range(TOPK_PREFILTER_HALVINGS):
+        half = group_max.shape[1] // 2
+        group_max = torch.maximum(group_max[:, :half], group_max[:, half:])  # (blocks, half)
+    top_groups = group_max.topk(k, dim=1, sorted=False).indices  # (blocks, k)
+    # (blocks, k, 8) -> (blocks, 8k): the offsets of the kept groups' numbers
+    candidates = (top_groups[:, :, None] + torch.arange(0, width, groups)).view(num_blocks, -1)
+    chosen = magnitude.gather(1, candidates).topk(k, dim=1, sorted=False).indices  # (blocks, k)
+    return candidates.gather(1, chosen)
+
+
+class TopKCodec(Codec):
+    """Chunked top-k: each block of block_size numbers sends only its kept_per_block largest in
+    magnitude, as a sign and a (value_bits - 1)-bit level between the block's smallest and largest
+    kept magnitude; decoding writes zeros everywhere else.
+
+    This is the compressor of SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706): at 1-3% density with
+    2-bit values it is meant to run with error feedback (``protocol.error_feedback``), whose residual
+    then holds everything a round did not send, so the dropped numbers go out in later rounds.
+
+    Per block: ``lo``/``hi`` = min/max kept magnitude, ``step = (hi - lo) / (levels - 1)``, a kept
+    value v is sent as sign(v) and ``q = round((|v| - lo) / step)``, and decodes to
+    ``sign * (lo + q * step)``. Kept positions go as a bitmap per block or as w-bit offsets, whichever
+    is smaller for (block_size, kept_per_block): both sizes are fixed by the two numbers, so the choice
+    is the same for every block and every chunk, and a payload's length depends only on the number
+    of elements, as the all-reduce needs. The layout is documented field by field with
+    ``CODEC_KIND_TOPK`` in ``protos/dtnode/v1/allreduce.proto``.
+    """
+
+    value_bits: ClassVar[int]
+
+    def __init__(self, block_size: int, kept_per_block: int) -> None:
+        if not 2 <= block_size <= MAX_TOPK_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [2, {MAX_TOPK_BLOCK_SIZE}], got {block_size}")
+        if not 1 <= kept_per_block <= block_size:
+            raise ValueError(f"kept_per_block must be in [1, block_size={block_size}], got {kept_per_block}")
+        super().__init__(block_size)
+        self.kept_per_block = kept_per_block
+        self.offset_bits = max(1, (block_size - 1).bit_length())  # w: bits of one offset in a block
+        self.uses_bitmap = block_size <= kept_per_block * self.offset_bits
+        self.levels = 1 << (self.value_bits - 1)
+
+    @property
+    def density(self) -> float:
+        """The fraction of a full block's numbers that is sent."""
+        return self.kept_per_block / self.block_size
+
+    def spec(self) -> pb.CodecSpec:
+        return pb.CodecSpec(kind=self.kind, block_size=self.block_size, kept_per_block=self.kept_per_block)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size}, kept_per_block={self.kept_per_block})"
+
+    # Sizes. A chunk is full blocks, then at most one shorter tail block.
+
+    def _blocks(self, num_elements: int) -> tuple[int, int, int]:
+        """(full blocks, tail length, numbers the tail sends)."""
+        num_full, tail = divmod(num_elements, self.block_size)
+        return num_full, tail, math.ceil(self.kept_per_block * tail / self.block_size)
+
+    def _section_sizes(self, num_elements: int) -> tuple[int, int, int]:
+        """Bytes of the scales, positions and codes sections."""
+        num_full, tail, tail_kept = self._blocks(num_elements)
+        num_blocks = num_full + (tail > 0)
+        num_kept = num_full * self.kept_per_block + tail_kept
+        if self.uses_bitmap:
+            position_bits = num_elements
+        else:
+            position_bits = num_kept * self.offset_bits
+        return 8 * num_blocks, math.ceil(position_bits / 8), math.ceil(num_kept * self.value_bits / 8)
+
+    def encoded_num_bytes(self, num_elements: int) -> int:
+        return sum(self._section_sizes(num_elements))
+
+    # Encoding.
+
+    def _groups(self, num_elements: int) -> list[tuple[int, int, int, int]]:
+        """Runs of equal blocks: (first element, blocks, numbers a block, numbers it sends) for the
+        full blocks, then the tail."""
+        num_full, tail, tail_kept = self._blocks(num_elements)
+        groups = [(0, num_full, self.block_size, self.kept_per_block)] if num_full else []
+        if tail:
+            groups.append((num_full * self.block_size, 1, tail, tail_kept))
+        return groups
+
+    def _select(self, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per run of blocks (``_groups``): (offsets (blocks, k) ascending int64, kept values (blocks, k))."""
+        selected = []
+        for start, num_blocks, width, kept in self._groups(values.numel()):
+            blocks = values[start : start + num_blocks * width].view(num_blocks, width)  # (blocks, m)
+            offsets = _top_offsets(blocks.abs(), kept).sort(dim=1).values  # (blocks, k) ascending
+            selected.append((offsets, blocks.gather(1, offsets)))
+        return selected
+
+    def _quantize(self, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kept values (blocks, k) -> (lo (blocks,), hi (blocks,), codes (blocks, k) int64)."""
+        magnitude = kept.abs()
+        lo, hi = magnitude.amin(dim=1), magnitude.amax(dim=1)
+        if not all_finite(hi):  # NaN and inf are among the largest magnitudes, so hi shows them
+            raise ValueError(f"{self.name} cannot encode non-finite numbers")
+        spread = hi - lo
+        inverse = torch.where(spread > 0, (self.levels - 1) / spread, torch.zeros_like(spread))
+        level = magnitude.sub_(lo[:, None]).mul_(inverse[:, None]).round_().clamp_(0, self.levels - 1)
+        codes = level.to(torch.int64) | (kept < 0).to(torch.int64) << (self.value_bits - 1)
+        return lo, hi, codes
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        _check_input(values)
+        num_elements = values.numel()
+        payload = torch.empty(self.encoded_num_bytes(num_elements), dtype=torch.uint8)
+        if num_elements == 0:
+            return payload
+        groups, selected = self._groups(num_elements), self._select(values)
+        quantized = [self._quantize(kept) for _, kept in selected]
+        scale_bytes, position_bytes, _ = self._section_sizes(num_elements)
+        scales = torch.cat([torch.stack([lo, hi], dim=1) for lo, hi, _ in quantized])  # (blocks, 2)
+        payload[:scale_bytes].view(torch.float32).copy_(scales.view(-1))
+        if self.uses_bitmap:
+            bitmap = torch.zeros(num_elements, dtype=torch.int64)
+            for (start, num_blocks, width, _), (offsets, _) in zip(groups, selected, strict=True):
+                bitmap[start : start + num_blocks * width].view(num_blocks, width).scatter_(1, offsets, 1)
+            positions = pack_bits(bitmap, 1)
+        else:
+            positions = pack_bits(torch.cat([offsets.view(-1) for offsets, _ in selected]), self.offset_bits)
+        payload[scale_bytes : scale_bytes + position_bytes] = positions
+        codes = torch.cat([codes.view(-1) for _, _, codes in quantized])
+        payload[scale_bytes + position_bytes :] = pack_bits(codes, self.value_bits)
+        return payload
+
+    # Decoding.
+
+    def _parse(
+        self, payload: Payload, num_elements: int
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Check a payload; return its scales (blocks, 2) fp32 and, per run of blocks (``_groups``),
+        (offsets (blocks, k) int64, codes (blocks, k) int64). CodecError if it is malformed."""
+        raw = as_uint8(payload)
+        self._check_length(raw, num_elements)
+        scale_bytes, position_bytes, _ = self._section_sizes(num_elements)
+        # A chunk has ~64 blocks: numpy checks their scales in microseconds (see _BlockwiseCodec).
+        scales = raw[:scale_bytes].numpy().view(np.float32).reshape(-1, 2)
+        if not np.isfinite(scales).all():
+            raise CodecError(f"{self.name} payload holds non-finite scales")
+        if not ((scales[:, 0] >= 0) & (scales[:, 0] <= scales[:, 1])).all():
+            raise CodecError(f"{self.name} payload has a scale pair without 0 <= lo <= hi")
+        groups = self._groups(num_elements)
+        num_kept = sum(num_blocks * kept for _, num_blocks, _, kept in groups)
+        packed = raw[scale_bytes : scale_bytes + position_bytes]
+        codes = unpack_bits(raw[scale_bytes + position_bytes :], self.value_bits, num_kept)
+        if self.uses_bitmap:
+            bitmap = unpack_bits(packed, 1, num_elements)
+        else:
+            all_offsets = unpack_bits(packed, self.offset_bits, num_kept)
+        parsed, first_kept = [], 0
+        for start, num_blocks, width, kept in groups:
+            if self.uses_bitmap:
+                marks = bitmap[start : start + num_blocks * width].view(num_blocks, width)
+                if not bool((marks.sum(dim=1) == kept).all()):
+                    raise CodecError(f"{self.name} payload's bitmap does not mark {kept} numbers in a block")
+                offsets = marks.nonzero()[:, 1].view(num_blocks, kept)  # row-major: ascending in a row
+            else:
+                offsets = all_offsets[first_kept : first_kept + num_blocks * kept].view(num_blocks, kept)
+                if bool(offsets.amax() >= width):
+                    raise CodecError(f"{self.name} payload holds an offset outside its block")
+                if kept > 1 and not bool((offsets[:, 1:] > offsets[:, :-1]).all()):
+                    raise CodecError(f"{self.name} payload's offsets are not strictly increasing in a block")
+            parsed.append(
+                (offsets, codes[first_kept : first_kept + num_blocks * kept].view(num_blocks, kept))
+            )
+            first_kept += num_blocks * kept
+        return torch.from_numpy(scales.copy()), parsed
+
+    def validate(self, payload: Payload, num_elements: int) -> None:
+        self._parse(payload, num_elements)
+
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
+        scales, parsed = self._parse(payload, out.numel())
+        out.zero_()
+        first_block = 0
+        for (start, num_blocks, width, _), (offsets, codes) in zip(
+            self._groups(out.numel()), parsed, strict=True
+        ):
+            lo, hi = scales[first_block : first_block + num_blocks].unbind(dim=1)  # (blocks,) each
+            step = (hi - lo) / (self.levels - 1)
+            magnitude = (codes & (self.levels - 1)).to(torch.float32).mul_(step[:, None]).add_(lo[:, None])
+            values = torch.where(
+                codes >> (self.value_bits - 1) != 0, magnitude.neg(), magnitude
+            )  # (blocks, k)
+            out[start : start + num_blocks * width].view(num_blocks, width).scatter_(1, offsets, values)
+            first_block += num_blocks
+        return out
+
+    def error_bound(self, values: torch.Tensor) -> torch.Tensor:
+        """|x| where x is not sent; half a level's step (plus float rounding) where it is."""
+        bound = values.abs()
+        for (start, num_blocks, width, _), (offsets, kept) in zip(
+            self._groups(values.numel()), self._select(values.float()), strict=True
+        ):
+            lo, hi, _ = self._quantize(kept)
+            rounding = (hi - lo) / (2 * (self.levels - 1)) + hi * QUANT_ROUNDING_SLACK  # (blocks,)
+            rows = bound[start : start + num_blocks * width].view(num_blocks, width)
+            rows.scatter_(1, offsets, rounding[:, None].expand_as(offsets).contiguous())
+        return bound
+
+
+class TopK2Codec(TopKCodec):
+    """Top-k with 2-bit values (sign and one of two levels): about 1/35 of int8 at 1.5% density."""
+
+    kind = pb.CODEC_KIND_TOPK
+    name = "topk"
+    value_bits = 2
+
+
+DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 64, "topk": 4096}
+DEFAULT_TOPK_DENSITY = 0.015
+"""Top-k's fraction of numbers sent: 62 of each 4096 (SparseLoCo runs 1-3%; Covenant-72B sent 1.56%)."""
 _CODECS_BY_NAME: dict[str, type[Codec]] = {
     "none": NoneCodec,
     "fp16": Float16Codec,
     "bf16": BFloat16Codec,
     "int8": Int8Codec,
     "int4": Int4Codec,
+    "topk": TopK2Codec,
 }
 CODEC_NAMES = tuple(_CODECS_BY_NAME)
 
 
-def get_codec(name: str, block_size: int | None = None) -> Codec:
-    """Build a codec by name ("none", "fp16", "bf16", "int8", "int4"); block_size only for int8/int4."""
+def kept_per_block(density: float, block_size: int) -> int:
+    """Numbers a top-k block of block_size sends at this density: ceil(density * block_size)."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"top-k density must be in (0, 1], got {density}")
+    # The rounding forgives float noise such as 0.01 * 300 = 3.0000000000000004.
+    return max(1, math.ceil(round(density * block_size, 9)))
+
+
+def takes_density(name: str) -> bool:
+    """True for the codecs that send a fraction of the numbers (get_codec's density applies)."""
+    return name in _CODECS_BY_NAME and issubclass(_CODECS_BY_NAME[name], TopKCodec)
+
+
+def get_codec(name: str, block_size: int | None = None, density: float | None = None) -> Codec:
+    """Build a codec by name ("none", "fp16", "bf16", "int8", "int4", "topk"); block_size only for
+    int8/int4/topk, density (the fraction of numbers sent, default DEFAULT_TOPK_DENSITY) only for topk."""
     if name not in _CODECS_BY_NAME:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    cls = _CODECS_BY_NAME[name]
+    if issubclass(cls, TopKCodec):
+        size = block_size or DEFAULT_BLOCK_SIZES[name]
+        return cls(size, kept_per_block(DEFAULT_TOPK_DENSITY if density is None else density, size))
+    if density is not None:
+        raise ValueError(f"codec {name!r} sends every number; density must be unset")
     if name in DEFAULT_BLOCK_SIZES:
-        return _CODECS_BY_NAME[name](block_size or DEFAULT_BLOCK_SIZES[name])  # type: ignore[call-arg]
+        return cls(block_size or DEFAULT_BLOCK_SIZES[name])  # type: ignore[call-arg]
     if block_size:
         raise ValueError(f"codec {name!r} has no blocks; block_size must be unset")
-    return _CODECS_BY_NAME[name]()
+    return cls()
 
 
 def codec_from_spec(spec: pb.CodecSpec) -> Codec:
@@ -405,6 +707,10 @@ def codec_from_spec(spec: pb.CodecSpec) -> Codec:
     for cls in _CODECS_BY_NAME.values():
         if cls.kind == spec.kind:
             try:
+                if issubclass(cls, TopKCodec):
+                    return cls(spec.block_size, spec.kept_per_block)
+                if spec.kept_per_block:
+                    raise ValueError(f"{cls.name} sends every number; kept_per_block must be 0")
                 return get_codec(cls.name, spec.block_size or None)
             except ValueError as error:
                 raise CodecError(f"bad codec spec: {error}") from error

@@ -11,10 +11,17 @@ Karimireddy et al. 2019, "Error Feedback Fixes SignSGD", arXiv:1901.09847) keeps
 so the sum of what was sent over R rounds differs from the sum of the true vectors by one residual,
 not by R quantization errors: the error of a running average shrinks like 1/R.
 
+With the sparse top-k codec the same three lines are SparseLoCo's error feedback (Sarfi et al. 2025,
+arXiv:2508.15706): decode writes zeros where nothing was sent, so the residual holds every number a
+round left out (plus the 2-bit rounding of those it sent), and a number goes out once its accumulated
+value is among its block's largest.
+
 In the all-reduce one buffer of the full vector's size serves both roles of a peer: on the parts it
 sends to other owners it holds the sender's residual, on the part it owns it holds the residual of
 the averaged part the owner broadcasts. If ownership moves between rounds, a slice changes role;
-both residuals are quantization errors of the same order, so this only perturbs one round.
+both residuals are quantization errors of the same order, so this only perturbs one round. (With
+top-k both are the un-sent rest of a vector, much larger than a rounding error: a move then perturbs
+more, which is one reason why the all-reduce of sparse contributions is its own design, issue 30.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Final
 
 from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
-from protocol.codecs import get_codec
+from protocol.codecs import DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
 from protocol.discovery.dht_node import DhtConfig
 from protocol.membership.config import RoundConfig
 from protocol.membership.records import check_address, check_rate, check_token
@@ -36,6 +36,9 @@ class SwarmConfig:
     statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
     codec: str = "int8"
     """Wire codec of the pseudo-gradient (``protocol.codecs``)."""
+    topk_density: float = DEFAULT_TOPK_DENSITY
+    """Codec ``topk``: the fraction of each block's numbers sent; every member of a round must use the same
+    (the codec's spec, which every contribution's header carries, says it as ``kept_per_block``)."""
     round_deadline: timedelta = timedelta(minutes=5)
     """The all-reduce of a round returns within this, whatever the peers do."""
     sync_deadline: timedelta = timedelta(minutes=10)
@@ -69,7 +72,7 @@ class SwarmConfig:
             check_address(f"{self.announce_host}:1", "announce_host")
         if self.client_mode and not self.dht.client_mode:
             raise ValueError("client_mode needs dht.client_mode: a client answers no DHT request either")
-        get_codec(self.codec)  # ValueError for an unknown codec
+        self.wire_codec()  # ValueError for an unknown codec or a bad density
         check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth_bytes_per_s must be positive")
@@ -84,6 +87,10 @@ class SwarmConfig:
                 f"record_ttl={self.record_ttl} must be at least 3 x heartbeat + 2 x dht_call_timeout "
                 f"= {3 * self.heartbeat + 2 * self.dht_call_timeout}"
             )
+
+    def wire_codec(self) -> Codec:
+        """The codec rounds encode with, built from ``codec`` (and ``topk_density`` where it applies)."""
+        return get_codec(self.codec, density=self.topk_density if takes_density(self.codec) else None)
 
     @property
     def listen_host(self) -> str:

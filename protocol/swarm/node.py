@@ -41,7 +41,6 @@ from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.auth import OPEN_SWARM_WARNING
-from protocol.codecs import get_codec
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
 from protocol.error_feedback import ErrorFeedback
@@ -75,7 +74,7 @@ class SwarmNode:
 
     def __init__(self, config: SwarmConfig, *, start_timeout: timedelta = timedelta(seconds=60)) -> None:
         self.config = config
-        self.codec = get_codec(config.codec)
+        self.codec = config.wire_codec()
         if config.auth is None:
             logger.warning(OPEN_SWARM_WARNING)
         else:
@@ -422,7 +421,7 @@ class SwarmNode:
             )
 
         return run_streamed(
-            vector, group, ours, self.streams, my_peer_id=self.peer_id, weight=weight, codec=self.codec.name,
+            vector, group, ours, self.streams, my_peer_id=self.peer_id, weight=weight, codec=self.codec,
             deadline=deadline, wait=deadline + MARGIN,
         )  # fmt: skip
 

@@ -31,7 +31,7 @@ from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member, split_by_weight
 from protocol.allreduce.peer import AllReducePeer
 from protocol.auth.channels import SwarmAuth
-from protocol.codecs import get_codec
+from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 from protocol.loop import BackgroundLoop
 from protocol.membership.messages import MAX_STREAMS, GroupSpec
@@ -88,7 +88,7 @@ class StreamJob:
     group: AllReduceGroup
     my_peer_id: str
     weight: float
-    codec: str
+    codec: Codec  # stateless, so it pickles to the rank that runs the stream
     deadline: timedelta
 
 
@@ -142,7 +142,7 @@ class StreamServer:
         """Average ``shard`` with the job's group; returns within the job's deadline + RESULT_MARGIN."""
         if self._closed:
             raise RuntimeError(f"the server of stream {job.stream} is closed")
-        codec = get_codec(job.codec)
+        codec = job.codec
         feedback = None
         if codec.name != "none":
             if self._error_feedback is None or self._error_feedback.num_elements != shard.numel():
@@ -261,7 +261,7 @@ def run_streamed(
     *,
     my_peer_id: str,
     weight: float,
-    codec: str,
+    codec: Codec,
     deadline: timedelta,
     wait: timedelta,
 ) -> AllReduceResult:

@@ -15,20 +15,24 @@ class CodecKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_KIND_BF16: _ClassVar[CodecKind]
     CODEC_KIND_INT8: _ClassVar[CodecKind]
     CODEC_KIND_INT4: _ClassVar[CodecKind]
+    CODEC_KIND_TOPK: _ClassVar[CodecKind]
 CODEC_KIND_UNSPECIFIED: CodecKind
 CODEC_KIND_NONE: CodecKind
 CODEC_KIND_FP16: CodecKind
 CODEC_KIND_BF16: CodecKind
 CODEC_KIND_INT8: CodecKind
 CODEC_KIND_INT4: CodecKind
+CODEC_KIND_TOPK: CodecKind
 
 class CodecSpec(_message.Message):
-    __slots__ = ("kind", "block_size")
+    __slots__ = ("kind", "block_size", "kept_per_block")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     kind: CodecKind
     block_size: int
-    def __init__(self, kind: _Optional[_Union[CodecKind, str]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kept_per_block: int
+    def __init__(self, kind: _Optional[_Union[CodecKind, str]] = ..., block_size: _Optional[int] = ..., kept_per_block: _Optional[int] = ...) -> None: ...
 
 class RoundRef(_message.Message):
     __slots__ = ("round_id", "group_digest", "sender_index", "sender_peer_id")

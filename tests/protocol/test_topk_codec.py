@@ -1,0 +1,264 @@
+"""The top-k codec: the numbers it keeps and their 2-bit values against an independent reference, the
+byte layout by hand, error feedback of what it drops, and refusal of malformed (and fuzzed) payloads."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.codecs import (
+    MAX_TOPK_BLOCK_SIZE,
+    CodecError,
+    TopK2Codec,
+    codec_from_spec,
+    get_codec,
+    pack_bits,
+    unpack_bits,
+)
+from protocol.error_feedback import ErrorFeedback
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+
+
+def reference_decoded(values: torch.Tensor, block_size: int, kept: int) -> torch.Tensor:
+    """torch.topk of |x| on each block, then the 2-bit value by hand: sign, and the nearer of the
+    block's smallest and largest kept magnitude."""
+    out = torch.zeros_like(values)
+    for start in range(0, values.numel(), block_size):
+        block = values[start : start + block_size]
+        block_kept = math.ceil(kept * block.numel() / block_size)
+        positions = torch.topk(block.abs(), block_kept).indices
+        lo, hi = float(block[positions].abs().min()), float(block[positions].abs().max())
+        for position in positions.tolist():
+            value = float(block[position])
+            level = hi if hi > lo and round((abs(value) - lo) / (hi - lo)) == 1 else lo
+            out[start + position] = math.copysign(level, value)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("block_size", "kept", "num_elements"),
+    [
+        (4096, 62, 3 * 4096),
+        (4096, 62, 2 * 4096 + 1000),
+        (64, 30, 640 + 13),
+        (100, 3, 1000),
+        (8, 8, 20),
+        (256, 1, 300),
+    ],
+)
+def test_decode_matches_torch_topk_and_hand_quantization(
+    block_size: int, kept: int, num_elements: int
+) -> None:
+    codec = TopK2Codec(block_size, kept)
+    values = torch.randn(num_elements, generator=torch.Generator().manual_seed(num_elements))
+    decoded = codec.decode(codec.encode(values).numpy().tobytes(), num_elements)
+    expected = reference_decoded(values, block_size, kept)
+    assert torch.equal(decoded != 0, expected != 0)  # the same numbers kept
+    torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=0.0)
+
+
+def test_offsets_layout_by_hand() -> None:
+    """Block 8, 2 kept: 3-bit offsets (6 bits < an 8-bit bitmap)."""
+    codec = TopK2Codec(8, 2)
+    assert not codec.uses_bitmap and codec.offset_bits == 3
+    values = torch.tensor([0.1, -4.0, 0.0, 3.0, 0.2, 0.0, 0.0, 1.0])
+    # kept: offset 1 (-4: sign 1, level hi -> code 0b11) and offset 3 (3: sign 0, level lo -> 0b00)
+    # offsets 1 = 001, 3 = 011, least significant bit first: bits 1,0,0,1,1,0 -> 0b00011001
+    expected = struct.pack("<ff", 3.0, 4.0) + bytes([0b00011001, 0b0000_0011])
+    assert codec.encode(values).numpy().tobytes() == expected
+    assert codec.decode(expected, 8).tolist() == [0.0, -4.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_bitmap_layout_by_hand() -> None:
+    """Block 8, 4 kept: an 8-bit bitmap (< 4 x 3 bits of offsets)."""
+    codec = TopK2Codec(8, 4)
+    assert codec.uses_bitmap
+    values = torch.tensor([0.5, -2.0, 0.0, 1.0, 0.0, 0.0, -1.5, 0.25])
+    # kept 0, 1, 3, 6 -> bitmap 0b01001011; lo 0.5, hi 2: codes 0.5 -> 00, -2 -> 11, 1 -> 00, -1.5 -> 11
+    expected = struct.pack("<ff", 0.5, 2.0) + bytes([0b01001011, 0b11_00_11_00])
+    assert codec.encode(values).numpy().tobytes() == expected
+    assert codec.decode(expected, 8).tolist() == [0.5, -2.0, 0.0, 0.5, 0.0, 0.0, -2.0, 0.0]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 7, 9, 12, 13, 16, 17])
+def test_bit_streams_match_a_string_of_bits(width: int) -> None:
+    values = torch.randint(0, 1 << width, (37,), generator=torch.Generator().manual_seed(width))
+    bits = "".join(format(int(v), f"0{width}b")[::-1] for v in values)  # least significant bit first
+    bits += "0" * (-len(bits) % 8)
+    expected = bytes(int(bits[i : i + 8][::-1], 2) for i in range(0, len(bits), 8))
+    packed = pack_bits(values, width)
+    assert packed.numpy().tobytes() == expected
+    assert torch.equal(unpack_bits(packed, width, values.numel()), values)
+
+
+def test_payload_size_is_fixed_by_the_element_count() -> None:
+    codec = get_codec("topk")
+    assert isinstance(codec, TopK2Codec) and codec.kept_per_block == 62  # ceil(0.015 * 4096)
+    # 8 bytes of scales + 62 offsets of 12 bits + 62 codes of 2 bits, per 4096 numbers
+    assert codec.encoded_num_bytes(1 << 18) == 64 * 8 + 64 * 62 * 12 // 8 + 64 * 62 * 2 // 8
+    assert get_codec("int8").encoded_num_bytes(1 << 18) / codec.encoded_num_bytes(1 << 18) > 35
+    for seed in range(3):
+        values = torch.randn(10_000, generator=torch.Generator().manual_seed(seed)) * 10**seed
+        assert codec.encode(values).numel() == codec.encoded_num_bytes(10_000)
+
+
+def test_error_feedback_sends_everything_over_rounds() -> None:
+    """Round r sends x_r plus the residual: the sum of what arrived is the sum of the inputs less one
+    residual, so its relative error falls like 1/R; without feedback it never falls."""
+    codec = get_codec("topk", block_size=1024)
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(8192, generator=generator)
+    feedback = ErrorFeedback(8192)
+    total, arrived, arrived_without = torch.zeros(8192), torch.zeros(8192), torch.zeros(8192)
+    errors = {}
+    for round_index in range(1, 201):
+        values = base + torch.randn(8192, generator=generator)
+        total += values
+        arrived += codec.decode(feedback.encode(codec, values, 0), 8192)
+        arrived_without += codec.decode(codec.encode(values), 8192)
+        torch.testing.assert_close(arrived + feedback.residual, total, rtol=0, atol=1e-3)
+        errors[round_index] = float((arrived - total).norm() / total.norm())
+    assert errors[200] < errors[50] / 2.5 and errors[200] < 0.2
+    assert float((arrived_without - total).norm() / total.norm()) > 0.85
+
+
+def valid_payload(codec: TopK2Codec, num_elements: int) -> bytearray:
+    return bytearray(
+        codec.encode(torch.randn(num_elements, generator=torch.Generator().manual_seed(1))).numpy().tobytes()
+    )
+
+
+def refused(codec: TopK2Codec, payload: bytes, num_elements: int, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        codec.validate(payload, num_elements)
+    with pytest.raises(CodecError, match=match):
+        codec.decode(payload, num_elements)
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "match"),
+    [
+        (math.nan, 1.0, "non-finite"),
+        (0.0, math.inf, "non-finite"),
+        (-1.0, 1.0, "lo <= hi"),
+        (2.0, 1.0, "lo <= hi"),
+    ],
+)
+def test_bad_scales_are_refused(lo: float, hi: float, match: str) -> None:
+    codec = TopK2Codec(100, 3)
+    payload = valid_payload(codec, 1000)
+    payload[8 * 4 : 8 * 5] = struct.pack("<ff", lo, hi)  # block 4
+    refused(codec, bytes(payload), 1000, match)
+
+
+def with_offsets(codec: TopK2Codec, payload: bytearray, num_elements: int, offsets: list[int]) -> bytes:
+    """The payload with its first offsets replaced (the codec keeps kept_per_block in every block)."""
+    scale_bytes = 8 * math.ceil(num_elements / codec.block_size)
+    num_kept = codec.kept_per_block * math.ceil(num_elements / codec.block_size)
+    position_bytes = math.ceil(num_kept * codec.offset_bits / 8)
+    positions = torch.tensor(payload[scale_bytes : scale_bytes + position_bytes], dtype=torch.uint8)
+    all_offsets = unpack_bits(positions, codec.offset_bits, num_kept)
+    all_offsets[: len(offsets)] = torch.tensor(offsets)
+    packed = pack_bits(all_offsets, codec.offset_bits).numpy().tobytes()
+    return bytes(payload[:scale_bytes]) + packed + bytes(payload[scale_bytes + position_bytes :])
+
+
+@pytest.mark.parametrize(
+    ("offsets", "match"),
+    [
+        ([5, 100, 7], "outside its block"),
+        ([5, 127, 7], "outside its block"),
+        ([5, 5, 7], "increasing"),
+        ([7, 5, 9], "increasing"),
+    ],
+)
+def test_bad_offsets_are_refused(offsets: list[int], match: str) -> None:
+    codec = TopK2Codec(100, 3)  # 7-bit offsets can say 100..127, past the block
+    payload = valid_payload(codec, 1000)
+    good = with_offsets(codec, payload, 1000, [5, 6, 7])
+    codec.validate(good, 1000)
+    refused(codec, with_offsets(codec, payload, 1000, offsets), 1000, match)
+
+
+def test_offset_past_a_short_tail_block_is_refused() -> None:
+    codec = TopK2Codec(64, 1)  # 1000 = 15 blocks of 64 + a tail of 40 that keeps 1
+    payload = valid_payload(codec, 1000)
+    scale_bytes = 8 * 16
+    offsets = unpack_bits(torch.tensor(payload[scale_bytes:], dtype=torch.uint8), 6, 16)
+    offsets[15] = 50
+    patched = (
+        bytes(payload[:scale_bytes])
+        + pack_bits(offsets, 6).numpy().tobytes()
+        + bytes(payload[scale_bytes + 12 :])
+    )
+    refused(codec, patched, 1000, "outside its block")
+
+
+def test_bitmap_with_the_wrong_count_is_refused() -> None:
+    codec = TopK2Codec(8, 4)
+    payload = valid_payload(codec, 16)  # two blocks: scales 16 bytes, bitmap 2 bytes, codes 2 bytes
+    payload[16] = 0b00000111  # three marked
+    refused(codec, bytes(payload), 16, "bitmap")
+    payload[16] = 0xFF  # eight marked
+    refused(codec, bytes(payload), 16, "bitmap")
+
+
+def test_wrong_length_and_bad_specs_are_refused() -> None:
+    codec = get_codec("topk")
+    payload = codec.encode(torch.randn(5000)).numpy().tobytes()
+    refused(codec, payload[:-1], 5000, "bytes")
+    refused(codec, payload + b"\0", 5000, "bytes")
+    spec = codec.spec()
+    assert spec.kind == pb.CODEC_KIND_TOPK and spec.block_size == 4096 and spec.kept_per_block == 62
+    again = codec_from_spec(spec)
+    assert isinstance(again, TopK2Codec) and again.kept_per_block == 62 and again.spec() == spec
+    for kept, block in [(0, 4096), (4097, 4096), (1, 1), (1, MAX_TOPK_BLOCK_SIZE + 1)]:
+        with pytest.raises(CodecError, match="bad codec spec"):
+            codec_from_spec(pb.CodecSpec(kind=pb.CODEC_KIND_TOPK, block_size=block, kept_per_block=kept))
+    with pytest.raises(CodecError, match="kept_per_block must be 0"):
+        codec_from_spec(pb.CodecSpec(kind=pb.CODEC_KIND_INT8, block_size=256, kept_per_block=3))
+    with pytest.raises(ValueError, match="density"):
+        get_codec("int8", density=0.1)
+    with pytest.raises(ValueError, match="density"):
+        get_codec("topk", density=0.0)
+    assert get_codec("topk", density=0.03).kept_per_block == 123  # type: ignore[attr-defined]
+    assert get_codec("topk", block_size=300, density=0.01).kept_per_block == 3  # type: ignore[attr-defined]
+
+
+def test_encode_refuses_non_finite_input() -> None:
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="non-finite"):
+            get_codec("topk").encode(torch.tensor([1.0, bad, 0.0]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layout=st.sampled_from([(100, 3), (64, 30), (16, 1), (4096, 62)]),
+    num_elements=st.integers(1, 3000),
+    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_fuzzed_payloads_are_refused_or_decode_to_finite_sparse_numbers(
+    layout: tuple[int, int], num_elements: int, edits: list[tuple[int, int]]
+) -> None:
+    codec = TopK2Codec(*layout)
+    payload = valid_payload(codec, num_elements)
+    for position, byte in edits:
+        payload[position % len(payload)] = byte
+    try:
+        codec.validate(bytes(payload), num_elements)
+    except CodecError:
+        with pytest.raises(CodecError):
+            codec.decode(bytes(payload), num_elements)
+        return
+    decoded = codec.decode(bytes(payload), num_elements)
+    assert bool(torch.isfinite(decoded).all())
+    kept_at_most = sum(
+        math.ceil(codec.kept_per_block * min(codec.block_size, num_elements - start) / codec.block_size)
+        for start in range(0, num_elements, codec.block_size)
+    )
+    assert int((decoded != 0).sum()) <= kept_at_most
