@@ -26,7 +26,7 @@ MAX_LOAD_FACTOR = 10.0
 
 def load_factor() -> float:
     """How many times longer than on an idle machine CPU-bound work takes now (1 to MAX_LOAD_FACTOR)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:  # "0.61 0.42 0.30 3/210 17608": averages over 1, 5, 15 min; runnable / all tasks; last pid
         fields = Path("/proc/loadavg").read_text().split()
         runnable = int(fields[3].split("/")[0]) - 1  # not counting the thread reading this
