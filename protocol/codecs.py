@@ -21,8 +21,9 @@ bytes, code + 8 in a nibble, even element in the low nibble).
 The top-k codec (``TopKCodec``) is the sparse one: decoding writes zeros where it sent nothing, so it
 is meant to run with error feedback (``protocol.error_feedback``); its layout is in its docstring.
 
-All work is vectorized torch on whole chunks (numpy only for checking a chunk's few scales); there is
-no per-element Python.
+All work is vectorized torch on whole chunks (numpy for checking a chunk's few scales and, in top-k,
+for numpy's vectorized partition and the few thousand kept numbers of a chunk, where torch's per-call
+cost would dominate); there is no per-element Python.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ MAX_TOPK_BLOCK_SIZE = 1 << 16
 
 class CodecError(ValueError):
     """A payload does not decode: wrong length, non-finite numbers, or (top-k) positions that are out of
-range, repeated or out of order."""
+    range, repeated or out of order."""
 
 
 def as_uint8(payload: Payload) -> torch.Tensor:
@@ -384,46 +385,51 @@ class Int4Codec(_BlockwiseCodec):
         return 4 * self._num_blocks(num_elements) + math.ceil(num_elements / 2)
 
 
+def _bit_period(width: int) -> tuple[int, int]:
+    """(values, bytes) after which a stream of width-bit values starts again at a byte boundary."""
+    num_values = 8 // math.gcd(width, 8)
+    return num_values, num_values * width // 8
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack non-negative integers (1-D int64, each < 2^width <= 2^56) into one bit stream, value i
+    """Pack non-negative integers (1-D int64, each < 2^width, width <= 32) into one bit stream, value i
     at bits [i * width, (i + 1) * width), least significant bit first within each byte, zero-padded to
-    whole bytes: ceil(len * width / 8) uint8."""
+    whole bytes: ceil(len * width / 8) uint8.
+
+    The stream repeats its byte alignment every _bit_period values, so it is built one period column
+    at a time (numpy: the arrays are a chunk's few thousand values, where torch's per-call cost would
+    dominate).
+    """
+    per_period, period_bytes = _bit_period(width)
+    num_periods = math.ceil(values.numel() / per_period)
+    slots = np.zeros((num_periods, per_period), dtype=np.uint64)  # (periods, values a period)
+    slots.reshape(-1)[: values.numel()] = values.numpy()
+    stream = np.zeros((num_periods, period_bytes), dtype=np.uint64)
+    for slot in range(per_period):
+        first_byte, shift = divmod(slot * width, 8)
+        shifted = slots[:, slot] << np.uint64(shift)
+        for byte in range(math.ceil((shift + width) / 8)):
+            stream[:, first_byte + byte] |= (shifted >> np.uint64(8 * byte)) & np.uint64(0xFF)
     num_bytes = math.ceil(values.numel() * width / 8)
-    if 8 % width == 0:  # whole values per byte: shift each into its slot of its byte and add
-        per_byte = 8 // width
-        padded = torch.zeros(num_bytes * per_byte, dtype=torch.int64)
-        padded[: values.numel()] = values
-        shifted = padded.view(num_bytes, per_byte) << torch.arange(0, 8, width)  # (bytes, per_byte)
-        return shifted.sum(dim=1).to(torch.uint8)
-    # A value starting at bit b covers bytes b // 8 ... of the stream; values share no bits, so the
-    # stream is the sum of their shifted bytes.
-    first_bit = torch.arange(values.numel()) * width
-    shifted = values << (first_bit & 7)
-    first_byte = first_bit >> 3
-    span = (width + 7 + 7) // 8
-    stream = torch.zeros(num_bytes + span, dtype=torch.int64)
-    for byte in range(span):
-        stream.index_add_(0, first_byte + byte, (shifted >> (8 * byte)) & 0xFF)
-    return stream[:num_bytes].to(torch.uint8)
+    return torch.from_numpy(stream.astype(np.uint8).reshape(-1)[:num_bytes])
 
 
 def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """The first `count` width-bit integers of a stream written by pack_bits, as int64 (count,)."""
-    mask = (1 << width) - 1
-    if 8 % width == 0:
-        per_byte = 8 // width
-        num_bytes = math.ceil(count / per_byte)
-        slots = packed[:num_bytes, None].to(torch.int64) >> torch.arange(0, 8, width)  # (bytes, per_byte)
-        return slots.view(-1)[:count] & mask
-    first_bit = torch.arange(count) * width
-    first_byte = first_bit >> 3
-    span = (width + 7 + 7) // 8
-    stream = torch.zeros(packed.numel() + span, dtype=torch.int64)
-    stream[: packed.numel()] = packed
-    word = stream[first_byte]
-    for byte in range(1, span):
-        word |= stream[first_byte + byte] << (8 * byte)
-    return (word >> (first_bit & 7)) & mask
+    per_period, period_bytes = _bit_period(width)
+    num_periods = math.ceil(count / per_period)
+    stream = np.zeros((num_periods, period_bytes), dtype=np.uint64)  # (periods, bytes a period)
+    available = min(packed.numel(), stream.size)
+    stream.reshape(-1)[:available] = packed[:available].numpy()
+    slots = np.empty((num_periods, per_period), dtype=np.uint64)
+    mask = np.uint64((1 << width) - 1)
+    for slot in range(per_period):
+        first_byte, shift = divmod(slot * width, 8)
+        word = stream[:, first_byte].copy()
+        for byte in range(1, math.ceil((shift + width) / 8)):
+            word |= stream[:, first_byte + byte] << np.uint64(8 * byte)
+        slots[:, slot] = (word >> np.uint64(shift)) & mask
+    return torch.from_numpy(slots.reshape(-1)[:count].astype(np.int64))
 
 
 TOPK_PREFILTER_HALVINGS = 3
@@ -432,27 +438,42 @@ _top_offsets)."""
 
 
 def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """Offsets (blocks, k), in no order, of the k largest of each row of magnitude (blocks, m).
+    """Offsets (blocks, k), ascending, of the k largest of each row of magnitude (blocks, m).
 
-    torch.topk's CPU kernel sorts a heap when k <= m / 64, ~5 ns a number on 4096-number blocks at
-    k = 62. We first cut a block into m / 8 groups (numbers j, j + m/8, ..., j + 7m/8: three halvings
-    by elementwise maximum) and keep the k groups of largest maximum. That loses nothing: a number
-    outside them is at most its group's maximum, which is at most each of the k kept maxima, and those
-    are k candidates already. Then top-k of the 8k candidates, on the kernel's fast selection path.
+    torch.topk's CPU kernel costs ~5 ns a number here (it heap-sorts pairs when k <= m / 64), more than
+    all the rest of the codec. Instead:
+
+      1. cut a block into G = m / 8 groups (numbers j, j + G, ..., j + 7G: three halvings by
+         elementwise maximum) and find the k-th largest group maximum t_g (numpy's partition of values,
+         a vectorized selection);
+      2. the k groups whose maximum is >= t_g hold every top-k number: a number of another group is at
+         most its group's maximum, so at most each of the k maxima kept, which are k numbers already;
+      3. the k-th largest of those 8k candidates is the block's threshold t; the candidates >= t are
+         the answer. Candidates are laid out (8, k) with ascending groups, so they, and the answer,
+         come in ascending offsets.
+
+    Ties (two groups with the same maximum, or an all-zero block) can make a step find more than k;
+    then, as for blocks too small to prefilter, torch.topk decides.
     """
     num_blocks, width = magnitude.shape
-    groups = width >> TOPK_PREFILTER_HALVINGS
-    if width % (1 << TOPK_PREFILTER_HALVINGS) or 2 * k * (1 << TOPK_PREFILTER_HALVINGS) > width:
-        return magnitude.topk(k, dim=1, sorted=False).indices
-    group_max = magnitude
-    for _ in range(TOPK_PREFILTER_HALVINGS):
-        half = group_max.shape[1] // 2
-        group_max = torch.maximum(group_max[:, :half], group_max[:, half:])  # (blocks, half)
-    top_groups = group_max.topk(k, dim=1, sorted=False).indices  # (blocks, k)
-    # (blocks, k, 8) -> (blocks, 8k): the offsets of the kept groups' numbers
-    candidates = (top_groups[:, :, None] + torch.arange(0, width, groups)).view(num_blocks, -1)
-    chosen = magnitude.gather(1, candidates).topk(k, dim=1, sorted=False).indices  # (blocks, k)
-    return candidates.gather(1, chosen)
+    groups, ways = width >> TOPK_PREFILTER_HALVINGS, 1 << TOPK_PREFILTER_HALVINGS
+    if width % ways == 0 and 2 * ways * k <= width:
+        group_max = magnitude
+        for _ in range(TOPK_PREFILTER_HALVINGS):
+            half = group_max.shape[1] // 2
+            group_max = torch.maximum(group_max[:, :half], group_max[:, half:])  # (blocks, half)
+        group_max_np = group_max.numpy()
+        group_threshold = np.partition(group_max_np, groups - k, axis=1)[:, groups - k]  # (blocks,)
+        top_groups = np.flatnonzero(group_max_np >= group_threshold[:, None])
+        if top_groups.size == num_blocks * k:
+            first = torch.from_numpy(top_groups).view(num_blocks, 1, k).remainder_(groups)
+            candidates = (first + torch.arange(0, width, groups).view(1, ways, 1)).view(num_blocks, ways * k)
+            values = magnitude.gather(1, candidates).numpy()  # (blocks, 8k)
+            threshold = np.partition(values, (ways - 1) * k, axis=1)[:, (ways - 1) * k]  # (blocks,)
+            chosen = np.flatnonzero(values >= threshold[:, None])
+            if chosen.size == num_blocks * k:
+                return candidates.view(-1)[torch.from_numpy(chosen)].view(num_blocks, k)
+    return magnitude.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 class TopKCodec(Codec):
@@ -534,20 +555,23 @@ class TopKCodec(Codec):
         selected = []
         for start, num_blocks, width, kept in self._groups(values.numel()):
             blocks = values[start : start + num_blocks * width].view(num_blocks, width)  # (blocks, m)
-            offsets = _top_offsets(blocks.abs(), kept).sort(dim=1).values  # (blocks, k) ascending
+            offsets = _top_offsets(blocks.abs(), kept)  # (blocks, k) ascending
             selected.append((offsets, blocks.gather(1, offsets)))
         return selected
 
-    def _quantize(self, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """kept values (blocks, k) -> (lo (blocks,), hi (blocks,), codes (blocks, k) int64)."""
-        magnitude = kept.abs()
-        lo, hi = magnitude.amin(dim=1), magnitude.amax(dim=1)
-        if not all_finite(hi):  # NaN and inf are among the largest magnitudes, so hi shows them
+    def _quantize(self, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """kept values (blocks, k) fp32 -> (lo (blocks,), hi (blocks,), codes (blocks, k) uint64)."""
+        magnitude = np.abs(kept)
+        lo, hi = magnitude.min(axis=1), magnitude.max(axis=1)
+        if not np.isfinite(hi).all():  # NaN and inf are among the largest magnitudes, so hi shows them
             raise ValueError(f"{self.name} cannot encode non-finite numbers")
         spread = hi - lo
-        inverse = torch.where(spread > 0, (self.levels - 1) / spread, torch.zeros_like(spread))
-        level = magnitude.sub_(lo[:, None]).mul_(inverse[:, None]).round_().clamp_(0, self.levels - 1)
-        codes = level.to(torch.int64) | (kept < 0).to(torch.int64) << (self.value_bits - 1)
+        # All-equal blocks get a zero multiplier (every code 0, i.e. lo) instead of a division by zero.
+        divisor = np.where(spread > 0, spread, np.float32(1))
+        inverse = np.where(spread > 0, np.float32(self.levels - 1) / divisor, np.float32(0))
+        level = np.rint((magnitude - lo[:, None]) * inverse[:, None])  # round half to even, as torch
+        np.clip(level, 0, self.levels - 1, out=level)
+        codes = level.astype(np.uint64) | (kept < 0).astype(np.uint64) << np.uint64(self.value_bits - 1)
         return lo, hi, codes
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
@@ -557,10 +581,10 @@ class TopKCodec(Codec):
         if num_elements == 0:
             return payload
         groups, selected = self._groups(num_elements), self._select(values)
-        quantized = [self._quantize(kept) for _, kept in selected]
+        quantized = [self._quantize(kept.numpy()) for _, kept in selected]
         scale_bytes, position_bytes, _ = self._section_sizes(num_elements)
-        scales = torch.cat([torch.stack([lo, hi], dim=1) for lo, hi, _ in quantized])  # (blocks, 2)
-        payload[:scale_bytes].view(torch.float32).copy_(scales.view(-1))
+        scales = np.concatenate([np.stack([lo, hi], axis=1) for lo, hi, _ in quantized])  # (blocks, 2)
+        payload[:scale_bytes].numpy().view(np.float32)[:] = scales.reshape(-1)
         if self.uses_bitmap:
             bitmap = torch.zeros(num_elements, dtype=torch.int64)
             for (start, num_blocks, width, _), (offsets, _) in zip(groups, selected, strict=True):
@@ -569,7 +593,9 @@ class TopKCodec(Codec):
         else:
             positions = pack_bits(torch.cat([offsets.view(-1) for offsets, _ in selected]), self.offset_bits)
         payload[scale_bytes : scale_bytes + position_bytes] = positions
-        codes = torch.cat([codes.view(-1) for _, _, codes in quantized])
+        codes = torch.from_numpy(
+            np.concatenate([codes.reshape(-1) for _, _, codes in quantized]).astype(np.int64)
+        )
         payload[scale_bytes + position_bytes :] = pack_bits(codes, self.value_bits)
         return payload
 
@@ -577,7 +603,7 @@ class TopKCodec(Codec):
 
     def _parse(
         self, payload: Payload, num_elements: int
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[np.ndarray, list[tuple[torch.Tensor, np.ndarray]]]:
         """Check a payload; return its scales (blocks, 2) fp32 and, per run of blocks (``_groups``),
         (offsets (blocks, k) int64, codes (blocks, k) int64). CodecError if it is malformed."""
         raw = as_uint8(payload)
@@ -592,7 +618,7 @@ class TopKCodec(Codec):
         groups = self._groups(num_elements)
         num_kept = sum(num_blocks * kept for _, num_blocks, _, kept in groups)
         packed = raw[scale_bytes : scale_bytes + position_bytes]
-        codes = unpack_bits(raw[scale_bytes + position_bytes :], self.value_bits, num_kept)
+        codes = unpack_bits(raw[scale_bytes + position_bytes :], self.value_bits, num_kept).numpy()
         if self.uses_bitmap:
             bitmap = unpack_bits(packed, 1, num_elements)
         else:
@@ -606,15 +632,16 @@ class TopKCodec(Codec):
                 offsets = marks.nonzero()[:, 1].view(num_blocks, kept)  # row-major: ascending in a row
             else:
                 offsets = all_offsets[first_kept : first_kept + num_blocks * kept].view(num_blocks, kept)
-                if bool(offsets.amax() >= width):
+                offsets_np = offsets.numpy()
+                if offsets_np.max() >= width:
                     raise CodecError(f"{self.name} payload holds an offset outside its block")
-                if kept > 1 and not bool((offsets[:, 1:] > offsets[:, :-1]).all()):
+                if kept > 1 and not (offsets_np[:, 1:] > offsets_np[:, :-1]).all():
                     raise CodecError(f"{self.name} payload's offsets are not strictly increasing in a block")
             parsed.append(
-                (offsets, codes[first_kept : first_kept + num_blocks * kept].view(num_blocks, kept))
+                (offsets, codes[first_kept : first_kept + num_blocks * kept].reshape(num_blocks, kept))
             )
             first_kept += num_blocks * kept
-        return torch.from_numpy(scales.copy()), parsed
+        return scales, parsed
 
     def validate(self, payload: Payload, num_elements: int) -> None:
         self._parse(payload, num_elements)
@@ -626,13 +653,12 @@ class TopKCodec(Codec):
         for (start, num_blocks, width, _), (offsets, codes) in zip(
             self._groups(out.numel()), parsed, strict=True
         ):
-            lo, hi = scales[first_block : first_block + num_blocks].unbind(dim=1)  # (blocks,) each
-            step = (hi - lo) / (self.levels - 1)
-            magnitude = (codes & (self.levels - 1)).to(torch.float32).mul_(step[:, None]).add_(lo[:, None])
-            values = torch.where(
-                codes >> (self.value_bits - 1) != 0, magnitude.neg(), magnitude
-            )  # (blocks, k)
-            out[start : start + num_blocks * width].view(num_blocks, width).scatter_(1, offsets, values)
+            lo, hi = scales[first_block : first_block + num_blocks].T  # (blocks,) each
+            step = (hi - lo) / np.float32(self.levels - 1)
+            magnitude = (codes & (self.levels - 1)).astype(np.float32) * step[:, None] + lo[:, None]
+            values = np.where(codes >> (self.value_bits - 1) != 0, -magnitude, magnitude)  # (blocks, k)
+            rows = out[start : start + num_blocks * width].view(num_blocks, width)
+            rows.scatter_(1, offsets, torch.from_numpy(values))
             first_block += num_blocks
         return out
 
@@ -642,8 +668,8 @@ class TopKCodec(Codec):
         for (start, num_blocks, width, _), (offsets, kept) in zip(
             self._groups(values.numel()), self._select(values.float()), strict=True
         ):
-            lo, hi, _ = self._quantize(kept)
-            rounding = (hi - lo) / (2 * (self.levels - 1)) + hi * QUANT_ROUNDING_SLACK  # (blocks,)
+            lo, hi, _ = self._quantize(kept.numpy())
+            rounding = torch.from_numpy((hi - lo) / (2 * (self.levels - 1)) + hi * QUANT_ROUNDING_SLACK)
             rows = bound[start : start + num_blocks * width].view(num_blocks, width)
             rows.scatter_(1, offsets, rounding[:, None].expand_as(offsets).contiguous())
         return bound

@@ -62,6 +62,34 @@ def test_decode_matches_torch_topk_and_hand_quantization(
     torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("kind", ["ties", "zeros", "one spike"])
+def test_ties_still_keep_k_of_the_largest(kind: str) -> None:
+    """Ties defeat the group prefilter's count (it finds more than k); torch.topk then decides."""
+    codec = get_codec("topk")
+    generator = torch.Generator().manual_seed(5)
+    values = {
+        "ties": torch.randint(-3, 4, (3 * 4096,), generator=generator).float(),
+        "zeros": torch.zeros(3 * 4096),
+        "one spike": torch.zeros(3 * 4096).index_fill_(0, torch.tensor([7, 5000]), -2.5),
+    }[kind]
+    scales, parsed = codec._parse(codec.encode(values).numpy().tobytes(), values.numel())  # type: ignore[attr-defined]
+    offsets = parsed[0][0]  # (3, 62): every block sends exactly k
+    assert offsets.shape == (3, 62)
+    blocks = values.view(3, 4096).abs()
+    kept = torch.zeros_like(blocks, dtype=torch.bool).scatter_(1, offsets, True)
+    for block, mask in zip(blocks, kept, strict=True):
+        assert float(block[mask].min()) >= float(block[~mask].max())
+    decoded = codec.decode(codec.encode(values), values.numel())
+    assert torch.equal(decoded, values) if kind != "ties" else bool((decoded.abs() <= 3).all())
+
+
+def test_non_finite_input_is_refused_on_the_fast_path_too() -> None:
+    values = torch.randn(4 * 4096)
+    values[5000] = math.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        get_codec("topk").encode(values)
+
+
 def test_offsets_layout_by_hand() -> None:
     """Block 8, 2 kept: 3-bit offsets (6 bits < an 8-bit bitmap)."""
     codec = TopK2Codec(8, 2)
