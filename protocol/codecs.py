@@ -391,50 +391,59 @@ def _bit_period(width: int) -> tuple[int, int]:
     return num_values, num_values * width // 8
 
 
-def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack non-negative integers (1-D int64, each < 2^width, width <= 32) into one bit stream, value i
-    at bits [i * width, (i + 1) * width), least significant bit first within each byte, zero-padded to
+def _word_type(width: int) -> type[np.unsignedinteger]:
+    """An unsigned integer type that holds a width-bit value shifted by up to 7 bits."""
+    return np.uint32 if width <= 25 else np.uint64
+
+
+def pack_bits(values: torch.Tensor | np.ndarray, width: int) -> torch.Tensor:
+    """Pack non-negative integers (1-D, each < 2^width, width <= 56) into one bit stream, value i at
+    bits [i * width, (i + 1) * width), least significant bit first within each byte, zero-padded to
     whole bytes: ceil(len * width / 8) uint8.
 
     The stream repeats its byte alignment every _bit_period values, so it is built one period column
     at a time (numpy: the arrays are a chunk's few thousand values, where torch's per-call cost would
     dominate).
     """
+    values = values.numpy() if isinstance(values, torch.Tensor) else values
+    word = _word_type(width)
     per_period, period_bytes = _bit_period(width)
-    num_periods = math.ceil(values.numel() / per_period)
-    slots = np.zeros((num_periods, per_period), dtype=np.uint64)  # (periods, values a period)
-    slots.reshape(-1)[: values.numel()] = values.numpy()
-    stream = np.zeros((num_periods, period_bytes), dtype=np.uint64)
+    num_periods = math.ceil(values.size / per_period)
+    slots = np.zeros((num_periods, per_period), dtype=word)  # (periods, values a period)
+    slots.reshape(-1)[: values.size] = values
+    stream = np.zeros((num_periods, period_bytes), dtype=word)
     for slot in range(per_period):
         first_byte, shift = divmod(slot * width, 8)
-        shifted = slots[:, slot] << np.uint64(shift)
-        for byte in range(math.ceil((shift + width) / 8)):
-            stream[:, first_byte + byte] |= (shifted >> np.uint64(8 * byte)) & np.uint64(0xFF)
-    num_bytes = math.ceil(values.numel() * width / 8)
-    return torch.from_numpy(stream.astype(np.uint8).reshape(-1)[:num_bytes])
+        shifted = slots[:, slot] << word(shift)
+        stream[:, first_byte] |= shifted
+        for byte in range(1, math.ceil((shift + width) / 8)):
+            stream[:, first_byte + byte] |= shifted >> word(8 * byte)
+    num_bytes = math.ceil(values.size * width / 8)
+    return torch.from_numpy(stream.astype(np.uint8).reshape(-1)[:num_bytes])  # the cast keeps the low byte
 
 
 def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """The first `count` width-bit integers of a stream written by pack_bits, as int64 (count,)."""
+    word = _word_type(width)
     per_period, period_bytes = _bit_period(width)
     num_periods = math.ceil(count / per_period)
-    stream = np.zeros((num_periods, period_bytes), dtype=np.uint64)  # (periods, bytes a period)
+    stream = np.zeros((num_periods, period_bytes), dtype=word)  # (periods, bytes a period)
     available = min(packed.numel(), stream.size)
     stream.reshape(-1)[:available] = packed[:available].numpy()
-    slots = np.empty((num_periods, per_period), dtype=np.uint64)
-    mask = np.uint64((1 << width) - 1)
+    slots = np.empty((num_periods, per_period), dtype=np.int64)
+    mask = word((1 << width) - 1)
     for slot in range(per_period):
         first_byte, shift = divmod(slot * width, 8)
-        word = stream[:, first_byte].copy()
+        value = stream[:, first_byte] >> word(shift)
         for byte in range(1, math.ceil((shift + width) / 8)):
-            word |= stream[:, first_byte + byte] << np.uint64(8 * byte)
-        slots[:, slot] = (word >> np.uint64(shift)) & mask
-    return torch.from_numpy(slots.reshape(-1)[:count].astype(np.int64))
+            value |= stream[:, first_byte + byte] << word(8 * byte - shift)
+        slots[:, slot] = value & mask
+    return torch.from_numpy(slots.reshape(-1)[:count])
 
 
-TOPK_PREFILTER_HALVINGS = 3
-"""Top-k first keeps the k of the block's 2^3 = 8-number groups with the largest maximum (see
-_top_offsets)."""
+TOPK_GROUP_SIZE = 8
+"""Top-k first keeps the k of the block's 8-number groups with the largest maximum (see
+_top_offsets): 8 balances the groups' m / 8 maxima against the 8k candidates they leave."""
 
 
 def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
@@ -443,9 +452,9 @@ def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     torch.topk's CPU kernel costs ~5 ns a number here (it heap-sorts pairs when k <= m / 64), more than
     all the rest of the codec. Instead:
 
-      1. cut a block into G = m / 8 groups (numbers j, j + G, ..., j + 7G: three halvings by
-         elementwise maximum) and find the k-th largest group maximum t_g (numpy's partition of values,
-         a vectorized selection);
+      1. cut a block into G = m / 8 groups (numbers j, j + G, ..., j + 7G, so that their maxima are
+         one vectorized reduction) and find the k-th largest group maximum t_g (numpy's partition of
+         values, a vectorized selection);
       2. the k groups whose maximum is >= t_g hold every top-k number: a number of another group is at
          most its group's maximum, so at most each of the k maxima kept, which are k numbers already;
       3. the k-th largest of those 8k candidates is the block's threshold t; the candidates >= t are
@@ -456,13 +465,11 @@ def _top_offsets(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     then, as for blocks too small to prefilter, torch.topk decides.
     """
     num_blocks, width = magnitude.shape
-    groups, ways = width >> TOPK_PREFILTER_HALVINGS, 1 << TOPK_PREFILTER_HALVINGS
+    ways = TOPK_GROUP_SIZE
+    groups = width // ways
     if width % ways == 0 and 2 * ways * k <= width:
-        group_max = magnitude
-        for _ in range(TOPK_PREFILTER_HALVINGS):
-            half = group_max.shape[1] // 2
-            group_max = torch.maximum(group_max[:, :half], group_max[:, half:])  # (blocks, half)
-        group_max_np = group_max.numpy()
+        # (blocks, 8, G) -> (blocks, G): group j is numbers j, j + G, ..., j + 7G of the block
+        group_max_np = magnitude.view(num_blocks, ways, groups).amax(dim=1).numpy()
         group_threshold = np.partition(group_max_np, groups - k, axis=1)[:, groups - k]  # (blocks,)
         top_groups = np.flatnonzero(group_max_np >= group_threshold[:, None])
         if top_groups.size == num_blocks * k:
@@ -593,9 +600,7 @@ class TopKCodec(Codec):
         else:
             positions = pack_bits(torch.cat([offsets.view(-1) for offsets, _ in selected]), self.offset_bits)
         payload[scale_bytes : scale_bytes + position_bytes] = positions
-        codes = torch.from_numpy(
-            np.concatenate([codes.reshape(-1) for _, _, codes in quantized]).astype(np.int64)
-        )
+        codes = np.concatenate([codes.reshape(-1) for _, _, codes in quantized])
         payload[scale_bytes + position_bytes :] = pack_bits(codes, self.value_bits)
         return payload
 
@@ -655,8 +660,10 @@ class TopKCodec(Codec):
         ):
             lo, hi = scales[first_block : first_block + num_blocks].T  # (blocks,) each
             step = (hi - lo) / np.float32(self.levels - 1)
-            magnitude = (codes & (self.levels - 1)).astype(np.float32) * step[:, None] + lo[:, None]
-            values = np.where(codes >> (self.value_bits - 1) != 0, -magnitude, magnitude)  # (blocks, k)
+            magnitudes = lo[:, None] + step[:, None] * np.arange(self.levels, dtype=np.float32)  # (blocks, L)
+            # A code is sign * L + level: index a per-block table of the 2L values.
+            table = np.concatenate([magnitudes, -magnitudes], axis=1)  # (blocks, 2L)
+            values = np.take_along_axis(table, codes, axis=1)  # (blocks, k)
             rows = out[start : start + num_blocks * width].view(num_blocks, width)
             rows.scatter_(1, offsets, torch.from_numpy(values))
             first_block += num_blocks
