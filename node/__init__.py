@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from node.model import GPT
+    from node.model.gpt import GPT
 
 __version__ = "0.1.0"
 
@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 def load_model(run_dir: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> GPT:
     """The model a run exported (``RUN_DIR/model.safetensors``, or a swarm dir's node), in eval mode.
 
-    See ``node/export.py``. Imported lazily: ``import node`` (e.g. ``dtnode --help``) stays free of torch.
+    See ``node/model/export.py``. Imported lazily: ``import node`` (e.g. ``dtnode --help``) stays free of torch.
     """
-    from node.export import load_model as load_exported_model
+    from node.model.export import load_model as load_exported_model
 
     return load_exported_model(run_dir, device=device)

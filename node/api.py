@@ -10,17 +10,17 @@ was trained, and once a round is due it runs DiLoCo's outer round on the module'
         report = swarm.step(tokens=x.numel())             # None, or the round that just ended
     swarm.finish()
 
-One outer round (Douillard et al., 2023, "DiLoCo"; ``node/diloco.py`` has the algorithm):
+One outer round (Douillard et al., 2023, "DiLoCo"; ``node/outer/diloco.py`` has the algorithm):
 
 1. Δ = θ_global − θ_module over the module's trainable params (flat fp32, ``named_parameters`` order);
 2. the swarm averages Δ over the round's group, weighted by what each node trained (tokens or
-   samples), through the compressed all-reduce of ``node/swarm.py`` (``SwarmSession``);
+   samples), through the compressed all-reduce of ``node/swarm/session.py`` (``SwarmSession``);
 3. outer Nesterov SGD on θ_global with the mean, then θ_module ← θ_global;
-4. the round's decision (``node/swarm_seam.py``) is acted on: Averaged and FellBack count the round;
+4. the round's decision (``node/outer/seam.py``) is acted on: Averaged and FellBack count the round;
    Adopt (this node missed the round or is off the swarm's lineage) loads the swarm's verified global
    state into the module instead.
 
-The round is the daemon's own: this class is a thin wrapper of :class:`~node.outer_round.OuterRound`,
+The round is the daemon's own: this class is a thin wrapper of :class:`~node.outer.round.OuterRound`,
 which the daemon's loop drives too. As with torchft's Manager the swarm never holds this object; as
 with hivemind's Optimizer the user says what was trained and the round is due after ``inner_steps``
 calls (or ``round_seconds`` seconds).
@@ -51,12 +51,12 @@ import torch
 from torch import nn
 
 from node.config import ConfigError, NodeConfig, replace
-from node.diloco import DiLoCo
-from node.outer_round import OuterRound, RoundKind, RoundProgress, RoundSettings
-from node.swarm_seam import SoloAverager
+from node.outer.diloco import DiLoCo
+from node.outer.round import OuterRound, RoundKind, RoundProgress, RoundSettings
+from node.outer.seam import SoloAverager
 
 if TYPE_CHECKING:
-    from node.swarm import SwarmSession
+    from node.swarm.session import SwarmSession
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ class SwarmTrainer:
         self._stop = threading.Event()
         self._session: SwarmSession | None = None
         if config.network.enabled:
-            from node.swarm import SwarmSession  # imported late: the gRPC stack is slow to import
-            from node.swarm_setup import start_swarm
+            from node.swarm.session import SwarmSession  # imported late: the gRPC stack is slow to import
+            from node.swarm.setup import start_swarm
 
             self._session = SwarmSession(
                 start_swarm(config), joining=bool(config.network.peers), start_peers=config.rounds.start_peers

@@ -9,7 +9,7 @@ Precedence, highest first: command-line flag > ``DTNODE_*`` environment variable
 sections (``[inner]`` then ``steps = 12``); flags, environment variables and the Python API's
 options name a setting by its *flat name* (``--inner-steps``, ``DTNODE_INNER_STEPS``,
 ``join_swarm(..., inner_steps=12)``), and :data:`FLAT_NAMES` is the one table from flat name to
-``section.field``. The CLI builds one flag per flat name (``node/cli_flags.py``), so
+``section.field``. The CLI builds one flag per flat name (``node/ops/cli_flags.py``), so
 ``dtnode join --help`` documents every setting and nothing can be set in one layer but not in another.
 
 A user mistake (unknown key, impossible value, missing file) raises :class:`ConfigError`, which the
@@ -143,7 +143,7 @@ class ArchitectureConfig:
         default="",
         metadata=_help(
             "A Hugging Face Llama-family config.json (or its folder) to build the model from instead "
-            "of --model's preset (node/hf.py); seq_len defaults to its max_position_embeddings."
+            "of --model's preset (node/model/hf.py); seq_len defaults to its max_position_embeddings."
         ),
     )
     init_from: str = field(
@@ -158,7 +158,7 @@ class ArchitectureConfig:
         _check_at_least(self, 0, "seq_len")
         _check_paths_exist(self, "hf_config", "init_from")
         # Imported here: the model module imports torch, and the config must stay light to import.
-        from node.model import MODEL_PRESETS
+        from node.model.gpt import MODEL_PRESETS
 
         if self.preset not in MODEL_PRESETS:
             flat = _flat_name(self, "preset")

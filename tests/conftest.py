@@ -7,7 +7,7 @@ worker running them while the others idle, so collection puts the tests that dec
 ``timeout`` first (longest-first scheduling; the declared timeout is the suite's own estimate of a
 test's weight), keeping the collection order among equals.
 
-Tests that call ``node.cli.main`` in-process let it install its SIGINT/SIGTERM handlers (a node
+Tests that call ``node.ops.cli.main`` in-process let it install its SIGINT/SIGTERM handlers (a node
 finishes its step on a signal); left in place, they would swallow the Ctrl-C or SIGTERM meant for
 pytest itself, so each test gets the handlers it started with back; and no test starts with
 SIGINT or SIGTERM ignored at the process level, which its child processes would inherit.

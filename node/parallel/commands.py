@@ -11,7 +11,7 @@ node's ranks, and rank 0's result is the call's. Between calls a rank keeps:
 - its all-reduce stream servers, once opened (``node.parallel.streams.RankStreams``);
 - the gloo group the calls travel on, which the streams and the outer state's byte count also use.
 
-Rank 0's side of the calls: ``node.replica.ParallelReplica`` (the model), ``ShardedOuterState`` (the
+Rank 0's side of the calls: ``node.model.replica.ParallelReplica`` (the model), ``ShardedOuterState`` (the
 ``outer_*`` calls) and ``LocalStreams`` (the ``*_streams`` calls).
 """
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from node.config import NodeConfig
-from node.model import ModelConfig
+from node.model.gpt import ModelConfig
 from node.parallel.engine import RankEngine
 from node.parallel.layout import LocalLayout
 from node.parallel.local import LocalWorkers

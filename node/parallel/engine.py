@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from node.config import NodeConfig
-from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.model.gpt import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.layout import LocalLayout
 from node.parallel.mesh import build_mesh
 from node.parallel.pipeline import PipelineRunner, build_stage, pipeline_device

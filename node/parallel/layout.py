@@ -7,7 +7,7 @@ of the replica from it (``node.parallel.engine.RankEngine``).
 Resolution (``resolve_layout``), in order:
     1. workers: ``--local-workers K``, else one per CUDA device, else one (a CPU node runs in one process);
     2. one worker and no layout flag: no local parallelism at all (``None``: the replica stays in the
-       daemon's process, ``node.replica.SingleReplica``);
+       daemon's process, ``node.model.replica.SingleReplica``);
     3. ``--dp/--tp/--pp`` all unset (0): the planner's choice (``node.parallel.plan.plan_layout``) for K
        devices of this machine's memory (the GPU's, or the host's divided by K);
     4. some set: the unset axes are 1, and ``dp * tp * pp`` must equal K.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from node.config import ConfigError, NodeConfig
-from node.efficiency import resolve_precision
-from node.model import ModelConfig
+from node.model.efficiency import resolve_precision
+from node.model.gpt import ModelConfig
 from node.parallel.plan import Layout, invalid_reason, plan_layout
 from node.parallel.tensor import device_type
 

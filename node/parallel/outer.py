@@ -1,7 +1,7 @@
 """DiLoCo's outer state sharded over a node's local ranks (ZeRO for the outer step).
 
 A node with K local ranks splits θ_global and the outer momentum (the flat fp32 vectors of
-``node.outer_state``) into K contiguous ranges, ``[r N / K, (r + 1) N / K)`` for rank r, and each
+``node.outer.state``) into K contiguous ranges, ``[r N / K, (r + 1) N / K)`` for rank r, and each
 rank keeps its range on its device (or on the CPU with ``--outer-offload``): 2 N / K fp32 numbers per
 rank instead of 2 N on rank 0. Rank 0 (the daemon) still runs the swarm's all-reduce on the whole
 pseudo-gradient; the ranks only exchange ranges with it. One outer round (``DiLoCo.outer_step``):
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from node.outer_state import SGD_SETTINGS, tensor_hash
+from node.outer.state import SGD_SETTINGS, tensor_hash
 from node.parallel.engine import Ranges, RankEngine
 from node.parallel.local import LocalWorkers
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from node.model import GPT, ModelConfig, cross_entropy_loss
+from node.model.gpt import GPT, ModelConfig, cross_entropy_loss
 from node.parallel.tensor import device_type
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]

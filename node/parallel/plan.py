@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from node.model import ModelConfig
+from node.model.gpt import ModelConfig
 
 BYTES_PER_FP32 = 4
 DEFAULT_HEADROOM = 0.1

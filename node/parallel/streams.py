@@ -41,7 +41,7 @@ class RankStreams:
     def __init__(self, config: NodeConfig, *, rank: int, world_size: int) -> None:
         # The daemon's listen host, announce host, limits and swarm key. Imported here: it loads the gRPC
         # swarm stack (~1.5 CPU-s), which a rank that serves no stream never needs.
-        from node.swarm_setup import swarm_config
+        from node.swarm.setup import swarm_config
 
         swarm = swarm_config(config)
         self.streams = [s for s in range(1, config.rounds.streams) if rank_of_stream(s, world_size) == rank]

@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism for the plain ``GPT`` of ``node.model``, applied from outside.
+"""Megatron-style tensor parallelism for the plain ``GPT`` of ``node.model.gpt``, applied from outside.
 
 Algorithm (Shoeybi et al. 2019, "Megatron-LM", section 3)
 --------------------------------------------------------
@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from node.model import GPT
+from node.model.gpt import GPT
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle

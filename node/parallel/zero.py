@@ -1,7 +1,7 @@
 """The inner AdamW, whole or sharded with ZeRO over a node's data-parallel ranks (ZeRO-3: the weights too).
 
 ``build_inner_optimizer`` is the replica's AdamW: weight decay on matrices only (norm gains are not
-decayed), the fused kernel on CUDA. A single-process replica (``node.replica.SingleReplica``) and a local
+decayed), the fused kernel on CUDA. A single-process replica (``node.model.replica.SingleReplica``) and a local
 rank without ZeRO-1 (``node.parallel.engine.RankEngine``) step it as is; the stages below shard it.
 
 Algorithm (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models")
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from node.config import NodeConfig
-from node.model import GPT
+from node.model.gpt import GPT
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -26,7 +26,7 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         and with several DDP variants also to the best (``eval_gap_vs_best_ddp``).
     diloco:H:CODEC[:OUTER_LR]
                         DiLoCo (Douillard et al. 2023, arXiv:2311.08105): H inner AdamW steps per worker,
-                        then the node's own outer step (``node.diloco.DiLoCo``: Nesterov SGD with
+                        then the node's own outer step (``node.outer.diloco.DiLoCo``: Nesterov SGD with
                         --outer-lr and --outer-momentum; OUTER_LR replaces --outer-lr for this
                         variant) on the mean pseudo-gradient. Codecs other than none use error
                         feedback, as the swarm does.

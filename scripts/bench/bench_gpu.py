@@ -4,15 +4,15 @@ what a round costs beyond its inner steps.
 For every preset in ``--models`` (default ``small,1b``; batch 16 x 512 and 4 x 2048 tokens):
 
     node:  ``Trainer.inner_step`` of a ``--no-swarm`` node with the node's own settings for the device
-           (``--compile auto``, ``--precision auto``, fused AdamW on CUDA; node/efficiency.py): the
+           (``--compile auto``, ``--precision auto``, fused AdamW on CUDA; node/model/efficiency.py): the
            batch from the corpus, the LR schedule, clipping, the step record, all included;
-    bare:  the model built the same way (``node.meta_init.build_model``), ``torch.compile``\\ d,
+    bare:  the model built the same way (``node.model.meta_init.build_model``), ``torch.compile``\\ d,
            ``torch.optim.AdamW(fused=True)`` on CUDA, bf16 autocast where the node uses it, random
            tokens already on the device, ``loss.item()`` per step — what a user writes by hand;
     round: a ``--no-swarm`` node (a swarm of one: the outer step still runs) for ``--rounds`` rounds of
            ``--round-steps`` inner steps with a checkpoint every round and the held-out eval every
            round (``--eval-every 1``: the dearest case); a round's fixed cost is its record's
-           ``seconds_wall - seconds_compute`` (node/metrics.py), rounds after the first (which pays
+           ``seconds_wall - seconds_compute`` (node/ops/metrics.py), rounds after the first (which pays
            compilation). ``exit_seconds``: from the last round record to the end of ``run`` (the last
            checkpoint write waited for, the export).
 
@@ -47,11 +47,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.config import NodeConfig
-from node.efficiency import resolve_compile, resolve_precision
-from node.meta_init import build_model
-from node.metrics import read_metrics
-from node.model import cross_entropy_loss, model_config
-from node.trainer import Trainer
+from node.model.efficiency import resolve_compile, resolve_precision
+from node.model.gpt import cross_entropy_loss, model_config
+from node.model.meta_init import build_model
+from node.ops.metrics import read_metrics
+from node.train.trainer import Trainer
 from scripts.common import add_output_flags, print_json, write_json
 
 # The shapes the H100 target is stated for: (batch size, sequence length) per preset.

@@ -11,7 +11,7 @@ them with; the checkpoint written at exit comes after the measured window. Every
 
 *bare*: a fresh interpreter (this script with a hidden flag) running the minimal loop
 
-    x, y = batches.next_batch()                 # node.data.ShardedBatches on the same corpus
+    x, y = batches.next_batch()                 # node.data.batches.ShardedBatches on the same corpus
     loss = cross_entropy_loss(model(x), y); loss.backward()
     clip_grad_norm_; adamw.step(); adamw.zero_grad(set_to_none=True); loss.item()
 
@@ -192,9 +192,9 @@ class RunTiming:
 
 
 def dtnode_command() -> list[str]:
-    """The installed ``dtnode`` console script next to this interpreter, else ``python -m node.cli``."""
+    """The installed ``dtnode`` console script next to this interpreter, else ``python -m node.ops.cli``."""
     script = Path(sys.executable).parent / "dtnode"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "node.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "node.ops.cli"]
 
 
 def dtnode_argv(settings: BenchSettings, run_dir: Path) -> list[str]:
@@ -226,8 +226,8 @@ def bare_loop(settings: BenchSettings, out: Path) -> None:
     """The reference: the minimal torch loop, built the way the Trainer builds its model and data."""
     import torch
 
-    from node.data import ShardedBatches, load_corpus
-    from node.model import GPT, cross_entropy_loss, model_config
+    from node.data.batches import ShardedBatches, load_corpus
+    from node.model.gpt import GPT, cross_entropy_loss, model_config
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -282,7 +282,7 @@ def _wait(deadline: float) -> None:
 
 def run_pair(settings: BenchSettings, work_dir: Path, *, first: str) -> dict[str, RunTiming]:
     """Run bare and dtnode together, time-sliced after warmup (see the module docstring)."""
-    from node.metrics import read_metrics  # here: the orchestrating process never needs torch
+    from node.ops.metrics import read_metrics  # here: the orchestrating process never needs torch
 
     run_dir, bare_out = work_dir / "dtnode-run", work_dir / "bare.json"
     argvs = {"bare": bare_argv(settings, bare_out), "dtnode": dtnode_argv(settings, run_dir)}

@@ -78,7 +78,8 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model.gpt import GPT, cross_entropy_loss, model_config
+from node.model.replica import build_inner_optimizer
 from node.parallel.pipeline import PipelineRunner, ScheduleName, build_stage
 from node.parallel.plan import bubble_fraction
 from node.parallel.tensor import apply_tensor_parallel, build_tensor_parallel_mesh, device_type
@@ -88,7 +89,6 @@ from node.parallel.zero import (
     build_zero_optimizer,
     optimizer_state_bytes,
 )
-from node.replica import build_inner_optimizer
 from scripts.bench.intranode_join import (
     add_join_arguments,
     join_summary,
@@ -112,7 +112,7 @@ SEED = 1234
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
     model: str
-    """Model preset of ``node.model`` (nano: 0.9M parameters)."""
+    """Model preset of ``node.model.gpt`` (nano: 0.9M parameters)."""
     seq_len: int
     """Tokens per sequence."""
     batch_size: int

@@ -17,7 +17,7 @@ Every time below is in seconds from the joiner's process start:
 
     start -> imports, DHT up -> sees the swarm ("joining: adopting ...") -> fetch -> load ("now at
     round") -> inner steps -> round formation, all-reduce, outer step, eval -> record
-                   (corpus, model: built meanwhile, before the load; see node/join.py)
+                   (corpus, model: built meanwhile, before the load; see node/swarm/join.py)
 
 startup_seconds:        to the "joining: adopting the swarm's state" line (Python/torch import, DHT
                         start, waiting to see the swarm in the DHT; a node with a checkpoint, which
@@ -37,7 +37,7 @@ timeline:               every event above, plus ``swarm_up`` (DHT and gRPC start
 num_adoptions:          states loaded before the first contributed round: 1 when the joiner caught
                         the next round, more when it missed one and had to re-sync (see "Chasing").
 num_caught_up, caught_up_megabytes: of those, the ones stepped to from the state before with a
-                        round's mean instead of a whole fetch (node/swarm.py), and the bytes fetched.
+                        round's mean instead of a whole fetch (node/swarm/session.py), and the bytes fetched.
 state_bytes:            tensor bytes of the fetched snapshot plus its metadata (the log line's
                         ``num_bytes`` and ``metadata``); params: the model's parameter count.
 bound_seconds:          state_bytes * 8 / (link_mbit * 1e6), the fetch at the link rate.
@@ -89,7 +89,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from scripts.bench.join_log import (
     ADOPTED,
     CAUGHT_UP,
@@ -136,7 +136,7 @@ class TrialError(RuntimeError):
 def node_argv(settings: Settings, run_dir: Path, address: str, peers: str | None) -> list[str]:
     """`dtnode join` for one host of the emulator, small and quick apart from the model and link."""
     argv = [
-        sys.executable, "-m", "node.cli", "join", "--name", "benchjoin", "--run-dir", str(run_dir),
+        sys.executable, "-m", "node.ops.cli", "join", "--name", "benchjoin", "--run-dir", str(run_dir),
         "--model", settings.model, "--batch-size", str(settings.batch_size), "--eval-batches", "1",
         "--threads", "1", "--inner-steps", str(settings.inner_steps), "--log-every", "1000",
         "--min-peers", str(settings.min_peers), "--join-window", str(settings.join_window_seconds),

@@ -1,9 +1,9 @@
 """DiLoCo's outer state sharded over a node's local ranks vs held flat on rank 0.
 
-For each layout a node's replica is built over its local workers (``node.trainer.build_replica``, the
+For each layout a node's replica is built over its local workers (``node.train.trainer.build_replica``, the
 daemon's own code: this process is rank 0, K - 1 spawned gloo ranks), one inner step is taken, then
 ``--rounds`` outer rounds run twice on the same replica: with the flat outer state on rank 0
-(``node.outer_state.FlatOuterState``, what a node did before) and with the sharded one
+(``node.outer.state.FlatOuterState``, what a node did before) and with the sharded one
 (``node.parallel.outer.ShardedOuterState``). Each round: Δ (``delta``), the outer Nesterov step with
 Δ̄ = Δ (``step``) and θ_local ← θ_global (``write_to_model``), each timed on rank 0.
 
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from node.config import NodeConfig
-from node.model import model_config
-from node.outer_state import FlatOuterState
+from node.model.gpt import model_config
+from node.model.replica import ParallelReplica
+from node.outer.state import FlatOuterState
 from node.parallel.outer import ShardedOuterState
-from node.replica import ParallelReplica
-from node.trainer import build_replica
+from node.train.trainer import build_replica
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp2": {"local_workers": 2, "tp": 2},

@@ -1,6 +1,6 @@
 """Does every live node train in every round? Measured on ``dtnode swarm`` runs.
 
-Each run is one ``python -m node.cli swarm …`` (``node/launcher.py``) in a scratch directory, in the
+Each run is one ``python -m node.ops.cli swarm …`` (``node/ops/launcher.py``) in a scratch directory, in the
 WAN emulator (``scripts/tools/wan_emulator.py``, needs root) where the case needs slow links; this script
 only reads what the nodes wrote (``metrics.jsonl``, the launcher's ``report.json``). Cases:
 
@@ -20,7 +20,7 @@ every run's command (e.g. ``--node-args "--round-seconds 8"``): they win over th
 Figures per run (one JSON object each, then a summary object, then one line):
 
 participation: averaged (node, round) pairs / all pairs after each node's first round, pooled
-    over the nodes (``node/swarm_report.py``, ``node_participation``: a pair is averaged when the
+    over the nodes (``node/ops/swarm_report.py``, ``node_participation``: a pair is averaged when the
     node's record of that round has peers >= 2 and neither fell_back nor adopted; a round the node
     skipped counts as not averaged). Case c: the frozen node's rounds up to 2 after the highest round
     any node had recorded when it was resumed are left out (``resumed_round``; it must be back within 2
@@ -70,8 +70,8 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.metrics import read_metrics
-from node.swarm_report import node_participation, swarm_participation
+from node.ops.metrics import read_metrics
+from node.ops.swarm_report import node_participation, swarm_participation
 from scripts.bench.bench_utilization import stop_launcher
 from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import unavailable_reason
@@ -139,7 +139,7 @@ def case_runs(cases: Sequence[str], *, quick: bool, link_mbit: float, stagger_se
 
 
 def swarm_argv(run: Run, run_dir: Path, node_args: Sequence[str]) -> list[str]:
-    argv = [sys.executable, "-m", "node.cli", "swarm", "--nodes", str(run.num_nodes), "--run-dir", str(run_dir),
+    argv = [sys.executable, "-m", "node.ops.cli", "swarm", "--nodes", str(run.num_nodes), "--run-dir", str(run_dir),
             "--name", "benchpart", *run.flags, *node_args]  # fmt: skip
     if run.link_mbit is not None:
         argv += ["--link-mbit", f"{run.link_mbit:g}"]
@@ -315,7 +315,7 @@ def measure_solo(run: Run, workdir: Path, seconds: float, timeout: float) -> lis
     for index in range(run.num_nodes):
         node_dir = workdir / "solo" / f"node-{index}"
         node_dir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "node.cli", "join", "--config", str(workdir / "swarm" / f"node-{index}" / "config.toml"),
+        argv = [sys.executable, "-m", "node.ops.cli", "join", "--config", str(workdir / "swarm" / f"node-{index}" / "config.toml"),
                 "--no-swarm", "--run-dir", str(node_dir), "--max-rounds", "0", "--max-steps", "0",
                 "--checkpoint-every", "0", "--metrics-port", "0"]  # fmt: skip
         with (workdir / "solo" / f"node-{index}.log").open("wb") as log_file:

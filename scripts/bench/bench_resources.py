@@ -4,7 +4,7 @@
 outer rounds of ``--inner-steps`` inner steps each (nano by default: rounds of a second or two, so
 the per-round machinery — round formation, the all-reduce and its buffers, snapshots served to
 joiners, checkpoints, metrics — runs many times in a few minutes). Every round record carries the
-node's resident memory when it was written (``rss_bytes``, ``node/metrics.py``). Per node:
+node's resident memory when it was written (``rss_bytes``, ``node/ops/metrics.py``). Per node:
 
     baseline_bytes  median RSS over rounds [warmup, 2·warmup) (allocators and caches warmed up);
     final_bytes     median RSS over the last ``warmup`` rounds;
@@ -36,7 +36,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from scripts.common import REPO_ROOT, add_output_flags, print_json, write_json
 
 
@@ -61,7 +61,7 @@ def growth(rss: Sequence[int], warmup: int) -> dict[str, Any]:
 
 def swarm_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [
-        sys.executable, "-m", "node.cli", "swarm", "--nodes", str(args.nodes), "--run-dir", str(run_dir),
+        sys.executable, "-m", "node.ops.cli", "swarm", "--nodes", str(args.nodes), "--run-dir", str(run_dir),
         "--model", args.model, "--inner-steps", str(args.inner_steps), "--max-rounds", str(args.rounds),
         "--min-peers", str(args.nodes), "--batch-size", "4", "--eval-batches", "1", "--log-every", "100000",
     ]  # fmt: skip

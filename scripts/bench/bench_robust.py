@@ -36,7 +36,7 @@ import torch
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.diloco import DiLoCo
+from node.outer.diloco import DiLoCo
 from protocol.allreduce.robust import AGGREGATIONS, AggregationRule
 from protocol.codecs import get_codec
 from scripts.bench.convergence_variants import (

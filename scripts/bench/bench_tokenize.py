@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.config import NodeConfig
-from node.corpus import load_corpus
-from node.documents import iter_texts
-from node.model import GPT, cross_entropy_loss, model_config
-from node.replica import build_inner_optimizer
-from node.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from node.data.corpus import load_corpus
+from node.data.documents import iter_texts
+from node.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from node.model.gpt import GPT, cross_entropy_loss, model_config
+from node.model.replica import build_inner_optimizer
 
 
 def tokenize_rate(data: str | None, tokenizer: Tokenizer | None) -> tuple[float, int, float]:

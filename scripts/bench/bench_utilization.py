@@ -3,7 +3,7 @@
 For every link cap in ``--links`` and every mode in ``--modes`` one swarm of
 ``--nodes`` nodes runs ``--max-rounds`` outer rounds, each node on its own host of the WAN emulator
 (``scripts/tools/wan_emulator.py``: a network namespace whose uplink a tc tbf caps at the link rate). The
-swarm is started, stopped and reported on by ``dtnode swarm`` (``node/launcher.py``), run as a child
+swarm is started, stopped and reported on by ``dtnode swarm`` (``node/ops/launcher.py``), run as a child
 process with its run dir in a scratch directory; this script only reads what the nodes wrote.
 
     sync:    each round's all-reduce runs between two inner phases; the training thread waits for it.
@@ -11,8 +11,8 @@ process with its run dir in a scratch directory; this script only reads what the
              all-reduce runs on a background thread during round r+1's inner steps, and the thread
              only waits for what is left of it at the end of that phase.
 
-Every node writes one record per outer round to ``metrics.jsonl`` (``node/trainer.py``,
-``_round_record``; the contract in ``node/metrics.py``) with ``seconds_compute`` (the inner steps
+Every node writes one record per outer round to ``metrics.jsonl`` (``node/train/trainer.py``,
+``_round_record``; the contract in ``node/ops/metrics.py``) with ``seconds_compute`` (the inner steps
 since its previous round record: the round's own phase in sync mode, the next one with overlap),
 ``seconds_wall`` (the wall time since that record) and ``seconds_blocked`` (how long the training
 thread waited for the round in it), and
@@ -84,13 +84,13 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import cleanup_leftovers, unavailable_reason
 
 TARGET_UTILIZATION = 0.95
 MODES = ("sync", "overlap")
-LAUNCHER_NAME_PREFIX = "dtswarm"  # node/launcher.py's emulator namespaces
+LAUNCHER_NAME_PREFIX = "dtswarm"  # node/ops/launcher.py's emulator namespaces
 # The launcher gives its nodes 60 s to leave after the first SIGINT; a second one kills them.
 STOP_GRACE = datetime.timedelta(seconds=90)
 KILL_GRACE = datetime.timedelta(seconds=30)
@@ -130,7 +130,7 @@ class Variant:
 def swarm_argv(settings: Settings, variant: Variant, run_dir: Path) -> list[str]:
     """``dtnode swarm`` for one variant; the launcher picks threads, shards and addresses."""
     argv = [
-        sys.executable, "-m", "node.cli", "swarm", "--nodes", str(settings.num_nodes),
+        sys.executable, "-m", "node.ops.cli", "swarm", "--nodes", str(settings.num_nodes),
         "--run-dir", str(run_dir), "--name", "benchutil", "--model", settings.model,
         "--inner-steps", str(settings.inner_steps), "--batch-size", str(settings.batch_size),
         "--codec", settings.codec, "--max-rounds", str(settings.max_rounds),

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from node.config import NodeConfig
-from node.corpus import Corpus
-from node.data import ShardedBatches, eval_batches, load_corpus
-from node.diloco import DiLoCo, flatten_params
-from node.model import GPT, cross_entropy_loss, model_config
-from node.outer_state import tensor_hash
-from node.replica import build_inner_optimizer
-from node.schedule import LRSchedule
+from node.data.batches import ShardedBatches, eval_batches, load_corpus
+from node.data.corpus import Corpus
+from node.model.gpt import GPT, cross_entropy_loss, model_config
+from node.model.replica import build_inner_optimizer
+from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.state import tensor_hash
+from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import CODEC_NAMES, get_codec
 from scripts.bench.simulated_allreduce import SimulatedAllReduce, ddp_bytes_per_step, payload_bytes
@@ -46,7 +46,7 @@ class BenchSettings:
     """One benchmark's shared training setup (identical for every variant)."""
 
     preset: str
-    """Model preset of ``node.model.MODEL_PRESETS``."""
+    """Model preset of ``node.model.gpt.MODEL_PRESETS``."""
     seq_len: int
     """Context length in tokens."""
     batch_size: int
@@ -311,7 +311,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     """N DiLoCo workers in this process, outer rounds through ``SimulatedAllReduce``.
 
     Each worker steps its ``DiLoCo`` with the mean its simulated group computed, as the node's outer
-    round (``node/outer_round.py``) does with the swarm's. ``overlap`` variants run the node's delayed
+    round (``node/outer/round.py``) does with the swarm's. ``overlap`` variants run the node's delayed
     outer update (``--overlap``), in ``OuterRound``'s order: at the end of phase k each worker takes
     its own Δ_k (``phase_delta``), restarts phase k+1 from the newest global params minus Δ_k
     (``restart_from``), and then steps the global params with round k's mean (``apply_mean``; the node

@@ -62,7 +62,7 @@ def join_argv(
 ) -> list[str]:
     num_workers, flags = JOIN_LAYOUTS[layout]
     argv = [
-        sys.executable, "-m", "node.cli", "join", "--no-swarm", "--run-dir", str(run_dir), "--model", model,
+        sys.executable, "-m", "node.ops.cli", "join", "--no-swarm", "--run-dir", str(run_dir), "--model", model,
         "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--inner-steps", str(num_steps),
         "--max-rounds", "1", "--eval-batches", "1", "--threads", "1", "--checkpoint-every", "0",
         "--log-every", "1000",

@@ -1,5 +1,5 @@
 """The joiner's log as bench_join.py reads it: its lines stamped on arrival, and the lines that mark
-each step of a join (node/cli.py, node/join.py, node/swarm.py, node/trainer.py,
+each step of a join (node/ops/cli.py, node/swarm/join.py, node/swarm/session.py, node/train/trainer.py,
 protocol/statesync/fetch.py print them).
 """
 
@@ -14,7 +14,7 @@ from typing import IO
 
 READER_JOIN_TIMEOUT = datetime.timedelta(seconds=5)
 
-# Log lines of the joiner (node/cli.py, node/swarm.py, node/trainer.py, protocol/statesync/fetch.py).
+# Log lines of the joiner (node/ops/cli.py, node/swarm/session.py, node/train/trainer.py, protocol/statesync/fetch.py).
 SWARM_UP = re.compile(r"dtnode: joined the swarm")
 TRAINER_READY = re.compile(r"training (?P<model>\S+) \((?P<params>[\d,]+) params\)")
 JOIN_DECIDED = re.compile(r"joining: adopting the swarm's state \(round (?P<round>\d+)")

@@ -17,7 +17,7 @@ Each fault lasts a random ``--fault-seconds`` span and starts at a random moment
 node alive has written a round record after the undo and the live nodes agree on the param_hash of
 a round all of them reached since: that wait is the trial's recovery time.
 
-Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/metrics.py``):
+Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/ops/metrics.py``):
 
     hangs         a trial whose live nodes did not all take part in a new round (not adopted, not
                   fallen back) within the recovery timeout, plus rounds whose all-reduce outlasted ``--round-deadline`` (+ 10 s);
@@ -58,7 +58,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
 from scripts.tools.wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
 
@@ -106,7 +106,16 @@ class Swarm:
     def argv(self, node: ChaosNode, peers: Sequence[str]) -> list[str]:
         address = self.wan.address(node.index)
         args = self.args
-        argv = [sys.executable, "-m", "node.cli", "join", "--name", "chaos", "--run-dir", str(node.run_dir)]
+        argv = [
+            sys.executable,
+            "-m",
+            "node.ops.cli",
+            "join",
+            "--name",
+            "chaos",
+            "--run-dir",
+            str(node.run_dir),
+        ]
         argv += ["--model", "nano", "--seq-len", str(args.seq_len), "--batch-size", "4"]
         argv += ["--eval-batches", "1", "--threads", "1"]
         argv += ["--eval-every", "1"]  # every round's eval_loss: null counts as non-finite below

@@ -3,7 +3,7 @@ complete checkpoint, with the param_hash it saved.
 
     python scripts/tools/checkpoint_crash.py --trials 20
 
-``node/checkpoint.py`` writes a checkpoint in stages: make ``step-<S>.tmp-<pid>/``, write
+``node/train/checkpoint.py`` writes a checkpoint in stages: make ``step-<S>.tmp-<pid>/``, write
 ``tensors.safetensors`` and fsync it, write ``state.json`` durably, fsync the directory, rename it
 to ``step-<S>``, write ``LATEST.tmp-<pid>`` and replace ``LATEST`` with it, fsync the root, then
 prune the oldest checkpoints (rename each to a ``.tmp-`` name, then delete it). Killing the process
@@ -92,10 +92,10 @@ class SaveCounter:
 
 
 def install_hooks(kill_save: int, kill_stage: str, torn_fraction: float) -> None:
-    """Wrap node.checkpoint's file operations: SIGKILL ourselves at ``kill_stage`` of the first save
+    """Wrap node.train.checkpoint's file operations: SIGKILL ourselves at ``kill_stage`` of the first save
     numbered ``kill_save`` or later that reaches it (no prune happens while few checkpoints exist)."""
-    import node.checkpoint as checkpoint
-    import node.checkpoint_writer as writer_module
+    import node.train.checkpoint as checkpoint
+    import node.train.checkpoint_writer as writer_module
 
     saves = SaveCounter()
 
@@ -179,7 +179,7 @@ def install_hooks(kill_save: int, kill_stage: str, torn_fraction: float) -> None
 
 def report_resume() -> None:
     """After the trainer restored a checkpoint, tell the parent which one and the loaded params' hash."""
-    import node.trainer as trainer_module
+    import node.train.trainer as trainer_module
 
     real_restore = trainer_module.Trainer._restore
 
@@ -209,7 +209,7 @@ def child(args: argparse.Namespace) -> int:
     report_resume()
     if args.kill_stage:
         install_hooks(args.kill_save, args.kill_stage, args.torn_fraction)
-    from node.cli import main
+    from node.ops.cli import main
 
     return main(node_flags(Path(args.data), Path(args.run_dir), args.max_rounds))
 
@@ -234,7 +234,9 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     interpreter per run would import torch and the node again: ~3 CPU-s, as much as its training)."""
     context = multiprocessing.get_context("forkserver")
     asked = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or []
-    context.set_forkserver_preload(sorted({*asked, "node.cli", "node.trainer"}))  # add, never replace
+    context.set_forkserver_preload(
+        sorted({*asked, "node.ops.cli", "node.train.trainer"})
+    )  # add, never replace
     return context
 
 

@@ -1,6 +1,6 @@
 """The docker-compose swarm (``docker/docker-compose.yml``): a bootstrap node and two workers, each in
 its own container, train one model, and after every outer round they all recorded they hold the
-same global params (identical ``param_hash``, contract in ``node/metrics.py``). Then every
+same global params (identical ``param_hash``, contract in ``node/ops/metrics.py``). Then every
 container is healthy by the image's HEALTHCHECK (``dtnode health``: gRPC health SERVING), runs as
 the unprivileged user and keeps its identity key (``--identity-path``) at mode 600.
 

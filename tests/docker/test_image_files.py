@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from node.cli import build_parser
+from node.ops.cli import build_parser
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from node.model import GPT, model_config
+from node.model.gpt import GPT, model_config
 
 NUM_STEPS = 10
 SEQ_LEN = 32

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from node.trainer import Trainer
+from node.train.trainer import Trainer
 from tests.node.test_trainer import small_config
 
 

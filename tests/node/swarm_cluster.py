@@ -1,6 +1,6 @@
 """Run `dtnode join` nodes as real processes for the swarm tests, and read what they wrote.
 
-Each node is `python -m node.cli join ...` in its own process group with its own run dir; the
+Each node is `python -m node.ops.cli join ...` in its own process group with its own run dir; the
 first one's `node.json` gives the multiaddr the others join through. Every wait is bounded and
 `Cluster.close()` kills whatever is still running.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from scripts.common import exit_as_the_interpreter_would
 from tests.forking import enter_child, forkserver
 
@@ -46,10 +46,10 @@ FAST_FLAGS = (
 
 # What a node imports before its first step (torch._dynamo: on torch's first optimizer step).
 NODE_PRELOAD = (
-    "node.cli",
-    "node.trainer",
-    "node.preflight",
-    "node.held_out",
+    "node.ops.cli",
+    "node.train.trainer",
+    "node.ops.preflight",
+    "node.train.held_out",
     "protocol.allreduce",
     "torch._dynamo",
 )
@@ -113,7 +113,7 @@ def _run_forked_node(
     netns: str | None = None,
     script: str | None = None,
 ) -> None:
-    """In the forked child: `python -m node.cli ARGV` (or SCRIPT's ``main(ARGV)``) in a new session,
+    """In the forked child: `python -m node.ops.cli ARGV` (or SCRIPT's ``main(ARGV)``) in a new session,
     to the interpreter's own exit."""
     os.setsid()  # as start_new_session=True: a signal to the node's group reaches its DHT and p2pd
     if netns is not None:
@@ -124,7 +124,7 @@ def _run_forked_node(
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     if script is None:
-        from node.cli import main
+        from node.ops.cli import main
     else:
         sys.argv = [script, *argv]
         main = runpy.run_path(script, run_name="forked_script")["main"]
@@ -140,7 +140,7 @@ def fork_node(
     script: Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ForkedNode:
-    """`python -m node.cli ARGV` forked from the preloaded server, once its session exists; in network
+    """`python -m node.ops.cli ARGV` forked from the preloaded server, once its session exists; in network
     namespace ``netns`` if given; ``script``'s ``main(ARGV)`` instead of the CLI's if given; with
     ``env`` (default: the test process's environment)."""
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
@@ -216,14 +216,14 @@ class Cluster:
         index = len(self.nodes)
         run_dir = self.root / f"node-{index}"
         log_path = self.root / f"node-{index}.log"
-        argv = [sys.executable, "-m", "node.cli", "join", "--name", self.name, "--run-dir", str(run_dir)]
+        argv = [sys.executable, "-m", "node.ops.cli", "join", "--name", self.name, "--run-dir", str(run_dir)]
         argv += self.flags + list(extra)
         if peers:
             argv += ["--peers", peers]
         process: NodeProcess
         if self.forked and not wrap:
             log_path.write_bytes(b"")
-            process = fork_node(argv[3:], log_path, netns=netns)  # after `python -m node.cli`
+            process = fork_node(argv[3:], log_path, netns=netns)  # after `python -m node.ops.cli`
             node = Node(name=f"node-{index}", run_dir=run_dir, process=process, log_path=log_path, argv=argv)
             self.nodes.append(node)
             return node

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from node.config import ConfigError, NodeConfig, load_config
-from node.swarm_setup import swarm_config
+from node.swarm.setup import swarm_config
 
 
 def test_flags_reach_the_allreduce_config() -> None:

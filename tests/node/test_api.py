@@ -28,9 +28,9 @@ from torch import nn
 
 from node.api import RoundReport, SwarmTrainer, api_config, join_swarm
 from node.config import ConfigError
-from node.diloco import flatten_params
-from node.outer_state import tensor_hash
-from node.swarm_seam import Adopt, AdoptedState, RoundOutcome, RoundRequest, RoundStats
+from node.outer.diloco import flatten_params
+from node.outer.seam import Adopt, AdoptedState, RoundOutcome, RoundRequest, RoundStats
+from node.outer.state import tensor_hash
 from tests.node.swarm_cluster import ForkedNode, fork_node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from node.swarm import SwarmSession
-from node.swarm_seam import JoinAnswer, JoinRequest
-from node.swarm_state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
-from node.trainer import Trainer
+from node.outer.seam import JoinAnswer, JoinRequest
+from node.swarm.session import SwarmSession
+from node.swarm.state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
+from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-import node.checkpoint as checkpoint
-from node.checkpoint import join_state, latest_checkpoint, load_checkpoint, save_checkpoint, split_state
+import node.train.checkpoint as checkpoint
 from node.config import NodeConfig
-from node.trainer import Trainer
+from node.train.checkpoint import join_state, latest_checkpoint, load_checkpoint, save_checkpoint, split_state
+from node.train.trainer import Trainer
 from tests.node.swarm_cluster import ForkedNode, fork_node
 
 
@@ -282,7 +282,7 @@ _KILLED_SAVE = """
 import os, signal, sys
 from pathlib import Path
 import torch
-import node.checkpoint as checkpoint
+import node.train.checkpoint as checkpoint
 
 real_save_file = checkpoint.save_file
 

@@ -1,5 +1,5 @@
-"""Checkpoints written in the background (node/checkpoint_writer.py) and the round record's wall-time
-utilization and eval cadence (node/trainer.py, node/metrics.py)."""
+"""Checkpoints written in the background (node/train/checkpoint_writer.py) and the round record's wall-time
+utilization and eval cadence (node/train/trainer.py, node/ops/metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-import node.checkpoint as checkpoint_module
-from node.checkpoint import LATEST, latest_checkpoint, load_checkpoint
-from node.checkpoint_writer import CheckpointWriter, snapshot_state
+import node.train.checkpoint as checkpoint_module
 from node.config import NodeConfig
-from node.metrics import read_metrics
-from node.outer_state import tensor_hash
-from node.trainer import Trainer
+from node.ops.metrics import read_metrics
+from node.outer.state import tensor_hash
+from node.train.checkpoint import LATEST, latest_checkpoint, load_checkpoint
+from node.train.checkpoint_writer import CheckpointWriter, snapshot_state
+from node.train.trainer import Trainer
 from tests.node.test_trainer import corpus_file
 from tests.node.test_trainer import small_config as trainer_config
 
@@ -34,7 +34,7 @@ def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 class BlockedFirstWrite:
-    """Stands in for safetensors' ``save_file`` in node/checkpoint.py: the first call waits for
+    """Stands in for safetensors' ``save_file`` in node/train/checkpoint.py: the first call waits for
     ``release`` (the disk is slow); ``entered`` says it has begun, ``returned`` that it is done."""
 
     def __init__(self, real: Any) -> None:

@@ -18,15 +18,15 @@ import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from node.cli import build_parser, main
-from node.cli_flags import add_config_flags, codec_names, setting_groups
 from node.config import FLAT_NAMES, SECTIONS, ConfigError, NodeConfig, flat_choices, load_config
-from node.preflight import run_length_steps, run_warnings
+from node.ops.cli import build_parser, main
+from node.ops.cli_flags import add_config_flags, codec_names, setting_groups
+from node.ops.preflight import run_length_steps, run_warnings
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+        [sys.executable, "-m", "node.ops.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 
 

@@ -169,7 +169,7 @@ def test_bad_toml(tmp_path: Path) -> None:
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "node.ops.cli", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from node.corpus import Corpus, load_corpus
-from node.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
+from node.data.corpus import Corpus, load_corpus
+from node.data.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
 
 
 def _documents(tokens: np.ndarray) -> list[bytes]:

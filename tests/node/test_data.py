@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.data import ShardedBatches, eval_batches, load_corpus, window_permutation
+from node.data.batches import ShardedBatches, eval_batches, load_corpus, window_permutation
 
 SEQ_LEN = 8
 BATCH_SIZE = 3

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from node.diloco import DiLoCo
-from node.outer_round import OuterRound, RoundSettings
-from node.outer_state import tensor_hash
-from node.swarm_seam import Averaged, RoundOutcome, RoundRequest, RoundStats, SoloAverager
+from node.outer.diloco import DiLoCo
+from node.outer.round import OuterRound, RoundSettings
+from node.outer.seam import Averaged, RoundOutcome, RoundRequest, RoundStats, SoloAverager
+from node.outer.state import tensor_hash
 
 
 class RecordingAverager:
@@ -25,7 +25,8 @@ class RecordingAverager:
         self.sent.append(vector.clone())
         self.requests.append(request)
         return RoundOutcome(
-            Averaged(self.answers[request.round_index - 1]), RoundStats(num_peers=3, bytes_sent=10, bytes_recv=20)
+            Averaged(self.answers[request.round_index - 1]),
+            RoundStats(num_peers=3, bytes_sent=10, bytes_recv=20),
         )
 
 

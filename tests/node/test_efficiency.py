@@ -1,5 +1,5 @@
 """The node's device-efficiency settings: meta-device init, --compile, --precision auto, fused AdamW,
-the --eval-every auto rule (node/meta_init.py, node/efficiency.py, node/replica.py)."""
+the --eval-every auto rule (node/model/meta_init.py, node/model/efficiency.py, node/model/replica.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from node.config import ConfigError, NodeConfig, replace
-from node.diloco import ModuleParams
-from node.efficiency import (
+from node.model.efficiency import (
     EVAL_BUDGET,
     STEP_COST_IN_FORWARDS,
     eval_interval,
@@ -20,9 +19,10 @@ from node.efficiency import (
     resolve_eval_background,
     resolve_precision,
 )
-from node.meta_init import build_model
-from node.model import GPT, model_config
-from node.replica import SingleReplica, build_inner_optimizer
+from node.model.gpt import GPT, model_config
+from node.model.meta_init import build_model
+from node.model.replica import SingleReplica, build_inner_optimizer
+from node.outer.diloco import ModuleParams
 
 CPU = torch.device("cpu")
 
@@ -145,7 +145,7 @@ def test_compiled_replica_matches_eager_on_cpu(tmp_path: Path) -> None:
 
 
 def test_flat_outer_state_hashes_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    import node.outer_state as outer_state
+    import node.outer.state as outer_state
 
     calls = []
     monkeypatch.setattr(outer_state, "tensor_hash", lambda flat: calls.append(1) or reference_hash(flat))

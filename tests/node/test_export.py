@@ -13,14 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import node
-from node.cli import main
-from node.diloco import flatten_params
-from node.export import MODEL_FILE, export_model, find_model_file, read_metadata
-from node.metrics import read_metrics
-from node.model import GPT, model_config
-from node.outer_state import tensor_hash
-from node.sample import generate, sample_text
-from node.trainer import Trainer
+from node.model.export import MODEL_FILE, export_model, find_model_file, read_metadata
+from node.model.gpt import GPT, model_config
+from node.model.sample import generate, sample_text
+from node.ops.cli import main
+from node.ops.metrics import read_metrics
+from node.outer.diloco import flatten_params
+from node.outer.state import tensor_hash
+from node.train.trainer import Trainer
 from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
 from tests.node.test_trainer import small_config
 

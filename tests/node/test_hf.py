@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.hf import from_hf_state, load_hf_checkpoint, read_hf_config, read_hf_weights, write_hf_folder
-from node.model import GPT, ModelConfig
+from node.model.gpt import GPT, ModelConfig
+from node.model.hf import from_hf_state, load_hf_checkpoint, read_hf_config, read_hf_weights, write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import node
-from node.diloco import flatten_params
-from node.export import HF_FOLDER
-from node.outer_state import tensor_hash
-from node.tokenizer import encode, load_tokenizer, train_bpe
-from node.trainer import Trainer
+from node.data.tokenizer import encode, load_tokenizer, train_bpe
+from node.model.export import HF_FOLDER
+from node.outer.diloco import flatten_params
+from node.outer.state import tensor_hash
+from node.train.trainer import Trainer
 from tests.node.run_support import one_torch_thread
 from tests.node.test_trainer import small_config
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.hf import read_hf_config
-from node.model import GPT, cross_entropy_loss
+from node.model.gpt import GPT, cross_entropy_loss
+from node.model.hf import read_hf_config
+from node.model.replica import build_inner_optimizer
 from node.parallel.tensor import (
     apply_tensor_parallel,
     build_tensor_parallel_mesh,
@@ -26,7 +27,6 @@ from node.parallel.tensor import (
     full_parameters,
     full_tensor,
 )
-from node.replica import build_inner_optimizer
 from tests.node.parallel_support import relative_error, spawned_workers, worker_process_group
 
 NUM_RANKS = 2

@@ -1,4 +1,4 @@
-"""A fresh joiner's state fetch ahead of its trainer (node/join.py), against real SwarmNodes on loopback.
+"""A fresh joiner's state fetch ahead of its trainer (node/swarm/join.py), against real SwarmNodes on loopback.
 
 The fetched snapshot must be the one the swarm serves, byte for byte, and verified against its
 advertised param_hash; a swarm still at round 0 (every node on the same seeded init) is not
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.join import Prefetch
-from node.swarm import SwarmSession
-from node.trainer import Trainer
+from node.swarm.join import Prefetch
+from node.swarm.session import SwarmSession
+from node.train.trainer import Trainer
 from protocol.membership.lineage import Lineage
 from protocol.membership.records import PeerRecord
 from protocol.statesync.snapshot import Snapshot

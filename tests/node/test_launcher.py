@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from node.cli import build_parser
 from node.config import ConfigError
-from node.launch_config import flags_to_argv, launch_config, node_argv, parse_node_flags
-from node.swarm_report import MetricsTail, hash_agreement
+from node.ops.cli import build_parser
+from node.ops.launch_config import flags_to_argv, launch_config, node_argv, parse_node_flags
+from node.ops.swarm_report import MetricsTail, hash_agreement
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
 
@@ -35,7 +35,7 @@ FAST = (
 
 
 def swarm_command(root: Path, num_nodes: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "node.cli", "swarm", "--nodes", str(num_nodes), "--run-dir", str(root),
+    return [sys.executable, "-m", "node.ops.cli", "swarm", "--nodes", str(num_nodes), "--run-dir", str(root),
             "--name", "launchertest", *FAST, *flags]  # fmt: skip
 
 

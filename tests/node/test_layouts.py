@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss
+from node.model.gpt import GPT, cross_entropy_loss
+from node.model.replica import build_inner_optimizer
 from node.parallel.mesh import build_mesh, validate_mesh_shape
 from node.parallel.pipeline import PipelineRunner, build_stage
 from node.parallel.tensor import apply_tensor_parallel, clip_grad_norm, full_parameters
 from node.parallel.zero import average_gradients
-from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     build_model,
     fixed_batches,

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.model import GPT, model_config
+from node.model.gpt import GPT, model_config
 from tests.node.swarm_cluster import fork_node
 
 LOSS_TOLERANCE = 1e-5
@@ -102,9 +102,9 @@ BF16_PARAMS_TOLERANCE = 1e-2
 def run_cli(argv: list[str], log_path: Path, *, timeout: float, fresh: bool = False) -> tuple[int, str]:
     """``dtnode ARGV`` to its end: its exit code and its output (stdout and stderr, in ``log_path``).
 
-    Forked from the preloaded server, or ``fresh``: ``python -m node.cli`` in a new interpreter."""
+    Forked from the preloaded server, or ``fresh``: ``python -m node.ops.cli`` in a new interpreter."""
     if fresh:
-        command = [sys.executable, "-m", "node.cli", *argv]
+        command = [sys.executable, "-m", "node.ops.cli", *argv]
         result = subprocess.run(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
         )

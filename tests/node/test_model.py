@@ -1,4 +1,4 @@
-"""Tests for node.model: shapes, parameter counts, causality, RoPE, init, loss, overfitting, stage splits."""
+"""Tests for node.model.gpt: shapes, parameter counts, causality, RoPE, init, loss, overfitting, stage splits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from node.model import (
+from node.model.gpt import (
     GPT,
     MODEL_PRESETS,
     Attention,

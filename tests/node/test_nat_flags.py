@@ -11,7 +11,7 @@ import pytest
 
 from node.api import api_config
 from node.config import ConfigError, load_config
-from node.swarm_setup import start_swarm, swarm_config
+from node.swarm.setup import start_swarm, swarm_config
 
 PEER = "/ip4/127.0.0.1/tcp/4100/p2p/12D3KooWMuv7gDCCfsaTuAsYXbh7jikSCtJDwxVgxnrhuHCkbgV2"
 

@@ -18,11 +18,9 @@ import torch
 from torch import nn
 
 from node.config import ConfigError
-from node.diloco import DiLoCo, flatten_params
-from node.outer_round import OuterRound, RoundSettings
-from node.outer_state import tensor_hash
-from node.swarm import SwarmSession
-from node.swarm_seam import (
+from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.round import OuterRound, RoundSettings
+from node.outer.seam import (
     Adopt,
     AdoptedState,
     Averaged,
@@ -34,7 +32,9 @@ from node.swarm_seam import (
     RoundRequest,
     RoundStats,
 )
-from node.swarm_state import GLOBAL_PARAMS, round_mean_id, state_snapshot
+from node.outer.state import tensor_hash
+from node.swarm.session import SwarmSession
+from node.swarm.state import GLOBAL_PARAMS, round_mean_id, state_snapshot
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import get_codec
 from protocol.membership.lineage import Lineage, LineageDecision

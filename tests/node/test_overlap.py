@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from node.config import NodeConfig
-from node.diloco import DiLoCo
-from node.outer_round import OuterRound, RoundSettings
-from node.outer_state import tensor_hash
-from node.swarm_seam import Adopt, AdoptedState, Averaged, RoundOutcome, RoundRequest, RoundStats
-from node.trainer import Trainer
+from node.outer.diloco import DiLoCo
+from node.outer.round import OuterRound, RoundSettings
+from node.outer.seam import Adopt, AdoptedState, Averaged, RoundOutcome, RoundRequest, RoundStats
+from node.outer.state import tensor_hash
+from node.train.trainer import Trainer
 from tests.node.test_diloco import NoData
 
 LR, MOMENTUM = 0.7, 0.9
@@ -91,7 +91,9 @@ def test_overlapped_rounds_apply_the_mean_one_round_late():
         theta, buffer = nesterov(theta, buffer, 0.5 * pending_delta)
         assert last is not None and last.round_index == len(steps) and last.model_is_global
         torch.testing.assert_close(diloco.global_params, theta, rtol=0, atol=1e-6)
-        torch.testing.assert_close(local_params(model), diloco.global_params, rtol=0, atol=0)  # the model ends on θ_global
+        torch.testing.assert_close(
+            local_params(model), diloco.global_params, rtol=0, atol=0
+        )  # the model ends on θ_global
     finally:
         rounds.close()
     assert averager.rounds == [1, 2, 3, 4]
@@ -127,7 +129,7 @@ def test_trainer_with_overlap_records_every_round(tmp_path):
 
 
 def _read(trainer: Trainer) -> list[dict]:
-    from node.metrics import read_metrics
+    from node.ops.metrics import read_metrics
 
     return read_metrics(trainer.run_dir / "metrics.jsonl")
 
@@ -149,7 +151,7 @@ def test_an_adoption_from_the_round_in_flight_is_taken_mid_phase(tmp_path):
     """Overlap: when the round in flight ends by sending us to adopt the swarm's state, the trainer
     adopts at its next step, not at the phase's end: the steps in between would train params that
     adoption throws away, and the node would reach the swarm a round late again."""
-    from node.swarm_state import adopted_state
+    from node.swarm.state import adopted_state
 
     settings = dict(
         model="nano", inner_steps=4, batch_size=2, eval_batches=1, log_every=100, swarm=False, threads=1

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model.gpt import GPT, cross_entropy_loss, model_config
 from node.parallel.pipeline import PipelineRunner, build_stage, split_stages
 from tests.node.parallel_support import (
     BATCH_SIZE,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from node.cli import main
-from node.model import ModelConfig, model_config
+from node.model.gpt import ModelConfig, model_config
+from node.ops.cli import main
 from node.parallel.plan import Layout, bubble_fraction, estimate_memory, plan_layout
 
 

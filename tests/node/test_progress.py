@@ -16,9 +16,9 @@ import pytest
 from rich.console import Console
 
 from node.config import ConfigError, NodeConfig
-from node.logs import JsonFormatter
-from node.metrics import read_metrics
-from node.progress import LiveProgress, PlainProgress, progress_sink, round_status
+from node.ops.logs import JsonFormatter
+from node.ops.metrics import read_metrics
+from node.ops.progress import LiveProgress, PlainProgress, progress_sink, round_status
 
 PARAM_HASH = "0123456789abcdef" * 4
 
@@ -59,7 +59,7 @@ def test_plain_lines_every_log_every_steps_and_every_round(caplog: pytest.LogCap
 def test_trainer_logs_the_same_lines_as_its_metrics(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Off a terminal (pytest captures stderr), a real trainer's lines are the plain ones, one per
     step with log_every=1 and one per round, with the numbers of metrics.jsonl."""
-    from node.trainer import Trainer
+    from node.train.trainer import Trainer
 
     caplog.set_level(logging.INFO, logger="dtnode")
     corpus = tmp_path / "text.txt"
@@ -148,7 +148,7 @@ def test_join_with_json_logs_writes_only_json_on_stderr(tmp_path: Path) -> None:
     corpus = tmp_path / "text.txt"
     corpus.write_text(inspect.getsource(inspect))
     command = [
-        sys.executable, "-m", "node.cli", "join", "--no-swarm", "--log-format", "json", "--model", "nano",
+        sys.executable, "-m", "node.ops.cli", "join", "--no-swarm", "--log-format", "json", "--model", "nano",
         "--seq-len", "32", "--batch-size", "4", "--inner-steps", "2", "--max-steps", "2", "--log-every", "1",
         "--eval-batches", "1", "--threads", "1", "--data", str(corpus), "--run-dir", str(tmp_path / "run"),
     ]  # fmt: skip

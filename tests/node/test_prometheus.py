@@ -26,11 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node import __version__
 from node.config import ConfigError, NodeConfig
-from node.metrics import FAILURE_KINDS, current_rss_bytes, read_metrics
-from node.prometheus import PrometheusExporter
-from node.swarm import SwarmSession
-from node.swarm_seam import Averaged, FellBack, RoundRequest
-from node.trainer import Trainer
+from node.ops.metrics import FAILURE_KINDS, current_rss_bytes, read_metrics
+from node.ops.prometheus import PrometheusExporter
+from node.outer.seam import Averaged, FellBack, RoundRequest
+from node.swarm.session import SwarmSession
+from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback

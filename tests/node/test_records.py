@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.corpus import load_corpus
-from node.data import ShardedBatches
-from node.records import load_node_corpus
-from node.tokenizer import EOS, encode, load_tokenizer, train_bpe
+from node.data.batches import ShardedBatches
+from node.data.corpus import load_corpus
+from node.data.node_corpus import load_node_corpus
+from node.data.tokenizer import EOS, encode, load_tokenizer, train_bpe
 
 pyarrow = pytest.importorskip("pyarrow")
 datasets = pytest.importorskip("datasets")

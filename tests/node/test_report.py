@@ -13,10 +13,10 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from node.cli import main
-from node.launcher import write_plots_report
-from node.metrics import read_metrics
-from node.report import PLOT_FILES, REPORT_FILE, round_utilization, running_mean
+from node.ops.cli import main
+from node.ops.launcher import write_plots_report
+from node.ops.metrics import read_metrics
+from node.ops.report import PLOT_FILES, REPORT_FILE, round_utilization, running_mean
 from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -171,7 +171,7 @@ def test_utilization_of_older_records_is_computed() -> None:
 
 def solo_run(tmp_path: Path) -> list[Any]:
     """A swarm of one: every round 1 contribution and 0 bytes on the wire (flat series)."""
-    from node.report import load_runs
+    from node.ops.report import load_runs
 
     run_dir = tmp_path / "solo"
     run_dir.mkdir()
@@ -186,7 +186,7 @@ def solo_run(tmp_path: Path) -> list[Any]:
 
 
 def test_flat_series_get_axes_from_zero_and_counts_whole_ticks(tmp_path: Path) -> None:
-    from node.report import plot_bytes, plot_peers
+    from node.ops.report import plot_bytes, plot_peers
 
     runs = solo_run(tmp_path)
     bytes_figure = plot_bytes(runs, tmp_path / "bytes.png")

@@ -1,4 +1,4 @@
-"""A round's end (node/round_end.py, node/held_out.py): the held-out eval off the training thread gives
+"""A round's end (node/train/round_end.py, node/train/held_out.py): the held-out eval off the training thread gives
 the inline eval's numbers, does not hold the next phase, and the round end makes one host copy of
 the params, shared by the served snapshot, the checkpoint and the eval."""
 
@@ -13,12 +13,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from node import load_model
-from node.held_out import HeldOutEval
-from node.model import cross_entropy_loss
-from node.outer_round import RoundApplied
-from node.swarm_seam import AdoptedState, JoinAnswer, JoinRequest, SoloAverager
-from node.swarm_state import GLOBAL_PARAMS
-from node.trainer import Trainer
+from node.model.gpt import cross_entropy_loss
+from node.outer.round import RoundApplied
+from node.outer.seam import AdoptedState, JoinAnswer, JoinRequest, SoloAverager
+from node.swarm.state import GLOBAL_PARAMS
+from node.train.held_out import HeldOutEval
+from node.train.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
 from tests.node.test_checkpoint_writer import records, small_config, start_run, wait_until
 from tests.node.test_trainer import corpus_file

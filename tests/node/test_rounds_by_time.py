@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.metrics import read_metrics
-from node.swarm_seam import Averaged, RoundOutcome, RoundRequest
-from node.trainer import Trainer
+from node.ops.metrics import read_metrics
+from node.outer.seam import Averaged, RoundOutcome, RoundRequest
+from node.train.trainer import Trainer
 from tests.node.test_swarm_session import corpus_file, small_config
 
 __all__ = ["corpus_file"]  # fixture

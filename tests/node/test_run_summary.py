@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from node.run_summary import format_duration, summarize_run, summary_line
-from node.swarm_setup import reachable_first
+from node.ops.run_summary import format_duration, summarize_run, summary_line
+from node.swarm.setup import reachable_first
 
 
 def round_record(round: int, time: float, **fields: object) -> dict[str, object]:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from node.model import GPT, ModelConfig
-from node.sample import KVCache, forward_cached, generate
+from node.model.gpt import GPT, ModelConfig
+from node.model.sample import KVCache, forward_cached, generate
 from tests.node.run_support import one_torch_thread
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from node.schedule import LRSchedule
+from node.train.schedule import LRSchedule
 
 
 def test_warmup_then_cosine_to_floor() -> None:

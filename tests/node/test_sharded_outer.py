@@ -1,7 +1,7 @@
 """DiLoCo's outer state sharded over a node's local ranks (``node/parallel/outer.py``).
 
 A node with 2 (tp=2) or 3 (pp=3) local gloo ranks holds θ_global and the outer momentum in contiguous
-ranges, one per rank. Reference: the flat outer state of ``node.outer_state`` (``torch.optim.SGD`` on
+ranges, one per rank. Reference: the flat outer state of ``node.outer.state`` (``torch.optim.SGD`` on
 the whole vector) over the same replica, fed the same pseudo-gradient means: since the outer step is
 elementwise, every range must come out bit-identical to the flat vector's, and so must the pseudo-gradient,
 the params written into the model, the hash and a checkpoint (which loads either way). Each rank holds
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.diloco import DiLoCo
-from node.model import model_config
-from node.outer_state import FlatOuterState, tensor_hash
+from node.model.gpt import model_config
+from node.model.replica import ParallelReplica
+from node.outer.diloco import DiLoCo
+from node.outer.state import FlatOuterState, tensor_hash
 from node.parallel.outer import ShardedOuterState, shard_ranges
-from node.replica import ParallelReplica
-from node.trainer import build_replica
+from node.train.trainer import build_replica
 from tests.node.parallel_support import fixed_batches
 
 SETTINGS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}

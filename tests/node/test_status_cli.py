@@ -17,8 +17,8 @@ from typing import Any
 import grpc.aio
 import pytest
 
-from node.cli import main
-from node.status import status_to_json
+from node.ops.cli import main
+from node.ops.status import status_to_json
 from protocol.auth.channels import SwarmAuth, add_port, new_server
 from protocol.auth.key import SwarmKey
 from protocol.loop import BackgroundLoop
@@ -32,7 +32,7 @@ PHASES = {phase.value for phase in NodePhase}
 def dtnode_status(*args: str) -> subprocess.CompletedProcess[str]:
     """``dtnode status ARGS`` as its own process (as an operator runs it)."""
     return subprocess.run(
-        [sys.executable, "-m", "node.cli", "status", *args],
+        [sys.executable, "-m", "node.ops.cli", "status", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import EXIT_USAGE, build_parser, run_keygen
 from node.config import ConfigError, NodeConfig
-from node.swarm_setup import swarm_config
+from node.ops.cli import EXIT_USAGE, build_parser, run_keygen
+from node.swarm.setup import swarm_config
 from protocol.auth import SwarmKey
 from protocol.auth.channels import SwarmAuth
 

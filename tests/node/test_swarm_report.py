@@ -1,11 +1,11 @@
-"""node/swarm_report.py: participation and the run's verdict from hand-written round records,
+"""node/ops/swarm_report.py: participation and the run's verdict from hand-written round records,
 checked against counts done by hand; the report renders old and new launcher reports."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from node.swarm_report import (
+from node.ops.swarm_report import (
     is_averaged,
     node_participation,
     report_markdown,
@@ -15,7 +15,7 @@ from node.swarm_report import (
 
 
 def record(round_index: int, peers: int = 3, param_hash: str = "", **extra: Any) -> dict[str, Any]:
-    """A round record as node/trainer.py writes it (the fields participation reads)."""
+    """A round record as node/train/trainer.py writes it (the fields participation reads)."""
     return {
         "kind": "round",
         "round": round_index,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.metrics import read_metrics
+from node.ops.metrics import read_metrics
 from tests.node.swarm_cluster import FAST_FLAGS, fork_node
 
 FLAGS = [

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from node.config import NodeConfig
-from node.data import load_corpus
-from node.diloco import DiLoCo, flatten_params
-from node.metrics import read_metrics
-from node.outer_round import RoundApplied
-from node.swarm_seam import (
+from node.data.batches import load_corpus
+from node.ops.metrics import read_metrics
+from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.round import RoundApplied
+from node.outer.seam import (
     Adopt,
     AdoptedState,
     Averaged,
@@ -43,7 +43,7 @@ from node.swarm_seam import (
     RoundStats,
     Stepped,
 )
-from node.swarm_state import (
+from node.swarm.state import (
     GLOBAL_PARAMS,
     OUTER_MOMENTUM,
     ROUND_MEAN,
@@ -55,7 +55,7 @@ from node.swarm_state import (
     round_mean_id,
     round_mean_snapshot,
 )
-from node.trainer import Trainer
+from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot
@@ -79,7 +79,7 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
 
 
 class Handover:
-    """A swarm side (``node.swarm_seam.SwarmSide``) with no sockets that hands the loop the state it
+    """A swarm side (``node.outer.seam.SwarmSide``) with no sockets that hands the loop the state it
     is given to adopt: as the answer to the loop's join (a joiner whose own state is not the swarm's),
     or to its next round (``Adopt``: it missed the round). Otherwise a swarm of one, whose mean of one
     vector is itself. It keeps every snapshot the loop serves."""

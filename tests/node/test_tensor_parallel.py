@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss, model_config
+from node.model.gpt import GPT, cross_entropy_loss, model_config
+from node.model.replica import build_inner_optimizer
 from node.parallel.tensor import (
     apply_tensor_parallel,
     build_tensor_parallel_mesh,
@@ -37,7 +38,6 @@ from node.parallel.tensor import (
     full_tensor,
     validate_tensor_parallel_size,
 )
-from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     SEQ_LEN,
     build_model,

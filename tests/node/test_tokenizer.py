@@ -3,7 +3,7 @@ corpus (a resume with it exits 2 in one line, a joiner's check refuses it); wide
 
 References are independent of the code under test: the embedded corpus's documents read straight from
 the stdlib folder, a word-level ``tokenizer.json`` built by hand with a known id per word, and the byte
-ids of ``node.tokenizer.encode``.
+ids of ``node.data.tokenizer.encode``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from node.cli import main
-from node.corpus import load_corpus
-from node.documents import read_documents, stdlib_files
-from node.swarm_state import adopted_state
-from node.tokenizer import EOS, ByteTokenizer, encode, load_tokenizer, write_byte_tokenizer_json
-from node.trainer import Trainer
+from node.data.corpus import load_corpus
+from node.data.documents import read_documents, stdlib_files
+from node.data.tokenizer import EOS, ByteTokenizer, encode, load_tokenizer, write_byte_tokenizer_json
+from node.ops.cli import main
+from node.swarm.state import adopted_state
+from node.train.trainer import Trainer
 from tests.node.run_support import write_corpus
 from tests.node.test_trainer import small_config
 
@@ -145,7 +145,9 @@ def test_a_resume_or_a_joiner_with_another_tokenizer_is_refused(
     )  # the same model: only the tokenizer differs
     with pytest.raises(ValueError, match="--tokenizer"):
         adopted_state(
-            source.round.snapshot(), num_elements=joiner.diloco.num_elements, corpus_sha256=joiner.corpus.sha256
+            source.round.snapshot(),
+            num_elements=joiner.diloco.num_elements,
+            corpus_sha256=joiner.corpus.sha256,
         )
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from node.config import ConfigError, NodeConfig
-from node.metrics import read_metrics
-from node.trainer import Trainer
+from node.ops.metrics import read_metrics
+from node.train.trainer import Trainer
 from tests.node.swarm_cluster import fork_node
 
 

@@ -25,7 +25,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from node.config import NodeConfig
-from node.model import GPT, cross_entropy_loss
+from node.model.gpt import GPT, cross_entropy_loss
+from node.model.replica import build_inner_optimizer
 from node.parallel.tensor import device_type, distributed_backend, full_parameters
 from node.parallel.zero import (
     apply_fully_shard,
@@ -33,7 +34,6 @@ from node.parallel.zero import (
     build_zero_optimizer,
     optimizer_state_bytes,
 )
-from node.replica import build_inner_optimizer
 from tests.node.parallel_support import (
     BATCH_SIZE,
     build_model,

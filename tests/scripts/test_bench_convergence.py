@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.data import ShardedBatches, load_corpus
-from node.diloco import flatten_params
-from node.model import GPT, cross_entropy_loss, model_config
-from node.outer_state import tensor_hash
-from node.replica import build_inner_optimizer
-from node.schedule import LRSchedule
+from node.data.batches import ShardedBatches, load_corpus
+from node.model.gpt import GPT, cross_entropy_loss, model_config
+from node.model.replica import build_inner_optimizer
+from node.outer.diloco import flatten_params
+from node.outer.state import tensor_hash
+from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
 from protocol.codecs import get_codec
 from tests.scripts.script_loader import load_script, script_path

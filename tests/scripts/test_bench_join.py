@@ -77,7 +77,7 @@ def test_joiner_fetches_the_state_and_contributes_a_round(tmp_path: Path) -> Non
     assert record["param_hash_matches_swarm"] is True
     assert record["num_adoptions"] >= 1 and not record["join_fetch_failed"]
     timeline = record["timeline"]
-    # The fetch runs while the trainer is being built (node/join.py): both come after the DHT and
+    # The fetch runs while the trainer is being built (node/swarm/join.py): both come after the DHT and
     # before the load; the rest is one sequence.
     events = ["swarm_up", "join_decided", "fetched", "adopted", "last_inner_step", "first_round"]
     times = [timeline[event] for event in events]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from node.cli import build_parser
+from node.ops.cli import build_parser
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 bench = load_script("bench_participation")

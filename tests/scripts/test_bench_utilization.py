@@ -40,7 +40,7 @@ SMALL_RUN = [
 def round_record(
     round_index: int, compute: float, blocked: float, time_written: float, **extra: Any
 ) -> dict[str, Any]:
-    """A round record as node/trainer.py writes it (the fields the benchmark reads)."""
+    """A round record as node/train/trainer.py writes it (the fields the benchmark reads)."""
     return {
         "kind": "round",
         "round": round_index,

@@ -1,11 +1,11 @@
-"""Shard assignment, and the data-layer contract with ``node.data.ShardedBatches`` it relies on."""
+"""Shard assignment, and the data-layer contract with ``node.data.batches.ShardedBatches`` it relies on."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from node.data import ShardedBatches
+from node.data.batches import ShardedBatches
 from protocol.membership.shards import ShardAssignment, assign_shard, shard_assignments
 
 SEQ_LEN = 4

@@ -1,0 +1,241 @@
+"""Sharded, deterministic, resumable training batches and a fixed validation set.
+
+Windows
+-------
+The training stream (``Corpus.train``, N tokens) is cut into ``num_windows = (N - 1) // seq_len``
+windows; window ``w`` is ``tokens[w*T : w*T + T + 1]`` with ``T = seq_len``. Consecutive windows
+share exactly one boundary token (the last token of window ``w`` is the first of ``w + 1``), which
+is what the next-token shift needs: ``x = window[:-1]`` and ``y = window[1:]``, so every token but
+the very first is a target exactly once per epoch. Windows ignore document boundaries on purpose:
+``EOS`` inside a window teaches the model where documents end, and no token is wasted on padding
+(the same choice as nanoGPT and GPT-2 pre-training). Reading by window index instead of by random
+offset makes "which data did shard i see" a finite set we can reason about and test.
+
+Epochs and shards
+-----------------
+Epoch ``e`` visits the windows in a permutation fixed by ``(seed, e)``. The permutation sorts the
+windows by a 64-bit SplitMix64 hash of ``(seed, e, window)``: it is plain integer arithmetic, so it
+is the same on every peer whatever its numpy or torch version (their generators promise no stream
+stability across releases) and costs one argsort per epoch.
+
+Training proceeds in rounds. ``position`` is a *global* offset into the epoch's permutation,
+identical on every peer. In one round the ``num_shards`` peers together consume the
+``num_shards * batch_size`` permutation entries starting at ``position``; shard ``i`` takes those
+at ``position + i + num_shards * k`` for ``k < batch_size`` (so with no reshard, shard ``i`` reads
+exactly the positions ``p`` with ``p % num_shards == i``). Then every peer advances ``position`` by
+``num_shards * batch_size``. A round that would run past the end of the permutation is skipped and
+the next epoch starts at position 0; the skipped tail (< one round) differs from epoch to epoch.
+
+Why disjoint: within one round the shards take distinct residues of one block of positions, and
+rounds use non-overlapping blocks, so two shards of the same ``num_shards`` never read the same
+window in an epoch, provided all peers call ``next_batch`` in lockstep (once per inner step).
+
+Reshard rule: ``reshard(shard_index, num_shards)`` keeps ``epoch`` and ``position`` and only changes
+how the next rounds are divided. Everything before ``position`` was consumed under the old
+membership and everything from ``position`` on is split among the new one, so no two live peers
+read the same window from the reshard to the end of the epoch. The daemon must reshard every peer
+at the same global position, e.g. at an outer-round boundary; a joining peer first copies a live
+peer's ``state_dict()`` (``load_state_dict``) and then calls ``reshard`` with its own index.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from node.data.corpus import Corpus, load_corpus
+from node.data.tokenizer import BOS, EOS, PAD, RESERVED, VOCAB_SIZE, TokenArray, decode, encode
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "PAD",
+    "RESERVED",
+    "VOCAB_SIZE",
+    "Corpus",
+    "ShardedBatches",
+    "decode",
+    "encode",
+    "eval_batches",
+    "load_corpus",
+    "window_permutation",
+]
+
+_UINT64_MAX: Final = (1 << 64) - 1
+_GOLDEN_GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)  # odd, so i -> base + i * gamma is injective
+
+
+def _check_uint64(name: str, value: int) -> None:
+    if not 0 <= value <= _UINT64_MAX:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+
+
+def _mix64(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """SplitMix64's finalizer (Steele et al., 2014): a bijection on uint64 with full avalanche."""
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
+def window_permutation(num_windows: int, *, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+    """The order in which epoch ``epoch`` visits windows ``0 .. num_windows - 1``.
+
+    Window ``w``'s sort key is ``mix64(base + w * gamma)`` with ``base`` derived from ``(seed,
+    epoch)``; both maps are bijections on uint64, so keys are distinct and the order has no ties.
+    """
+    _check_uint64("seed", seed)
+    _check_uint64("epoch", epoch)
+    base = _mix64(_mix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(epoch))  # (1,)
+    keys = _mix64(base + np.arange(num_windows, dtype=np.uint64) * _GOLDEN_GAMMA)  # (num_windows,)
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def _gather_windows(
+    tokens: TokenArray, windows: npt.NDArray[np.int64], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` for the given window indices: x is each window minus its last token, y minus its first."""
+    offsets = windows[:, None] * seq_len + np.arange(seq_len + 1)  # (B, T + 1)
+    # Fancy indexing a memmap pages in only these B windows, never the whole file.
+    chunk = torch.from_numpy(tokens[offsets].astype(np.int64))  # (B, T + 1)
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+class ShardedBatches:
+    """Shard ``shard_index`` of ``num_shards``'s batches over ``tokens`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokens: TokenArray,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        shard_index: int = 0,
+        num_shards: int = 1,
+    ) -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D stream, got shape {tokens.shape}")
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_windows = max(tokens.size - 1, 0) // seq_len
+        _check_uint64("seed", seed)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.shard_index = 0
+        self.num_shards = 1
+        self.reshard(shard_index, num_shards)
+        self._permutation = window_permutation(self.num_windows, seed=seed, epoch=0)
+        self._permutation_epoch = 0
+
+    @property
+    def windows_per_round(self) -> int:
+        """Permutation entries all shards together consume per ``next_batch`` call."""
+        return self.num_shards * self.batch_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full rounds per epoch, i.e. ``next_batch`` calls per shard per epoch with no reshard."""
+        return self.num_windows // self.windows_per_round
+
+    def reshard(self, shard_index: int, num_shards: int) -> None:
+        """Read as shard ``shard_index`` of ``num_shards`` from the current global position on."""
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ValueError(f"need 0 <= shard_index < num_shards, got {shard_index} of {num_shards}")
+        if self.num_windows < num_shards * self.batch_size:
+            raise ValueError(
+                f"{self.tokens.size} tokens make {self.num_windows} windows of {self.seq_len + 1} tokens, "
+                f"fewer than num_shards * batch_size = {num_shards * self.batch_size}"
+            )
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+
+    def window_indices(self, epoch: int) -> npt.NDArray[np.int64]:
+        """Windows this shard reads in ``epoch`` if it starts at position 0 with no reshard: (batches, B)."""
+        permutation = window_permutation(self.num_windows, seed=self.seed, epoch=epoch)
+        rounds = permutation[: self.batches_per_epoch * self.windows_per_round]
+        # Round r's block is rounds[r*n*B : (r+1)*n*B]; shard i takes its entries i, i+n, i+2n, ...
+        blocks = rounds.reshape(self.batches_per_epoch, self.batch_size, self.num_shards)
+        return blocks[:, :, self.shard_index]  # (batches_per_epoch, B)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(x, y)``, each (batch_size, seq_len) int64; ``y[:, t]`` is the token after ``x[:, t]``."""
+        if self.position + self.windows_per_round > self.num_windows:
+            self.epoch += 1
+            self.position = 0
+        if self._permutation_epoch != self.epoch:
+            self._permutation = window_permutation(self.num_windows, seed=self.seed, epoch=self.epoch)
+            self._permutation_epoch = self.epoch
+        block = self._permutation[self.position : self.position + self.windows_per_round]  # (n * B,)
+        windows = block[self.shard_index :: self.num_shards]  # (B,)
+        assert windows.shape == (self.batch_size,)
+        self.position += self.windows_per_round
+        return _gather_windows(self.tokens, windows, self.seq_len)
+
+    def skip(self, num_steps: int) -> None:
+        """Advance the position as ``num_steps`` calls of ``next_batch`` would, reading nothing.
+
+        A node that ended an inner phase early (a joiner catching up with its swarm) skips the
+        windows its peers read meanwhile, so the swarm's positions agree again.
+        """
+        for _ in range(num_steps):
+            if self.position + self.windows_per_round > self.num_windows:
+                self.epoch += 1
+                self.position = 0
+            self.position += self.windows_per_round
+
+    def state_dict(self) -> dict[str, int]:
+        """Everything needed to continue exactly where this loader stands."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "num_shards": self.num_shards,
+            "seq_len": self.seq_len,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (taken from this or a peer's loader over the same tokens)."""
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(f"state is for seq_len {state['seq_len']}, this loader has {self.seq_len}")
+        if state["epoch"] < 0 or not 0 <= state["position"] <= self.num_windows:
+            raise ValueError(
+                f"bad epoch/position {state['epoch']}/{state['position']} for {self.num_windows} windows"
+            )
+        _check_uint64("seed", state["seed"])
+        self.reshard(state["shard_index"], state["num_shards"])
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self._permutation_epoch = -1  # the seed may have changed: rebuild the permutation lazily
+
+
+def eval_batches(
+    val: TokenArray, seq_len: int, batch_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of validation batches, the same on every peer.
+
+    ``num_batches * batch_size`` windows (same layout as training) are picked evenly spaced over the
+    whole stream, so the estimate covers every validation document rather than the first few. With
+    fewer windows, as many full batches as fit are returned, or one smaller batch of all windows.
+    """
+    if seq_len < 1 or batch_size < 1 or num_batches < 1:
+        raise ValueError(
+            f"seq_len, batch_size, num_batches must be >= 1, got {seq_len}, {batch_size}, {num_batches}"
+        )
+    num_windows = max(val.size - 1, 0) // seq_len
+    if num_windows == 0:
+        raise ValueError(f"validation stream has {val.size} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    if num_windows < batch_size:
+        return [_gather_windows(val, np.arange(num_windows, dtype=np.int64), seq_len)]
+    num_batches = min(num_batches, num_windows // batch_size)
+    num_picked = num_batches * batch_size
+    picked = np.arange(num_picked, dtype=np.int64) * num_windows // num_picked  # evenly spaced, distinct
+    return [_gather_windows(val, batch, seq_len) for batch in picked.reshape(num_batches, batch_size)]

@@ -1,0 +1,90 @@
+"""``dtnode health ADDR``: ask a node's gRPC port whether it serves (the standard health protocol).
+
+Every node serves ``grpc.health.v1.Health`` on its ``--listen`` port (``protocol/swarm/server.py``):
+the whole server (service ``""``) and each dtnode service are SERVING while the node runs, and
+NOT_SERVING once it leaves. This is the check a container orchestrator runs (``docker/Dockerfile``'s
+HEALTHCHECK): exit 0 when the answer is SERVING, 1 for any other answer, an unreachable node or no
+answer within the timeout. Health needs no swarm-key token; a node started with ``--tls`` answers
+only over mutual TLS, so ``auth`` brings the swarm's certificate then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from node.config import flat_defaults, resolve_run_dir
+from protocol.auth.channels import SwarmAuth, operator_channel
+
+EXIT_SERVING = 0
+EXIT_UNHEALTHY = 1
+
+
+def check_health(
+    address: str, *, service: str = "", timeout: timedelta, auth: SwarmAuth | None = None
+) -> tuple[bool, str]:
+    """Ask ``address`` (``host:port``) for ``service``'s health (``""``: the whole server).
+
+    Returns (serving, what was heard): the status name (``SERVING``, ``NOT_SERVING``, …) or the gRPC
+    error (``UNAVAILABLE: …``, ``DEADLINE_EXCEEDED: …``). Blocks for at most ``timeout``.
+    """
+    options: list[tuple[str, int | str]] = [("grpc.enable_retries", 0)]
+    with operator_channel(address, options=options, auth=auth) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout.total_seconds()
+            )
+        except grpc.RpcError as error:
+            code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+            details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+            return False, f"{code.name}: {details}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def run_health(address: str, *, service: str, timeout: timedelta, auth: SwarmAuth | None) -> int:
+    """Print one line (``ADDR: SERVING``) and return the exit code: 0 serving, 1 otherwise."""
+    serving, heard = check_health(address, service=service, timeout=timeout, auth=auth)
+    label = f"{address} ({service})" if service else address
+    print(f"{label}: {heard}", flush=True)
+    return EXIT_SERVING if serving else EXIT_UNHEALTHY
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """What ``dtnode health`` reads of the node's settings."""
+
+    listen: str
+    run_dir: Path
+    swarm_key_file: str
+    tls: bool
+
+
+def health_settings(values: dict[str, Any]) -> HealthSettings:
+    """The settings from the layers' values (``node.config.layered_values``), defaults filled in.
+
+    A container runs the health check every few seconds: building a whole ``NodeConfig`` validates
+    the model preset, which imports torch (seconds of CPU each time), so only these are read."""
+    setting = {**flat_defaults(), **values}
+    return HealthSettings(
+        listen=str(setting["listen"]),
+        run_dir=resolve_run_dir(name=str(setting["name"]), run_dir=str(setting["run_dir"])),
+        swarm_key_file=str(setting["swarm_key_file"]),
+        tls=bool(setting["tls"]),
+    )
+
+
+def local_address(listen: str, run_dir: Path) -> str:
+    """The address of this machine's node: loopback and the ``--listen`` port, or (port 0: any free
+    port) the ``grpc_address`` the node recorded in ``run_dir/node.json``."""
+    from node.ops.status import address_from_run_dir
+
+    host, _, port = listen.rpartition(":")
+    if port and port != "0":
+        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::', '[::]') else host}:{port}"
+    return address_from_run_dir(run_dir)

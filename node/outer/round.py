@@ -1,0 +1,543 @@
+"""One outer round, one home: the phase clock, DiLoCo's outer step through the swarm, adoption.
+
+Both loops, the daemon's (``node/train/trainer.py``) and the Python API's (``node/api.py``), drive one
+:class:`OuterRound`. They count each inner step (:meth:`OuterRound.count_step`) and call
+:meth:`OuterRound.at_step_boundary`; everything about the outer round happens in here:
+
+    at_step_boundary()
+      ├─ the phase is due (H steps, or --round-seconds; trained on while a node fetches our state)
+      ├─ the round in flight (--overlap) landed and sends us to adopt the swarm's state
+      ├─ we adopted mid-phase and the swarm's next round forms now (catch-up): skip to its step
+      │        └─> _end_phase():
+      │              Phase 1: Δ = θ_global − θ_local (DiLoCo), or the phase's own Δ_k (overlap)
+      │              Phase 2: the swarm's RoundOutcome for Δ (SwarmSession.average), inline or
+      │                       awaited from the round in flight; Δ̄ applied to θ_global (DiLoCo)
+      │              Phase 3: the one ``match`` on its decision: Averaged/FellBack count the round,
+      │                       Adopt loads the swarm's state (the one adoption path, also at join)
+      │              Phase 4: the swarm reshards our data, the new state is served; ``on_applied``
+      │                       (the daemon records the round and checkpoints, before phase 5)
+      │              Phase 5 (overlap): hand this phase's Δ_k to the swarm on the averaging thread;
+      │                       the model trains on from θ_global − Δ_k meanwhile
+      └─ else (overlap): the round in flight landed: serve its state now, not a phase later
+
+The swarm never calls back into here: every call into :class:`~node.outer.seam.SwarmSide` passes
+what it needs (``node/outer/seam.py``), and the round in flight is a future polled at step
+boundaries. Counters are global over the run: ``step`` = inner steps done, ``round`` = outer rounds
+applied; the current phase belongs to round ``round + 1`` (``+ 1`` more while one is in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+
+from node.outer.host_copy import HostCopies
+from node.outer.seam import (
+    MAX_DUE_WAIT,
+    Adopt,
+    AdoptedState,
+    Averaged,
+    Averager,
+    Boundary,
+    FellBack,
+    JoinRequest,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+    SwarmSide,
+)
+from node.swarm.state import state_snapshot
+
+if TYPE_CHECKING:
+    from node.outer.diloco import DiLoCo
+    from protocol.statesync.snapshot import Snapshot
+    from protocol.swarm.streams import StreamRunner
+
+log = logging.getLogger("dtnode")
+
+RoundKind = Literal["averaged", "fell_back", "adopted"]
+
+
+@dataclass
+class RoundProgress:
+    """The loop's counters, over the whole run (a resumed run continues them)."""
+
+    step: int = 0  # inner steps done
+    round: int = 0  # outer rounds applied
+    tokens: int = 0  # training tokens (or samples) processed
+    round_tokens: int = 0  # tokens (or samples) since the last outer step: the next Δ's weight
+    round_compute_seconds: float = 0.0  # inner compute since the last outer step
+
+
+class DataCursor(Protocol):
+    """Where the loop reads its data: the daemon's batches, or nothing of the API user's but a shard."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def skip(self, num_steps: int) -> None: ...
+
+    def reshard(self, shard_index: int, num_shards: int) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundSettings:
+    """When a phase ends and how its round runs."""
+
+    inner_steps: int  # H: the phase ends after H inner steps ...
+    round_seconds: float = 0.0  # ... or, if > 0, once it lasted this long (rounds due by time)
+    overlap: bool = False  # average a phase's Δ while the next phase trains (Streaming DiLoCo)
+    model: str  # the model's name in the served state (a preset, or "api:<Module>")
+    corpus_sha256: str  # the data identity a joiner is checked against
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundApplied:
+    """One round the loop went through, as its record reads it."""
+
+    round_index: int  # the round (1-based) this was
+    decision: RoundDecision
+    stats: RoundStats
+    param_hash: str  # of the global params the model's round now holds (the adopted ones after Adopt)
+    pseudo_gradient_norm: float  # ‖Δ̄‖ (0 after Adopt)
+    seconds_comm: float  # the swarm's round, start to answer
+    seconds_waited: float  # how long the training thread was blocked on it
+    compute_seconds: float  # inner compute of the phases no earlier record counted
+    weight: float  # tokens (or samples) this node contributed
+    model_is_global: bool  # the model holds θ_global now (a synchronous round, or an adoption)
+
+    @property
+    def kind(self) -> RoundKind:
+        match self.decision:
+            case Averaged():
+                return "averaged"
+            case FellBack():
+                return "fell_back"
+            case Adopt():
+                return "adopted"
+
+    @property
+    def reason(self) -> str:
+        """Why the round fell back, if it did."""
+        match self.decision:
+            case FellBack(reason=reason):
+                return reason
+            case _:
+                return ""
+
+    @property
+    def caught_up(self) -> bool:
+        """Adopted by stepping with the rounds' means from our own state, not by a whole fetch."""
+        match self.decision:
+            case Adopt(state=state):
+                return state.caught_up
+            case _:
+                return False
+
+    @property
+    def num_peers(self) -> int:
+        return self.stats.num_peers
+
+
+@dataclass(frozen=True)
+class _Landed:
+    """A round's answer, applied to θ_global (unless it sends us to adopt)."""
+
+    request: RoundRequest
+    outcome: RoundOutcome
+    seconds_comm: float
+    norm: float
+    param_hash: str
+
+
+class OuterRound:
+    """The outer round of one node; see the module docstring.
+
+    ``swarm`` None: a swarm of one (``averager`` a ``SoloAverager``), or a fake in tests. ``on_applied``
+    is called on the training thread with each round applied, before the next is handed to the swarm:
+    the daemon writes its record and checkpoints there (its checkpoint then holds no round in flight).
+    """
+
+    def __init__(
+        self,
+        diloco: DiLoCo,
+        *,
+        averager: Averager,
+        swarm: SwarmSide | None,
+        settings: RoundSettings,
+        data: DataCursor,
+        stop_requested: Callable[[], bool],
+        on_applied: Callable[[RoundApplied], None] | None = None,
+        open_streams: Callable[[], StreamRunner] | None = None,
+    ) -> None:
+        self.diloco = diloco
+        self.averager = averager
+        self.swarm = swarm
+        self.settings = settings
+        self.data = data
+        self.stop_requested = stop_requested
+        self.on_applied = on_applied
+        self.open_streams = open_streams
+        self.progress = RoundProgress()
+        self.host = HostCopies(diloco)  # the one host copy of θ_global per version (node/outer/host_copy.py)
+        # The phase under way: its monotonic start (None: the first of this process), its first step,
+        # and since when it runs past its end because a node is fetching our state.
+        self._phase_started: float | None = None
+        self._phase_start_step: int | None = None
+        self._extended_since: float | None = None
+        self._last_boundary: float | None = None  # when the previous step was counted (API timing)
+        # Overlap: the round in flight on the averaging thread, and the (step, data position) at the
+        # end of its phase (what its served state carries).
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="outer-averaging") if settings.overlap else None
+        )
+        self._in_flight: Future[_Landed] | None = None
+        self._submitted_boundary: Boundary | None = None
+        self._unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
+        self._served: tuple[int, str] | None = None  # the lineage this node serves now
+        self._last_rate = 0.0  # tokens (or samples) per second of the last phase that ended
+
+    # --- lifecycle ---
+
+    def restore(self, progress: RoundProgress, *, phase_start_step: int | None = None) -> None:
+        """Continue from a checkpoint's counters (before :meth:`start`); ``phase_start_step``: the first
+        step of the phase under way, if the checkpoint kept it (else the last multiple of H)."""
+        self.progress = progress
+        self._phase_start_step = phase_start_step
+
+    def start(self, swarm_state: dict[str, torch.Tensor] | None = None) -> None:
+        """Join the swarm: adopt its state if ours is not its own (the one adoption path), serve the
+        state we hold, pass the start barrier; then restore the swarm's part of a checkpoint
+        (``swarm_state``: the codec's residual) unless the state it belongs to was replaced."""
+        self._last_boundary = time.monotonic()
+        swarm = self.swarm
+        if swarm is None:
+            return
+        answer = swarm.join(
+            JoinRequest(
+                num_elements=self.diloco.num_elements,
+                corpus_sha256=self.settings.corpus_sha256,
+                held=self.snapshot(),
+                stepper=lambda mean, start: self.diloco.stepped(mean, start=start),
+                stop_requested=self.stop_requested,
+                open_streams=self.open_streams,
+            )
+        )
+        if answer.adopt is not None:
+            self._adopt(answer.adopt)
+        if answer.serve:
+            self._serve()
+        swarm.await_start_peers()
+        if swarm_state and not swarm.num_adoptions:
+            swarm.load_state_dict(swarm_state)
+
+    def close(self) -> None:
+        """Stop the averaging thread (after :meth:`finish`)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # --- the loop's two calls ---
+
+    def count_step(self, tokens: int, compute_seconds: float | None = None) -> None:
+        """One inner step trained ``tokens`` (or samples: the Δ's weight) in ``compute_seconds`` (None:
+        the wall time since the previous step, for a loop that does not time its own steps)."""
+        now = time.monotonic()
+        if compute_seconds is None:
+            compute_seconds = now - (self._last_boundary if self._last_boundary is not None else now)
+        self._last_boundary = now
+        progress = self.progress
+        self._start_step()  # the phase under way starts before this step (once per process or adoption)
+        progress.step += 1
+        progress.tokens += tokens
+        progress.round_tokens += tokens
+        progress.round_compute_seconds += compute_seconds
+
+    def at_step_boundary(self) -> RoundApplied | None:
+        """Between two inner steps: end the phase if it is over (see the module docstring) and return
+        the round applied then, if any."""
+        if self._phase_due():
+            return self._end_phase()
+        landed = self._landed()
+        if landed is not None and isinstance(landed.outcome.decision, Adopt):
+            # Overlap: the round in flight sent us to adopt the swarm's state; this phase's steps are
+            # on params it replaces, so adopt now rather than at the phase's end, a round behind the
+            # swarm again (then catch up as any adopter does, below).
+            log.info("adopting the swarm's state mid-phase (the round in flight was not ours)")
+            return self._end_phase()
+        if self.swarm is not None and self.swarm.phase_should_end():
+            # Catching up after adopting the swarm's state: join the round the swarm is forming now
+            # with the steps done so far (weighted by their tokens), or, if the swarm already moved
+            # past our state, let the round's lineage check catch us up; on the swarm's step count
+            # and data position (if the round sends us to adopt again, the adopted state sets both).
+            done = self.progress.step - self._start_step()
+            missing = 0 if self.settings.round_seconds else max(self.settings.inner_steps - done, 0)
+            log.info("ending the phase %d steps early to join the swarm's round", missing)
+            self.data.skip(missing)
+            self.progress.step += missing
+            return self._end_phase()
+        if landed is not None and self.swarm is not None and self._submitted_boundary is not None:
+            # Overlap: the round in flight was applied (polled at this step boundary): serve it now,
+            # not at the phase's end, so the swarm's lineage check sees every member of the round on
+            # its new params at once; every member serves the same step and data position.
+            self._serve(landed.request.round_index, boundary=self._submitted_boundary)
+        return None
+
+    def finish(self) -> RoundApplied | None:
+        """The run ends (overlap): apply the round still in flight, so the run ends on the swarm's
+        latest params, with the model holding them."""
+        landed = self._wait_in_flight()
+        applied = None
+        if landed is not None:
+            applied = self._act_on(landed, boundary=self._submitted_boundary, model_is_global=True)
+            if not isinstance(landed.outcome.decision, Adopt):
+                self.diloco.load_global_into_model()
+            if self.on_applied is not None:
+                self.on_applied(applied)
+        self.close()
+        return applied
+
+    # --- what the loop reads ---
+
+    @property
+    def phase_start_step(self) -> int:
+        """The first inner step of the phase under way."""
+        return self._start_step()
+
+    @property
+    def in_flight(self) -> bool:
+        """A round is being averaged on the averaging thread (overlap)."""
+        return self._in_flight is not None
+
+    @property
+    def phase(self) -> int:
+        """The outer round the inner phase under way belongs to (1-based)."""
+        return self.progress.round + 1 + self.in_flight
+
+    @property
+    def tokens_per_s(self) -> float:
+        """This node's inner-phase throughput so far in the phase (0 before its first step)."""
+        progress = self.progress
+        return (
+            progress.round_tokens / progress.round_compute_seconds if progress.round_compute_seconds else 0.0
+        )
+
+    def snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
+        """The global state as served to joiners (``swarm_state.state_snapshot``), made of the round's
+        one host copy: after ``round`` (default the rounds applied), at ``boundary`` (default the
+        step and data position now)."""
+        step, data = boundary if boundary is not None else (self.progress.step, self.data.state_dict())
+        host = self.host.get()
+        return state_snapshot(
+            global_params=host.params,
+            outer_momentum=host.momentum,
+            param_hash=host.param_hash,
+            copy=False,
+            round=self.progress.round if round is None else round,
+            step=step,
+            data=data,
+            model=self.settings.model,
+            corpus_sha256=self.settings.corpus_sha256,
+        )
+
+    # --- the phase clock ---
+
+    def _start_step(self) -> int:
+        if self._phase_start_step is None:
+            step = self.progress.step
+            self._phase_start_step = step - step % self.settings.inner_steps
+        return self._phase_start_step
+
+    def _phase_due(self) -> bool:
+        """Whether the inner phase is over: after H steps, or after ``--round-seconds``; in either case
+        not while a node fetches our lineage's state, then at most MAX_DUE_WAIT longer.
+
+        Rounds due by time let nodes of uneven speeds reach each round together, each contributing
+        the tokens it trained (the mean is weighted by tokens): a fast node never idles at the barrier
+        for a slow one (hivemind's target batch size and Psyche's fixed time windows are the same
+        idea). With ``--overlap`` such a phase also runs on until the round in flight has landed, so
+        a link slower than the phase never blocks the training thread: the round lasts longer. A phase
+        runs on while a node is fetching our lineage's state (``SwarmSession.lineage_peer_due``) so
+        that it joins this round instead of arriving one round late."""
+        settings, progress, now = self.settings, self.progress, time.monotonic()
+        if self._phase_started is None:
+            self._phase_started = now - progress.round_compute_seconds
+        if settings.round_seconds:
+            if progress.round_tokens == 0 or now - self._phase_started < settings.round_seconds:
+                return False
+            if self._in_flight is not None and not self._in_flight.done():
+                return False  # overlap: train on until the round in flight lands
+        elif progress.step - self._start_step() < settings.inner_steps:
+            return False
+        if self.swarm is None or not self.swarm.lineage_peer_due():
+            return True
+        if self._extended_since is None:
+            self._extended_since = now
+            log.info("a node is fetching our lineage's state: training on until it joins")
+        return now - self._extended_since >= MAX_DUE_WAIT.total_seconds()
+
+    def _restart_phase(self) -> None:
+        self._phase_started, self._phase_start_step = time.monotonic(), self.progress.step
+        self._extended_since = None
+
+    # --- the round ---
+
+    def _end_phase(self) -> RoundApplied | None:
+        """Phases 1-5 of the module docstring; the round applied now (None for the first overlapped
+        phase, whose round is still in flight: its compute goes to round 1's record)."""
+        progress = self.progress
+        rate = self._last_rate = self.tokens_per_s
+        self._unrecorded_compute += progress.round_compute_seconds  # (overlap: phase 1's is round 1's)
+        weight, progress.round_tokens, progress.round_compute_seconds = float(progress.round_tokens), 0, 0.0
+        delta: torch.Tensor | None = None
+        if not self.settings.overlap:
+            landed: _Landed | None = self._average_and_apply(
+                self.diloco.pseudo_gradient(), self._request(weight, rate)
+            )
+            seconds_waited = landed.seconds_comm if landed is not None else 0.0
+            if landed is not None and not isinstance(landed.outcome.decision, Adopt):
+                self.diloco.load_global_into_model()  # the model restarts from θ_global
+        else:
+            delta = self.diloco.phase_delta()  # before the round lands: the model still holds this phase
+            waited_from = time.perf_counter()
+            landed = self._wait_in_flight()
+            seconds_waited = time.perf_counter() - waited_from
+        applied = None
+        if landed is not None:
+            adopted = isinstance(landed.outcome.decision, Adopt)
+            boundary = self._submitted_boundary if self.settings.overlap else None
+            # Without overlap (or after adopting) the model restarts from θ_global: it holds it now.
+            applied = self._act_on(
+                landed, boundary=boundary, model_is_global=not self.settings.overlap or adopted,
+                seconds_waited=seconds_waited,
+            )  # fmt: skip
+            if adopted:
+                delta = None  # this phase's progress belongs to other params
+            if self.on_applied is not None:
+                self.on_applied(applied)  # before the next round is in flight: a consistent checkpoint
+        if delta is not None:
+            self._submitted_boundary = (progress.step, self.data.state_dict())
+            request = self._request(weight, rate)
+            self.diloco.restart_from(delta)  # before the averaging thread may step θ_global
+            assert self._executor is not None and self._in_flight is None
+            self._in_flight = self._executor.submit(self._average_and_apply, delta.clone(), request)
+        self._restart_phase()
+        return applied
+
+    def _request(self, weight: float, rate: float) -> RoundRequest:
+        """The next round's request: round ``rounds applied + 1``, from the global params now."""
+        round_index = self.progress.round + 1
+        return RoundRequest(
+            round_index=round_index,
+            weight=weight,
+            lineage=(round_index - 1, self.diloco.param_hash()),
+            tokens_per_s=rate,
+        )
+
+    def _average_and_apply(self, delta: torch.Tensor, request: RoundRequest) -> _Landed:
+        """Phase 2: the swarm's answer for ``delta``, its mean applied to θ_global (on the averaging
+        thread with overlap: the training thread does not touch θ_global during a phase)."""
+        started = time.perf_counter()
+        outcome = self.averager.average(delta, request)
+        seconds_comm = time.perf_counter() - started
+        norm = 0.0
+        match outcome.decision:
+            case Averaged(mean=mean) | FellBack(own=mean):
+                norm = self.diloco.apply_mean(mean)
+            case Adopt():
+                pass  # loaded by the training thread (_act_on)
+        return _Landed(request, outcome, seconds_comm, norm, self.diloco.param_hash())
+
+    def _landed(self) -> _Landed | None:
+        """The round in flight once it has landed, else None (polled at step boundaries)."""
+        future = self._in_flight
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def _wait_in_flight(self) -> _Landed | None:
+        """Wait for the round in flight (the averager returns within its own deadlines); None if none."""
+        if self._in_flight is None:
+            return None
+        landed = self._in_flight.result()
+        self._in_flight = None
+        return landed
+
+    def _act_on(
+        self,
+        landed: _Landed,
+        *,
+        boundary: Boundary | None,
+        model_is_global: bool,
+        seconds_waited: float = 0.0,
+    ) -> RoundApplied:
+        """Phases 3-4: the one place a round's decision is acted on: count the round it stepped
+        through, or load the state it was sent to; then the swarm reshards and the new state is
+        served (at ``boundary``, the round's end, with overlap)."""
+        decision, param_hash, swarm = landed.outcome.decision, landed.param_hash, self.swarm
+        match decision:
+            case Adopt(state=state):
+                self._adopt(state)
+                param_hash, boundary = state.param_hash, None
+                if swarm is not None:
+                    swarm.after_adopt(state)
+            case Averaged() | FellBack():
+                self.progress.round = landed.request.round_index
+                if (
+                    swarm is not None
+                    and (shard := swarm.after_step(landed.outcome.stats.members)) is not None
+                ):
+                    self.data.reshard(*shard)
+        if swarm is not None:
+            self._serve(boundary=boundary)
+        compute_seconds, self._unrecorded_compute = self._unrecorded_compute, 0.0
+        return RoundApplied(
+            round_index=landed.request.round_index,
+            decision=decision,
+            stats=landed.outcome.stats,
+            param_hash=param_hash,
+            pseudo_gradient_norm=landed.norm,
+            seconds_comm=landed.seconds_comm,
+            seconds_waited=seconds_waited,
+            compute_seconds=compute_seconds,
+            weight=landed.request.weight,
+            model_is_global=model_is_global,
+        )
+
+    def _adopt(self, state: AdoptedState) -> None:
+        """Continue from the swarm's global state: params, outer momentum, counters, data position.
+
+        The inner steps since the last round are dropped (their Δ belongs to other params); the
+        inner optimizer's state is this node's own and is kept, as in DiLoCo."""
+        self.diloco.load_global_state(state.global_params, state.outer_momentum)
+        if self.diloco.param_hash() != state.param_hash:
+            raise RuntimeError("the adopted params do not match their param_hash")
+        # The swarm's data position; our shard stays the first until the next round assigns ours (a
+        # bounded duplicate read, never a gap: protocol/membership/shards.py).
+        self.data.load_state_dict({"shard_index": 0, **state.metadata["data"]})
+        progress = self.progress
+        progress.step, progress.round = int(state.metadata["step"]), state.round
+        progress.round_tokens, progress.round_compute_seconds = 0, 0.0
+        self._phase_started = self._phase_start_step = None  # the next phase starts from the swarm's step
+        log.info("now at round %d, step %d, param_hash %s", state.round, progress.step, state.param_hash[:12])
+
+    def _serve(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
+        """Serve the global state now (after ``round``, default the rounds applied), unless it is the
+        one served already."""
+        assert self.swarm is not None
+        lineage = (self.progress.round if round is None else round, self.diloco.param_hash())
+        if round is None and self._served == lineage:
+            return
+        if round is not None and self._served is not None and self._served[0] >= round:
+            return  # a landed round served already (or a newer one)
+        # Advertised with the phase's throughput (the last phase's right after a round).
+        rate = self.tokens_per_s if self.progress.round_tokens else self._last_rate
+        self.swarm.publish(self.snapshot(round, boundary), tokens_per_s=rate)
+        self._served = lineage

@@ -1,0 +1,218 @@
+"""The seam between the outer round and the swarm: what each hands the other, and nothing more.
+
+Like torchft's Manager beside its training loop, the swarm side (``node/swarm/session.py``) never holds the
+loop, and never calls back into it. The loop's outer round (``node/outer/round.py``) *tells* the
+swarm what it needs, as arguments of the calls it makes:
+
+==========================  ====================================================================
+the round calls             with                                     the swarm answers
+==========================  ====================================================================
+``join(request)``           the model's identity, the state it holds  the swarm's state to adopt, or
+                            now (:class:`JoinRequest`)                 none (:class:`JoinAnswer`)
+``await_start_peers()``                                               (the start barrier)
+``average(Δ, round=...)``   the lineage Δ was trained from, weight,   one :class:`RoundOutcome`
+                            throughput (:class:`RoundRequest`)
+``after_step(members)``     the round's group, once stepped through   the data shard to train next
+``after_adopt(state)``      the swarm's state, once loaded            —
+``publish(snapshot)``       the global state to serve now             —
+``phase_should_end()``                                                a catching-up node's phase ends
+``lineage_peer_due()``                                                a node is fetching our state
+==========================  ====================================================================
+
+A round's outcome carries one :data:`RoundDecision`, the only thing anyone branches on (in one
+``match``, ``OuterRound``), and its statistics (:class:`RoundStats`), which only the round record
+reads. Background work (an overlapped round) is a future the loop polls at step boundaries, never a
+callback into the loop from another thread.
+
+Import direction: outer_round → swarm_seam ← swarm; swarm_state → swarm_seam. Nothing here imports
+the loop, the swarm or DiLoCo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from protocol.statesync.snapshot import Snapshot
+    from protocol.swarm.streams import StreamRunner
+
+MAX_DUE_WAIT = timedelta(minutes=2)
+"""The longest a node's inner phase runs past its end while a node fetches its lineage's state (the
+loop trains on meanwhile, ``OuterRound``), and how far ahead a fetching node's estimate may lie for
+the swarm to count it (``SwarmSession.lineage_peer_due``)."""
+
+Boundary = tuple[int, dict[str, Any]]
+"""(inner step, data position) at the end of a round's phase: what a snapshot of that round carries."""
+
+Lineage = tuple[int, str]
+"""(rounds applied, param_hash) of a node's global params."""
+
+Stepped = tuple[torch.Tensor, torch.Tensor | None]
+"""(global params, outer momentum): the outer state after one outer step."""
+
+OuterStepper = Callable[[torch.Tensor, Stepped], Stepped]
+"""``stepper(mean, start)``: the outer state one outer step with ``mean`` gives from ``start``, on
+copies (``DiLoCo.stepped``): a pure function of its arguments and the outer optimizer's settings."""
+
+
+@dataclass(frozen=True)
+class AdoptedState:
+    """A verified global state fetched from the swarm (or stepped to with its rounds' means), ready
+    for the loop to load (``OuterRound``'s one adoption path)."""
+
+    round: int
+    param_hash: str
+    global_params: torch.Tensor  # (N,) fp32
+    outer_momentum: torch.Tensor | None  # (N,) fp32, None before the first outer step
+    metadata: dict[str, Any]
+    round_mean: Any = None
+    """The ``swarm_state.RoundMean`` this state was stepped to with from ours (``caught_up_state``),
+    None if it was fetched whole."""
+
+    @property
+    def caught_up(self) -> bool:
+        return self.round_mean is not None
+
+    @property
+    def lineage(self) -> Lineage:
+        return self.round, self.param_hash
+
+
+# --- what one round decided ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """The group's weighted mean Δ̄ arrived: outer step with it."""
+
+    mean: torch.Tensor  # (N,) fp32
+
+
+@dataclass(frozen=True)
+class FellBack:
+    """No usable mean (too few peers, a failed all-reduce, no state to adopt): outer step with this
+    node's own Δ; the next round's lineage check brings it back to the swarm."""
+
+    own: torch.Tensor  # (N,) fp32
+    reason: str
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """This node missed the round or is off the swarm's lineage: load the swarm's state instead of
+    stepping (fetched whole, or caught up with the rounds' means: ``state.caught_up``)."""
+
+    state: AdoptedState
+
+
+RoundDecision = Averaged | FellBack | Adopt
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundStats:
+    """What a round cost and who was in it: read by the round record (``node/ops/metrics.py``), never
+    branched on."""
+
+    num_peers: int = 1  # nodes whose Δ is in the mean (1: only ours; 0: adopted)
+    members: tuple[str, ...] = ()  # the round's group (peer ids); empty without one
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    """bytes_sent / bytes_recv split by all-reduce phase: {"sent_reduce_scatter", "sent_all_gather",
+    "recv_reduce_scatter", "recv_all_gather"} (empty if nothing went over the wire)."""
+    failures: tuple[str, ...] = ()  # human-readable reasons, one per failed peer or phase
+    failures_by_kind: dict[str, int] = field(default_factory=dict)  # node/ops/metrics.py FAILURE_KINDS
+    codec_error: float | None = None  # ‖error-feedback residual‖ / ‖Δ‖; None if nothing was encoded
+    bytes_recv_state_sync: int = 0  # the swarm's state fetched since the previous round
+    seconds_forming: float | None = None  # agreeing on the round's group (None: no swarm round)
+    seconds_allreduce: float | None = None  # the group's all-reduce (None: it did not run)
+    streams: int | None = None  # all-reduce streams the round ran on (None: it did not run)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """The swarm's one answer to a round: what to do, and what it cost."""
+
+    decision: RoundDecision
+    stats: RoundStats = field(default_factory=RoundStats)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRequest:
+    """What the swarm needs to know about the round it is asked to average."""
+
+    round_index: int  # the round being formed (1-based)
+    weight: float  # tokens (or samples) this node trained for it: its Δ's weight in the mean
+    lineage: Lineage  # (round, param_hash) of the global params Δ was trained from
+    tokens_per_s: float  # this node's throughput in the phase (advertised in its record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest:
+    """What the swarm needs from the loop to join: the model's identity and the state held now."""
+
+    num_elements: int
+    """Numbers in the flat global params."""
+    corpus_sha256: str
+    """The data identity a fetched state must carry (corpus and tokenizer)."""
+    held: Snapshot
+    """The global state the loop holds now (served if it is the swarm's)."""
+    stepper: OuterStepper
+    """Steps a copy of an outer state with a round's mean (catching up with the rounds' means)."""
+    stop_requested: Callable[[], bool]
+    """True once the node is asked to stop: the swarm's waits end early."""
+    open_streams: Callable[[], StreamRunner] | None = None
+    """The all-reduce streams 1..S-1 on the local ranks (``--swarm-streams S > 1``), else None."""
+
+
+@dataclass(frozen=True)
+class JoinAnswer:
+    """How a node starts: on its own state (``adopt`` None), or on the swarm's, which it serves once
+    loaded. ``serve`` False: serve nothing yet (an older state of the swarm's that only brings it
+    closer, or our own state while we still fetch the swarm's: a record of it would count for a
+    lineage the swarm is not on)."""
+
+    adopt: AdoptedState | None = None
+    serve: bool = True
+
+
+class Averager(Protocol):
+    """Averages a flat fp32 pseudo-gradient across the swarm (``SwarmSession``), or a swarm of one."""
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome: ...
+
+
+class SoloAverager:
+    """A swarm of one: the mean of one vector is itself."""
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        return RoundOutcome(Averaged(vector))
+
+
+class SwarmSide(Averager, Protocol):
+    """What the outer round calls on the swarm (``node.swarm.session.SwarmSession``); see the table above."""
+
+    num_adoptions: int
+
+    def join(self, request: JoinRequest) -> JoinAnswer: ...
+
+    def await_start_peers(self) -> None: ...
+
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None: ...
+
+    def after_adopt(self, state: AdoptedState) -> None: ...
+
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
+
+    def phase_should_end(self) -> bool: ...
+
+    def lineage_peer_due(self) -> bool: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...

@@ -1,0 +1,527 @@
+"""The node's side of the swarm: DiLoCo rounds through agreed groups, joining, re-syncing, shards.
+
+:class:`SwarmSession` is the loop's :class:`~node.outer.seam.SwarmSide`. It talks to the swarm only
+through :class:`protocol.swarm.node.SwarmNode` (which owns every socket) and never calls the loop:
+the outer round (``node/outer/round.py``) tells it what it needs as arguments (the lineage, the state
+to serve, the model's identity) and acts on what it answers. Each round's answer is one
+:class:`~node.outer.seam.RoundOutcome` whose decision the loop acts on:
+
+========================  ===========================  ===========================================
+swarm's answer            decision                     what follows
+========================  ===========================  ===========================================
+averaged                  Averaged(mean)               outer step; reshard the data among the group
+averaged, fell back       FellBack(own Δ)              outer step on our own Δ; the next round's
+failed (too few peers)                                 lineage check sends us to re-sync
+missed (group without us) Adopt(state)                 the group's new state, stepped to with the
+resync (wrong lineage)                                 rounds' means (``node/swarm/catch_up.py``) or
+                                                       fetched whole, verified (``swarm_state``)
+========================  ===========================  ===========================================
+
+Adopting a state replaces the node's global params, outer momentum, round and step counters and
+data position with the source's (``shards.py`` explains the data contract); the local inner steps
+since the last round are discarded, since their Δ was computed against other params. A node whose
+last round fell back stepped on its own Δ: no chain of means leads to its state, so it fetches the
+whole state at once. Every fetch is announced, and the lineage's members train on while it runs
+(ARCHITECTURE.md, "Participation").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from node.config import ConfigError
+from node.outer.seam import (
+    MAX_DUE_WAIT,
+    Adopt,
+    AdoptedState,
+    Averaged,
+    FellBack,
+    JoinAnswer,
+    JoinRequest,
+    Lineage,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+    Stepped,
+)
+from node.swarm.catch_up import catch_up_with_means, rejoin_due
+from node.swarm.join import JOIN_TIMEOUT, Prefetch
+from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_state, round_mean_snapshot
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.error_feedback import ErrorFeedback
+from protocol.membership.lineage import LineageDecision
+from protocol.membership.shards import assign_shard
+from protocol.statesync.errors import StateSyncError
+from protocol.statesync.fetch import FetchReport
+from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.node import SwarmNode
+from protocol.swarm.participation import START_TIMEOUT, await_start_peers, peer_due, serve_stragglers
+from protocol.swarm.result import (
+    GroupAveraged,
+    LineageResync,
+    RoundMissed,
+    RoundNotFormed,
+    RoundResult,
+    result_name,
+)
+from protocol.swarm.streams import StreamRunner, stream_bounds
+
+log = logging.getLogger(__name__)
+
+MAX_CATCH_UP_ROUNDS = 2
+"""How many rounds behind a node may step to the swarm's state with their means: providers keep the
+means of their last two publishes (StateSyncConfig.num_snapshots_kept)."""
+
+
+class SwarmSession:
+    """The swarm side of a node; see the module docstring.
+
+    ``joining``: the node was given peers, so before its first inner step it waits (up to
+    ``join_timeout``) to see them and adopts the swarm's state if its own is not canonical;
+    ``prefetch`` holds that state if it was fetched while the trainer was being built.
+    """
+
+    def __init__(
+        self,
+        swarm: SwarmNode,
+        *,
+        joining: bool,
+        join_timeout: timedelta = JOIN_TIMEOUT,
+        on_round: Callable[[RoundResult], None] | None = None,
+        prefetch: Prefetch | None = None,
+        start_peers: int = 1,
+        start_timeout: timedelta = START_TIMEOUT,
+    ) -> None:
+        self.swarm = swarm
+        self.start_peers = start_peers  # the start barrier: live nodes to wait for before training
+        self.start_timeout = start_timeout
+        self.prefetch = prefetch  # the canonical state fetched while the trainer was being built
+        self.joining = joining
+        self.join_timeout = join_timeout
+        self.on_round = on_round
+        self.error_feedback: ErrorFeedback | None = None
+        self.streams: StreamRunner | None = None  # all-reduce streams 1..S-1 (--swarm-streams)
+        self.last_result: RoundResult | None = None
+        self.num_adoptions = 0
+        self._catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
+        self._adopted_lineage: Lineage = (0, "")
+        self._join: JoinRequest | None = None  # the model's identity and tools (join)
+        # The global state this node holds: the one it last served, or an older state of the
+        # swarm's it stepped to at start; a catch-up with the rounds' means starts from it.
+        self._held: tuple[Lineage, Stepped] | None = None
+        # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
+        # the next round's outcome (node/ops/metrics.py).
+        self._bytes_state_sync = 0
+        self._state_sync_failures = 0
+        # The last round's mean Δ̄ and the (round, param_hash) it stepped from: served beside the
+        # new state (round_mean_snapshot) until the next publish.
+        self._round_mean: RoundMean | None = None
+        self.num_caught_up = 0  # missed rounds stepped through with the swarm's mean
+        # Our last round stepped on our own Δ (it fell back): no member's chain of means leads to our
+        # state, so a catch-up cannot start from it; the whole state is fetched at once.
+        self._stepped_alone = False
+        self._stepping_alone = False  # the same, for the round being averaged
+
+    # --- lifecycle ---
+
+    @property
+    def identity(self) -> JoinRequest:
+        assert self._join is not None, "join() the swarm first"
+        return self._join
+
+    def join(self, request: JoinRequest) -> JoinAnswer:
+        """Announce the node; a joiner whose own state is not the swarm's gets the swarm's to adopt.
+        The loop then loads and serves what this answers, and calls :meth:`await_start_peers`."""
+        self._join = request
+        held = request.held
+        self._held = ((held.round_id, held.state_id), _held_state(held))
+        self.streams = None
+        if request.open_streams is not None:
+            self.streams = request.open_streams()
+            self.swarm.attach_streams(self.streams)
+        if self.swarm.codec.name != "none":
+            self.error_feedback = ErrorFeedback(self._feedback_elements())
+        if not self.joining:
+            return JoinAnswer()
+        # A joiner serves the state it holds only once it is the swarm's: a record of any other would
+        # count for a lineage the swarm could be sent back to (several joiners on one seeded init).
+        ahead = self.prefetch.result() if self.prefetch is not None else None
+        view = self.swarm.wait_for_peers(1, self.join_timeout)
+        if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
+            log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
+                        self.swarm.config.run_name, self.join_timeout)  # fmt: skip
+            return JoinAnswer()
+        ours = self._held[0]
+        decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
+        if decision.in_canonical:
+            return JoinAnswer()
+        state, behind = None, None
+        if ahead is not None and ahead[0].canonical == decision.canonical:
+            state = self._checked(ahead[1])
+        else:
+            if (
+                ahead is not None
+                and 0 < decision.canonical.round - ahead[0].canonical.round <= MAX_CATCH_UP_ROUNDS
+            ):
+                # The swarm finished a round while we fetched: from the state we have, its mean
+                # (its wire bytes) may take us the rest of the way (_catch_up).
+                behind = self._checked(ahead[1])
+                self._held = (behind.lineage, (behind.global_params, behind.outer_momentum))
+            state = self._fetch_canonical(decision, why="joining", ours=self._held[0])
+        if state is None:
+            log.warning("training on our own state until the next round's lineage check")
+            self.swarm.announce_syncing(decision.canonical)  # still syncing (see above)
+            if behind is not None:  # behind the swarm, on its lineage: the next round's check catches us up
+                self._adopted(behind)
+                return JoinAnswer(behind, serve=False)
+            return JoinAnswer(serve=False)  # our own state, not the swarm's: not served (see above)
+        self._adopted(state)
+        return JoinAnswer(state)
+
+    def await_start_peers(self) -> None:
+        """The start barrier (``protocol/swarm/participation.py``): wait until ``start_peers`` nodes
+        of the run are live (after the loop served its state: each counts the others' records)."""
+        if self.start_peers > 1:
+            await_start_peers(self.swarm, self.start_peers, self.start_timeout, self.identity.stop_requested)
+
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
+        """Advertise and serve ``snapshot``, the loop's global state now, with the round's mean beside
+        it if this node stepped to it with one."""
+        round = snapshot.round_id
+        companions = []
+        if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
+            companions.append(round_mean_snapshot(snapshot, self._round_mean))
+        self._round_mean = None
+        self.swarm.publish(
+            round=round,
+            param_hash=snapshot.state_id,
+            tokens_per_s=tokens_per_s,
+            snapshot=snapshot,
+            companions=companions,
+        )
+        self._held = ((round, snapshot.state_id), _held_state(snapshot))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What one round carries into the next, for the checkpoint: the codec's error-feedback
+        residual (a copy). Without it a resumed node's next round encodes another vector than an
+        uninterrupted node's, and the runs part from there."""
+        if self.error_feedback is None:
+            return {}
+        return {"error_feedback": self.error_feedback.residual.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`join`; not after adopting the swarm's state,
+        whose residual would be of other params). A residual of another size (another codec or
+        streams setting) is dropped with a warning: it only delays what error feedback adds."""
+        residual = state.get("error_feedback")
+        if residual is None or self.error_feedback is None:
+            return
+        if residual.shape != self.error_feedback.residual.shape:
+            log.warning("the checkpoint's error-feedback residual (%d numbers) does not fit this node's (%d); "
+                        "starting from zero", residual.numel(), self.error_feedback.num_elements)  # fmt: skip
+            return
+        self.error_feedback.residual.copy_(residual)
+
+    def serve_stragglers(self) -> int:
+        """At the end of a run, serve our last state while a node is behind it (``protocol/swarm/
+        participation.py``); how many nodes were behind."""
+        return serve_stragglers(self.swarm)
+
+    def stop(self) -> None:
+        """Leave the swarm (a tombstone, so rounds stop waiting for us) and close every connection."""
+        try:
+            self.swarm.leave()
+        finally:
+            self.swarm.close()
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether we adopted the swarm's state mid-phase and end our phase when its round forms
+        (meanwhile the swarm's view is read every ``view_refresh``, to see that moment sooner)."""
+        return self._catching_up
+
+    @catching_up.setter
+    def catching_up(self, value: bool) -> None:
+        if value != self._catching_up:
+            self.swarm.watch_closely(value)
+        self._catching_up = value
+
+    # --- the round ---
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        """The round's outcome (:meth:`_average`) with its metrics: codec error, state-sync bytes and
+        failures since the previous round."""
+        self.catching_up = False  # we take part in a round (with overlap, in the background)
+        decision, stats = self._average(vector, request)
+        failures = Counter(stats.failures_by_kind)
+        if self._state_sync_failures:
+            failures["state_sync"] += self._state_sync_failures
+        codec_error = None
+        result = self.last_result
+        if isinstance(result, GroupAveraged):
+            # The residual is what the codec failed to deliver of this round's Δ (plus the carry);
+            # the lossless codec "none" runs without one.
+            codec_error = 0.0
+            if self.error_feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
+                delta_norm = float(torch.linalg.vector_norm(vector[: self.error_feedback.num_elements]))
+                codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
+        stats = dataclasses.replace(
+            stats,
+            failures_by_kind=dict(failures),
+            codec_error=codec_error,
+            bytes_recv_state_sync=self._bytes_state_sync,
+            seconds_forming=None if result is None else result.seconds_forming,
+            seconds_allreduce=result.allreduce.seconds if isinstance(result, GroupAveraged) else None,
+            streams=result.group.num_streams if isinstance(result, GroupAveraged) else None,
+        )
+        self._bytes_state_sync = self._state_sync_failures = 0
+        self._stepped_alone = self._stepping_alone
+        return RoundOutcome(decision, stats)
+
+    def _average(self, vector: torch.Tensor, request: RoundRequest) -> tuple[RoundDecision, RoundStats]:
+        round_index, previous = request.round_index, request.lineage
+        self._round_mean = None
+        self._stepping_alone = False  # this round steps on our own Δ (_own_delta; _stepped_alone after it)
+        result: RoundResult
+        try:
+            result = self.swarm.run_round(
+                vector.to("cpu", torch.float32).contiguous(),
+                round=previous[0],
+                param_hash=previous[1],
+                num_tokens=int(request.weight),
+                tokens_per_s=request.tokens_per_s,
+                error_feedback=self.error_feedback,
+            )
+        except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
+            log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)
+            result = RoundNotFormed(round=round_index, reason=f"timeout: {error}")
+            failure_kind = "timeout"
+        else:
+            failure_kind = {"failed": "round_failed"}.get(result_name(result), result_name(result))
+        self.last_result = result
+        if self.on_round is not None:
+            self.on_round(result)
+        match result:
+            case GroupAveraged(group=group, allreduce=outcome):
+                return self._averaged(vector, round_index, previous, group.member_ids, outcome)
+            case RoundNotFormed(reason=reason):
+                log.warning("round %d: %s; stepping on our own Δ", round_index, reason)
+                return self._own_delta(vector, reason, failure_kind)
+            case LineageResync(decision=lineage):
+                return self._resync(vector, round_index, lineage, why="resync", failure_kind=failure_kind)
+            case RoundMissed():
+                lineage_past = self._wait_for_canonical_past(previous)
+                return self._resync(
+                    vector, round_index, lineage_past, why="missed", failure_kind=failure_kind
+                )
+
+    def _averaged(
+        self,
+        vector: torch.Tensor,
+        round_index: int,
+        previous: Lineage,
+        members: tuple[str, ...],
+        outcome: AllReduceResult,
+    ) -> tuple[RoundDecision, RoundStats]:
+        """A group ran its all-reduce: its mean, or our own Δ if it fell back."""
+        if outcome.fell_back:
+            log.warning("round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3]))
+        else:
+            # With overlap too: the round steps θ_global from `previous` (the averaging thread
+            # starts only after the round before was applied), just a phase later.
+            codec = self.swarm.codec
+            self._round_mean = RoundMean(
+                previous=previous,
+                mean=outcome.averaged,
+                encoded=outcome.payloads,
+                codec=codec.name,
+                block_size=codec.block_size,
+            )
+        contributors = {peer for part in outcome.contributors for peer in part}
+        kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
+        if outcome.fell_back:
+            kinds["fell_back"] = 1
+        stats = RoundStats(
+            num_peers=1 if outcome.fell_back else max(len(contributors), 1),
+            members=members,
+            bytes_sent=outcome.bytes_sent,
+            bytes_recv=outcome.bytes_recv,
+            bytes_by_phase={
+                **{f"sent_{phase}": n for phase, n in outcome.bytes_sent_by_phase.items()},
+                **{f"recv_{phase}": n for phase, n in outcome.bytes_recv_by_phase.items()},
+            },
+            failures=tuple(outcome.failures),
+            failures_by_kind=kinds,
+        )
+        if outcome.fell_back:
+            self._stepping_alone = True
+            return FellBack(outcome.averaged, "; ".join(outcome.failures[:3]) or "fell back"), stats
+        return Averaged(outcome.averaged), stats
+
+    def _resync(
+        self,
+        vector: torch.Tensor,
+        round_index: int,
+        decision: LineageDecision | None,
+        *,
+        why: str,
+        failure_kind: str,
+    ) -> tuple[RoundDecision, RoundStats]:
+        """We missed the round or are off the lineage: the swarm's state to adopt, else our own Δ."""
+        if decision is not None and not decision.in_canonical:
+            state = self._fetch_canonical(decision, why=f"round {round_index} {why}", ours=None)
+            if state is not None:  # the loop loads it (Adopt)
+                stats = RoundStats(num_peers=0, failures=(why,), failures_by_kind={failure_kind: 1})
+                return Adopt(state), stats
+            return self._own_delta(vector, why, failure_kind)
+        log.warning("round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, why)
+        return self._own_delta(vector, why, failure_kind)
+
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+        """The loop stepped through a round (Averaged or FellBack): the data shard (index, count) to
+        train on next, if the round's group assigned one."""
+        self.catching_up = False
+        if members and self.swarm.peer_id in members:
+            shard = assign_shard(members, self.swarm.peer_id)
+            return shard.shard_index, shard.num_shards
+        return None
+
+    # --- adopting the canonical state ---
+
+    def _wait_for_canonical_past(self, ours: Lineage) -> LineageDecision | None:
+        """After a missed round: the lineage decision once the group published params newer than ours."""
+        budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
+        deadline = time.monotonic() + budget.total_seconds()
+        while time.monotonic() < deadline and not self.identity.stop_requested():  # SIGTERM ends the wait
+            decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
+            if not decision.in_canonical and decision.canonical.round > ours[0]:
+                return decision
+            time.sleep(self.swarm.config.view_refresh.total_seconds())
+        return None
+
+    def _fetch_canonical(
+        self, decision: LineageDecision, *, why: str, ours: Lineage | None
+    ) -> AdoptedState | None:
+        """Fetch the canonical state, checked against this node's model and corpus; None (logged) if
+        no source delivered it in time. ``ours``: the lineage of the state we hold (None: the one
+        we last served).
+
+        Every fetch is announced (``SwarmNode.fetch_state(announce=True)``): until we hold the state
+        our record says which state we fetch and when we expect to hold it, so the leader of that
+        lineage's next round waits for us (``RoundFormation._joiners_due``) and, with
+        ``--round-seconds``, its members train on meanwhile (:meth:`lineage_peer_due`). Without
+        this, a node whose catch-up takes longer than the swarm's round arrives one round late
+        every round, forever.
+
+        A failed fetch is survived, never fatal: the sources may be unreachable (a partition not
+        healed yet), and the next round's lineage check tries again.
+        """
+        canonical = decision.canonical
+        held = self._held
+        if (
+            held is not None
+            and not self._stepped_alone
+            and 0 < canonical.round - held[0][0] <= MAX_CATCH_UP_ROUNDS
+        ):
+            caught_up = self._catch_up(decision, held, why=why)
+            if caught_up is not None:
+                return caught_up
+        log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
+                 why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
+        try:
+            report = self.swarm.fetch_state(decision, announce=True)
+        except (StateSyncError, ValueError, TimeoutError) as error:
+            log.warning("could not fetch the swarm's state (%s): %s", why, error)
+            self._state_sync_failures += 1
+            return None
+        return self._checked(report)
+
+    def _catch_up(
+        self, decision: LineageDecision, held: tuple[Lineage, Stepped], *, why: str
+    ) -> AdoptedState | None:
+        """At most MAX_CATCH_UP_ROUNDS behind: step from ``held`` to the swarm's state with its rounds'
+        means (``node/swarm/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
+        canonical, identity = decision.canonical, self.identity
+        state, num_bytes, error = catch_up_with_means(
+            self.swarm, decision, ours=held[0], held=held[1], stepper=identity.stepper,
+            num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256,
+        )  # fmt: skip
+        self._bytes_state_sync += num_bytes
+        if state is None:
+            log.info("%s: cannot step to round %d with its means (%s)", why, canonical.round, error)
+            return None
+        log.info("%s: stepped to the swarm's state (round %d, param_hash %s) with its rounds' means "
+                 "(%.1f MB fetched)", why, canonical.round, canonical.param_hash[:12], num_bytes / 1e6)  # fmt: skip
+        self._round_mean = state.round_mean  # serve the last one on too
+        self.num_caught_up += 1
+        return state
+
+    def _checked(self, report: FetchReport) -> AdoptedState:
+        """The fetched snapshot checked against this node's model and corpus (ConfigError if it does
+        not fit: another model or corpus, so this node cannot be part of this swarm)."""
+        identity = self.identity
+        self._bytes_state_sync += sum(report.bytes_by_source.values())
+        try:
+            return adopted_state(
+                report.snapshot, num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256
+            )
+        except ValueError as error:
+            raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
+
+    def lineage_peer_due(self) -> bool:
+        """Whether a node is fetching our lineage's state: the loop then trains on past its phase's end
+        (``OuterRound``), so the state is still the lineage's when the node holds it and it joins our
+        next round (ARCHITECTURE.md, "Participation"; ``participation.peer_due``)."""
+        return peer_due(self.swarm, max_ahead=MAX_DUE_WAIT)
+
+    def phase_should_end(self) -> bool:
+        """Whether a node catching up should end its inner phase now (the view is read every
+        ``view_refresh`` meanwhile): a peer of its lineage is ready for the next round (join it with
+        the steps done so far; the mean weights members by tokens), or a peer is past the adopted
+        round (the round's lineage check then catches us up at once, not a phase later)."""
+        if not self.catching_up or self._join is None:
+            return False
+        return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
+
+    def _feedback_elements(self) -> int:
+        """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
+        (each other stream keeps its shard's residual where it runs)."""
+        num_streams = 1 + len(self.swarm.stream_addresses)
+        return stream_bounds(self.identity.num_elements, num_streams)[1]
+
+    def after_adopt(self, state: AdoptedState) -> None:
+        """The loop loaded ``state``, the swarm's (a round's Adopt)."""
+        self._adopted(state)
+
+    def _adopted(self, state: AdoptedState) -> None:
+        """The loop loads ``state``, the swarm's: fresh error-feedback residuals (ours are of other
+        params); end our phase as soon as the swarm's next round forms."""
+        self.catching_up, self._stepped_alone = True, False
+        self._adopted_lineage = state.lineage
+        self._held = (state.lineage, (state.global_params, state.outer_momentum))
+        if self.error_feedback is not None:  # residuals of other params
+            self.error_feedback = ErrorFeedback(self._feedback_elements())
+            if self.streams is not None:
+                self.streams.reset_error_feedback()
+        self.num_adoptions += 1
+
+    def _own_delta(
+        self, vector: torch.Tensor, reason: str, failure_kind: str
+    ) -> tuple[RoundDecision, RoundStats]:
+        """A round this node steps through on its own Δ (``failure_kind``: metrics.py): no member's
+        chain of means leads to the state that gives, so a later catch-up fetches the whole state."""
+        self._stepping_alone = True
+        return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})
+
+
+def _held_state(snapshot: Snapshot) -> Stepped:
+    """The (global params, outer momentum) a served snapshot holds."""
+    return snapshot.tensors[GLOBAL_PARAMS], snapshot.tensors.get(OUTER_MOMENTUM)

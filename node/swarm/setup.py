@@ -1,0 +1,107 @@
+"""From the node's settings to a running swarm side: ``swarm_config`` maps ``NodeConfig`` onto
+``SwarmConfig`` (the local stream servers use it too), ``start_swarm`` starts the ``SwarmNode``,
+prints how to join it (addresses other machines can dial first, loopback last) and records it in
+``RUN_DIR/node.json``."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+from node.config import ConfigError, NodeConfig
+from protocol.allreduce.config import AllReduceConfig
+from protocol.auth.channels import SwarmAuth
+from protocol.auth.key import SwarmKey
+from protocol.discovery.dht_node import DhtConfig, DhtStartupError
+from protocol.membership.config import RoundConfig
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.node import SwarmNode
+
+
+def swarm_config(config: NodeConfig) -> SwarmConfig:
+    """The swarm side's settings from the node's (durations in seconds become timedeltas)."""
+    listen_host = config.network.listen.rpartition(":")[0] or "0.0.0.0"
+    peers = tuple(address.strip() for address in config.network.peers.split(",") if address.strip())
+    announce = config.network.announce or None
+    dht_listen = config.network.dht_listen or f"{listen_host}:0"
+    try:
+        dht = DhtConfig(
+            initial_peers=peers,
+            listen=dht_listen,
+            announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
+            identity_path=config.security.identity_path or None,
+            use_relay=config.network.use_relay,
+            client_mode=config.network.client_mode,
+        )
+        max_wait = timedelta(seconds=config.rounds.max_wait)
+        join_window = timedelta(seconds=config.rounds.join_window)
+        rounds = RoundConfig(
+            min_peers=config.rounds.min_peers,
+            join_window=join_window,
+            max_wait=max_wait,
+            proposal_timeout=min(timedelta(seconds=5), join_window),
+            begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
+        )
+        auth = None
+        if config.security.key_file:
+            auth = SwarmAuth(SwarmKey.from_file(Path(config.security.key_file)), tls=config.security.tls)
+        return SwarmConfig(
+            run_name=config.run.name,
+            listen=config.network.listen,
+            announce_host=announce,
+            dht=dht,
+            rounds=rounds,
+            allreduce=AllReduceConfig(
+                keep_payloads=True,  # the round's mean is served on compressed (node/swarm/state.py)
+                aggregation=config.rounds.aggregation,  # type: ignore[arg-type]  # NodeConfig checked it
+                clip_factor=config.rounds.clip_factor,
+                trim_per_side=config.rounds.trim,
+            ),
+            codec=config.rounds.codec,
+            topk_density=config.rounds.topk_density,
+            round_deadline=timedelta(seconds=config.rounds.deadline),
+            sync_deadline=timedelta(seconds=config.rounds.sync_deadline),
+            bandwidth_bytes_per_s=config.network.bandwidth_mbit * 1e6 / 8,
+            client_mode=config.network.client_mode,
+            heartbeat=timedelta(seconds=config.network.heartbeat),
+            record_ttl=timedelta(seconds=config.network.record_ttl),
+            auth=auth,
+        )
+    except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
+        raise ConfigError(str(error)) from None
+
+
+LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
+
+
+def reachable_first(multiaddrs: list[str]) -> list[str]:
+    """``multiaddrs`` with the loopback ones last (otherwise in order): the first address printed
+    under "To join it from another machine" is one another machine can dial."""
+    return sorted(multiaddrs, key=lambda address: address.startswith(LOOPBACK_PREFIXES))
+
+
+def start_swarm(config: NodeConfig) -> SwarmNode:
+    """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``."""
+    try:
+        swarm = SwarmNode(swarm_config(config))
+    except DhtStartupError as error:
+        raise ConfigError(str(error)) from None
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {config.network.listen}: {error}") from None
+    multiaddrs = reachable_first(swarm.multiaddrs())
+    run_dir = config.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
+    (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
+    action = "joined the swarm" if config.network.peers else "started a new swarm"
+    if config.network.client_mode:  # nobody can dial it, so nobody can join through it either
+        print(f"dtnode: joined the swarm {config.run.name!r} as {swarm.peer_id} in client mode (accepts no "
+              "connections; join others through a node without --client-mode).", flush=True)  # fmt: skip
+        return swarm
+    print(
+        f"dtnode: {action} {config.run.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
+        f"To join it from another machine:\n  dtnode join --name {config.run.name} --peers {','.join(multiaddrs)}",
+        flush=True,
+    )
+    return swarm

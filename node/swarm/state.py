@@ -1,0 +1,259 @@
+"""The global state a node serves and adopts: its snapshot (global params, outer momentum, counters,
+data position), the round mean served beside it, and the checks a fetched state must pass before
+the loop loads it (``OuterRound``'s adoption)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from node.outer.seam import AdoptedState, OuterStepper, Stepped
+from node.outer.state import tensor_hash
+from protocol.allreduce.allreduce import EncodedChunk
+from protocol.codecs import get_codec
+from protocol.statesync.snapshot import Snapshot
+
+__all__ = ["AdoptedState"]  # defined in node/outer/seam.py (the loop loads it), checked here
+
+GLOBAL_PARAMS = "global_params"
+OUTER_MOMENTUM = "outer_momentum"
+ROUND_MEAN = "round_mean"  # fp32
+ROUND_MEAN_PAYLOAD = "round_mean_payload"  # the wire codec's bytes (uint8)
+ROUND_MEAN_CHUNKS = "round_mean_chunks"  # int64 (offset, numbers) per encoded chunk
+
+
+def round_mean_id(param_hash: str) -> str:
+    """The state id of the round mean that led to the global params ``param_hash``."""
+    return f"round-mean:{param_hash}"
+
+
+def state_snapshot(
+    *,
+    global_params: torch.Tensor,
+    outer_momentum: torch.Tensor | None,
+    round: int,
+    step: int,
+    data: dict[str, Any],
+    model: str,
+    corpus_sha256: str,
+    param_hash: str | None = None,
+    copy: bool = True,
+) -> Snapshot:
+    """A global state as served to joiners: params, momentum, counters, data position
+    (``OuterRound.snapshot`` gathers them). ``round``: the rounds the global params went through;
+    ``step`` and ``data``: the inner step and data position at that round's end. ``copy=False``:
+    the tensors are host copies nobody writes to (``node.outer.host_copy.HostGlobalState``), served as
+    they are, with their known ``param_hash``."""
+    tensors = {GLOBAL_PARAMS: global_params.detach().to("cpu")}
+    if outer_momentum is not None:
+        tensors[OUTER_MOMENTUM] = outer_momentum.detach().to("cpu")
+    if param_hash is None:
+        param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
+    metadata = {
+        "round": round,
+        "step": step,
+        "param_hash": param_hash,
+        "model": model,
+        "num_elements": tensors[GLOBAL_PARAMS].numel(),
+        "corpus_sha256": corpus_sha256,
+        # The lineage's shared data position, without this node's shard: every member of a round
+        # serves byte-identical metadata, so a joiner can fetch from all of them at once.
+        "data": {k: v for k, v in data.items() if k != "shard_index"},
+    }
+    return Snapshot(
+        round_id=round,
+        state_id=param_hash,
+        tensors=tensors,
+        metadata=json.dumps(metadata).encode(),
+        copy=copy,
+    )
+
+
+@dataclass(frozen=True)
+class RoundMean:
+    """A round's mean Δ̄ as this node stepped with it, and the state it stepped from."""
+
+    previous: tuple[int, str]  # (round, param_hash) before the round
+    mean: torch.Tensor  # (N,) fp32
+    encoded: tuple[EncodedChunk, ...] | None = None  # the codec bytes Δ̄ was decoded from, if kept
+    codec: str = "none"
+    block_size: int = 0
+
+
+def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
+    """What a member of a round serves beside its new ``state``: the round's mean Δ̄ that took the
+    global params from ``round_mean.previous`` to ``state``, so a member that missed the round can
+    step itself there (``caught_up_state``) instead of fetching the whole state. Served as the wire
+    codec's bytes when the all-reduce kept them (int8: ~1 byte per parameter instead of the state's
+    8), else as fp32 (4 bytes).
+
+    Every member of the round holds the same Δ̄ and the same bytes and builds the same metadata, so
+    they all serve the same snapshot and a node can fetch from all of them at once.
+    """
+    momentum = state.tensors.get(OUTER_MOMENTUM)
+    metadata: dict[str, Any] = {
+        "previous_round": round_mean.previous[0],
+        "previous_param_hash": round_mean.previous[1],
+        "outer_momentum_sha256": None if momentum is None else state.sha256(OUTER_MOMENTUM).hex(),
+        "state": json.loads(state.metadata),
+    }
+    if round_mean.encoded is not None:
+        chunks = round_mean.encoded
+        tensors = {
+            ROUND_MEAN_PAYLOAD: torch.frombuffer(
+                bytearray(b"".join(c.payload for c in chunks)), dtype=torch.uint8
+            ),
+            ROUND_MEAN_CHUNKS: torch.tensor(
+                [n for c in chunks for n in (c.offset, c.num_elements)], dtype=torch.int64
+            ),
+        }
+        metadata["codec"] = {"name": round_mean.codec, "block_size": round_mean.block_size}
+    else:
+        tensors = {ROUND_MEAN: round_mean.mean.detach().to("cpu", torch.float32).contiguous()}
+    return Snapshot(
+        round_id=state.round_id,
+        state_id=round_mean_id(state.state_id),
+        tensors=tensors,
+        metadata=json.dumps(metadata).encode(),
+    )
+
+
+def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int) -> RoundMean:
+    """The mean a round-mean snapshot carries, decoded and checked (ValueError if malformed)."""
+    previous = (metadata.get("previous_round"), metadata.get("previous_param_hash"))
+    if ROUND_MEAN in fetched.tensors:
+        mean = fetched.tensors[ROUND_MEAN]
+        if mean.dtype != torch.float32 or mean.numel() != num_elements:
+            raise ValueError("the round mean is not fp32 of the model's size")
+        round_mean = RoundMean(previous=previous, mean=mean)  # type: ignore[arg-type]  # checked by the caller
+    else:
+        payload, table = fetched.tensors.get(ROUND_MEAN_PAYLOAD), fetched.tensors.get(ROUND_MEAN_CHUNKS)
+        spec = metadata.get("codec")
+        if payload is None or table is None or not isinstance(spec, dict):
+            raise ValueError("the round mean snapshot has neither fp32 nor encoded numbers")
+        if payload.dtype != torch.uint8 or table.dtype != torch.int64 or table.numel() % 2:
+            raise ValueError("the round mean's payload or chunk table has the wrong type")
+        try:
+            codec = get_codec(str(spec.get("name")), int(spec.get("block_size") or 0) or None)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"the round mean's codec is not one of ours: {error}") from None
+        mean = torch.empty(num_elements, dtype=torch.float32)
+        raw, chunks, end, position = payload.numpy().tobytes(), [], 0, 0
+        for offset, size in table.view(-1, 2).tolist():
+            if offset != end or size <= 0 or offset + size > num_elements:
+                raise ValueError("the round mean's chunks do not tile the model's parameters")
+            length = codec.encoded_num_bytes(size)
+            piece = raw[position : position + length]
+            codec.validate(piece, size)  # CodecError (a ValueError) if it would not decode
+            codec.decode_into(piece, mean[offset : offset + size])
+            chunks.append(EncodedChunk(offset, size, piece))
+            end, position = offset + size, position + length
+        if end != num_elements or position != len(raw):
+            raise ValueError("the round mean's chunks do not cover exactly the model's parameters")
+        round_mean = RoundMean(
+            previous=previous,  # type: ignore[arg-type]
+            mean=mean,
+            encoded=tuple(chunks),
+            codec=codec.name,
+            block_size=codec.block_size,
+        )
+    if not bool(torch.isfinite(round_mean.mean).all()):
+        raise ValueError("the round mean has non-finite values")
+    return round_mean
+
+
+def round_mean_link(fetched: Snapshot) -> tuple[tuple[int, str], tuple[int, str]]:
+    """The ``(round, param_hash)`` a fetched round mean steps from, and the one it says it leads to
+    (ValueError if its metadata does not say)."""
+    try:
+        metadata = json.loads(fetched.metadata)
+        previous = (metadata["previous_round"], metadata["previous_param_hash"])
+        target = (fetched.round_id, metadata["state"]["param_hash"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"round mean metadata without its rounds: {error}") from None
+    for round, param_hash in (previous, target):
+        if not isinstance(round, int) or not isinstance(param_hash, str):
+            raise ValueError("round mean metadata with malformed rounds")
+    return previous, target
+
+
+def caught_up_state(
+    stepper: OuterStepper,
+    fetched: Snapshot,
+    *,
+    previous: tuple[int, str],
+    target: tuple[int, str],
+    start: Stepped,
+    num_elements: int,
+    corpus_sha256: str,
+) -> AdoptedState:
+    """The state ``target = (round, param_hash)`` stepped to from ``start`` (the global params and
+    outer momentum of ``previous``) with the round mean ``fetched`` (``round_mean_snapshot``);
+    ValueError unless the step reproduces the target's global params and outer momentum bit for
+    bit. Everything in ``fetched`` came from a peer: each field is checked before use."""
+    stepped_from, _ = round_mean_link(fetched)
+    metadata = json.loads(fetched.metadata)
+    if not isinstance(metadata.get("state"), dict):
+        raise ValueError("round mean metadata without the state's")
+    if stepped_from != previous:
+        raise ValueError(
+            f"the round mean follows another state than ours ({previous[0]}, {previous[1][:12]})"
+        )
+    state_metadata = _checked_metadata(
+        metadata["state"], num_elements=num_elements, corpus_sha256=corpus_sha256
+    )
+    round_mean = _fetched_mean(fetched, metadata, num_elements)
+    params, momentum = stepper(round_mean.mean, start)
+    if tensor_hash(params) != target[1]:
+        raise ValueError("stepping with the round mean does not give the swarm's param_hash")
+    momentum_sha256 = (
+        None if momentum is None else hashlib.sha256(momentum.cpu().numpy().tobytes()).hexdigest()
+    )
+    if momentum_sha256 != metadata.get("outer_momentum_sha256"):
+        raise ValueError("stepping with the round mean does not give the swarm's outer momentum")
+    return AdoptedState(
+        round=target[0],
+        param_hash=target[1],
+        global_params=params.cpu(),
+        outer_momentum=None if momentum is None else momentum.cpu(),
+        metadata=state_metadata,
+        round_mean=round_mean,
+    )
+
+
+def _checked_metadata(metadata: object, *, num_elements: int, corpus_sha256: str) -> dict[str, Any]:
+    """A state's metadata, checked against this node's model and corpus (ValueError if it does not fit)."""
+    if not isinstance(metadata, dict):
+        raise ValueError("snapshot metadata is not a JSON object")
+    if metadata.get("num_elements") != num_elements:
+        raise ValueError(
+            f"the swarm trains a model of {metadata.get('num_elements')} parameters ({metadata.get('model')!r}), "
+            f"this node {num_elements}: use the swarm's --model and --seq-len"
+        )
+    if metadata.get("corpus_sha256") != corpus_sha256:
+        raise ValueError("the swarm trains on another corpus: use the swarm's --data and --tokenizer")
+    return metadata
+
+
+def adopted_state(snapshot: Snapshot, *, num_elements: int, corpus_sha256: str) -> AdoptedState:
+    """Check a fetched snapshot against this node's model and corpus; ValueError if it does not fit."""
+    metadata = _checked_metadata(
+        json.loads(snapshot.metadata), num_elements=num_elements, corpus_sha256=corpus_sha256
+    )
+    params = snapshot.tensors[GLOBAL_PARAMS]
+    momentum = snapshot.tensors.get(OUTER_MOMENTUM)
+    if params.dtype != torch.float32 or params.numel() != num_elements:
+        raise ValueError("snapshot global_params are not fp32 of the model's size")
+    if momentum is not None and (momentum.dtype != torch.float32 or momentum.numel() != num_elements):
+        raise ValueError("snapshot outer_momentum is not fp32 of the model's size")
+    return AdoptedState(
+        round=snapshot.round_id,
+        param_hash=snapshot.state_id,
+        global_params=params,
+        outer_momentum=momentum,
+        metadata=metadata,
+    )
