@@ -16,7 +16,7 @@ Records come from untrusted peers: :meth:`PeerRecord.from_dict` validates every 
 lengths, ranges, finiteness) and raises ``ValueError`` naming the field, never anything else.
 Validation lives in ``__post_init__`` so a record built in code is held to the same rules.
 
-Conventions (shared with ``node/trainer.py``): ``round`` counts the outer rounds a peer's global
+Conventions (shared with ``node/train/trainer.py``): ``round`` counts the outer rounds a peer's global
 params have been through; the next outer round is ``round + 1``, so ``ready_for_round`` is either
 ``None`` (training its inner steps) or exactly ``round + 1``.
 """

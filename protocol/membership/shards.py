@@ -4,7 +4,7 @@ Rule: sort the member ids; a member's ``shard_index`` is its position in that li
 ``num_shards`` is the list's length. Every peer that applies the rule to the same list gets the
 same, disjoint assignment, with no message exchanged.
 
-Data-layer contract (``node/data.py``, :class:`node.data.ShardedBatches`)
+Data-layer contract (``node/data/batches.py``, :class:`node.data.batches.ShardedBatches`)
 -------------------------------------------------------------------------
 The loader keeps a *global* ``position`` in the epoch's window permutation, identical on every
 peer of a lineage; in each inner step shard ``i`` of ``n`` reads the positions
