@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from node.train.trainer import Trainer
-from tests.node.test_trainer import small_config
+from tests.node.train.test_trainer import small_config
 
 
 @contextmanager

@@ -26,7 +26,7 @@ _reason = wan_emulator.unavailable_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 REPO_ROOT = SCRIPTS_DIR.parent
-NANO_PARAMS = 919_680  # the nano preset on the embedded corpus (tests/node/test_swarm_cli.py)
+NANO_PARAMS = 919_680  # the nano preset on the embedded corpus (tests/node/ops/test_swarm_cli.py)
 MAX_METADATA_BYTES = 4096
 LINK_MBIT = 100.0
 BENCH = [sys.executable, str(script_path("bench_join")), "--model", "nano", "--inner-steps", "10"]

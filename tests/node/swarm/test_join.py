@@ -28,7 +28,7 @@ from protocol.membership.lineage import Lineage
 from protocol.membership.records import PeerRecord
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
-from tests.node.test_swarm_session import corpus_file, small_config
+from tests.node.swarm.test_swarm_session import corpus_file, small_config
 from tests.protocol.swarm.test_swarm_node import node_config, param_hash_of, started_nodes, wait_for_lineages
 
 __all__ = ["corpus_file"]  # fixture

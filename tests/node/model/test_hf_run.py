@@ -21,7 +21,7 @@ from node.outer.diloco import flatten_params
 from node.outer.state import tensor_hash
 from node.train.trainer import Trainer
 from tests.node.run_support import one_torch_thread
-from tests.node.test_trainer import small_config
+from tests.node.train.test_trainer import small_config
 
 transformers = pytest.importorskip("transformers")
 

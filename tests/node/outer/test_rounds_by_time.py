@@ -19,7 +19,7 @@ import torch
 from node.ops.metrics import read_metrics
 from node.outer.seam import Averaged, RoundOutcome, RoundRequest
 from node.train.trainer import Trainer
-from tests.node.test_swarm_session import corpus_file, small_config
+from tests.node.swarm.test_swarm_session import corpus_file, small_config
 
 __all__ = ["corpus_file"]  # fixture
 

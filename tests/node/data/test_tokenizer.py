@@ -24,7 +24,7 @@ from node.ops.cli import main
 from node.swarm.state import adopted_state
 from node.train.trainer import Trainer
 from tests.node.run_support import write_corpus
-from tests.node.test_trainer import small_config
+from tests.node.train.test_trainer import small_config
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -54,7 +54,7 @@ def test_three_nodes_share_every_round(tmp_path, mode):
         assert losses[-1] < losses[0], losses
         assert "To join it from another machine" in first.log()
         # (That each averaged round's mean is served beside the new state, with overlap too, is
-        # checked over sockets in tests/node/test_catch_up.py; the serving lines are DEBUG now.)
+        # checked over sockets in tests/node/swarm/test_catch_up.py; the serving lines are DEBUG now.)
 
 
 @pytest.mark.timeout(300)

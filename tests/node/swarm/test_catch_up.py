@@ -32,7 +32,7 @@ from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import Lineage, LineageDecision
 from protocol.swarm.node import SwarmNode
 from protocol.swarm.result import GroupAveraged, LineageResync, RoundResult
-from tests.node.test_swarm_session import (
+from tests.node.swarm.test_swarm_session import (
     RecordingAverager,
     corpus_file,
     end_phase,

@@ -22,7 +22,7 @@ from node.outer.diloco import flatten_params
 from node.outer.state import tensor_hash
 from node.train.trainer import Trainer
 from tests.node.run_support import one_torch_thread, train_short_run, write_corpus
-from tests.node.test_trainer import small_config
+from tests.node.train.test_trainer import small_config
 
 # One xdist worker takes the whole module: its tests share a trained run (a module fixture).
 pytestmark = pytest.mark.xdist_group("node.test_export")

@@ -29,8 +29,8 @@ from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from protocol.auth.channels import SwarmAuth, open_channel
 from protocol.auth.key import SwarmKey
+from tests.node.ops.test_swarm_cli import assert_one_lineage
 from tests.node.swarm_cluster import Cluster, tail, wait_for
-from tests.node.test_swarm_cli import assert_one_lineage
 
 TENSOR_PARALLEL = ["--local-workers", "2", "--tp", "2"]
 DATA_PARALLEL = ["--local-workers", "2", "--dp", "2"]

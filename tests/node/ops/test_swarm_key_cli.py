@@ -46,9 +46,9 @@ def test_closed_tls_swarm_runs_a_round_and_keeps_the_key_secret(
 def test_status_reaches_a_tls_node_only_with_the_key(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    from tests.node.ops.test_status_cli import dtnode_status
     from tests.node.swarm_cluster import wait_for
     from tests.node.test_config import run_cli
-    from tests.node.test_status_cli import dtnode_status
 
     key_path = tmp_path_factory.mktemp("key") / "swarm.key"
     SwarmKey.generate().write(key_path)

@@ -19,7 +19,7 @@ from node.outer.round import OuterRound, RoundSettings
 from node.outer.seam import Adopt, AdoptedState, Averaged, RoundOutcome, RoundRequest, RoundStats
 from node.outer.state import tensor_hash
 from node.train.trainer import Trainer
-from tests.node.test_diloco import NoData
+from tests.node.outer.test_diloco import NoData
 
 LR, MOMENTUM = 0.7, 0.9
 

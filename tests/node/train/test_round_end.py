@@ -20,8 +20,8 @@ from node.swarm.state import GLOBAL_PARAMS
 from node.train.held_out import HeldOutEval
 from node.train.trainer import Trainer
 from protocol.statesync.snapshot import Snapshot
-from tests.node.test_checkpoint_writer import records, small_config, start_run, wait_until
-from tests.node.test_trainer import corpus_file
+from tests.node.train.test_checkpoint_writer import records, small_config, start_run, wait_until
+from tests.node.train.test_trainer import corpus_file
 
 __all__ = ["corpus_file"]  # fixture
 

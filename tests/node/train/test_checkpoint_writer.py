@@ -18,8 +18,8 @@ from node.outer.state import tensor_hash
 from node.train.checkpoint import LATEST, latest_checkpoint, load_checkpoint
 from node.train.checkpoint_writer import CheckpointWriter, snapshot_state
 from node.train.trainer import Trainer
-from tests.node.test_trainer import corpus_file
-from tests.node.test_trainer import small_config as trainer_config
+from tests.node.train.test_trainer import corpus_file
+from tests.node.train.test_trainer import small_config as trainer_config
 
 __all__ = ["corpus_file"]  # fixture
 
