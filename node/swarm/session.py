@@ -344,6 +344,7 @@ class SwarmSession:
                 encoded=outcome.payloads,
                 codec=codec.name,
                 block_size=codec.block_size,
+                kept_per_block=codec.spec().kept_per_block,
             )
         contributors = {peer for part in outcome.contributors for peer in part}
         kinds = {"peer": len(outcome.failures)} if outcome.failures else {}

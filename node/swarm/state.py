@@ -14,7 +14,7 @@ import torch
 from node.outer.seam import AdoptedState, OuterStepper, Stepped
 from node.outer.state import tensor_hash
 from protocol.allreduce.allreduce import EncodedChunk
-from protocol.codecs import get_codec
+from protocol.codecs import Codec, get_codec, takes_density
 from protocol.statesync.snapshot import Snapshot
 
 __all__ = ["AdoptedState"]  # defined in node/outer/seam.py (the loop loads it), checked here
@@ -82,6 +82,7 @@ class RoundMean:
     encoded: tuple[EncodedChunk, ...] | None = None  # the codec bytes Δ̄ was decoded from, if kept
     codec: str = "none"
     block_size: int = 0
+    kept_per_block: int = 0  # top-k codecs: the numbers each block sends (0: every number)
 
 
 def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
@@ -111,7 +112,11 @@ def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
                 [n for c in chunks for n in (c.offset, c.num_elements)], dtype=torch.int64
             ),
         }
-        metadata["codec"] = {"name": round_mean.codec, "block_size": round_mean.block_size}
+        metadata["codec"] = {
+            "name": round_mean.codec,
+            "block_size": round_mean.block_size,
+            "kept_per_block": round_mean.kept_per_block,
+        }
     else:
         tensors = {ROUND_MEAN: round_mean.mean.detach().to("cpu", torch.float32).contiguous()}
     return Snapshot(
@@ -120,6 +125,29 @@ def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
         tensors=tensors,
         metadata=json.dumps(metadata).encode(),
     )
+
+
+def served_codec(spec: dict[str, Any]) -> Codec:
+    """The codec a round-mean snapshot's metadata names (``round_mean_snapshot``): name, block size
+    and, for top-k, the numbers kept per block, which the density of ``get_codec`` must give back
+    exactly (ValueError if it names no codec of ours)."""
+    try:
+        name, block_size = str(spec.get("name")), int(spec.get("block_size") or 0)
+        kept = int(spec.get("kept_per_block") or 0)
+        if not takes_density(name):
+            if kept:
+                raise ValueError(f"{name} sends every number, not {kept} a block")
+            return get_codec(name, block_size or None)
+        if block_size <= 0 or not 1 <= kept <= block_size:
+            raise ValueError(
+                f"{name} needs a block size and 1..block_size kept a block, got {block_size}, {kept}"
+            )
+        codec = get_codec(name, block_size, density=kept / block_size)
+        if codec.spec().kept_per_block != kept:
+            raise ValueError(f"{name} cannot keep {kept} of {block_size}")
+        return codec
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the round mean's codec is not one of ours: {error}") from None
 
 
 def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int) -> RoundMean:
@@ -137,10 +165,7 @@ def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int
             raise ValueError("the round mean snapshot has neither fp32 nor encoded numbers")
         if payload.dtype != torch.uint8 or table.dtype != torch.int64 or table.numel() % 2:
             raise ValueError("the round mean's payload or chunk table has the wrong type")
-        try:
-            codec = get_codec(str(spec.get("name")), int(spec.get("block_size") or 0) or None)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"the round mean's codec is not one of ours: {error}") from None
+        codec = served_codec(spec)
         mean = torch.empty(num_elements, dtype=torch.float32)
         raw, chunks, end, position = payload.numpy().tobytes(), [], 0, 0
         for offset, size in table.view(-1, 2).tolist():
@@ -160,6 +185,7 @@ def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int
             encoded=tuple(chunks),
             codec=codec.name,
             block_size=codec.block_size,
+            kept_per_block=codec.spec().kept_per_block,
         )
     if not bool(torch.isfinite(round_mean.mean).all()):
         raise ValueError("the round mean has non-finite values")

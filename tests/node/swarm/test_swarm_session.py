@@ -54,6 +54,7 @@ from node.swarm.state import (
     caught_up_state,
     round_mean_id,
     round_mean_snapshot,
+    served_codec,
 )
 from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import EncodedChunk
@@ -313,8 +314,8 @@ class RecordingAverager:
     hands it back; it keeps each round's mean, the bytes it was decoded from and the lineage the
     round stepped from (a ``RoundMean``)."""
 
-    def __init__(self, codec: str = "int8", chunk: int = 10_000) -> None:
-        self.codec, self.chunk = get_codec(codec), chunk
+    def __init__(self, codec: str = "int8", chunk: int = 10_000, density: float | None = None) -> None:
+        self.codec, self.chunk = get_codec(codec, density=density), chunk
         self.means: list[RoundMean] = []
 
     def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
@@ -327,7 +328,7 @@ class RecordingAverager:
         self.means.append(
             RoundMean(
                 previous=request.lineage, mean=mean, encoded=tuple(chunks), codec=self.codec.name,
-                block_size=self.codec.block_size,
+                block_size=self.codec.block_size, kept_per_block=self.codec.spec().kept_per_block,
             )
         )  # fmt: skip
         return RoundOutcome(Averaged(mean))
@@ -342,9 +343,13 @@ def one_round(trainer: Trainer, recorder: RecordingAverager) -> RoundMean:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("encoded", [True, False], ids=["int8-bytes", "fp32"])
+@pytest.mark.parametrize(
+    ("codec", "encoded"),
+    [("int8", True), ("int8", False), ("topk", True)],
+    ids=["int8-bytes", "fp32", "topk-bytes"],
+)
 def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean(
-    corpus_file: Path, tmp_path: Path, encoded: bool
+    corpus_file: Path, tmp_path: Path, codec: str, encoded: bool
 ) -> None:
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()  # round 1: the outer momentum exists from here on
@@ -356,7 +361,9 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     previous = (1, source.diloco.param_hash())
     assert (behind.progress.round, behind.diloco.param_hash()) == previous
 
-    round_mean = one_round(source, RecordingAverager())  # round 2, without `behind`
+    # topk at 3%, not the default 1.5%: the served bytes must say how many numbers a block kept.
+    recorder = RecordingAverager(codec, density=0.03 if codec == "topk" else None)
+    round_mean = one_round(source, recorder)  # round 2, without `behind`
     assert round_mean.previous == previous
     if not encoded:
         round_mean = dataclasses.replace(round_mean, encoded=None)
@@ -366,6 +373,12 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     if encoded:  # int8: one byte per number plus a 4-byte scale per 256-number block, and the chunk table
         assert set(mean.tensors) == {ROUND_MEAN_PAYLOAD, ROUND_MEAN_CHUNKS}
         assert mean.num_bytes < state.num_bytes / 7
+        payload_bytes = sum(
+            recorder.codec.encoded_num_bytes(c.num_elements) for c in round_mean.encoded or ()
+        )
+        assert mean.tensors[ROUND_MEAN_PAYLOAD].numel() == payload_bytes
+        if codec == "topk":  # 123 of 4096 at 2 bits + a 12-bit offset each, 8 bytes of scales: ~1/145
+            assert mean.num_bytes < state.num_bytes / 100
     else:
         assert set(mean.tensors) == {ROUND_MEAN} and mean.num_bytes * 2 == state.num_bytes
 
@@ -393,6 +406,21 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
     again = round_mean_snapshot(behind.round.snapshot(), caught_up.round_mean)
     assert again.metadata == mean.metadata
     assert all(torch.equal(again.tensors[name], tensor) for name, tensor in mean.tensors.items())
+
+
+def test_the_served_codec_is_the_one_the_round_encoded_with() -> None:
+    topk = served_codec({"name": "topk", "block_size": 4096, "kept_per_block": 123})
+    assert topk.spec().kept_per_block == 123 and topk.block_size == 4096
+    assert served_codec({"name": "int8", "block_size": 256, "kept_per_block": 0}).block_size == 256
+    for spec in (
+        {"name": "topk", "block_size": 4096},  # kept_per_block unsaid: the default density would misread it
+        {"name": "topk", "block_size": 4096, "kept_per_block": 4097},
+        {"name": "topk", "block_size": 0, "kept_per_block": 3},
+        {"name": "int8", "block_size": 256, "kept_per_block": 3},
+        {"name": "zip", "block_size": 256},
+    ):
+        with pytest.raises(ValueError, match="codec"):
+            served_codec(spec)
 
 
 @pytest.mark.timeout(120)
