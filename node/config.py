@@ -462,6 +462,13 @@ class RoundsConfig:
             "of the swarm must use the same."
         ),
     )
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata=_help(
+            "Error feedback's decay β in [0, 1]: each round sends Δ + β x what the codec left out of the "
+            "rounds before (1: all of it; SparseLoCo uses 0.95 with topk and --outer-momentum 0)."
+        ),
+    )
     streams: int = field(
         default=1,
         metadata=_help(
@@ -521,6 +528,7 @@ class RoundsConfig:
         _check_choices(self, "codec")
         if not 0.0 < self.topk_density <= 1.0:
             raise ConfigError(f"topk_density must be in (0, 1], got {self.topk_density}")
+        _check_fraction(self, "error_feedback_decay", "[0, 1]")
         # The all-reduce's own rule checks aggregation, clip_factor and trim; imported here because
         # it imports torch, and the config must stay light to import.
         from protocol.allreduce.robust import AggregationRule
@@ -726,6 +734,7 @@ FLAT_NAMES: Mapping[str, str] = {
     "record_ttl": "network.record_ttl",
     "codec": "rounds.codec",
     "topk_density": "rounds.topk_density",
+    "error_feedback_decay": "rounds.error_feedback_decay",
     "swarm_streams": "rounds.streams",
     "aggregation": "rounds.aggregation",
     "clip_factor": "rounds.clip_factor",

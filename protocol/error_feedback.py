@@ -11,6 +11,13 @@ Karimireddy et al. 2019, "Error Feedback Fixes SignSGD", arXiv:1901.09847) keeps
 so the sum of what was sent over R rounds differs from the sum of the true vectors by one residual,
 not by R quantization errors: the error of a running average shrinks like 1/R.
 
+A decay β < 1 (SparseLoCo's error feedback, below) forgets old residuals geometrically:
+
+    compensated = x + β · residual
+
+so a number left out for many rounds fades instead of arriving all at once, stale from params that
+have moved on. β = 1 is the classic rule above, computed exactly as before (no multiplication).
+
 With the sparse top-k codec the same three lines are SparseLoCo's error feedback (Sarfi et al. 2025,
 arXiv:2508.15706): decode writes zeros where nothing was sent, so the residual holds every number a
 round left out (plus the 2-bit rounding of those it sent), and a number goes out once its accumulated
@@ -31,12 +38,20 @@ import torch
 from protocol.codecs import Codec
 
 
-class ErrorFeedback:
-    """Holds the fp32 residual of one flat vector, shape (num_elements,)."""
+def check_decay(decay: float) -> None:
+    """ValueError unless ``decay`` (the residual's factor per round, β) is in [0, 1]."""
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"error-feedback decay must be in [0, 1], got {decay}")
 
-    def __init__(self, num_elements: int) -> None:
+
+class ErrorFeedback:
+    """Holds the fp32 residual of one flat vector, shape (num_elements,), and its decay β per round."""
+
+    def __init__(self, num_elements: int, *, decay: float = 1.0) -> None:
         if num_elements < 0:
             raise ValueError(f"num_elements must be >= 0, got {num_elements}")
+        check_decay(decay)
+        self.decay = decay
         self.residual = torch.zeros(num_elements, dtype=torch.float32)  # (E,)
 
     @property
@@ -46,7 +61,8 @@ class ErrorFeedback:
     def encode(self, codec: Codec, values: torch.Tensor, offset: int) -> torch.Tensor:
         """Encode values (elements [offset, offset + n) of the vector) plus their residual; update it.
 
-        Returns the payload, and leaves residual[offset:offset + n] = compensated - decode(payload).
+        Returns the payload, and leaves residual[offset:offset + n] = compensated - decode(payload),
+        where compensated = values + decay * residual[offset:offset + n].
         """
         num_elements = values.numel()
         if offset < 0 or offset + num_elements > self.num_elements:
@@ -54,7 +70,7 @@ class ErrorFeedback:
                 f"slice [{offset}, {offset + num_elements}) is outside the residual of {self.num_elements}"
             )
         residual = self.residual[offset : offset + num_elements]
-        compensated = values + residual
+        compensated = values + residual if self.decay == 1.0 else values + residual * self.decay
         payload = codec.encode(compensated)
         decoded = codec.decode_into(payload, residual)  # reuse the residual slice as scratch
         torch.sub(compensated, decoded, out=residual)

@@ -148,7 +148,9 @@ class SwarmSession:
             self.streams = request.open_streams()
             self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
-            self.error_feedback = ErrorFeedback(self._feedback_elements())
+            self.error_feedback = ErrorFeedback(
+                self._feedback_elements(), decay=self.swarm.config.error_feedback_decay
+            )
         if not self.joining:
             return JoinAnswer()
         # A joiner serves the state it holds only once it is the swarm's: a record of any other would
@@ -509,7 +511,9 @@ class SwarmSession:
         self._adopted_lineage = state.lineage
         self._held = (state.lineage, (state.global_params, state.outer_momentum))
         if self.error_feedback is not None:  # residuals of other params
-            self.error_feedback = ErrorFeedback(self._feedback_elements())
+            self.error_feedback = ErrorFeedback(
+                self._feedback_elements(), decay=self.swarm.config.error_feedback_decay
+            )
             if self.streams is not None:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1

@@ -60,6 +60,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             ),
             codec=config.rounds.codec,
             topk_density=config.rounds.topk_density,
+            error_feedback_decay=config.rounds.error_feedback_decay,
             round_deadline=timedelta(seconds=config.rounds.deadline),
             sync_deadline=timedelta(seconds=config.rounds.sync_deadline),
             bandwidth_bytes_per_s=config.network.bandwidth_mbit * 1e6 / 8,

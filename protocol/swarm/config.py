@@ -10,6 +10,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
 from protocol.discovery.dht_node import DhtConfig
+from protocol.error_feedback import check_decay
 from protocol.membership.config import RoundConfig
 from protocol.membership.records import check_address, check_rate, check_token
 from protocol.statesync.config import StateSyncConfig
@@ -39,6 +40,9 @@ class SwarmConfig:
     topk_density: float = DEFAULT_TOPK_DENSITY
     """Codec ``topk``: the fraction of each block's numbers sent; every member of a round must use the same
     (the codec's spec, which every contribution's header carries, says it as ``kept_per_block``)."""
+    error_feedback_decay: float = 1.0
+    """β of the codec's error feedback: each round sends Δ + β · residual (``protocol.error_feedback``);
+    1 keeps the whole residual, SparseLoCo (arXiv:2508.15706) uses 0.95 with top-k."""
     round_deadline: timedelta = timedelta(minutes=5)
     """The all-reduce of a round returns within this, whatever the peers do."""
     sync_deadline: timedelta = timedelta(minutes=10)
@@ -73,6 +77,7 @@ class SwarmConfig:
         if self.client_mode and not self.dht.client_mode:
             raise ValueError("client_mode needs dht.client_mode: a client answers no DHT request either")
         self.wire_codec()  # ValueError for an unknown codec or a bad density
+        check_decay(self.error_feedback_decay)
         check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth_bytes_per_s must be positive")

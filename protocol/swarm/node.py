@@ -422,7 +422,7 @@ class SwarmNode:
 
         return run_streamed(
             vector, group, ours, self.streams, my_peer_id=self.peer_id, weight=weight, codec=self.codec,
-            deadline=deadline, wait=deadline + MARGIN,
+            deadline=deadline, wait=deadline + MARGIN, error_feedback_decay=self.config.error_feedback_decay,
         )  # fmt: skip
 
     # --- leaving ---

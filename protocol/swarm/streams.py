@@ -90,6 +90,7 @@ class StreamJob:
     weight: float
     codec: Codec  # stateless, so it pickles to the rank that runs the stream
     deadline: timedelta
+    error_feedback_decay: float = 1.0  # β of the stream's residual (protocol/error_feedback.py)
 
 
 class StreamRunner(Protocol):
@@ -145,8 +146,12 @@ class StreamServer:
         codec = job.codec
         feedback = None
         if codec.name != "none":
-            if self._error_feedback is None or self._error_feedback.num_elements != shard.numel():
-                self._error_feedback = ErrorFeedback(shard.numel())
+            feedback = self._error_feedback
+            if feedback is None or (feedback.num_elements, feedback.decay) != (
+                shard.numel(),
+                job.error_feedback_decay,
+            ):
+                self._error_feedback = ErrorFeedback(shard.numel(), decay=job.error_feedback_decay)
             feedback = self._error_feedback
         registry = self._peer.registry
         if job.group.round_id <= registry.highest_opened:  # we moved to a lineage numbered lower
@@ -264,6 +269,7 @@ def run_streamed(
     codec: Codec,
     deadline: timedelta,
     wait: timedelta,
+    error_feedback_decay: float = 1.0,
 ) -> AllReduceResult:
     """All-reduce ``vector`` on the group's S streams: shard 0 by ``ours`` (started at once), shards
     1..S-1 by ``runner`` meanwhile; the combined result. A runner that fails (a dead rank) counts as
@@ -279,6 +285,7 @@ def run_streamed(
             weight=weight,
             codec=codec,
             deadline=deadline,
+            error_feedback_decay=error_feedback_decay,
         )
         for s in range(1, group.num_streams)
     ]

@@ -27,3 +27,11 @@ def test_flags_reach_the_allreduce_config() -> None:
 def test_bad_values_are_config_errors(flags: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         NodeConfig.from_flat(**flags)
+
+
+def test_error_feedback_decay_reaches_the_swarm_config() -> None:
+    config = load_config(flags={"codec": "topk", "error_feedback_decay": 0.95}, environ={})
+    assert swarm_config(config).error_feedback_decay == 0.95
+    assert swarm_config(NodeConfig()).error_feedback_decay == 1.0
+    with pytest.raises(ConfigError, match=r"error_feedback_decay must be in \[0, 1\]"):
+        NodeConfig.from_flat(error_feedback_decay=1.5)

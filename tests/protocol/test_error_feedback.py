@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.codecs import get_codec
+from protocol.codecs import TopK2Codec, get_codec
 from protocol.error_feedback import ErrorFeedback
 
 
@@ -40,3 +40,32 @@ def test_running_average_error_shrinks_with_feedback_only(name: str) -> None:
 def test_slice_outside_the_vector_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         ErrorFeedback(10).encode(get_codec("int8"), torch.zeros(5), offset=8)
+
+
+def test_decayed_residual_matches_a_hand_computed_sparseloco_round() -> None:
+    """β = 0.5: each round sends the top 2 of 8 of Δ + β · residual (SparseLoCo's error feedback).
+    Two kept magnitudes per block are exactly the two levels of 2-bit top-k, so decode is exact
+    and every number below is computed by hand."""
+    codec = TopK2Codec(block_size=8, kept_per_block=2)
+    feedback = ErrorFeedback(8, decay=0.5)
+    first = torch.tensor([1.0, -5.0, 0.5, 3.0, 0.0, 0.25, -0.5, 2.0])
+    sent = codec.decode(feedback.encode(codec, first, 0), 8)
+    assert torch.equal(sent, torch.tensor([0.0, -5.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(feedback.residual, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.25, -0.5, 2.0]))
+    # compensated = second + 0.5 x residual = [0.5, 2, 0.25, 0, 4, 0.125, -0.25, 1]: sends 2 and 4.
+    second = torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])
+    sent = codec.decode(feedback.encode(codec, second, 0), 8)
+    assert torch.equal(sent, torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(feedback.residual, torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0, 0.125, -0.25, 1.0]))
+
+
+def test_decay_one_is_the_classic_rule_and_out_of_range_is_refused() -> None:
+    codec = get_codec("int8")
+    values = torch.randn(600, generator=torch.Generator().manual_seed(2))
+    classic, decayed = ErrorFeedback(600), ErrorFeedback(600, decay=1.0)
+    for _ in range(3):
+        assert torch.equal(classic.encode(codec, values, 0), decayed.encode(codec, values, 0))
+    assert torch.equal(classic.residual, decayed.residual)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            ErrorFeedback(4, decay=bad)

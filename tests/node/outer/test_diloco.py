@@ -112,6 +112,20 @@ def test_swarm_of_one_with_lr_1_no_momentum_keeps_local_params() -> None:
     torch.testing.assert_close(flat(model), local, rtol=0, atol=1e-6)
 
 
+def test_sparseloco_outer_step_is_plain_sgd_with_nesterov_left_on() -> None:
+    """``--outer-momentum 0 --outer-lr 1`` (SparseLoCo's outer step; --outer-nesterov keeps its default):
+    θ ← θ − Δ̄ each round, by hand, and no momentum is kept (nor served, nor checkpointed)."""
+    diloco = DiLoCo(make_model(), outer_lr=1.0, outer_momentum=0.0)
+    generator = torch.Generator().manual_seed(3)
+    theta = diloco.global_params.clone()
+    for _ in range(2):
+        mean = torch.randn(diloco.num_elements, generator=generator)
+        diloco.apply_mean(mean)
+        theta = theta - mean
+        assert torch.equal(diloco.global_params, theta)
+        assert diloco.momentum_buffer() is None
+
+
 def test_offload_keeps_outer_state_on_cpu_and_state_round_trips() -> None:
     model = make_model()
     diloco = DiLoCo(model, offload=True)
