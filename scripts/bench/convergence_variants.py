@@ -32,8 +32,14 @@ from node.outer.diloco import DiLoCo, flatten_params
 from node.outer.state import tensor_hash
 from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
-from protocol.codecs import CODEC_NAMES, get_codec
-from scripts.bench.simulated_allreduce import SimulatedAllReduce, ddp_bytes_per_step, payload_bytes
+from protocol.codecs import CODEC_NAMES, DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
+from scripts.bench.simulated_allreduce import (
+    SimulatedAllReduce,
+    ddp_bytes_per_step,
+    is_sparse,
+    payload_bytes,
+    sends_per_payload,
+)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest a DDP rank waits in the rendezvous or one all_reduce before gloo raises."""
@@ -73,6 +79,8 @@ class BenchSettings:
     """DiLoCo outer Nesterov learning rate (the node's default)."""
     outer_momentum: float = _NODE.outer.momentum
     """DiLoCo outer Nesterov momentum (the node's default; 0 = plain SGD)."""
+    error_feedback_decay: float = _NODE.rounds.error_feedback_decay
+    """β of the error feedback (``--error-feedback-decay``): each round sends Δ + β · residual."""
     seed: int = 0
     """Seed of the model initialisation (every worker starts from the same params)."""
     data_seed: int = 0
@@ -114,15 +122,19 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H, codec, an
-    optional outer LR replacing ``BenchSettings.outer_lr`` (DiLoCo kinds) and an optional peak inner LR
-    replacing ``BenchSettings.inner_lr`` (DDP: the baseline at another LR than the shared one)."""
+    """One way of combining the workers: ``kind`` (a key of RUNNERS or PENDING_KINDS), H, codec (with
+    its density for top-k), an optional outer LR, outer momentum and error-feedback decay replacing
+    ``BenchSettings``' (DiLoCo kinds), and an optional peak inner LR replacing ``BenchSettings.inner_lr``
+    (DDP: the baseline at another LR than the shared one)."""
 
     kind: str
     inner_steps: int = 1
     codec: str = "none"
     outer_lr: float | None = None
     inner_lr: float | None = None
+    density: float | None = None  # top-k: the fraction of numbers sent (always set for top-k)
+    outer_momentum: float | None = None
+    error_feedback_decay: float | None = None
 
     @property
     def error_feedback(self) -> bool:
@@ -132,19 +144,40 @@ class Variant:
     def name(self) -> str:
         if self.kind == "ddp":
             return "ddp" if self.inner_lr is None else f"ddp-lr{self.inner_lr:g}"
+        codec = self.codec if self.density is None else f"{self.codec}{self.density:g}"
         lr = "" if self.outer_lr is None else f"-olr{self.outer_lr:g}"
-        return f"{self.kind}-H{self.inner_steps}-{self.codec}" + ("-ef" if self.error_feedback else "") + lr
+        momentum = "" if self.outer_momentum is None else f"-m{self.outer_momentum:g}"
+        decay = "" if self.error_feedback_decay is None else f"-d{self.error_feedback_decay:g}"
+        feedback = "-ef" if self.error_feedback else ""
+        return f"{self.kind}-H{self.inner_steps}-{codec}{feedback}{decay}{momentum}{lr}"
 
     def spec(self) -> str:
         if self.kind == "ddp":
             return "ddp" if self.inner_lr is None else f"ddp:{self.inner_lr!r}"
-        lr = "" if self.outer_lr is None else f":{self.outer_lr!r}"
-        return f"{self.kind}:{self.inner_steps}:{self.codec}{lr}"
+        fields = [self.kind, str(self.inner_steps), self.codec]
+        if self.density is not None:
+            fields.append(repr(self.density))
+        if self.outer_lr is not None:
+            fields.append(repr(self.outer_lr))
+        if self.outer_momentum is not None:
+            fields.append(f"momentum={self.outer_momentum!r}")
+        if self.error_feedback_decay is not None:
+            fields.append(f"decay={self.error_feedback_decay!r}")
+        return ":".join(fields)
 
     def settings(self, shared: BenchSettings) -> BenchSettings:
-        """The settings this variant trains with: the shared ones, with its own LRs where it has them."""
-        own = {"inner_lr": self.inner_lr, "outer_lr": self.outer_lr}
+        """The settings this variant trains with: the shared ones, with its own where it has them."""
+        own: dict[str, Any] = {"inner_lr": self.inner_lr, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+               "error_feedback_decay": self.error_feedback_decay}  # fmt: skip
         return dataclasses.replace(shared, **{k: v for k, v in own.items() if v is not None})
+
+    def wire_codec(self) -> Codec:
+        """The codec its rounds encode with (top-k at its density)."""
+        return (
+            get_codec(self.codec, density=self.density)
+            if takes_density(self.codec)
+            else get_codec(self.codec)
+        )
 
 
 def _positive(text: str, field: str, spec: str) -> float:
@@ -157,20 +190,57 @@ def _positive(text: str, field: str, spec: str) -> float:
     return value
 
 
+def _fraction(text: str, field: str, spec: str, *, zero_ok: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"bad variant {spec!r}: {field} must be a number") from None
+    if not ((0 <= value if zero_ok else 0 < value) and value <= 1):
+        raise ValueError(f"bad variant {spec!r}: {field} must be in {'[0' if zero_ok else '(0'}, 1]")
+    return value
+
+
+VARIANT_SYNTAX = (
+    "ddp[:INNER_LR] or KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B], KIND diloco or overlap, "
+    "DENSITY for topk only (default 0.015)"
+)
+
+
 def parse_variant(text: str) -> Variant:
-    """``ddp[:INNER_LR]`` or ``KIND:H:CODEC[:OUTER_LR]`` (e.g. ``ddp:2e-3``, ``diloco:100:int4``,
-    ``diloco:150:int4:0.9``)."""
+    """``ddp[:INNER_LR]`` or ``KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B]`` (e.g.
+    ``ddp:2e-3``, ``diloco:100:int4``, ``diloco:150:int4:0.9``, ``diloco:150:topk:0.03``,
+    ``diloco:150:topk:0.03:1.0:momentum=0:decay=0.95``: SparseLoCo's outer SGD and error feedback).
+    DENSITY is top-k's only, and then comes first: ``diloco:150:topk:0.9`` is top-k at 90%."""
     fields = text.split(":")
     if fields[0] == "ddp" and len(fields) <= 2:
         return Variant("ddp", inner_lr=_positive(fields[1], "INNER_LR", text) if len(fields) == 2 else None)
-    if len(fields) not in (3, 4) or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
-        raise ValueError(
-            f"bad variant {text!r}: use ddp[:INNER_LR] or KIND:H:CODEC[:OUTER_LR], KIND diloco or overlap"
-        )
+    if len(fields) < 3 or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
+        raise ValueError(f"bad variant {text!r}: use {VARIANT_SYNTAX}")
     if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
         raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
-    outer_lr = _positive(fields[3], "OUTER_LR", text) if len(fields) == 4 else None
-    return Variant(fields[0], int(fields[1]), fields[2], outer_lr)
+    kind, inner_steps, codec = fields[0], int(fields[1]), fields[2]
+    keywords = dict(field.split("=", 1) for field in fields[3:] if "=" in field)
+    positional = [field for field in fields[3:] if "=" not in field]
+    if set(keywords) - {"momentum", "decay"} or len(keywords) != sum("=" in f for f in fields[3:]):
+        raise ValueError(f"bad variant {text!r}: the named fields are momentum= and decay=, once each")
+    density = None
+    if takes_density(codec):
+        density = (
+            _fraction(positional.pop(0), "DENSITY", text, zero_ok=False)
+            if positional
+            else DEFAULT_TOPK_DENSITY
+        )
+    if len(positional) > 1:
+        raise ValueError(f"bad variant {text!r}: use {VARIANT_SYNTAX}")
+    momentum = keywords.get("momentum")
+    decay = keywords.get("decay")
+    return Variant(
+        kind, inner_steps, codec,
+        outer_lr=_positive(positional[0], "OUTER_LR", text) if positional else None,
+        density=density,
+        outer_momentum=None if momentum is None else _fraction(momentum, "momentum", text, zero_ok=True),
+        error_feedback_decay=None if decay is None else _fraction(decay, "decay", text, zero_ok=True),
+    )  # fmt: skip
 
 
 # --- one worker's training -------------------------------------------------------------------------
@@ -326,13 +396,12 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
     corpus, eval_set = load_data(settings)
     workers = [build_worker(settings, corpus, i) for i in range(num_workers)]
-    outer = [
-        DiLoCo(w.model, outer_lr=variant.settings(settings).outer_lr, outer_momentum=settings.outer_momentum)
-        for w in workers
-    ]
+    own = variant.settings(settings)
+    outer = [DiLoCo(w.model, outer_lr=own.outer_lr, outer_momentum=own.outer_momentum) for w in workers]
     allreduce = SimulatedAllReduce(
-        num_members=num_workers, num_elements=outer[0].num_elements, codec=get_codec(variant.codec),
+        num_members=num_workers, num_elements=outer[0].num_elements, codec=variant.wire_codec(),
         error_feedback=variant.error_feedback, chunk_num_elements=settings.chunk_num_elements,
+        error_feedback_decay=own.error_feedback_decay,
     )  # fmt: skip
     schedule = schedule_of(settings)
     eval_model = copy.deepcopy(workers[0].model) if overlap else workers[0].model
@@ -381,14 +450,24 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         )
     num_rounds = settings.steps // inner_steps
     payload = payload_bytes(allreduce.codec, outer[0].num_elements, num_workers, settings.chunk_num_elements)
+    sends = sends_per_payload(allreduce.codec, num_workers)
     return {
         "num_params": outer[0].num_elements,
         "rounds": num_rounds,
         "history": history,
         "final_train_loss": recent_train_loss(workers, settings.eval_every),
         "bytes_sent_per_worker": sum(allreduce.bytes_sent) / num_workers,
-        "bytes_sent_per_worker_formula": num_rounds * 2 * (num_workers - 1) / num_workers * payload,
-        "bytes_formula": "rounds * 2*(N-1)/N * sum over parts and chunks of codec.encoded_num_bytes (scales included)",
+        "bytes_sent_per_worker_formula": num_rounds * sends * payload,
+        "bytes_formula": (
+            "rounds * (N-1)(N+1)/N * payload (sparse: each member's own top-k bytes to the N-1 other part "
+            "owners, then each owner relays its part's N payloads to the N-1 others)"
+            if is_sparse(allreduce.codec)
+            else "rounds * 2*(N-1)/N * payload"
+        )
+        + ", payload = sum over parts and chunks of codec.encoded_num_bytes (scales included)",
+        "density": variant.density,
+        "outer_momentum": own.outer_momentum,
+        "error_feedback_decay": own.error_feedback_decay if variant.error_feedback else None,
         "param_hashes": hashes,
         "simulated": True,
         "accounting": "in-process simulation of the swarm all-reduce's arithmetic (real codecs, error "

@@ -2,8 +2,11 @@
 
 ``SimulatedAllReduce`` does to N vectors what the butterfly all-reduce of ``protocol.allreduce`` does,
 with the same code where it can (``split_by_weight``, ``chunk_sizes``, ``ErrorFeedback``, the real
-codecs and ``PartReducer``) and no sockets. ``payload_bytes`` and ``ddp_bytes_per_step`` are the byte
-formulas ``bench_convergence.py`` reports against; its docstring derives them.
+codecs and ``PartReducer``) and no sockets. With a sparse codec (top-k) it does what the sparse round
+does instead (issue 30: the owners relay the contributors' own payloads, nobody re-encodes a sum; see
+``SimulatedAllReduce._reduce_sparse``). ``payload_bytes``, ``sends_per_payload`` and
+``ddp_bytes_per_step`` are the byte formulas ``bench_convergence.py`` reports against; its docstring
+derives them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from protocol.allreduce.group import split_by_weight
 from protocol.allreduce.reducer import PartReducer, chunk_sizes
 from protocol.allreduce.robust import AggregationRule
-from protocol.codecs import Codec
+from protocol.codecs import Codec, TopKCodec
 from protocol.error_feedback import ErrorFeedback
 
 FP32_BYTES = 4
@@ -25,6 +28,21 @@ FP32_BYTES = 4
 def ddp_bytes_per_step(num_workers: int, num_params: int) -> float:
     """Bytes one rank sends in a ring all-reduce of the fp32 gradients: 2 (N - 1) / N x 4 x params."""
     return 2 * (num_workers - 1) / num_workers * FP32_BYTES * num_params
+
+
+def is_sparse(codec: Codec) -> bool:
+    """True for the codecs whose rounds relay the contributors' payloads instead of re-encoding a mean."""
+    return isinstance(codec, TopKCodec)
+
+
+def sends_per_payload(codec: Codec, num_members: int) -> float:
+    """Bytes a member sends per round, in units of one member's whole encoded vector (``payload_bytes``).
+
+    Dense: 2 (N - 1) / N (its slices of the N - 1 other parts, then its part's mean to the N - 1 others).
+    Sparse: (N - 1) / N + (N - 1) (its slices of the other parts, then the N payloads of its part, one
+    N-th of a vector each, to the N - 1 others) = (N - 1)(N + 1) / N."""
+    n = num_members
+    return (n - 1) * (n + 1) / n if is_sparse(codec) else 2 * (n - 1) / n
 
 
 def payload_bytes(codec: Codec, num_elements: int, num_members: int, chunk_num_elements: int) -> int:
@@ -58,15 +76,23 @@ class SimulatedAllReduce:
         error_feedback: bool,
         chunk_num_elements: int,
         rule: AggregationRule | None = None,
+        error_feedback_decay: float = 1.0,
     ) -> None:
-        """``rule``: the owners' aggregation rule (``protocol.allreduce.robust``; None = the weighted mean)."""
+        """``rule``: the owners' aggregation rule (``protocol.allreduce.robust``; None = the weighted
+        mean; a sparse codec takes the mean only); ``error_feedback_decay``: the residuals' β."""
+        if is_sparse(codec) and (rule is not None or not error_feedback):
+            raise ValueError("the simulated sparse round runs the weighted mean, with error feedback")
         self.num_members = num_members
         self.rule = rule
         self.adjustments: list[str] = []  # every "member m ... clipped / trimmed" the owners reported
         self.codec = codec
         self.chunk_num_elements = chunk_num_elements
         self.bounds = split_by_weight(num_elements, [1.0] * num_members)
-        self.feedback = [ErrorFeedback(num_elements) for _ in range(num_members)] if error_feedback else None
+        self.feedback = (
+            [ErrorFeedback(num_elements, decay=error_feedback_decay) for _ in range(num_members)]
+            if error_feedback
+            else None
+        )
         self.bytes_sent = [0] * num_members  # cumulative over rounds
 
     def _encode(self, member: int, values: torch.Tensor, offset: int) -> bytes:
@@ -78,6 +104,8 @@ class SimulatedAllReduce:
         """The token-weighted mean of ``vectors`` as every member decodes it: (E,) fp32."""
         if len(vectors) != self.num_members or len(weights) != self.num_members:
             raise ValueError(f"need {self.num_members} vectors and weights")
+        if is_sparse(self.codec):
+            return self._reduce_sparse(vectors, weights)
         averaged = torch.empty_like(vectors[0])  # (E,)
         for part in range(self.num_members):
             low, high = self.bounds[part], self.bounds[part + 1]
@@ -111,5 +139,38 @@ class SimulatedAllReduce:
             offset = low
             for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
                 self.codec.decode_into(payload, averaged[offset : offset + size])
+                offset += size
+        return averaged
+
+    def _reduce_sparse(self, vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """A sparse round: every member encodes its whole vector with its own error feedback (the
+        owner its own slice too); each part's owner relays the N payloads of each chunk to the N - 1
+        others (phase 2), and every member sums their decoded values in member order, float32:
+
+            mean = (((0 + w_0 x_0) + w_1 x_1) + ...) / ((0 + w_0) + w_1 + ...)
+
+        so nothing is encoded twice and what a member's top-k left out stays in its residual."""
+        assert self.feedback is not None  # checked in __init__
+        weight_sum = torch.zeros((), dtype=torch.float32)
+        for weight in weights:  # float32, in member order, like the sum itself
+            weight_sum += weight
+        scales = [torch.tensor(weight, dtype=torch.float32) for weight in weights]
+        averaged = torch.empty_like(vectors[0])  # (E,)
+        for part in range(self.num_members):
+            low, high = self.bounds[part], self.bounds[part + 1]
+            offset = low
+            for size in chunk_sizes(high - low, self.chunk_num_elements):
+                total = torch.zeros(size, dtype=torch.float32)
+                bundle_bytes = 0
+                for member, vector in enumerate(vectors):
+                    # Phase 1: the member's own top-k of this chunk, to the part's owner (itself: free).
+                    payload = self._encode(member, vector[offset : offset + size], offset)
+                    bundle_bytes += len(payload)
+                    if member != part:
+                        self.bytes_sent[member] += len(payload)
+                    total += self.codec.decode(payload, size) * scales[member]
+                # Phase 2: the owner relays the chunk's N payloads to the N - 1 others.
+                self.bytes_sent[part] += (self.num_members - 1) * bundle_bytes
+                averaged[offset : offset + size] = total / weight_sum
                 offset += size
         return averaged

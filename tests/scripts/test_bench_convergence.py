@@ -25,7 +25,7 @@ from node.outer.diloco import flatten_params
 from node.outer.state import tensor_hash
 from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
-from protocol.codecs import get_codec
+from protocol.codecs import TopK2Codec, get_codec
 from tests.scripts.script_loader import load_script, script_path
 
 simulated = load_script("simulated_allreduce")
@@ -44,9 +44,11 @@ def _vectors(num_members: int, num_elements: int) -> list[torch.Tensor]:
     return [torch.randn(num_elements, generator=generator) for _ in range(num_members)]
 
 
-def _part_payloads(codec_name: str, num_elements: int, num_members: int, chunk: int) -> list[int]:
+def _part_payloads(
+    codec_name: str, num_elements: int, num_members: int, chunk: int, density: float | None = None
+) -> list[int]:
     """Payload bytes of each member's part, from the codec's size formula, split by hand."""
-    codec = get_codec(codec_name)
+    codec = get_codec(codec_name, density=density)
     base, extra = divmod(num_elements, num_members)
     sizes = [base + (1 if i < extra else 0) for i in range(num_members)]
     return [
@@ -91,6 +93,66 @@ def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
         assert mean_sent == pytest.approx(2 * 2 * (num_members - 1) / num_members * 4 * num_elements)
 
 
+def _sparse_vectors(num_members: int, num_blocks: int) -> list[torch.Tensor]:
+    """Blocks of 8 whose two largest magnitudes are exactly 3 and 5 (random places and signs), the rest
+    below 1: 2-bit top-2 of 8 sends exactly those two (its two levels are 3 and 5)."""
+    generator = torch.Generator().manual_seed(11)
+    vectors = []
+    for _ in range(num_members):
+        blocks = torch.rand(num_blocks, 8, generator=generator) * 1.8 - 0.9  # (blocks, 8)
+        places = torch.rand(num_blocks, 8, generator=generator).argsort(dim=1)[:, :2]  # (blocks, 2)
+        signs = torch.randint(0, 2, (num_blocks, 2), generator=generator).float() * 2 - 1
+        blocks.scatter_(1, places, signs * torch.tensor([3.0, 5.0]))
+        vectors.append(blocks.view(-1))
+    return vectors
+
+
+def _top2_of_8(vector: torch.Tensor) -> torch.Tensor:
+    """The reference: each block of 8 keeps its 2 largest magnitudes (torch.topk), zeros elsewhere."""
+    blocks = vector.view(-1, 8)
+    places = blocks.abs().topk(2, dim=1).indices
+    return torch.zeros_like(blocks).scatter_(1, places, blocks.gather(1, places)).view(-1)
+
+
+def test_sparse_round_sums_every_members_top_k_and_keeps_the_rest_in_its_residual() -> None:
+    num_members, num_elements, chunk = 3, 960, 160  # parts of 320 in chunks of 160: whole blocks of 8
+    codec = TopK2Codec(block_size=8, kept_per_block=2)
+    vectors = _sparse_vectors(num_members, num_elements // 8)
+    allreduce = simulated.SimulatedAllReduce(
+        num_members=num_members, num_elements=num_elements, codec=codec, error_feedback=True,
+        chunk_num_elements=chunk, error_feedback_decay=0.5,
+    )  # fmt: skip
+    weights = [3.0, 1.0, 2.0]
+    sent = [_top2_of_8(v) for v in vectors]
+    exact = sum(w * s.double() for w, s in zip(weights, sent, strict=True)) / sum(weights)
+    averaged = allreduce.reduce(vectors, weights)
+    torch.testing.assert_close(averaged, exact.float(), rtol=1e-6, atol=1e-6)
+    assert allreduce.feedback is not None
+    for member, (vector, kept) in enumerate(zip(vectors, sent, strict=True)):
+        assert torch.equal(allreduce.feedback[member].residual, vector - kept)
+    # Round 2 sends nothing new: each member's top-k of 0.5 x its residual (the decay), all below 1.
+    zeros = [torch.zeros(num_elements) for _ in range(num_members)]
+    resent = [_top2_of_8(0.5 * (v - s)) for v, s in zip(vectors, sent, strict=True)]
+    exact = sum(w * s.double() for w, s in zip(weights, resent, strict=True)) / sum(weights)
+    torch.testing.assert_close(allreduce.reduce(zeros, weights), exact.float(), rtol=1e-5, atol=1e-6)
+    # Bytes: member m sends its top-k of the other parts to their owners, then relays its own part's
+    # three payloads (one per member, itself included) to the two others; 2 rounds.
+    part = 2 * codec.encoded_num_bytes(chunk)  # each part's payload, the same for every part
+    expected = 2 * ((num_members - 1) * part + (num_members - 1) * num_members * part)
+    assert allreduce.bytes_sent == [expected] * num_members
+    assert 3 * part == simulated.payload_bytes(codec, num_elements, num_members, chunk)
+    assert expected == pytest.approx(2 * simulated.sends_per_payload(codec, num_members) * 3 * part)
+    assert simulated.sends_per_payload(codec, 4) == pytest.approx(3 * 5 / 4)
+    assert simulated.sends_per_payload(get_codec("int8"), 4) == pytest.approx(2 * 3 / 4)
+
+
+def test_the_simulated_sparse_round_refuses_what_it_does_not_simulate() -> None:
+    codec = TopK2Codec(block_size=8, kept_per_block=2)
+    with pytest.raises(ValueError, match="error feedback"):
+        simulated.SimulatedAllReduce(num_members=2, num_elements=16, codec=codec, error_feedback=False,
+                                     chunk_num_elements=8)  # fmt: skip
+
+
 def _reference_ddp_hash(warm_start_path: Path, **overrides: float) -> str:
     """Single process, from the warm start: each step, the mean of both shards' gradients, then clip and
     AdamW (as DDP must)."""
@@ -133,7 +195,7 @@ def _reference_ddp_hash(warm_start_path: Path, **overrides: float) -> str:
 @pytest.mark.timeout(180)
 def test_tiny_run(tmp_path: Path) -> None:
     # Both DDP variants first, so that they run at once (each rendezvous in its own store).
-    argv = ["--variants", "ddp,ddp:0.003,diloco:2:none,diloco:2:int4,overlap:2:int4", "--out-dir", str(tmp_path), "--jobs", "3",
+    argv = ["--variants", "ddp,ddp:0.003,diloco:2:none,diloco:2:int4,overlap:2:int4,diloco:2:topk:0.05:1.0:momentum=0:decay=0.95", "--out-dir", str(tmp_path), "--jobs", "3",
             "--eval-every", "2", "--num-eval-batches", "1", "--eval-batch-size", "4", "--warm-start-steps", "3"]  # fmt: skip
     for name, value in TINY.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
@@ -143,7 +205,8 @@ def test_tiny_run(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.splitlines()
     printed = {r["variant"]: r for r in (json.loads(line) for line in lines if line.startswith("{"))}
-    names = ["ddp", "ddp-lr0.003", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef"]
+    names = ["ddp", "ddp-lr0.003", "diloco-H2-none", "diloco-H2-int4-ef", "overlap-H2-int4-ef",
+             "diloco-H2-topk0.05-ef-d0.95-m0-olr1"]  # fmt: skip
     assert list(printed) == names
     assert lines[-2].startswith("summary:") and (tmp_path / "convergence.png").stat().st_size > 0
     results: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())
@@ -191,6 +254,11 @@ def test_tiny_run(tmp_path: Path) -> None:
         assert record["bytes_sent_per_worker"] == pytest.approx(expected)
         assert record["reduction_vs_ddp"] == pytest.approx(ddp_bytes / expected)
     assert printed["diloco-H2-none"]["reduction_vs_ddp"] == pytest.approx(2.0)  # H = 2, both fp32
+    sparse = printed["diloco-H2-topk0.05-ef-d0.95-m0-olr1"]
+    assert (sparse["density"], sparse["outer_momentum"], sparse["error_feedback_decay"]) == (0.05, 0.0, 0.95)
+    parts = _part_payloads("topk", num_params, 2, AllReduceConfig().chunk_num_elements, density=0.05)
+    expected = 2 * (2 - 1) * (2 + 1) / 2 * sum(parts)  # 2 rounds x (N - 1)(N + 1) / N x payload
+    assert sparse["bytes_sent_per_worker"] == pytest.approx(expected)
     # The delayed update: round 1's eval is of the initial params (round 1 lands during phase 2), and
     # a last point, at the same tokens, once round 2 has landed; the synchronous run's round-1 eval
     # has round 1 applied, so the two differ there.
@@ -220,6 +288,53 @@ def test_parse_variant_outer_lr() -> None:
     for bad in ("diloco:150:int4:x", "diloco:150:int4:0", "diloco:150"):
         with pytest.raises(ValueError):
             variants.parse_variant(bad)
+
+
+def test_parse_sparse_variants() -> None:
+    variant = variants.parse_variant("diloco:150:topk:0.03")
+    assert (variant.codec, variant.density, variant.outer_lr, variant.name) == (
+        "topk",
+        0.03,
+        None,
+        "diloco-H150-topk0.03-ef",
+    )
+    assert variant.wire_codec().spec().kept_per_block == 123  # ceil(0.03 x 4096)
+    assert variants.parse_variant("diloco:150:topk").density == 0.015
+    sparseloco = variants.parse_variant("diloco:150:topk:0.015:1.0:momentum=0:decay=0.95")
+    assert (sparseloco.outer_lr, sparseloco.outer_momentum, sparseloco.error_feedback_decay) == (
+        1.0,
+        0.0,
+        0.95,
+    )
+    assert sparseloco.name == "diloco-H150-topk0.015-ef-d0.95-m0-olr1"
+    for parsed in (variant, sparseloco, variants.parse_variant("diloco:150:int8:momentum=0")):
+        assert variants.parse_variant(parsed.spec()) == parsed
+    own = sparseloco.settings(variants.BenchSettings(**TINY))
+    assert (own.outer_lr, own.outer_momentum, own.error_feedback_decay) == (1.0, 0.0, 0.95)
+    assert variants.parse_variant("diloco:150:int8:0.9").density is None  # int8's field is OUTER_LR
+    for bad in (
+        "diloco:150:topk:0", "diloco:150:topk:1.5", "diloco:150:topk:0.03:1:2", "diloco:150:int8:0.9:0.5",
+        "diloco:150:int8:momentum=1.5", "diloco:150:topk:decay=-1", "diloco:150:int8:foo=1",
+        "diloco:150:int8:momentum=0:momentum=0.5",
+    ):  # fmt: skip
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)
+
+
+def test_sparse_verdict_compares_top_k_with_int8_of_the_same_kind_and_h() -> None:
+    def record(variant: str, codec: str, inner_steps: int, loss: float, sent: float) -> dict[str, Any]:
+        return {"variant": variant, "kind": "diloco", "codec": codec, "inner_steps": inner_steps,
+                "eval_loss": loss, "bytes_sent_per_worker": sent}  # fmt: skip
+
+    int8 = record("int8", "int8", 150, 2.0, 1000.0)
+    close = record("topk-close", "topk", 150, 2.0 * 1.004, 30.0)  # +0.4% at 33.3x
+    far = record("topk-far", "topk", 150, 2.0 * 1.01, 10.0)  # +1% at 100x
+    other_h = record("topk-h50", "topk", 50, 1.0, 1.0)  # no int8 at H=50: not compared
+    met, text = bench.sparse_verdict([int8, close, far, other_h])
+    assert met is True and text.startswith("sparse target MET by topk-close:")
+    assert "topk-far +1.00% vs int8 at 100.0x fewer bytes" in text and "topk-h50" not in text
+    assert bench.sparse_verdict([int8, far])[0] is False
+    assert bench.sparse_verdict([int8])[0] is None
 
 
 @pytest.mark.timeout(180)
