@@ -26,9 +26,9 @@ value is among its block's largest.
 In the all-reduce one buffer of the full vector's size serves both roles of a peer: on the parts it
 sends to other owners it holds the sender's residual, on the part it owns it holds the residual of
 the averaged part the owner broadcasts. If ownership moves between rounds, a slice changes role;
-both residuals are quantization errors of the same order, so this only perturbs one round. (With
-top-k both are the un-sent rest of a vector, much larger than a rounding error: a move then perturbs
-more, which is one reason why the all-reduce of sparse contributions is its own design, issue 30.)
+both residuals are quantization errors of the same order, so this only perturbs one round. With a
+sparse codec (top-k) the owner re-encodes nothing (`protocol/allreduce/sparse.py`): the whole buffer
+is this peer's sender residual, every part included, whoever owns it.
 """
 
 from __future__ import annotations

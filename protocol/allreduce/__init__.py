@@ -2,7 +2,8 @@
 
 Start here: `SyncAllReducePeer` (blocking facade for the training loop) or `AllReducePeer` (async),
 `GroupSpec` (who takes part, who owns which part), `AllReduceResult`. Codecs and error feedback live in
-`protocol.codecs` and `protocol.error_feedback`.
+`protocol.codecs` and `protocol.error_feedback`; with a sparse codec an owner re-encodes nothing and
+every member sums the contributors' own payloads (`sparse.py`).
 """
 
 from protocol.allreduce.allreduce import AllReduceResult

@@ -37,7 +37,9 @@ from protocol.allreduce.parts import PartRole, remaining, result_views
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
+from protocol.allreduce.sparse import average_codec
 from protocol.codecs import fp32_view
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +75,8 @@ class AllReduceResult:
     this member decided, e.g. "part 3: p5 norm 812 clipped to 16.2 (clipped)"; empty for "mean"."""
     payloads: tuple[EncodedChunk, ...] | None = None
     """With AllReduceConfig.keep_payloads and unless fell_back: the codec bytes ``averaged`` was
-    decoded from, in order, tiling it exactly (the same bytes on every member that did not fall back)."""
+    decoded from, in order, tiling it exactly (the same bytes on every member that did not fall back).
+    None with a sparse codec, whose averages are bundles of the contributors' payloads (sparse.py)."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,11 @@ async def _decode_reduced(state: RoundState, reduced: ReducedPart, output: torch
     for (offset, size, _), payload in zip(chunks, kept, strict=True):
         state.keep_payload(offset, size, payload)
 
+    decoder = average_codec(state.codec, reduced.contributor_weights, reduced.weight_sum)
+
     def decode() -> None:
         for offset, size, payload in chunks:
-            state.codec.decode_into(payload, output[offset : offset + size])
+            decoder.decode_into(payload, output[offset : offset + size])
 
     await asyncio.get_running_loop().run_in_executor(state.executor, decode)
     part = state.parts[reduced.part_index]
@@ -140,7 +145,7 @@ async def _pull_or_use_replica(
     state: RoundState,
     target: int,
     part_index: int,
-    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+    decode_chunk: Callable[[pb.AverageHeader, int, int, bytes], Awaitable[None]],
     output: torch.Tensor,
 ) -> _PartOutcome:
     """Pull the part from `target`, unless its producer hands us the replica first (then use that copy).
@@ -183,14 +188,15 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
     start = state.group.part_bounds[part_index]
     me = state.my_index
 
-    async def decode_chunk(offset: int, size: int, payload: bytes) -> None:
+    async def decode_chunk(header: pb.AverageHeader, offset: int, size: int, payload: bytes) -> None:
         state.spend(part_index)  # (pulled bytes are committed: no member will need our numbers there)
         target = output[start + offset : start + offset + size]
         # (fp32 codec: what we keep is where it is decoded to, not a second copy)
         state.keep_payload(
             start + offset, size, fp32_view(target) if state.codec.payload_is_fp32 else payload
         )
-        await loop.run_in_executor(state.executor, state.codec.decode_into, payload, target)
+        decoder = average_codec(state.codec, header.contributor_weights, header.weight_sum)
+        await loop.run_in_executor(state.executor, decoder.decode_into, payload, target)
 
     for position, target in enumerate(state.group.chain(part_index)):
         if target == me:
@@ -322,8 +328,10 @@ async def run_allreduce(state: RoundState, registry: RoundRegistry) -> AllReduce
             },
             seconds=time.monotonic() - state.started,
             adjustments=list(state.adjustments),
+            # (A sparse round's bytes are the contributors' payloads, which the round's codec alone
+            # does not decode: its mean is served as fp32.)
             payloads=None
-            if fell_back or state.kept_payloads is None
+            if fell_back or state.kept_payloads is None or state.sparse
             else tiled(state.kept_payloads, averaged.numel()),
         )
     finally:

@@ -344,9 +344,10 @@ async def pull_average(
     target: int,
     part_index: int,
     deadline: float,
-    decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+    decode_chunk: Callable[[pb.AverageHeader, int, int, bytes], Awaitable[None]],
 ) -> pb.AverageHeader:
-    """Pull the average of `part_index` from member `target`, calling decode_chunk(offset, size, payload).
+    """Pull the average of `part_index` from member `target`, calling
+    decode_chunk(header, offset, size, payload) for each chunk.
 
     Raises PeerFailed if the target is gone, stalls, sends malformed data, or says the part moved.
     """
@@ -384,7 +385,7 @@ async def pull_average(
                     raise PeerFailed("malformed average stream: chunk out of order or before the header")
                 if received + chunk.num_elements > header.num_elements:
                     raise PeerFailed("malformed average stream: more numbers than the part holds")
-                await decode_chunk(chunk.offset, chunk.num_elements, payload)
+                await decode_chunk(header, chunk.offset, chunk.num_elements, payload)
                 received += chunk.num_elements
                 check_fault(state.fault_plan, "pull_chunk", state.group.round_id, chunk_index)
                 chunk_index += 1

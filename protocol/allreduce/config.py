@@ -69,7 +69,8 @@ class AllReduceConfig:
     mean); see protocol/allreduce/robust.py. Every member of a swarm must use the same rule and the
     same chunk_num_elements. The robust rules hold every contribution to a part, encoded, until all
     arrived (about the whole vector's encoded size per owner instead of max_chunks_ahead chunks per
-    sender) and refuse chunks off the owner's chunk grid."""
+    sender) and refuse chunks off the owner's chunk grid. With a sparse codec (top-k) "clipped"
+    applies and "trimmed" is refused (`sparse.py` says why)."""
     clip_factor: float = 2.0
     """aggregation="clipped": a contribution's norm is clipped to this many times the median norm."""
     trim_per_side: int = 1

@@ -15,6 +15,7 @@ import torch
 
 from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.reducer import chunk_sizes
+from protocol.allreduce.sparse import is_sparse
 from protocol.codecs import Codec
 from protocol.error_feedback import ErrorFeedback
 
@@ -54,7 +55,9 @@ class ContributionSource:
         values = self._vector[offset : offset + size]
         # The owner's own part keeps the residual of the average it broadcasts (see ErrorFeedback),
         # so its own contribution, only sent when a backup took the part over, is encoded plainly.
-        if self._error_feedback is None or part_index == self._my_index:
+        # A sparse round broadcasts no re-encoded average: there our own part is a contribution too.
+        owner_keeps_residual = part_index == self._my_index and not is_sparse(self._codec)
+        if self._error_feedback is None or owner_keeps_residual:
             return self._codec.encode(values).numpy().tobytes()
         return self._error_feedback.encode(self._codec, values, offset).numpy().tobytes()
 

@@ -16,6 +16,7 @@ import torch
 
 from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.reducer import PartReducer, ReducedPart
+from protocol.allreduce.sparse import SummedContributions, check_weights, is_sparse
 from protocol.codecs import Codec, CodecError, fp32_view
 from protocol.errors import invalid
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
@@ -46,6 +47,7 @@ def check_average_header(header: pb.AverageHeader, part_index: int, group: Group
         raise ValueError(f"bad contributor list {contributors}")
     if not (math.isfinite(header.weight_sum) and header.weight_sum > 0):
         raise ValueError(f"bad weight sum {header.weight_sum}")
+    check_weights(header.contributor_weights, len(contributors), sparse=is_sparse(codec))
 
 
 @dataclass
@@ -59,8 +61,11 @@ class ReplicaBuffer:
     payloads: list[bytes] = field(default_factory=list)
     num_received: int = 0
 
-    def add_chunk(self, offset: int, num_elements: int, payload: bytes, codec: Codec) -> None:
-        """Validate and keep (if `keep`) the next chunk (raises ProtocolError)."""
+    def add_chunk(
+        self, offset: int, num_elements: int, payload: bytes, codec: Codec | SummedContributions
+    ) -> None:
+        """Validate and keep (if `keep`) the next chunk (raises ProtocolError); `codec` decodes the
+        average's chunks (`sparse.average_codec`)."""
         if offset != self.num_received or num_elements <= 0:
             raise invalid(f"replica chunk at {offset} after {self.num_received} numbers")
         if offset + num_elements > self.header.num_elements:
@@ -85,6 +90,7 @@ class ReplicaBuffer:
             weight_sum=self.header.weight_sum,
             chunk_sizes=tuple(self.chunk_sizes),
             payloads=tuple(self.payloads),
+            contributor_weights=tuple(self.header.contributor_weights),
         )
 
 

@@ -24,6 +24,11 @@ Memory. Chunks wait, encoded, only while a lower member lags behind (the round s
 that is `max_chunks_ahead` chunks ahead, see RoundState.hold_back); each fold decodes one chunk into a
 reused scratch buffer and adds it into the accumulator in place.
 
+Sparse codecs (`sparse.py`). With top-k the average is not re-encoded: like a robust rule the reducer
+waits for every contribution (senders are not held back), keeps the chunks as they came, and its
+decided bytes per chunk are the contributors' chunks in member order, with each one's weight
+("clipped": times its clip scale); every member sums them alike when it decodes the average.
+
 Robust rules (`robust.py`). "clipped" and "trimmed" need every contribution whole, so they fold nothing
 until every member has completed or been left out (at the phase deadline, members still streaming are
 left out: nothing of theirs is summed yet, so nothing is poisoned), holding the part's contributions
@@ -45,6 +50,7 @@ import grpc
 import torch
 
 from protocol.allreduce.robust import AggregationRule, clip_scales, squared_norm, trimmed_weighted_mean
+from protocol.allreduce.sparse import as_float32, is_sparse
 from protocol.codecs import Codec, CodecError, all_finite, fp32_view
 from protocol.error_feedback import ErrorFeedback
 from protocol.errors import ProtocolError, invalid
@@ -90,7 +96,11 @@ class ReducedPart:
     chunk_sizes: tuple[int, ...]
     payloads: tuple[bytes | memoryview, ...]
     """The encoded chunks; with the fp32 codec, views of the numbers where they already lie (the
-    average's accumulator, or our result), not copies: nothing writes there while the part is held."""
+    average's accumulator, or our result), not copies: nothing writes there while the part is held.
+    With a sparse codec, each chunk's contributors' payloads one after another (`sparse.py`)."""
+    contributor_weights: tuple[float, ...] = ()
+    """Sparse codec: each contributor's weight as applied (float32 values), in contributor order;
+    empty for the others."""
 
     @property
     def num_elements(self) -> int:
@@ -120,20 +130,29 @@ class PartReducer:
         accumulator: torch.Tensor | None = None,
         rule: AggregationRule | None = None,
     ) -> None:
-        """`accumulator`, if given, is (num_elements,) fp32 memory to sum into (it is zeroed first);
-        `rule` is the aggregation rule (the plain weighted mean if None)."""
+        """`accumulator`, if given, is (num_elements,) fp32 memory to sum into (it is zeroed first; a
+        sparse codec sums nothing here and ignores it); `rule` is the aggregation rule (the plain
+        weighted mean if None)."""
         self.part_index = part_index
         self.producer_index = producer_index
         self.num_elements = num_elements
         self.codec = codec
         self.chunk_num_elements = chunk_num_elements
         self._contributions = [_Contribution() for _ in range(num_members)]
-        if accumulator is None:
+        self.sparse = is_sparse(codec)
+        if self.sparse:
+            accumulator = torch.empty(0, dtype=torch.float32)
+        elif accumulator is None:
             accumulator = torch.empty(num_elements, dtype=torch.float32)
-        assert accumulator.shape == (num_elements,) and accumulator.dtype == torch.float32
-        self._accumulator = accumulator.zero_()  # (part,)
+        else:
+            assert accumulator.shape == (num_elements,) and accumulator.dtype == torch.float32
+        self._accumulator = accumulator.zero_()  # (part,); (0,) when sparse
         self._scratch = torch.empty(0, dtype=torch.float32)
         self.rule = rule or AggregationRule()
+        # Sparse: every contribution's chunks, kept as they came, and each contributor's weight as applied.
+        self.waits_for_all = self.rule.waits_for_all or self.sparse
+        self._kept: list[FoldJob] = []
+        self._applied_weights: dict[int, float] = {}
         self._averaged_in_place = False  # "trimmed" writes the average itself, not a sum to divide
         self.adjustments: dict[int, str] = {}  # member -> how the robust rule changed its contribution
         self.finalized = False
@@ -180,12 +199,12 @@ class PartReducer:
             raise invalid(
                 f"chunk [{offset}, {offset + num_elements}) is outside the part of {self.num_elements}"
             )
-        if self.rule.waits_for_all and (
+        if self.waits_for_all and (
             offset % self.chunk_num_elements
             or num_elements != min(self.chunk_num_elements, self.num_elements - offset)
         ):
             raise invalid(
-                f"aggregation {self.rule.kind!r} needs chunks of {self.chunk_num_elements} numbers, "
+                f"aggregation {self.rule.kind!r} with codec {self.codec.name!r} needs chunks of {self.chunk_num_elements} numbers, "
                 f"got [{offset}, {offset + num_elements})"
             )
         try:
@@ -277,7 +296,7 @@ class PartReducer:
         rule gets every chunk at once, once every member completed or was left out.
         """
         jobs: list[FoldJob] = []
-        if self.rule.waits_for_all and not (self.finalized and self.all_arrived()):
+        if self.waits_for_all and not (self.finalized and self.all_arrived()):
             return jobs
         frontier = self.num_elements
         for contribution in self._contributions:
@@ -297,6 +316,9 @@ class PartReducer:
         """Sum the planned chunks (CPU work: run it on the worker thread, in the order planned)."""
         if not jobs:
             return
+        if self.sparse:
+            self._keep(jobs)
+            return
         if self.rule.kind == "trimmed":
             self._run_trimmed(jobs)
             return
@@ -306,6 +328,15 @@ class PartReducer:
         for job in jobs:
             scratch = self._decode(job).mul_(multipliers[job.member])  # a copy: never scale the caller's
             self._accumulator[job.offset : job.offset + job.size] += scratch
+
+    def _keep(self, jobs: list[FoldJob]) -> None:
+        """Sparse: keep every chunk as it came, and each contributor's weight as applied."""
+        weights = {member: c.weight for member, c in enumerate(self._contributions)}
+        if self.rule.kind == "clipped":
+            weights.update(self._clipped_weights(jobs))
+        self._kept.extend(jobs)
+        for job in jobs:
+            self._applied_weights[job.member] = as_float32(weights[job.member])
 
     def _decode(self, job: FoldJob, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of one chunk, in `out` or the reused scratch buffer."""
@@ -384,6 +415,8 @@ class PartReducer:
         weight_sum = torch.zeros((), dtype=torch.float32)
         for member in contributors:  # float32, in member order, like the sum itself
             weight_sum += self._contributions[member].weight
+        if self.sparse:
+            return self._bundle(contributors, float(weight_sum))
         average = self._accumulator  # (part,)
         if not self._averaged_in_place:
             average.div_(weight_sum)
@@ -409,6 +442,26 @@ class PartReducer:
             weight_sum=float(weight_sum),
             chunk_sizes=tuple(sizes),
             payloads=tuple(payloads),
+        )
+
+    def _bundle(self, contributors: tuple[int, ...], weight_sum: float) -> ReducedPart:
+        """Sparse: per chunk, the contributors' payloads in member order (nothing is re-encoded)."""
+        by_chunk: dict[int, dict[int, bytes]] = {}
+        for job in self._kept:
+            assert job.payload is not None, "a sparse contribution is always encoded"
+            by_chunk.setdefault(job.offset, {})[job.member] = job.payload
+        sizes = chunk_sizes(self.num_elements, self.chunk_num_elements)
+        offsets = [i * self.chunk_num_elements for i in range(len(sizes))]
+        payloads = tuple(b"".join(by_chunk[offset][member] for member in contributors) for offset in offsets)
+        self._kept = []
+        return ReducedPart(
+            part_index=self.part_index,
+            producer_index=self.producer_index,
+            contributor_indices=contributors,
+            weight_sum=weight_sum,
+            chunk_sizes=tuple(sizes),
+            payloads=payloads,
+            contributor_weights=tuple(self._applied_weights[member] for member in contributors),
         )
 
     def exclusion_reasons(self) -> dict[int, str]:

@@ -17,7 +17,7 @@ For every part this member is in one role:
     MOVED              it reduced the part but a backup took it over first; it refers pullers on
 
 Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
-encode the average once, hand replicas (all at once) to live members after us in the part's backup
+encode the average once (a sparse codec: bundle the contributors' payloads instead, `sparse.py`), hand replicas (all at once) to live members after us in the part's backup
 chain until we and the replica holders are a strict majority of the group; the average is then
 committed: we use it and tell those holders, which may then serve and use theirs; we serve it once
 they all know (so our death mid-serve leaves them able to serve it). A
@@ -70,6 +70,7 @@ from protocol.allreduce.parts import (
     result_views,
 )
 from protocol.allreduce.reducer import PartReducer, ReducedPart, SenderStatus
+from protocol.allreduce.sparse import average_codec, check_sparse_round, is_sparse
 from protocol.codecs import Codec, CodecError, fp32_view
 from protocol.error_feedback import ErrorFeedback
 from protocol.errors import ProtocolError, invalid
@@ -101,9 +102,12 @@ class RoundState:
         fault_plan: FaultPlan | None,
         in_place: bool = False,
     ) -> None:
+        check_sparse_round(codec, config, group.num_members)
         self.group = group
         self.my_index = my_index
         self.codec = codec
+        # A sparse codec's averages are the contributors' own payloads, summed by every member (sparse.py).
+        self.sparse = is_sparse(codec)
         self.weight = weight
         self.vector = vector
         self.error_feedback = error_feedback
@@ -233,6 +237,7 @@ class RoundState:
             codec=self.codec.spec(),
             num_elements=reduced.num_elements,
             weight_sum=reduced.weight_sum,
+            contributor_weights=list(reduced.contributor_weights),
         )
 
     def check_average_header(self, header: pb.AverageHeader, part_index: int) -> None:
@@ -262,14 +267,18 @@ class RoundState:
         The sum accumulates in our part of `output` (the result buffer): that slice is only written
         again when we decode the decided average into it, after the sum was encoded. With in_place,
         `output` is our vector, whose numbers there are our contribution: the sum gets its own buffer
-        (1/N of the vector) and the average is copied into `output` once decided.
+        (1/N of the vector) and the average is copied into `output` once decided. With a sparse codec
+        our contribution is our encoded payload, as every other member's (nothing is summed here).
         """
         part = self.parts[self.my_index]
         assert part.role is PartRole.IDLE
         accumulator = None if self.in_place else output[self.group.part_slice(self.my_index)]
         reducer = self._new_reducer(self.my_index, accumulator=accumulator)
-        reducer.add_local(self.my_index, self.weight, self.vector[self.group.part_slice(self.my_index)])
         part.role, part.reducer = PartRole.REDUCING, reducer
+        if self.sparse:
+            self._spawn(self._feed_own_contribution(self.my_index, reducer))
+        else:
+            reducer.add_local(self.my_index, self.weight, self.vector[self.group.part_slice(self.my_index)])
         self._spawn(self._decide(self.my_index, self.reduce_scatter_deadline, taken_over=False))
 
     def take_over(self, part_index: int, reason: str) -> None:
@@ -301,6 +310,8 @@ class RoundState:
             reducer.complete(self.my_index)
         except ProtocolError as error:
             reducer.exclude(self.my_index, str(error))
+        except ValueError as error:  # our own numbers do not encode (non-finite)
+            reducer.exclude(self.my_index, f"its own contribution does not encode: {error}")
         self.pulse.notify()
 
     async def _fold_until(self, reducer: PartReducer, deadline: float) -> None:
@@ -333,9 +344,10 @@ class RoundState:
     async def hold_back(self, reducer: PartReducer, member: int) -> None:
         """Before reading more of `member`'s contribution, wait while `max_chunks_ahead` of its chunks
         wait to be summed, at most half the stall timeout (the sender's writes then block, but not long
-        enough for it to take us for stalled). A robust rule needs every contribution whole: never held."""
+        enough for it to take us for stalled). A robust rule or a sparse codec needs every contribution
+        whole: never held."""
         limit = self.config.max_chunks_ahead
-        if reducer.rule.waits_for_all or reducer.num_queued(member) < limit:
+        if reducer.waits_for_all or reducer.num_queued(member) < limit:
             return
 
         def may_read_on() -> bool:
@@ -395,8 +407,9 @@ class RoundState:
             self.executor,
             lambda: reducer.encode_average(
                 # Only an owner keeps feedback for its part's average; a backup's residual there is
-                # its sender residual, already spent on the contribution it pushed.
-                error_feedback=None if taken_over else self.error_feedback,
+                # its sender residual, already spent on the contribution it pushed. A sparse average
+                # is not encoded: every residual is a sender's.
+                error_feedback=None if taken_over or self.sparse else self.error_feedback,
                 part_offset=self.group.part_bounds[part_index],
             ),
         )
@@ -607,7 +620,8 @@ class RoundState:
         replica = self.parts[part_index].replica
         if replica is None:
             raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} was forgotten here")
-        replica.add_chunk(offset, num_elements, payload, self.codec)
+        decoder = average_codec(self.codec, replica.header.contributor_weights, replica.header.weight_sum)
+        replica.add_chunk(offset, num_elements, payload, decoder)
         if not replica.keep:
             if self.output is None:
                 raise ProtocolError(grpc.StatusCode.ABORTED, f"round {self.round_id} is over here")
@@ -620,7 +634,7 @@ class RoundState:
             )
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.codec.decode_into, payload, target
+                    self.executor, decoder.decode_into, payload, target
                 )
             except CodecError as error:
                 raise invalid(str(error)) from error

@@ -335,7 +335,10 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             drain_bytes = None
             if state is not None and opened:
                 state.fail_replica(part_index)
-                drain_bytes = 2 * state.source.num_payload_bytes(part_index)
+                # (a sparse average holds every member's payload of the part)
+                drain_bytes = (
+                    state.group.num_members if state.sparse else 2
+                ) * state.source.num_payload_bytes(part_index)
             return _detached(error), drain_bytes
         except asyncio.CancelledError:
             if state is not None and opened:

@@ -236,7 +236,7 @@ def decoded(codec_name: str, result: AllReduceResult) -> torch.Tensor:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("codec_name", "num_peers"),
-    [("int8", 2), ("int8", 3), ("int4", 4), ("none", 3), ("fp16", 2), ("topk", 3)],
+    [("int8", 2), ("int8", 3), ("int4", 4), ("none", 3), ("fp16", 2)],  # (topk keeps none: test_sparse.py)
 )
 def test_kept_payloads_rebuild_the_result_bit_for_bit_on_every_member(
     codec_name: str, num_peers: int

@@ -22,6 +22,7 @@ from protocol.allreduce import GroupSpec
 from protocol.allreduce import allreduce as allreduce_module
 from protocol.allreduce import round as round_module
 from protocol.codecs import get_codec
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from tests.protocol.allreduce.support import allreduce_all, exact_mean, local_peers, members_of
 
 NUM_PEERS = 4
@@ -51,12 +52,12 @@ def test_no_chunk_of_a_part_is_served_before_its_voters_are_told(monkeypatch: py
         target: int,
         part_index: int,
         deadline: float,
-        decode_chunk: Callable[[int, int, bytes], Awaitable[None]],
+        decode_chunk: Callable[[pb.AverageHeader, int, int, bytes], Awaitable[None]],
     ) -> Any:
-        async def decode(offset: int, size: int, payload: bytes) -> None:
+        async def decode(header: pb.AverageHeader, offset: int, size: int, payload: bytes) -> None:
             if part_index == 0:
                 first_chunk_of_part_0.setdefault(state.my_index, time.monotonic())
-            await decode_chunk(offset, size, payload)
+            await decode_chunk(header, offset, size, payload)
 
         return await real_pull_average(state, target, part_index, deadline, decode)
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64tnode/v1/allreduce.proto\x12\tdtnode.v1\"[\n\tCodecSpec\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.dtnode.v1.CodecKind\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x16\n\x0ekept_per_block\x18\x03 \x01(\r\"`\n\x08RoundRef\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x14\n\x0cgroup_digest\x18\x02 \x01(\x0c\x12\x14\n\x0csender_index\x18\x03 \x01(\r\x12\x16\n\x0esender_peer_id\x18\x04 \x01(\t\"D\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0cnum_elements\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x97\x01\n\x12\x43ontributionHeader\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12\x12\n\npart_index\x18\x02 \x01(\r\x12#\n\x05\x63odec\x18\x03 \x01(\x0b\x32\x14.dtnode.v1.CodecSpec\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x04\x12\x0e\n\x06weight\x18\x05 \x01(\x02\"w\n\x13\x43ontributionMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.dtnode.v1.ContributionHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"\x0c\n\nSendChunks\"\x10\n\x0e\x41lreadyDecided\"4\n\x13\x43ontributionReceipt\x12\x1d\n\x15num_elements_received\x18\x01 \x01(\x04\"\xe4\x01\n\x11\x43ontributionReply\x12,\n\x0bsend_chunks\x18\x01 \x01(\x0b\x32\x15.dtnode.v1.SendChunksH\x00\x12\x34\n\x0f\x61lready_decided\x18\x02 \x01(\x0b\x32\x19.dtnode.v1.AlreadyDecidedH\x00\x12\x31\n\x07receipt\x18\x03 \x01(\x0b\x32\x1e.dtnode.v1.ContributionReceiptH\x00\x12\x30\n\rstill_working\x18\x04 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x42\x06\n\x04\x62ody\"L\n\x12PullAverageRequest\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12\x12\n\npart_index\x18\x02 \x01(\r\"\xa7\x01\n\rAverageHeader\x12\x12\n\npart_index\x18\x01 \x01(\r\x12\x16\n\x0eproducer_index\x18\x02 \x01(\r\x12\x1b\n\x13\x63ontributor_indices\x18\x03 \x03(\r\x12#\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x14.dtnode.v1.CodecSpec\x12\x14\n\x0cnum_elements\x18\x05 \x01(\x04\x12\x12\n\nweight_sum\x18\x06 \x01(\x02\"\x0e\n\x0cStillWorking\"\x9f\x01\n\x0e\x41verageMessage\x12\x30\n\rstill_working\x18\x01 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.dtnode.v1.AverageHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"q\n\rReplicaHeader\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12)\n\x07\x61verage\x18\x02 \x01(\x0b\x32\x18.dtnode.v1.AverageHeader\x12\x11\n\tcommitted\x18\x03 \x01(\x08\"m\n\x0eReplicaMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.dtnode.v1.ReplicaHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"\x10\n\x0eReplicaReceipt\"\xa4\x01\n\x0cReplicaReply\x12,\n\x0bsend_chunks\x18\x01 \x01(\x0b\x32\x15.dtnode.v1.SendChunksH\x00\x12,\n\x07receipt\x18\x02 \x01(\x0b\x32\x19.dtnode.v1.ReplicaReceiptH\x00\x12\x30\n\rstill_working\x18\x03 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x42\x06\n\x04\x62ody\"3\n\rRoundFinished\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\"\x14\n\x12RoundFinishedReply*\xa5\x01\n\tCodecKind\x12\x1a\n\x16\x43ODEC_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43ODEC_KIND_NONE\x10\x01\x12\x13\n\x0f\x43ODEC_KIND_FP16\x10\x02\x12\x13\n\x0f\x43ODEC_KIND_BF16\x10\x03\x12\x13\n\x0f\x43ODEC_KIND_INT8\x10\x04\x12\x13\n\x0f\x43ODEC_KIND_INT4\x10\x05\x12\x13\n\x0f\x43ODEC_KIND_TOPK\x10\x06\x32\xbb\x02\n\tAllReduce\x12T\n\x10PushContribution\x12\x1e.dtnode.v1.ContributionMessage\x1a\x1c.dtnode.v1.ContributionReply(\x01\x30\x01\x12\x45\n\x0bPushReplica\x12\x19.dtnode.v1.ReplicaMessage\x1a\x17.dtnode.v1.ReplicaReply(\x01\x30\x01\x12I\n\x0bPullAverage\x12\x1d.dtnode.v1.PullAverageRequest\x1a\x19.dtnode.v1.AverageMessage0\x01\x12\x46\n\x0b\x46inishRound\x12\x18.dtnode.v1.RoundFinished\x1a\x1d.dtnode.v1.RoundFinishedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64tnode/v1/allreduce.proto\x12\tdtnode.v1\"[\n\tCodecSpec\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.dtnode.v1.CodecKind\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x16\n\x0ekept_per_block\x18\x03 \x01(\r\"`\n\x08RoundRef\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x14\n\x0cgroup_digest\x18\x02 \x01(\x0c\x12\x14\n\x0csender_index\x18\x03 \x01(\r\x12\x16\n\x0esender_peer_id\x18\x04 \x01(\t\"D\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0cnum_elements\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\x97\x01\n\x12\x43ontributionHeader\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12\x12\n\npart_index\x18\x02 \x01(\r\x12#\n\x05\x63odec\x18\x03 \x01(\x0b\x32\x14.dtnode.v1.CodecSpec\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x04\x12\x0e\n\x06weight\x18\x05 \x01(\x02\"w\n\x13\x43ontributionMessage\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.dtnode.v1.ContributionHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"\x0c\n\nSendChunks\"\x10\n\x0e\x41lreadyDecided\"4\n\x13\x43ontributionReceipt\x12\x1d\n\x15num_elements_received\x18\x01 \x01(\x04\"\xe4\x01\n\x11\x43ontributionReply\x12,\n\x0bsend_chunks\x18\x01 \x01(\x0b\x32\x15.dtnode.v1.SendChunksH\x00\x12\x34\n\x0f\x61lready_decided\x18\x02 \x01(\x0b\x32\x19.dtnode.v1.AlreadyDecidedH\x00\x12\x31\n\x07receipt\x18\x03 \x01(\x0b\x32\x1e.dtnode.v1.ContributionReceiptH\x00\x12\x30\n\rstill_working\x18\x04 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x42\x06\n\x04\x62ody\"L\n\x12PullAverageRequest\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12\x12\n\npart_index\x18\x02 \x01(\r\"\xc4\x01\n\rAverageHeader\x12\x12\n\npart_index\x18\x01 \x01(\r\x12\x16\n\x0eproducer_index\x18\x02 \x01(\r\x12\x1b\n\x13\x63ontributor_indices\x18\x03 \x03(\r\x12#\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x14.dtnode.v1.CodecSpec\x12\x14\n\x0cnum_elements\x18\x05 \x01(\x04\x12\x12\n\nweight_sum\x18\x06 \x01(\x02\x12\x1b\n\x13\x63ontributor_weights\x18\x07 \x03(\x02\"\x0e\n\x0cStillWorking\"\x9f\x01\n\x0e\x41verageMessage\x12\x30\n\rstill_working\x18\x01 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.dtnode.v1.AverageHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"q\n\rReplicaHeader\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\x12)\n\x07\x61verage\x18\x02 \x01(\x0b\x32\x18.dtnode.v1.AverageHeader\x12\x11\n\tcommitted\x18\x03 \x01(\x08\"m\n\x0eReplicaMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.dtnode.v1.ReplicaHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dtnode.v1.TensorChunkH\x00\x42\x06\n\x04\x62ody\"\x10\n\x0eReplicaReceipt\"\xa4\x01\n\x0cReplicaReply\x12,\n\x0bsend_chunks\x18\x01 \x01(\x0b\x32\x15.dtnode.v1.SendChunksH\x00\x12,\n\x07receipt\x18\x02 \x01(\x0b\x32\x19.dtnode.v1.ReplicaReceiptH\x00\x12\x30\n\rstill_working\x18\x03 \x01(\x0b\x32\x17.dtnode.v1.StillWorkingH\x00\x42\x06\n\x04\x62ody\"3\n\rRoundFinished\x12\"\n\x05round\x18\x01 \x01(\x0b\x32\x13.dtnode.v1.RoundRef\"\x14\n\x12RoundFinishedReply*\xa5\x01\n\tCodecKind\x12\x1a\n\x16\x43ODEC_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43ODEC_KIND_NONE\x10\x01\x12\x13\n\x0f\x43ODEC_KIND_FP16\x10\x02\x12\x13\n\x0f\x43ODEC_KIND_BF16\x10\x03\x12\x13\n\x0f\x43ODEC_KIND_INT8\x10\x04\x12\x13\n\x0f\x43ODEC_KIND_INT4\x10\x05\x12\x13\n\x0f\x43ODEC_KIND_TOPK\x10\x06\x32\xbb\x02\n\tAllReduce\x12T\n\x10PushContribution\x12\x1e.dtnode.v1.ContributionMessage\x1a\x1c.dtnode.v1.ContributionReply(\x01\x30\x01\x12\x45\n\x0bPushReplica\x12\x19.dtnode.v1.ReplicaMessage\x1a\x17.dtnode.v1.ReplicaReply(\x01\x30\x01\x12I\n\x0bPullAverage\x12\x1d.dtnode.v1.PullAverageRequest\x1a\x19.dtnode.v1.AverageMessage0\x01\x12\x46\n\x0b\x46inishRound\x12\x18.dtnode.v1.RoundFinished\x1a\x1d.dtnode.v1.RoundFinishedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dtnode.v1.allreduce_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODECKIND']._serialized_start=1806
-  _globals['_CODECKIND']._serialized_end=1971
+  _globals['_CODECKIND']._serialized_start=1835
+  _globals['_CODECKIND']._serialized_end=2000
   _globals['_CODECSPEC']._serialized_start=40
   _globals['_CODECSPEC']._serialized_end=131
   _globals['_ROUNDREF']._serialized_start=133
@@ -54,23 +54,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLAVERAGEREQUEST']._serialized_start=893
   _globals['_PULLAVERAGEREQUEST']._serialized_end=969
   _globals['_AVERAGEHEADER']._serialized_start=972
-  _globals['_AVERAGEHEADER']._serialized_end=1139
-  _globals['_STILLWORKING']._serialized_start=1141
-  _globals['_STILLWORKING']._serialized_end=1155
-  _globals['_AVERAGEMESSAGE']._serialized_start=1158
-  _globals['_AVERAGEMESSAGE']._serialized_end=1317
-  _globals['_REPLICAHEADER']._serialized_start=1319
-  _globals['_REPLICAHEADER']._serialized_end=1432
-  _globals['_REPLICAMESSAGE']._serialized_start=1434
-  _globals['_REPLICAMESSAGE']._serialized_end=1543
-  _globals['_REPLICARECEIPT']._serialized_start=1545
-  _globals['_REPLICARECEIPT']._serialized_end=1561
-  _globals['_REPLICAREPLY']._serialized_start=1564
-  _globals['_REPLICAREPLY']._serialized_end=1728
-  _globals['_ROUNDFINISHED']._serialized_start=1730
-  _globals['_ROUNDFINISHED']._serialized_end=1781
-  _globals['_ROUNDFINISHEDREPLY']._serialized_start=1783
-  _globals['_ROUNDFINISHEDREPLY']._serialized_end=1803
-  _globals['_ALLREDUCE']._serialized_start=1974
-  _globals['_ALLREDUCE']._serialized_end=2289
+  _globals['_AVERAGEHEADER']._serialized_end=1168
+  _globals['_STILLWORKING']._serialized_start=1170
+  _globals['_STILLWORKING']._serialized_end=1184
+  _globals['_AVERAGEMESSAGE']._serialized_start=1187
+  _globals['_AVERAGEMESSAGE']._serialized_end=1346
+  _globals['_REPLICAHEADER']._serialized_start=1348
+  _globals['_REPLICAHEADER']._serialized_end=1461
+  _globals['_REPLICAMESSAGE']._serialized_start=1463
+  _globals['_REPLICAMESSAGE']._serialized_end=1572
+  _globals['_REPLICARECEIPT']._serialized_start=1574
+  _globals['_REPLICARECEIPT']._serialized_end=1590
+  _globals['_REPLICAREPLY']._serialized_start=1593
+  _globals['_REPLICAREPLY']._serialized_end=1757
+  _globals['_ROUNDFINISHED']._serialized_start=1759
+  _globals['_ROUNDFINISHED']._serialized_end=1810
+  _globals['_ROUNDFINISHEDREPLY']._serialized_start=1812
+  _globals['_ROUNDFINISHEDREPLY']._serialized_end=1832
+  _globals['_ALLREDUCE']._serialized_start=2003
+  _globals['_ALLREDUCE']._serialized_end=2318
 # @@protoc_insertion_point(module_scope)

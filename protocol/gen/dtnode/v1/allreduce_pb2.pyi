@@ -113,20 +113,22 @@ class PullAverageRequest(_message.Message):
     def __init__(self, round: _Optional[_Union[RoundRef, _Mapping]] = ..., part_index: _Optional[int] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
-    __slots__ = ("part_index", "producer_index", "contributor_indices", "codec", "num_elements", "weight_sum")
+    __slots__ = ("part_index", "producer_index", "contributor_indices", "codec", "num_elements", "weight_sum", "contributor_weights")
     PART_INDEX_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_INDICES_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SUM_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     part_index: int
     producer_index: int
     contributor_indices: _containers.RepeatedScalarFieldContainer[int]
     codec: CodecSpec
     num_elements: int
     weight_sum: float
-    def __init__(self, part_index: _Optional[int] = ..., producer_index: _Optional[int] = ..., contributor_indices: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., num_elements: _Optional[int] = ..., weight_sum: _Optional[float] = ...) -> None: ...
+    contributor_weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, part_index: _Optional[int] = ..., producer_index: _Optional[int] = ..., contributor_indices: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., num_elements: _Optional[int] = ..., weight_sum: _Optional[float] = ..., contributor_weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StillWorking(_message.Message):
     __slots__ = ()
