@@ -19,7 +19,8 @@ The commit machinery (replicas to a strict majority, backups, fallbacks) is the 
 
 "trimmed" does not apply: with top-k most members send zero at most elements, so a coordinate-wise
 trimmed mean would drop every number fewer than trim_per_side + 1 members sent, which the senders'
-residuals already counted as sent. The round refuses it (`check_sparse_round`).
+residuals already counted as sent. The round refuses it, and so does a swarm's config
+(`check_sparse_aggregation`).
 """
 
 from __future__ import annotations
@@ -44,15 +45,20 @@ def as_float32(value: float) -> float:
     return float(np.float32(value))
 
 
-def check_sparse_round(codec: Codec, config: AllReduceConfig, num_members: int) -> None:
-    """Raise ValueError if a round of `num_members` cannot run with this sparse codec and config."""
-    if not is_sparse(codec):
-        return
-    if config.aggregation == "trimmed":
+def check_sparse_aggregation(codec: Codec, config: AllReduceConfig) -> None:
+    """Raise ValueError if the config's aggregation rule does not apply to this codec ("trimmed" with top-k)."""
+    if is_sparse(codec) and config.aggregation == "trimmed":
         raise ValueError(
             f"aggregation 'trimmed' does not apply to the sparse codec {codec.name!r}: most members send "
             "zero at most numbers, so a trimmed mean drops what only a few sent; use 'clipped' or 'mean'"
         )
+
+
+def check_sparse_round(codec: Codec, config: AllReduceConfig, num_members: int) -> None:
+    """Raise ValueError if a round of `num_members` cannot run with this codec and config."""
+    check_sparse_aggregation(codec, config)
+    if not is_sparse(codec):
+        return
     bundle_num_bytes = num_members * codec.encoded_num_bytes(config.chunk_num_elements)
     if bundle_num_bytes + MESSAGE_OVERHEAD_BYTES > config.max_message_bytes:
         raise ValueError(

@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Final
 
 from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.sparse import check_sparse_aggregation
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
 from protocol.discovery.dht_node import DhtConfig
@@ -76,7 +77,8 @@ class SwarmConfig:
             check_address(f"{self.announce_host}:1", "announce_host")
         if self.client_mode and not self.dht.client_mode:
             raise ValueError("client_mode needs dht.client_mode: a client answers no DHT request either")
-        self.wire_codec()  # ValueError for an unknown codec or a bad density
+        # ValueError for an unknown codec, a bad density, or a rule that does not apply to the codec
+        check_sparse_aggregation(self.wire_codec(), self.allreduce)
         check_decay(self.error_feedback_decay)
         check_rate("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         if self.bandwidth_bytes_per_s <= 0:

@@ -29,6 +29,7 @@ from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec, get_codec
 from protocol.error_feedback import ErrorFeedback
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
+from protocol.swarm.config import SwarmConfig
 from tests.protocol.allreduce.support import FAST_CONFIG, Workers, allreduce_all, local_peers, members_of
 
 CODEC = get_codec("topk", block_size=512, density=0.05)  # several blocks per 4096-number chunk
@@ -163,6 +164,10 @@ def test_clipped_rule_scales_each_payload_by_its_clip_factor() -> None:
 
 def test_trimmed_rule_is_refused_with_a_sparse_codec() -> None:
     config = AllReduceConfig(aggregation="trimmed")
+    with pytest.raises(ValueError, match="trimmed"):  # a node fails at start, not in every round
+        SwarmConfig(run_name="sparse", codec="topk", allreduce=config)
+    SwarmConfig(run_name="sparse", codec="int8", allreduce=config)
+    SwarmConfig(run_name="sparse", codec="topk", allreduce=AllReduceConfig(aggregation="clipped"))
 
     async def run() -> None:
         async with local_peers(2, config) as peers:
@@ -302,21 +307,26 @@ WORKER_ARGS = [
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "plan",
+    ("plan", "result"),
     [
-        "round_open:0",
-        "push_chunk:0:0",
-        "reduce_done:0",
-        "replica_chunk:0:0",
-        "serve_chunk:0:0",
-        "pull_chunk:0:0",
+        ("round_open:0", "new-tensor"),
+        ("push_chunk:0:0", "new-tensor"),
+        ("reduce_done:0", "new-tensor"),
+        ("replica_chunk:0:0", "new-tensor"),
+        ("serve_chunk:0:0", "new-tensor"),
+        ("pull_chunk:0:0", "new-tensor"),
+        ("push_chunk:0:0", "in-place"),
+        ("serve_chunk:0:0", "in-place"),
+        ("reduce_done:0:0:stall", "new-tensor"),  # frozen with its sockets open (SIGSTOP)
     ],
 )
-def test_survivors_agree_bit_for_bit_when_a_member_is_killed(tmp_path: Path, plan: str) -> None:
-    """Member 1 (owner of part 1) is SIGKILLed at `plan`: the survivors finish both rounds, hold the same
-    bits, and each holds the weighted mean of the decoded payloads of the contributors it reports."""
+def test_survivors_agree_bit_for_bit_when_a_member_is_killed(tmp_path: Path, plan: str, result: str) -> None:
+    """Member 1 (owner of part 1) is SIGKILLed (or frozen) at `plan`: the survivors finish both rounds,
+    hold the same bits, and each holds the weighted mean of the decoded payloads of the contributors
+    it reports (with `in-place`, written into its own vector)."""
     victim = 1
-    workers = Workers(tmp_path, NUM_WORKERS, WORKER_ARGS, forked=True)
+    in_place = ["--in-place"] if result == "in-place" else []
+    workers = Workers(tmp_path, NUM_WORKERS, WORKER_ARGS + in_place, forked=True)
     workers.start({victim: ["--fault", plan]})
     try:
         survivors = [i for i in range(NUM_WORKERS) if i != victim]
