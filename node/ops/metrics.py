@@ -18,7 +18,11 @@ Contract (read by ``dtnode report``, benchmarks and tests):
 
   - ``seconds_forming`` / ``seconds_allreduce``: the parts of ``seconds_comm`` spent agreeing on the
     round's group and in its all-reduce, ``streams`` the all-reduce streams it ran on
-    (``--swarm-streams``); null when there was no swarm round or no all-reduce.
+    (``--swarm-streams``); null when there was no swarm round or no all-reduce. ``allreduce_share``:
+    ``seconds_allreduce / seconds_wall``, the all-reduce's share of the round (with ``--overlap`` it
+    runs beside the next phase's inner steps: ``blocked_share`` is what the training waited);
+    ``density``: the share of the pseudo-gradient's numbers the wire codec sent (1 for the dense
+    codecs, k / block for top-k); both null without an all-reduce.
   - ``seconds_wall``: wall seconds since the node's previous round record (the first: since its first
     inner step in this process); ``utilization`` the share of them spent on inner steps,
     ``seconds_compute / seconds_wall`` — everything else (waiting for the swarm, the outer step, eval,
@@ -182,6 +186,10 @@ def round_record(
         "seconds_forming": stats.seconds_forming,
         "seconds_allreduce": stats.seconds_allreduce,
         "streams": stats.streams,
+        "density": stats.density,
+        "allreduce_share": (
+            stats.seconds_allreduce / wall if stats.seconds_allreduce is not None and wall > 0 else None
+        ),
         "seconds_wall": wall,
         # Inner compute / wall time since the previous record, and the share of it spent waiting for
         # the swarm (node/ops/metrics.py); None for the round applied after a run's last overlapped phase.

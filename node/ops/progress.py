@@ -7,13 +7,15 @@ to ``metrics.jsonl``:
   ``log_every`` inner steps and one per outer round, in the format scripts parse::
 
       round 3 | step 120 (20/50) | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s
-      round 3 done | eval_loss 2.4000 | peers 2 | compute 40.0s comm 1.20s (blocked 1.20s) | param_hash 0a1b2c3d4e5f
+      round 3 done | eval_loss 2.4000 | peers 2 | compute 40.0s comm 1.20s (blocked 1.20s) | sent 1.52 MB recv 1.49 MB at density 1.51% | all-reduce 3% of the round | param_hash 0a1b2c3d4e5f
+
+  (the bytes, density and all-reduce parts only for a round whose all-reduce ran)
 
 - :class:`LiveProgress` (``--log-format text`` on a terminal): a rich display redrawn in place::
 
       round 4 inner steps ━━━━━━━━╸           20/50 0:01:02 loss 2.3456 | lr 1.00e-03 | 12,345 tok/s
       outer rounds        ━━━━━━━━━━━━        3/5   0:03:10
-      round 3: eval_loss 2.4000 | peers 2 | comm 1.20s | codec error 0.52% | utilization 97%
+      round 3: eval_loss 2.4000 | peers 2 | comm 1.20s | codec error 0.52% | utilization 97% | sent 1.52 MB at density 1.51% | all-reduce 3%
 
   (the last line adds the round's failures by kind, and whether it fell back or adopted the
   swarm's state). The round lines above still scroll by as log lines, printed through the console
@@ -57,10 +59,11 @@ class PlainProgress:
                 record["loss"], record["lr"], f"{record['tokens_per_s']:,.0f}",
             )  # fmt: skip
         elif record["kind"] == "round":
+            wire = "".join(f" | {part}" for part in wire_text(record, received=True))
             log.info(
-                "round %d done | eval_loss %s | peers %d | compute %.1fs comm %.2fs (blocked %.2fs) | param_hash %s",
+                "round %d done | eval_loss %s | peers %d | compute %.1fs comm %.2fs (blocked %.2fs)%s | param_hash %s",
                 record["round"], eval_text(record), record["peers"], record["seconds_compute"],
-                record["seconds_comm"], record["seconds_blocked"], record["param_hash"][:12],
+                record["seconds_comm"], record["seconds_blocked"], wire, record["param_hash"][:12],
             )  # fmt: skip
 
     def close(self) -> None:
@@ -71,6 +74,29 @@ def eval_text(record: dict[str, Any]) -> str:
     """The round's held-out loss, or ``-`` in a round without eval (``--eval-every``)."""
     loss = record.get("eval_loss")
     return "-" if loss is None else f"{loss:.4f}"
+
+
+def byte_text(num_bytes: float) -> str:
+    """A byte count as a person reads it: ``812 B``, ``12.3 kB``, ``1.52 MB``, ``2.04 GB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.{1 if unit == 'kB' else 2}f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def wire_text(record: dict[str, Any], *, received: bool) -> list[str]:
+    """The round's wire bytes at its payload's density, and the all-reduce's share of the round's wall
+    time; empty for a round without an all-reduce (a swarm of one, a missed or adopted round)."""
+    density, share = record.get("density"), record.get("allreduce_share")
+    parts = []
+    if density is not None:
+        sent = f"sent {byte_text(record.get('bytes_sent') or 0)}"
+        if received:
+            sent += f" recv {byte_text(record.get('bytes_recv') or 0)}"
+        parts.append(f"{sent} at density {100 * density:.3g}%")
+    if share is not None:
+        parts.append(f"all-reduce {share:.0%} of the round" if received else f"all-reduce {share:.0%}")
+    return parts
 
 
 def round_status(record: dict[str, Any]) -> str:
@@ -84,6 +110,7 @@ def round_status(record: dict[str, Any]) -> str:
         parts.append(f"codec error {record['codec_error']:.2%}")
     if record.get("utilization") is not None:
         parts.append(f"utilization {record['utilization']:.0%}")
+    parts += wire_text(record, received=False)
     failures = record.get("failures_by_kind") or {}
     if failures:
         parts.append("failures " + ", ".join(f"{kind} {count}" for kind, count in sorted(failures.items())))

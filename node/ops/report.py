@@ -273,6 +273,7 @@ def node_summary(run: NodeRun) -> dict[str, Any]:
         "best_eval_loss": float(np.nanmin(eval_loss)) if np.isfinite(eval_loss).any() else math.nan,
         "mb_sent": sum(float(r.get("bytes_sent") or 0) for r in rounds) / 1e6,
         "mb_received": sum(float(r.get("bytes_recv") or 0) for r in rounds) / 1e6,
+        **_wire_summary(rounds),
         "utilization": math.nan if utilization is None else utilization,
         "tokens_per_s": float(np.nanmean(_column(steps, "tokens_per_s"))) if steps else math.nan,
         "wall_seconds": float(np.nanmax(times)) if len(times) else 0.0,
@@ -281,8 +282,29 @@ def node_summary(run: NodeRun) -> dict[str, Any]:
     }
 
 
+def _wire_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over the rounds whose all-reduce ran (``density`` set): MB moved (sent + received) per round, the
+    payload's density (the last round's: every round of a run has its codec's), and the all-reduce's
+    share of the run's wall time (Σ ``seconds_allreduce`` / Σ ``seconds_wall`` over every timed round)."""
+    reduced = [r for r in rounds if r.get("density") is not None]
+    moved = sum(float(r.get("bytes_sent") or 0) + float(r.get("bytes_recv") or 0) for r in reduced)
+    wall = sum(float(r["seconds_wall"]) for r in rounds if r.get("seconds_wall") is not None)
+    allreduce = sum(
+        float(r.get("seconds_allreduce") or 0) for r in rounds if r.get("seconds_wall") is not None
+    )
+    return {
+        "mb_moved_per_round": moved / 1e6 / len(reduced) if reduced else math.nan,
+        "density": float(reduced[-1]["density"]) if reduced else math.nan,
+        "allreduce_share": allreduce / wall if reduced and wall > 0 else math.nan,
+    }
+
+
 def _number(value: float, digits: int) -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.3g}%"
 
 
 def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_summary: str | None) -> str:
@@ -295,8 +317,10 @@ def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_su
         "## Nodes",
         "",
         "| node | steps | rounds | tokens | train loss (last 10 steps) | held-out loss: final | best | "
-        "MB sent | MB received | utilization | tokens/s | wall time (s) | param_hash | model exported |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "MB sent | MB received | MB moved per round | density | all-reduce share | utilization | tokens/s | "
+        "wall time (s) | param_hash | model exported |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | --- |",
     ]
     for run in runs:
         row = node_summary(run)
@@ -304,13 +328,17 @@ def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_su
             f"| {row['name']} | {row['num_steps']} | {row['num_rounds']} | {row['tokens']:,} | "
             f"{_number(row['train_loss'], 4)} | {_number(row['final_eval_loss'], 4)} | "
             f"{_number(row['best_eval_loss'], 4)} | {row['mb_sent']:.2f} | {row['mb_received']:.2f} | "
-            f"{_number(row['utilization'], 3)} | {_number(row['tokens_per_s'], 0)} | "
+            f"{_number(row['mb_moved_per_round'], 3)} | {_percent(row['density'])} | "
+            f"{_percent(row['allreduce_share'])} | {_number(row['utilization'], 3)} | {_number(row['tokens_per_s'], 0)} | "
             f"{row['wall_seconds']:.1f} | {row['param_hash'] or '-'} | {'yes' if row['exported'] else 'no'} |"
         )
     lines += [
         "",
         "utilization: the run's inner compute over its wall time from the first inner step to the last "
-        "round record (per round in utilization.png).",
+        "round record (per round in utilization.png). MB moved per round: sent + received by the rounds "
+        "whose all-reduce ran; density: the share of the pseudo-gradient's numbers its codec sends "
+        "(100% dense, k / block for top-k); all-reduce share: the all-reduce's seconds over the run's wall "
+        "time (with --overlap they run beside the inner steps).",
         "",
     ]
     for run_dir in run_dirs:

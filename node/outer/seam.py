@@ -132,6 +132,9 @@ class RoundStats:
     seconds_forming: float | None = None  # agreeing on the round's group (None: no swarm round)
     seconds_allreduce: float | None = None  # the group's all-reduce (None: it did not run)
     streams: int | None = None  # all-reduce streams the round ran on (None: it did not run)
+    density: float | None = (
+        None  # share of Δ's numbers the wire codec sends (top-k: k / block; None: no all-reduce)
+    )
 
 
 @dataclass(frozen=True)

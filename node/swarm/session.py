@@ -56,6 +56,7 @@ from node.swarm.catch_up import catch_up_with_means, rejoin_due
 from node.swarm.join import JOIN_TIMEOUT, Prefetch
 from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_state, round_mean_snapshot
 from protocol.allreduce.allreduce import AllReduceResult
+from protocol.codecs import TopKCodec
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.shards import assign_shard
@@ -352,9 +353,11 @@ class SwarmSession:
         kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
         if outcome.fell_back:
             kinds["fell_back"] = 1
+        codec = self.swarm.codec
         stats = RoundStats(
             num_peers=1 if outcome.fell_back else max(len(contributors), 1),
             members=members,
+            density=codec.density if isinstance(codec, TopKCodec) else 1.0,
             bytes_sent=outcome.bytes_sent,
             bytes_recv=outcome.bytes_recv,
             bytes_by_phase={

@@ -141,6 +141,8 @@ class RoundEnd:
             record["utilization"] = utilization(compute, wall)
             if record["blocked_share"] is not None:
                 record["blocked_share"] = record["seconds_blocked"] / wall
+            if record["allreduce_share"] is not None:
+                record["allreduce_share"] = record["seconds_allreduce"] / wall
             self._fill(result)
         self.poll()
 

@@ -55,6 +55,23 @@ def test_plain_lines_every_log_every_steps_and_every_round(caplog: pytest.LogCap
     ]
 
 
+def test_a_round_with_an_all_reduce_shows_its_bytes_density_and_share(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="dtnode")
+    sparse = round_record(1, bytes_sent=1_523_456, bytes_recv=812, density=62 / 4096, allreduce_share=0.0312)
+    dense = round_record(2, bytes_sent=2_040_000_000, bytes_recv=12_345, density=1.0, allreduce_share=0.5)
+    PlainProgress(inner_steps=3, log_every=2).write(sparse)
+    PlainProgress(inner_steps=3, log_every=2).write(dense)
+    assert messages(caplog) == [
+        "round 1 done | eval_loss 2.5000 | peers 2 | compute 40.0s comm 1.20s (blocked 1.50s) | sent 1.52 MB "
+        "recv 812 B at density 1.51% | all-reduce 3% of the round | param_hash 0123456789ab",
+        "round 2 done | eval_loss 2.5000 | peers 2 | compute 40.0s comm 1.20s (blocked 1.50s) | sent 2.04 GB "
+        "recv 12.3 kB at density 100% | all-reduce 50% of the round | param_hash 0123456789ab",
+    ]
+    assert round_status(sparse).endswith("| utilization 96% | sent 1.52 MB at density 1.51% | all-reduce 3%")
+
+
 @pytest.mark.timeout(60)
 def test_trainer_logs_the_same_lines_as_its_metrics(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Off a terminal (pytest captures stderr), a real trainer's lines are the plain ones, one per

@@ -277,6 +277,7 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     assert value(samples, "dtnode_sent_bytes_total", phase="reduce_scatter") == 0
     assert math.isnan(value(samples, "dtnode_codec_error_ratio")) and round_["codec_error"] is None
     assert round_["failures_by_kind"] == {} and round_["bytes_recv_state_sync"] == 0
+    assert round_["density"] is None and round_["allreduce_share"] is None  # no all-reduce ran
     assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 1
     with pytest.raises(urllib.error.URLError):  # closed with the metrics writer
         scrape(port)
@@ -311,6 +312,23 @@ def round_one(weight: float) -> RoundRequest:
     return RoundRequest(round_index=1, weight=weight, lineage=(0, "00" * 32), tokens_per_s=1.0)
 
 
+def test_round_outcome_carries_the_top_k_codecs_density() -> None:
+    vector = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    allreduce = AllReduceResult(
+        averaged=vector, contributors=[["a", "b"]], producers=["a"], fell_back=False, failures=[],
+        bytes_sent=11, bytes_recv=22, seconds=0.1, bytes_sent_by_phase={}, bytes_recv_by_phase={},
+    )  # fmt: skip
+    result = GroupAveraged(
+        round=1,
+        group=SimpleNamespace(member_ids=("a", "b"), num_streams=1),  # type: ignore[arg-type]
+        allreduce=allreduce,
+    )
+    session = session_with(result, vector.numel())
+    session.swarm.codec = get_codec("topk", density=0.03)  # type: ignore[misc]  # the fake's attribute
+    stats = session.average(vector, round_one(weight=10.0)).stats
+    assert stats.density == 123 / 4096  # ceil(0.03 x 4096) of each block of 4096
+
+
 def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes() -> None:
     vector = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     allreduce = AllReduceResult(
@@ -340,6 +358,7 @@ def test_round_outcome_carries_failures_by_kind_codec_error_and_state_sync_bytes
         "sent_reduce_scatter": 100, "sent_all_gather": 11, "recv_reduce_scatter": 200, "recv_all_gather": 22
     }  # fmt: skip
     assert stats.num_peers == 2 and stats.members == ("a", "b")
+    assert stats.density == 1.0  # int8 sends every number
     assert isinstance(outcome.decision, Averaged) and torch.equal(outcome.decision.mean, allreduce.averaged)
     # Reported once: the next round starts from zero.
     assert session._bytes_state_sync == 0 and session._state_sync_failures == 0

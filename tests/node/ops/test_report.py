@@ -70,8 +70,9 @@ def test_report_of_a_node_run(run_dir: Path, capsys: pytest.CaptureFixture[str])
     assert row[5] == f"{rounds[-1]['eval_loss']:.4f}"
     assert row[6] == f"{min(r['eval_loss'] for r in rounds):.4f}"
     compute = sum(r["seconds_compute"] for r in rounds)
-    assert row[9] == f"{compute / sum(r['seconds_wall'] for r in rounds):.3f}"  # the run's, not a mean
-    assert row[12] == rounds[-1]["param_hash"][:12] and row[13] == "yes"  # the run exported its model
+    assert row[12] == f"{compute / sum(r['seconds_wall'] for r in rounds):.3f}"  # the run's, not a mean
+    assert row[9:12] == ["-", "-", "-"]  # a node alone: no all-reduce, no bytes per round nor density
+    assert row[15] == rounds[-1]["param_hash"][:12] and row[16] == "yes"  # the run exported its model
 
 
 def step_record(step: int, time: float, loss: float | None) -> dict[str, Any]:
@@ -88,12 +89,13 @@ def round_record(
             "time": time, **extra}  # fmt: skip
 
 
-def write_swarm(root: Path, node_hashes: list[list[str]]) -> None:
-    """node-<i>/metrics.jsonl with two steps then one round per hash; a diverged (null) step loss."""
+def write_swarm(root: Path, node_hashes: list[list[str]], **extra: Any) -> None:
+    """node-<i>/metrics.jsonl with two steps then one round per hash (``extra`` in each); a diverged
+    (null) step loss."""
     for index, hashes in enumerate(node_hashes):
         records = [step_record(1, 1000.0 + index, 5.0), step_record(2, 1001.0 + index, None)]
         records += [
-            round_record(r + 1, 1002.0 + 10 * r, sent=1_500_000 * (index + 1), param_hash=h)
+            round_record(r + 1, 1002.0 + 10 * r, sent=1_500_000 * (index + 1), param_hash=h, **extra)
             for r, h in enumerate(hashes)
         ]
         (root / f"node-{index}").mkdir(parents=True)
@@ -103,17 +105,23 @@ def write_swarm(root: Path, node_hashes: list[list[str]]) -> None:
 @pytest.mark.timeout(60)
 def test_report_of_a_swarm_dir(tmp_path: Path) -> None:
     root, out = tmp_path / "swarm", tmp_path / "out"
-    write_swarm(root, [["aaaa", "bbbb"], ["aaaa", "bbbb"]])
+    # Top-k at 62 of 4096; each 4 s round spent 0.5 s in its all-reduce.
+    write_swarm(
+        root, [["aaaa", "bbbb"], ["aaaa", "bbbb"]], density=62 / 4096, seconds_allreduce=0.5, seconds_wall=4.0
+    )
     assert main(["report", str(root), "--out", str(out)]) == 0
     assert_valid_pngs(out)
     report = (out / REPORT_FILE).read_text()
     # node-1 sent 3.0 MB in each of its 2 rounds and received 1000 B more each time.
     assert table_row(report, "node-1")[7:9] == ["6.00", "6.00"]
     assert table_row(report, "node-0")[7:9] == ["3.00", "3.00"]
-    # Utilization 3 s compute / (3 s + 1 s blocked); the null loss is skipped in the mean of the last steps.
-    assert table_row(report, "node-0")[9] == "0.750" and table_row(report, "node-0")[4] == "5.0000"
+    # Per round node-1 moved 3.0 MB out and 3.001 MB in; density 62 / 4096; all-reduce 2 x 0.5 s of 2 x 4 s.
+    assert table_row(report, "node-1")[9:12] == ["6.001", "1.51%", "12.5%"]
+    assert table_row(report, "node-0")[9:12] == ["3.001", "1.51%", "12.5%"]
+    # Utilization 3 s compute / 4 s wall; the null loss is skipped in the mean of the last steps.
+    assert table_row(report, "node-0")[12] == "0.750" and table_row(report, "node-0")[4] == "5.0000"
     assert "every node held the same param_hash after each of the 2 common round(s)" in report
-    assert table_row(report, "node-0")[13] == "no"  # no model.safetensors in these dirs
+    assert table_row(report, "node-0")[16] == "no"  # no model.safetensors in these dirs
 
 
 @pytest.mark.timeout(60)

@@ -45,6 +45,9 @@ def test_three_nodes_share_every_round(tmp_path, mode):
                 # seconds_comm = forming the group + its all-reduce (+ a DHT read): the parts fit in it.
                 assert r["streams"] == 1 and r["seconds_forming"] >= 0 and r["seconds_allreduce"] > 0, r
                 assert r["seconds_forming"] + r["seconds_allreduce"] <= r["seconds_comm"] + 1e-3, r
+                assert (
+                    r["density"] == 1.0 and r["allreduce_share"] == r["seconds_allreduce"] / r["seconds_wall"]
+                )
         assert_one_lineage([node.hashes() for node in cluster.nodes], [1, 2, 3])
         # After each round the members read disjoint shards: one each of three.
         for index in range(3):
