@@ -651,6 +651,15 @@ class TopKCodec(Codec):
     def validate(self, payload: Payload, num_elements: int) -> None:
         self._parse(payload, num_elements)
 
+    def max_magnitude(self, payload: Payload, num_elements: int) -> float:
+        """The largest kept magnitude of a payload (its blocks' largest ``hi``; 0 with no blocks): what it
+        decodes to is at most this in magnitude, up to float32 rounding. Checks only the length."""
+        raw = as_uint8(payload)
+        self._check_length(raw, num_elements)
+        scale_bytes, _, _ = self._section_sizes(num_elements)
+        highs = raw[:scale_bytes].numpy().view(np.float32)[1::2]
+        return float(np.abs(highs).max()) if highs.size else 0.0
+
     def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
         scales, parsed = self._parse(payload, out.numel())
         out.zero_()

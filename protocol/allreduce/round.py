@@ -70,7 +70,7 @@ from protocol.allreduce.parts import (
     result_views,
 )
 from protocol.allreduce.reducer import PartReducer, ReducedPart, SenderStatus
-from protocol.allreduce.sparse import average_codec, check_sparse_round, is_sparse
+from protocol.allreduce.sparse import SummedContributions, average_codec, check_sparse_round, is_sparse
 from protocol.codecs import Codec, CodecError, fp32_view
 from protocol.error_feedback import ErrorFeedback
 from protocol.errors import ProtocolError, invalid
@@ -413,6 +413,9 @@ class RoundState:
                 part_offset=self.group.part_bounds[part_index],
             ),
         )
+        if self.sparse and (overflow := self._sparse_overflow(reduced)):
+            self._move(part_index, overflow)  # a version nobody could decode must not be committed
+            return
         check_fault(self.fault_plan, "reduce_done", self.round_id)
         voters = await self._gather_votes(part_index, reduced)
         if voters is None:
@@ -422,6 +425,16 @@ class RoundState:
         part.role, part.reducer, part.decided, part.committed = PartRole.DECIDED, None, reduced, True
         self.pulse.notify()
         await asyncio.gather(*(self._tell_committed(part_index, reduced, voter) for voter in voters))
+
+    def _sparse_overflow(self, reduced: ReducedPart) -> str:
+        """Why a sparse average we decided cannot be decoded (its sum would overflow), or ""."""
+        decoder = SummedContributions(self.codec, reduced.contributor_weights, reduced.weight_sum)
+        try:
+            for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
+                decoder.check_sum(payload, size)
+        except CodecError as error:
+            return str(error)
+        return ""
 
     async def _gather_votes(self, part_index: int, reduced: ReducedPart) -> list[int] | None:
         """Hand our decided average to members until they and we are a strict majority; return them.

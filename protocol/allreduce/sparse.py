@@ -34,6 +34,8 @@ import torch
 from protocol.allreduce.config import MESSAGE_OVERHEAD_BYTES, AllReduceConfig
 from protocol.codecs import Codec, CodecError, Payload, TopKCodec, as_uint8
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 def is_sparse(codec: Codec) -> bool:
     """True for the codecs whose rounds sum the contributors' payloads instead of re-encoding a mean."""
@@ -90,13 +92,36 @@ class SummedContributions:
         size = self.codec.encoded_num_bytes(num_elements)
         return [raw[i * size : (i + 1) * size] for i in range(len(self.weights))]
 
+    def check_sum(self, payload: Payload, num_elements: int) -> None:
+        """CodecError unless a chunk's weighted sum and average stay far from float32's overflow.
+
+        Each payload is finite, but a sum of large ones (or a tiny weight sum) need not be:
+        sum_i v_i max|x_i| and that over the weight sum must stay below half of float32's largest."""
+        self._check_bound(self._pieces(payload, num_elements), num_elements)
+
+    def _check_bound(self, pieces: list[torch.Tensor], num_elements: int) -> None:
+        assert isinstance(self.codec, TopKCodec)
+        total = sum(
+            weight * self.codec.max_magnitude(piece, num_elements)
+            for piece, weight in zip(pieces, self.weights, strict=True)
+        )
+        limit = FLOAT32_MAX / 2
+        if not (total <= limit and total / float(self.weight_sum) <= limit):
+            raise CodecError(
+                f"the weighted sum of these {len(pieces)} payloads could overflow float32 "
+                f"(bound {total:.3g}, weight sum {float(self.weight_sum):.3g})"
+            )
+
     def validate(self, payload: Payload, num_elements: int) -> None:
-        for piece in self._pieces(payload, num_elements):
+        pieces = self._pieces(payload, num_elements)
+        for piece in pieces:
             self.codec.validate(piece, num_elements)
+        self._check_bound(pieces, num_elements)
 
     def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
         """Sum the weighted contributions in contributor order into `out` (fp32), then divide."""
         pieces = self._pieces(payload, out.numel())
+        self._check_bound(pieces, out.numel())
         scratch = torch.empty_like(out)
         out.zero_()
         for piece, weight in zip(pieces, self.weights, strict=True):

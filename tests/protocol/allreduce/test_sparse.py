@@ -186,6 +186,22 @@ def test_trimmed_rule_is_refused_with_a_sparse_codec() -> None:
     uvloop.run(run())
 
 
+@pytest.mark.timeout(60)
+def test_a_sum_that_would_overflow_is_never_committed_and_everyone_falls_back() -> None:
+    """Finite contributions near float32's largest: no owner commits a sum it could not decode; every
+    member returns on time with its own vector instead of raising."""
+    vectors = [torch.full((NUM_ELEMENTS,), 1e38) for _ in range(3)]
+
+    async def run() -> list[bool]:
+        async with local_peers(3) as peers:
+            group = GroupSpec.build(round_id=0, members=members_of(peers), num_elements=NUM_ELEMENTS)
+            results = await allreduce_all(peers, vectors, group, CODEC, deadline=timedelta(seconds=6))
+            assert all("overflow" in " ".join(r.failures) for r in results)
+            return [r.fell_back for r in results]
+
+    assert uvloop.run(run()) == [True, True, True]
+
+
 # --- a malformed sparse average, handed to a member as a replica by an impostor -------------------------
 
 
@@ -203,6 +219,17 @@ def _with_nan_scale(bundle: bytes) -> bytes:
     return bytes(spoiled)
 
 
+def _with_huge_scales(bundle: bytes) -> bytes:
+    """Every block's hi (and lo) near float32's largest: each payload is finite, their sum is not."""
+    spoiled = bytearray(bundle)
+    piece_bytes = CODEC.encoded_num_bytes(CHUNK)
+    num_blocks = -(-CHUNK // CODEC.block_size)
+    huge = torch.full((2 * num_blocks,), 3e38).numpy().tobytes()
+    for start in range(0, len(spoiled), piece_bytes):
+        spoiled[start : start + len(huge)] = huge
+    return bytes(spoiled)
+
+
 BAD_REPLICAS = {
     # (contributor weights, chunk payload) of a replica of part 2, produced by "p2", 3 contributors
     "weights-missing": ([], None),
@@ -210,6 +237,7 @@ BAD_REPLICAS = {
     "weight-nan": ([1.0, float("nan"), 1.0], None),
     "bundle-short": ([1.0, 1.0, 1.0], lambda: _bundle(CHUNK, 2)),
     "bundle-nan": ([1.0, 1.0, 1.0], lambda: _with_nan_scale(_bundle(CHUNK, 3))),
+    "bundle-overflow": ([1.0, 1.0, 1.0], lambda: _with_huge_scales(_bundle(CHUNK, 3))),
 }
 
 
