@@ -660,22 +660,38 @@ class TopKCodec(Codec):
         highs = raw[:scale_bytes].numpy().view(np.float32)[1::2]
         return float(np.abs(highs).max()) if highs.size else 0.0
 
-    def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
-        scales, parsed = self._parse(payload, out.numel())
-        out.zero_()
-        first_block = 0
-        for (start, num_blocks, width, _), (offsets, codes) in zip(
-            self._groups(out.numel()), parsed, strict=True
-        ):
+    def _sent(self, payload: Payload, num_elements: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per run of blocks (``_groups``): (offsets (blocks, k) int64, decoded values (blocks, k) fp32)."""
+        scales, parsed = self._parse(payload, num_elements)
+        sent, first_block = [], 0
+        for (_, num_blocks, _, _), (offsets, codes) in zip(self._groups(num_elements), parsed, strict=True):
             lo, hi = scales[first_block : first_block + num_blocks].T  # (blocks,) each
             step = (hi - lo) / np.float32(self.levels - 1)
             magnitudes = lo[:, None] + step[:, None] * np.arange(self.levels, dtype=np.float32)  # (blocks, L)
             # A code is sign * L + level: index a per-block table of the 2L values.
             table = np.concatenate([magnitudes, -magnitudes], axis=1)  # (blocks, 2L)
-            values = np.take_along_axis(table, codes, axis=1)  # (blocks, k)
-            rows = out[start : start + num_blocks * width].view(num_blocks, width)
-            rows.scatter_(1, offsets, torch.from_numpy(values))
+            sent.append((offsets, torch.from_numpy(np.take_along_axis(table, codes, axis=1))))
             first_block += num_blocks
+        return sent
+
+    def decode_into(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
+        out.zero_()
+        for (start, num_blocks, width, _), (offsets, values) in zip(
+            self._groups(out.numel()), self._sent(payload, out.numel()), strict=True
+        ):
+            out[start : start + num_blocks * width].view(num_blocks, width).scatter_(1, offsets, values)
+        return out
+
+    def add_into(self, payload: Payload, out: torch.Tensor, weight: float) -> torch.Tensor:
+        """``out += decode(payload).mul_(weight)`` in float32, bit for bit, touching only the numbers sent.
+
+        Elsewhere the dense sum adds +0, which leaves any number but -0 as it is; a sum that starts at
+        +0 never becomes -0 (x + (-x) is +0), so the sparse round's sums may skip those adds."""
+        for (start, num_blocks, width, _), (offsets, values) in zip(
+            self._groups(out.numel()), self._sent(payload, out.numel()), strict=True
+        ):
+            rows = out[start : start + num_blocks * width].view(num_blocks, width)
+            rows.scatter_add_(1, offsets, values.mul_(weight))  # one add per number: offsets are unique
         return out
 
     def error_bound(self, values: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ another in member order (a *bundle*), and the header says how much each one weig
 
 in float32 (a multiply, then an add), where x_i = decode(payload_i), w_i the member's token weight and
 v_i its weight as applied: w_i for "mean", w_i * s_i for "clipped" (the owner computes the clip scales
-s_i over the whole part and sends v_i). Every member decodes the same committed bundle with the same
+s_i over the whole part and sends v_i). Each add touches only the numbers a payload sent
+(`TopKCodec.add_into`, bit for bit the dense sum). Every member decodes the same committed bundle with the same
 weights in the same order, so every survivor holds the same bits, and nothing is encoded twice: what a
 sender's top-k left out stays in that sender's error-feedback residual (`protocol.error_feedback`).
 The commit machinery (replicas to a strict majority, backups, fallbacks) is the dense round's
@@ -122,10 +123,10 @@ class SummedContributions:
         """Sum the weighted contributions in contributor order into `out` (fp32), then divide."""
         pieces = self._pieces(payload, out.numel())
         self._check_bound(pieces, out.numel())
-        scratch = torch.empty_like(out)
+        assert isinstance(self.codec, TopKCodec)
         out.zero_()
         for piece, weight in zip(pieces, self.weights, strict=True):
-            out += self.codec.decode_into(piece, scratch).mul_(weight)
+            self.codec.add_into(piece, out, weight)  # = out += decode(piece) * weight, sparsely
         return out.div_(self.weight_sum)
 
 

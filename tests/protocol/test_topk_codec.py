@@ -290,3 +290,23 @@ def test_fuzzed_payloads_are_refused_or_decode_to_finite_sparse_numbers(
         for start in range(0, num_elements, codec.block_size)
     )
     assert int((decoded != 0).sum()) <= kept_at_most
+
+
+@pytest.mark.parametrize(
+    ("block_size", "kept", "num_elements"),
+    [(4096, 62, 10_000), (64, 40, 1000), (512, 3, 777)],  # offsets with a tail block; bitmap; tiny tail
+)
+def test_add_into_is_the_dense_weighted_sum_bit_for_bit(
+    block_size: int, kept: int, num_elements: int
+) -> None:
+    """The sparse round sums payloads with add_into; it must equal out += decode(p) * w in float32."""
+    codec = TopK2Codec(block_size, kept)
+    generator = torch.Generator().manual_seed(5)
+    payloads = [codec.encode(torch.randn(num_elements, generator=generator) * 10**i) for i in range(4)]
+    payloads.append(codec.encode(torch.zeros(num_elements)))  # lo = hi = 0: kept values decode to +-0
+    weights = [1.0, 0.3, 7.5, 1e-3, 2.0]
+    dense, sparse = torch.zeros(num_elements), torch.zeros(num_elements)
+    for payload, weight in zip(payloads, weights, strict=True):
+        dense += codec.decode(payload, num_elements).mul_(weight)
+        codec.add_into(payload, sparse, weight)
+        assert torch.equal(dense.view(torch.int32), sparse.view(torch.int32))
