@@ -11,12 +11,13 @@ another in member order (a *bundle*), and the header says how much each one weig
 in float32 (a multiply, then an add), where x_i = decode(payload_i), w_i the member's token weight and
 v_i its weight as applied: w_i for "mean", w_i * s_i for "clipped" (the owner computes the clip scales
 s_i over the whole part and sends v_i). Each add touches only the numbers a payload sent
-(`TopKCodec.add_into`, bit for bit the dense sum). Every member decodes the same committed bundle with the same
-weights in the same order, so every survivor holds the same bits, and nothing is encoded twice: what a
-sender's top-k left out stays in that sender's error-feedback residual (`protocol.error_feedback`).
+(`TopKCodec.add_into`, bit for bit the dense sum). Every member decodes the same committed bundle with
+the same weights in the same order, so every survivor holds the same bits, and nothing is encoded
+twice: what a sender's top-k left out stays in that sender's error-feedback residual
+(`protocol.error_feedback`).
 The commit machinery (replicas to a strict majority, backups, fallbacks) is the dense round's
-(`round.py`): only what is decided differs. The trade-off in bytes is in ARCHITECTURE.md
-("The all-reduce of sparse contributions").
+(`round.py`): only what is decided differs. The byte formulas, the measurements and the design this
+was chosen over are in ARCHITECTURE.md ("Sparse contributions").
 
 "trimmed" does not apply: with top-k most members send zero at most elements, so a coordinate-wise
 trimmed mean would drop every number fewer than trim_per_side + 1 members sent, which the senders'
