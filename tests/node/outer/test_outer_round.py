@@ -323,6 +323,7 @@ class FakeConfig:
     round_deadline: timedelta = timedelta(seconds=1)
     record_ttl: timedelta = timedelta(seconds=1)
     view_refresh: timedelta = timedelta(seconds=0.01)
+    error_feedback_decay: float = 1.0
 
 
 class FakeNode:

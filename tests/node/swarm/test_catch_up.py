@@ -173,7 +173,7 @@ class SwarmOfOne:
         self.codec, self.peer_id, self.stream_addresses = get_codec("int8"), "solo", ()
         self.published: list[dict[str, Any]] = []
         # What participation.peer_due reads: nobody fetches from a swarm of one.
-        self.config = SimpleNamespace(view_refresh=timedelta(seconds=1))
+        self.config = SimpleNamespace(view_refresh=timedelta(seconds=1), error_feedback_decay=1.0)
         self.server = SimpleNamespace(state_provider=SimpleNamespace(served_lately=lambda within: False))
         self.driver = SimpleNamespace(record=None)
 
