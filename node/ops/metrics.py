@@ -130,6 +130,29 @@ def run_utilization(rounds: Iterable[Mapping[str, Any]]) -> tuple[float, float, 
     return compute, wall, utilization(compute, wall)
 
 
+def byte_text(num_bytes: float) -> str:
+    """A byte count as a person reads it: ``812 B``, ``12.3 kB``, ``1.52 MB``, ``2.04 GB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.{1 if unit == 'kB' else 2}f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def wire_text(record: Mapping[str, Any], *, received: bool) -> list[str]:
+    """The round's wire bytes at its payload's density, and the all-reduce's share of the round's wall
+    time; empty for a round without an all-reduce (a swarm of one, a missed or adopted round)."""
+    density, share = record.get("density"), record.get("allreduce_share")
+    parts = []
+    if density is not None:
+        sent = f"sent {byte_text(record.get('bytes_sent') or 0)}"
+        if received:
+            sent += f" recv {byte_text(record.get('bytes_recv') or 0)}"
+        parts.append(f"{sent} at density {100 * density:.3g}%")
+    if share is not None:
+        parts.append(f"all-reduce {share:.0%} of the round" if received else f"all-reduce {share:.0%}")
+    return parts
+
+
 def current_rss_bytes() -> int | None:
     """This process's resident memory now (Linux ``/proc/self/status`` VmRSS); None elsewhere."""
     try:

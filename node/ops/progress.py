@@ -36,6 +36,7 @@ from rich.text import Text
 
 from node.config import NodeConfig
 from node.ops.logs import terminal_console
+from node.ops.metrics import wire_text
 
 log = logging.getLogger("dtnode")
 
@@ -74,29 +75,6 @@ def eval_text(record: dict[str, Any]) -> str:
     """The round's held-out loss, or ``-`` in a round without eval (``--eval-every``)."""
     loss = record.get("eval_loss")
     return "-" if loss is None else f"{loss:.4f}"
-
-
-def byte_text(num_bytes: float) -> str:
-    """A byte count as a person reads it: ``812 B``, ``12.3 kB``, ``1.52 MB``, ``2.04 GB``."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.{1 if unit == 'kB' else 2}f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def wire_text(record: dict[str, Any], *, received: bool) -> list[str]:
-    """The round's wire bytes at its payload's density, and the all-reduce's share of the round's wall
-    time; empty for a round without an all-reduce (a swarm of one, a missed or adopted round)."""
-    density, share = record.get("density"), record.get("allreduce_share")
-    parts = []
-    if density is not None:
-        sent = f"sent {byte_text(record.get('bytes_sent') or 0)}"
-        if received:
-            sent += f" recv {byte_text(record.get('bytes_recv') or 0)}"
-        parts.append(f"{sent} at density {100 * density:.3g}%")
-    if share is not None:
-        parts.append(f"all-reduce {share:.0%} of the round" if received else f"all-reduce {share:.0%}")
-    return parts
 
 
 def round_status(record: dict[str, Any]) -> str:

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from node.ops.metrics import byte_text, wire_text
+
 log = logging.getLogger("dtnode.swarm")
 
 
@@ -47,12 +49,14 @@ class MetricsTail:
 
 
 def round_line(name: str, record: Mapping[str, Any]) -> str:
-    """``node-1 round 3 | eval_loss 2.71 | peers 3 | 1.2 MB sent | param_hash 0cefb6a965``."""
+    """``node-1 round 3 | eval_loss 2.71 | peers 3 | sent 1.52 MB at density 1.51% | all-reduce 3% |
+    param_hash 0cefb6a965`` (``sent 0 B`` for a round without an all-reduce)."""
     eval_loss = record.get("eval_loss")
     loss_text = "-" if eval_loss is None else f"{eval_loss:.4f}"  # not evaluated this round (--eval-every)
+    wire = wire_text(record, received=False) or [f"sent {byte_text(record.get('bytes_sent') or 0)}"]
     line = (
         f"{name} round {record['round']} | eval_loss {loss_text} | peers {record['peers']} | "
-        f"{record['bytes_sent'] / 1e6:.1f} MB sent | param_hash {record['param_hash'][:10]}"
+        f"{' | '.join(wire)} | param_hash {record['param_hash'][:10]}"
     )
     if record.get("fell_back"):
         line += " | fell back (own Δ)"

@@ -9,6 +9,7 @@ from node.ops.swarm_report import (
     is_averaged,
     node_participation,
     report_markdown,
+    round_line,
     run_problems,
     swarm_participation,
 )
@@ -137,3 +138,23 @@ def test_report_of_an_older_launcher_renders_without_participation():
     assert "Participation" not in text and "Verdict" not in text
     # No participation or utilization recorded: "-" in both columns.
     assert text.splitlines()[-1].endswith("| 0 | 0 | - | - | - | - |")
+
+
+def test_the_launchers_round_line_shows_bytes_density_and_the_all_reduce_share():
+    sparse = {"round": 3, "eval_loss": 2.71, "peers": 3, "bytes_sent": 1_523_456, "bytes_recv": 9,
+              "density": 62 / 4096, "allreduce_share": 0.031, "param_hash": "0cefb6a965aa"}  # fmt: skip
+    assert round_line("node-1", sparse) == (
+        "node-1 round 3 | eval_loss 2.7100 | peers 3 | sent 1.52 MB at density 1.51% | all-reduce 3% "
+        "| param_hash 0cefb6a965"
+    )
+    alone = {
+        "round": 1,
+        "eval_loss": None,
+        "peers": 1,
+        "bytes_sent": 0,
+        "param_hash": "ab" * 6,
+        "adopted": True,
+    }
+    assert round_line("node-0", alone) == (
+        "node-0 round 1 | eval_loss - | peers 1 | sent 0 B | param_hash ababababab | adopted the swarm's state"
+    )
