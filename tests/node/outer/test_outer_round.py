@@ -9,7 +9,7 @@ the adopted state's own tensors and counters, and the scripted round results.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,9 +28,7 @@ from node.outer.seam import (
     JoinAnswer,
     JoinRequest,
     RoundDecision,
-    RoundOutcome,
     RoundRequest,
-    RoundStats,
 )
 from node.outer.state import tensor_hash
 from node.swarm.session import SwarmSession
@@ -41,6 +39,7 @@ from protocol.membership.lineage import Lineage, LineageDecision
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.result import GroupAveraged, LineageResync, RoundNotFormed
+from tests.node.outer.scripted_swarm import ScriptedSwarm
 
 LR, MOMENTUM = 0.7, 0.9
 H = 3
@@ -78,70 +77,8 @@ class Data:
         self.shard = (shard_index, num_shards)
 
 
-@dataclass
-class FakeSwarm:
-    """A scripted swarm side: each round's decision comes from ``decide`` (given Δ and the request);
-    every call is logged, and a call made while another is running fails (the seam is not re-entrant)."""
-
-    decide: Any = None
-    join_answer: JoinAnswer = field(default_factory=JoinAnswer)
-    shard: tuple[int, int] | None = (1, 2)
-    end_phase: bool = False
-    peer_due: bool = False
-    num_adoptions: int = 0
-    calls: list[str] = field(default_factory=list)
-    requests: list[RoundRequest] = field(default_factory=list)
-    served: list[Snapshot] = field(default_factory=list)
-    _busy: threading.Lock = field(default_factory=threading.Lock)
-
-    def _enter(self, name: str) -> None:
-        assert self._busy.acquire(blocking=False), f"{name} called while another call into the swarm runs"
-        self.calls.append(name)
-        self._busy.release()
-
-    def join(self, request: JoinRequest) -> JoinAnswer:
-        self._enter("join")
-        self.join_request = request
-        return self.join_answer
-
-    def await_start_peers(self) -> None:
-        self._enter("await_start_peers")
-
-    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
-        self._enter("average")
-        self.requests.append(request)
-        decision = self.decide(vector, request)
-        return RoundOutcome(
-            decision, RoundStats(num_peers=0 if isinstance(decision, Adopt) else 2, members=("a", "b"))
-        )
-
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
-        self._enter("after_step")
-        return self.shard
-
-    def after_adopt(self, state: AdoptedState) -> None:
-        self._enter("after_adopt")
-        self.num_adoptions += 1
-
-    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
-        self._enter("publish")
-        self.served.append(snapshot)
-
-    def phase_should_end(self) -> bool:
-        return self.end_phase
-
-    def lineage_peer_due(self) -> bool:
-        return self.peer_due
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._enter("load_state_dict")
-
-
 def make_round(
-    swarm: FakeSwarm, *, inner_steps: int = H, overlap: bool = False
+    swarm: ScriptedSwarm, *, inner_steps: int = H, overlap: bool = False
 ) -> tuple[OuterRound, nn.Module, Data]:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
@@ -178,7 +115,7 @@ def swarm_state(num_elements: int, *, round: int, step: int, seed: int) -> Adopt
 
 
 def test_the_loop_acts_on_each_decision_once_and_tells_the_swarm_what_it_needs() -> None:
-    swarm = FakeSwarm()
+    swarm = ScriptedSwarm(shard=(1, 2))
     outer_round, model, data = make_round(swarm)
     theta = params_of(model).clone()
     num = theta.numel()
@@ -231,7 +168,7 @@ def test_the_loop_acts_on_each_decision_once_and_tells_the_swarm_what_it_needs()
 
 
 def test_a_joiner_adopts_the_swarms_state_through_the_one_adoption_path() -> None:
-    swarm = FakeSwarm()
+    swarm = ScriptedSwarm()
     outer_round, model, data = make_round(swarm)
     adopted = swarm_state(params_of(model).numel(), round=4, step=12, seed=9)
     swarm.join_answer = JoinAnswer(adopted)
@@ -247,7 +184,7 @@ def test_a_joiner_adopts_the_swarms_state_through_the_one_adoption_path() -> Non
     assert swarm.calls == ["join", "publish", "await_start_peers", "load_state_dict"]
     assert swarm.served[0].state_id == adopted.param_hash
     # A state the swarm says only brings us closer (serve=False) is loaded but not served.
-    swarm = FakeSwarm(join_answer=JoinAnswer(adopted, serve=False))
+    swarm = ScriptedSwarm(join_answer=JoinAnswer(adopted, serve=False))
     outer_round, model, _ = make_round(swarm)
     outer_round.start()
     assert (
@@ -256,7 +193,7 @@ def test_a_joiner_adopts_the_swarms_state_through_the_one_adoption_path() -> Non
 
 
 def test_a_catching_up_node_ends_its_phase_when_the_swarm_says_and_skips_to_its_step() -> None:
-    swarm = FakeSwarm(decide=lambda delta, request: Averaged(delta))
+    swarm = ScriptedSwarm(decide=lambda delta, request: Averaged(delta))
     outer_round, model, data = make_round(swarm, inner_steps=5)
     outer_round.start()
     train_phase(outer_round, model, 2, 0.0)
@@ -267,7 +204,7 @@ def test_a_catching_up_node_ends_its_phase_when_the_swarm_says_and_skips_to_its_
 
 
 def test_a_phase_runs_on_while_a_node_fetches_our_state() -> None:
-    swarm = FakeSwarm(decide=lambda delta, request: Averaged(delta), peer_due=True)
+    swarm = ScriptedSwarm(decide=lambda delta, request: Averaged(delta), peer_due=True)
     outer_round, model, _ = make_round(swarm)
     outer_round.start()
     assert train_phase(outer_round, model, 2 * H, 0.0) == []  # due after H, held while the peer fetches
@@ -284,7 +221,7 @@ def test_an_overlapped_round_lands_during_the_next_phase_and_is_served_at_once()
             assert release.wait(30)
         return Averaged(0.5 * delta)
 
-    swarm = FakeSwarm(decide=decide)
+    swarm = ScriptedSwarm(decide=decide)
     outer_round, model, data = make_round(swarm, overlap=True)
     outer_round.start()
     assert train_phase(outer_round, model, H, -0.1) == [] and outer_round.in_flight  # round 1 in flight

@@ -32,15 +32,10 @@ from node.ops.metrics import read_metrics
 from node.outer.diloco import DiLoCo, flatten_params
 from node.outer.round import RoundApplied
 from node.outer.seam import (
-    Adopt,
-    AdoptedState,
     Averaged,
-    JoinAnswer,
-    JoinRequest,
     OuterStepper,
     RoundOutcome,
     RoundRequest,
-    RoundStats,
     Stepped,
 )
 from node.swarm.state import (
@@ -60,6 +55,7 @@ from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
 from protocol.statesync.snapshot import Snapshot
+from tests.node.outer.scripted_swarm import ScriptedSwarm
 
 
 @pytest.fixture(scope="module")
@@ -77,61 +73,6 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
     )  # fmt: skip
     settings.update(overrides)
     return NodeConfig.from_flat(**settings)
-
-
-class Handover:
-    """A swarm side (``node.outer.seam.SwarmSide``) with no sockets that hands the loop the state it
-    is given to adopt: as the answer to the loop's join (a joiner whose own state is not the swarm's),
-    or to its next round (``Adopt``: it missed the round). Otherwise a swarm of one, whose mean of one
-    vector is itself. It keeps every snapshot the loop serves."""
-
-    def __init__(self) -> None:
-        self.num_adoptions = 0
-        self.served: list[Snapshot] = []
-        self._state: AdoptedState | None = None
-
-    def hand(self, state: AdoptedState) -> None:
-        """The loop adopts ``state`` at its join, or at its next round's end."""
-        self._state = state
-
-    def _take(self) -> AdoptedState | None:
-        state, self._state = self._state, None
-        if state is not None:
-            self.num_adoptions += 1
-        return state
-
-    def join(self, request: JoinRequest) -> JoinAnswer:
-        return JoinAnswer(self._take())
-
-    def await_start_peers(self) -> None:
-        return None  # no peers to wait for
-
-    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
-        state = self._take()
-        if state is None:
-            return RoundOutcome(Averaged(vector))
-        return RoundOutcome(Adopt(state), RoundStats(num_peers=0))
-
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
-        return None  # no group: the data shard stays
-
-    def after_adopt(self, state: AdoptedState) -> None:
-        pass
-
-    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
-        self.served.append(snapshot)
-
-    def phase_should_end(self) -> bool:
-        return False
-
-    def lineage_peer_due(self) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        assert not state
 
 
 def end_phase(trainer: Trainer) -> RoundApplied:
@@ -180,7 +121,7 @@ def test_adopter_becomes_the_source_and_trains_on_bit_identically(corpus_file: P
     assert snapshot.sha256(GLOBAL_PARAMS).hex() == source_hash  # what a fetcher verifies
     assert snapshot.round_id == 1 and set(snapshot.tensors) == {GLOBAL_PARAMS, OUTER_MOMENTUM}
 
-    handover = Handover()
+    handover = ScriptedSwarm()
     joiner = Trainer(small_config(corpus_file, tmp_path / "joiner", seed=1, data_seed=5), swarm=handover)
     assert joiner.diloco.param_hash() != source_hash
     state = adopted_state(
@@ -353,7 +294,7 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
 ) -> None:
     source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=1))
     source.run()  # round 1: the outer momentum exists from here on
-    handover = Handover()
+    handover = ScriptedSwarm()
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, data_seed=5), swarm=handover)
     handover.hand(adopted_state(source.round.snapshot(), num_elements=behind.diloco.num_elements,
                                 corpus_sha256=behind.corpus.sha256))  # fmt: skip

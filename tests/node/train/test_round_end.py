@@ -15,11 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from node import load_model
 from node.model.gpt import cross_entropy_loss
 from node.outer.round import RoundApplied
-from node.outer.seam import AdoptedState, JoinAnswer, JoinRequest, SoloAverager
 from node.swarm.state import GLOBAL_PARAMS
 from node.train.held_out import HeldOutEval
 from node.train.trainer import Trainer
-from protocol.statesync.snapshot import Snapshot
+from tests.node.outer.scripted_swarm import ScriptedSwarm
 from tests.node.train.test_checkpoint_writer import records, small_config, start_run, wait_until
 from tests.node.train.test_trainer import corpus_file
 
@@ -131,45 +130,9 @@ class HostCopyCounter(TorchDispatchMode):
         return out
 
 
-class ServingSwarm(SoloAverager):
-    """A swarm side of one that keeps what the round serves (``SwarmSession.publish``)."""
-
-    num_adoptions = 0
-
-    def __init__(self) -> None:
-        self.served: list[Snapshot] = []
-
-    def join(self, request: JoinRequest) -> JoinAnswer:
-        return JoinAnswer()
-
-    def await_start_peers(self) -> None:
-        pass
-
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
-        return None
-
-    def after_adopt(self, state: AdoptedState) -> None:
-        pass
-
-    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
-        self.served.append(snapshot)
-
-    def phase_should_end(self) -> bool:
-        return False
-
-    def lineage_peer_due(self) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
-
-
 @pytest.mark.timeout(180)
 def test_round_end_makes_one_host_copy_of_the_params(corpus_file: Path, tmp_path: Path) -> None:
-    swarm = ServingSwarm()
+    swarm = ScriptedSwarm()
     # Checkpoint every round, eval every round in the background, the state served after each.
     config = small_config(corpus_file, tmp_path, max_rounds=3, eval_every=1, eval_background="on")
     trainer = Trainer(config, swarm=swarm)

@@ -1,0 +1,113 @@
+"""One fake swarm side for the tests of the loop's round: ``node.outer.seam.SwarmSide`` with no sockets.
+
+The loop's tests (the outer round, the trainer's round end, a session that hands the loop a state)
+script it: each round's decision comes from ``decide``, a state handed over answers the loop's join or
+its next round, every call is logged, and every snapshot the loop serves is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from node.outer.seam import (
+    Adopt,
+    AdoptedState,
+    Averaged,
+    JoinAnswer,
+    JoinRequest,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+)
+from protocol.statesync.snapshot import Snapshot
+
+
+@dataclass
+class ScriptedSwarm:
+    """A scripted swarm side. A round's decision is ``decide(Δ, request)``, reported as a round of two
+    peers; without ``decide`` it is a swarm of one, whose mean of one vector is itself. A state given
+    to :meth:`hand` answers the loop's next call instead: its join (the joiner adopts it) or its next
+    round (``Adopt``: it missed that round). A call made while another runs fails: the seam is not
+    re-entrant."""
+
+    decide: Callable[[torch.Tensor, RoundRequest], RoundDecision] | None = None
+    join_answer: JoinAnswer = field(default_factory=JoinAnswer)
+    shard: tuple[int, int] | None = None
+    """What ``after_step`` answers: the data shard of the round's group (None: it stays)."""
+    end_phase: bool = False
+    peer_due: bool = False
+    num_adoptions: int = 0
+    """States adopted, as ``SwarmSession`` counts them: at the join, and at each ``after_adopt``."""
+    calls: list[str] = field(default_factory=list)
+    requests: list[RoundRequest] = field(default_factory=list)
+    served: list[Snapshot] = field(default_factory=list)
+    join_request: JoinRequest | None = None
+    _handed: AdoptedState | None = None
+    _busy: threading.Lock = field(default_factory=threading.Lock)
+
+    def hand(self, state: AdoptedState) -> None:
+        """The loop adopts ``state`` at its join, or at its next round's end."""
+        self._handed = state
+
+    def _take(self) -> AdoptedState | None:
+        state, self._handed = self._handed, None
+        return state
+
+    def _enter(self, name: str) -> None:
+        assert self._busy.acquire(blocking=False), f"{name} called while another call into the swarm runs"
+        self.calls.append(name)
+        self._busy.release()
+
+    def join(self, request: JoinRequest) -> JoinAnswer:
+        self._enter("join")
+        self.join_request = request
+        state = self._take()
+        if state is None:
+            return self.join_answer
+        self.num_adoptions += 1
+        return JoinAnswer(state)
+
+    def await_start_peers(self) -> None:
+        self._enter("await_start_peers")
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        self._enter("average")
+        self.requests.append(request)
+        state = self._take()
+        if state is not None:
+            return RoundOutcome(Adopt(state), RoundStats(num_peers=0))
+        if self.decide is None:
+            return RoundOutcome(Averaged(vector))
+        decision = self.decide(vector, request)
+        return RoundOutcome(
+            decision, RoundStats(num_peers=0 if isinstance(decision, Adopt) else 2, members=("a", "b"))
+        )
+
+    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+        self._enter("after_step")
+        return self.shard
+
+    def after_adopt(self, state: AdoptedState) -> None:
+        self._enter("after_adopt")
+        self.num_adoptions += 1
+
+    def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
+        self._enter("publish")
+        self.served.append(snapshot)
+
+    def phase_should_end(self) -> bool:
+        return self.end_phase
+
+    def lineage_peer_due(self) -> bool:
+        return self.peer_due
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._enter("load_state_dict")
