@@ -2,15 +2,19 @@
 
 Every test of a layout (tensor, pipeline, ZeRO, combined) trains the same nano ``GPT`` (``build_model``:
 seeded, so every rank and the single-process reference start from the same weights) on the same fixed
-batches, once in the test process without any parallelism and once on gloo ranks in spawned processes.
-``spawned_workers`` starts those processes and holds them to a deadline; each worker opens its process
+batches, once in the test process without any parallelism and once on gloo ranks in processes of their
+own. ``spawned_workers`` starts those processes and holds them to a deadline; each worker opens its process
 group with ``worker_process_group``, which rendezvouses through a ``FileStore`` in the test's tmp dir
 (no port to pick).
+
+The workers are forked from the test process's forkserver (``tests/forking.py``), which imported torch,
+torch.distributed, its compiler stack and the node once: a spawned worker spent ~5 CPU-seconds on those
+imports before its first step, more than its training. Each is still a process of its own, with its own
+process group and gloo sockets.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.process
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from node.model.gpt import GPT, model_config
+from tests.forking import forkserver
+from tests.node.swarm_cluster import NODE_PRELOAD
 
 NUM_STEPS = 10
 SEQ_LEN = 32
@@ -28,6 +34,17 @@ BATCH_SIZE = 4
 SEED = 1234
 # After the deadline, a worker that is still running is killed; this bounds the wait for it to go.
 KILL_WAIT = timedelta(seconds=10)
+# What a worker imports before its first step: the node's own list (one server serves both), the layouts'
+# modules and FSDP2 (ZeRO-3).
+WORKER_PRELOAD = (
+    *NODE_PRELOAD,
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "node.parallel.pipeline",
+    "node.parallel.tensor",
+    "node.parallel.zero",
+)
 
 
 def build_model() -> GPT:
@@ -53,7 +70,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def worker_process_group(
     rank: int, world_size: int, store_path: str, *, backend: str, timeout: timedelta
 ) -> Iterator[None]:
-    """Inside a spawned worker: the default process group of ``world_size`` ranks, destroyed on the way out.
+    """Inside a worker: the default process group of ``world_size`` ranks, destroyed on the way out.
 
     One intra-op thread: the ranks share the machine's 2 cores, and more threads only oversubscribe them.
     ``timeout`` bounds every collective, so a rank whose peer died fails instead of hanging.
@@ -71,13 +88,14 @@ def worker_process_group(
 def spawned_workers(
     target: Callable[..., None], args_per_rank: Sequence[tuple[object, ...]], deadline: timedelta
 ) -> Iterator[None]:
-    """Run ``target(*args)`` in one spawned process per entry of ``args_per_rank``; all must exit with 0.
+    """Run ``target(*args)`` in one process per entry of ``args_per_rank``, forked from the preloaded
+    forkserver (``target`` is pickled by name: a module-level function); all must exit with 0.
 
     The body of the ``with`` runs while the workers start (a reference computed there overlaps with
     their start-up). After it, the workers get ``deadline`` to finish; any still running then, or after
     the body raised, is killed.
     """
-    context = multiprocessing.get_context("spawn")
+    context = forkserver(WORKER_PRELOAD)
     workers: list[multiprocessing.process.BaseProcess] = [
         context.Process(target=target, args=args) for args in args_per_rank
     ]

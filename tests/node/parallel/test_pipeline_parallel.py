@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from node.model.gpt import GPT, cross_entropy_loss, model_config
 from node.parallel.pipeline import PipelineRunner, build_stage, split_stages
@@ -18,6 +17,7 @@ from tests.node.parallel_support import (
     SEQ_LEN,
     build_model,
     relative_error,
+    spawned_workers,
     worker_process_group,
 )
 
@@ -155,14 +155,12 @@ def test_build_stage_partitions_the_parameters() -> None:
 def test_pipeline_training_matches_single_process(
     tmp_path: Path, schedule: str, num_microbatches: int
 ) -> None:
-    mp.start_processes(
-        _pipeline_worker,
-        args=(str(tmp_path / "store"), str(tmp_path), schedule, num_microbatches),
-        nprocs=NUM_STAGES,
-        join=True,
-        start_method="spawn",
-    )
-    reference_losses, reference_parameters = _reference()
+    worker_args = [
+        (rank, str(tmp_path / "store"), str(tmp_path), schedule, num_microbatches)
+        for rank in range(NUM_STAGES)
+    ]
+    with spawned_workers(_pipeline_worker, worker_args, deadline=timedelta(seconds=90)):
+        reference_losses, reference_parameters = _reference()  # overlaps with the workers' start-up
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(NUM_STAGES)]
     for result in results:  # the loss is broadcast from the last stage to every stage
         torch.testing.assert_close(
