@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.node.forked_cli import run_cli
 from tests.scripts.processes import processes_mentioning
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
@@ -40,19 +41,12 @@ def emulator_namespaces(owner_pid: int) -> list[str]:
 @pytest.mark.timeout(240)
 def test_joiner_fetches_the_state_and_contributes_a_round(tmp_path: Path) -> None:
     json_out = tmp_path / "trials.json"
-    bench = subprocess.Popen(
-        [*BENCH, "--link-mbit", str(LINK_MBIT), "--timeout", "150", "--json-out", str(json_out)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = bench.communicate(timeout=220)
-    finally:
-        if bench.poll() is None:  # timed out: Ctrl-C makes it stop its nodes and namespaces
-            bench.send_signal(signal.SIGINT)
-            bench.wait(timeout=60)
+    # Forked from a preloaded server, as its nodes are (tests/node/forked_cli.py): a fresh interpreter's
+    # imports cost about 4 CPU-seconds each, as much as a node's rounds here. On a timeout, Ctrl-C makes
+    # the benchmark stop its nodes and namespaces.
+    argv = [*BENCH[2:], "--link-mbit", str(LINK_MBIT), "--timeout", "150", "--json-out", str(json_out)]
+    bench = run_cli(argv, tmp_path, timeout=220, script=Path(BENCH[1]))
+    stdout, stderr = bench.stdout, bench.stderr
     assert bench.returncode == 0, stderr[-4000:]
     lines = stdout.strip().splitlines()
     assert len(lines) == 2, stdout  # one trial's JSON, then the summary

@@ -1,8 +1,10 @@
 """`dtnode swarm` starts N real `dtnode join` processes, streams their rounds, stops them, reports.
 
-The swarm tests run the launcher through the CLI (a subprocess, as a user would) and check what it
+The swarm tests run the launcher through the CLI (its own process, as a user would) and check what it
 reports against the nodes' own metrics files: three nodes agree on every round's param_hash and
-their eval loss falls; Ctrl-C stops every node cleanly and leaves no process behind.
+their eval loss falls; Ctrl-C stops every node cleanly and leaves no process behind. The launcher and
+its nodes are forked from a server that imported torch and the node once (tests/node/forked_cli.py):
+a fresh interpreter's imports cost about 4 CPU-seconds a process, more than a short node's training.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from node.config import ConfigError
 from node.ops.cli import build_parser
 from node.ops.launch_config import flags_to_argv, launch_config, node_argv, parse_node_flags
 from node.ops.swarm_report import MetricsTail, hash_agreement
+from tests.node.forked_cli import run_cli, start_cli
 from tests.node.swarm_cluster import REPO_ROOT, wait_for
 from tests.scripts.script_loader import load_script
 
@@ -242,7 +245,7 @@ def test_three_node_swarm_trains_agrees_and_reports(tmp_path):
     root = tmp_path / "swarm"
     # A generous --max-wait: on a loaded machine a joiner may need long to be ready for round 1.
     command = swarm_command(root, 3, "--max-rounds", "3", "--min-peers", "3", "--max-wait", "120")
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    completed = run_cli(command[3:], tmp_path, timeout=220)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
 
     # The nodes' own metrics, read independently of the launcher.
@@ -288,7 +291,7 @@ def test_a_run_that_ends_split_and_alone_exits_1_with_the_reason(tmp_path):
     command = swarm_command(
         root, 2, "--max-rounds", "2", "--start-peers", "1", "--node-flags", "1:--no-swarm"
     )
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    completed = run_cli(command[3:], tmp_path, timeout=220)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 1, output[-3000:]
 
@@ -308,20 +311,17 @@ def test_a_run_that_ends_split_and_alone_exits_1_with_the_reason(tmp_path):
 def test_ctrl_c_stops_every_node_and_leaves_no_process(tmp_path):
     root = tmp_path / "swarm"
     output = tmp_path / "launcher.out"
-    with output.open("wb") as out:
-        launcher = subprocess.Popen(
-            swarm_command(root, 2), stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
-        )
+    launcher = start_cli(swarm_command(root, 2)[3:], output, output)
     try:
         # A node takes SIGTERM as "stop after this step" once it trains: wait until both do.
         wait_for(
             lambda: all(has_step_record(root / f"node-{i}") for i in range(2)), 150, "two training nodes"
         )
-        launcher.send_signal(signal.SIGINT)
+        os.kill(launcher.pid, signal.SIGINT)
         code = launcher.wait(timeout=90)
     finally:
         if launcher.poll() is None:
-            launcher.kill()
+            os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(10)
     text = output.read_text()
     assert code == 0, text[-4000:]
@@ -343,7 +343,7 @@ _no_namespaces = wan_emulator.unavailable_reason()
 def test_link_mbit_runs_each_node_on_an_emulated_host(tmp_path):
     root = tmp_path / "swarm"
     command = swarm_command(root, 2, "--max-rounds", "1", "--min-peers", "2", "--link-mbit", "50")
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=160, cwd=REPO_ROOT)
+    completed = run_cli(command[3:], tmp_path, timeout=160)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((root / "report.json").read_text())
     assert report["link_mbit"] == 50 and report["param_hash"]["all_agree"]
