@@ -1,8 +1,10 @@
 """Chaos benchmark: a swarm in the WAN emulator under random faults, then checks that nothing broke.
 
 ``--nodes`` ``dtnode join`` nodes (nano preset, short phases) run on the hosts
-of ``scripts/tools/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``). Once
-all of them finished a round together, ``--trials`` times a fault is drawn at random (seeded):
+of ``scripts/tools/wan_emulator.py`` (one network namespace each, uplinks capped at ``--link-mbit``),
+each forked from one server that imported the node once (a fresh interpreter per start would import
+torch and the node again). They start together at the start barrier (``--start-peers``), so none
+trains rounds alone while the others start. Once all of them finished a round together, ``--trials`` times a fault is drawn at random (seeded):
 
     kill          SIGKILL a node's process group (daemon, DHT process, p2pd); the others go on
                   without it. It is restarted (same run dir: it resumes from its checkpoint and
@@ -43,6 +45,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
 import os
 import random
 import signal
@@ -59,13 +64,71 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from node.ops.metrics import read_metrics
-from scripts.common import REPO_ROOT, add_output_flags, exit_on_sigterm, print_json, scratch_dir, write_json
-from scripts.tools.wan_emulator import WanEmulator, cleanup_leftovers, unavailable_reason
+from scripts.common import (
+    REPO_ROOT,
+    add_output_flags,
+    exit_as_the_interpreter_would,
+    exit_on_sigterm,
+    print_json,
+    scratch_dir,
+    write_json,
+)
+from scripts.tools.wan_emulator import (
+    WanEmulator,
+    cleanup_leftovers,
+    enter_network_namespace,
+    unavailable_reason,
+)
 
 FAULT_KINDS = ("kill", "stop", "restart", "partition", "slow_link")
 SLOW_LINK_MBIT = 1.0
 NAME_PREFIX = "dtchaos"
 POLL_SECONDS = 0.5
+# What a node imports before its first step (torch._dynamo: on torch's first optimizer step), once, in
+# the forkserver every node is forked from: a fresh interpreter would spend ~3 CPU-s importing them.
+NODE_PRELOAD = ["__main__", "node.ops.cli", "node.train.trainer", "protocol.allreduce", "torch._dynamo"]
+
+
+class ForkedNode:
+    """A node forked from the preloaded server, behind the names of subprocess.Popen that chaos uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        assert process.pid is not None
+        self._process = process
+        self.pid: int = process.pid
+
+    def poll(self) -> int | None:
+        self._process.is_alive()  # reaps the child if it ended
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(NODE_PRELOAD)
+    return context
+
+
+def _run_forked_node(argv: list[str], log_path: str, netns: str) -> None:
+    """In the forked child: what ``ip netns exec NETNS python -m node.ops.cli ARGV`` in a session of its
+    own, output appended to LOG_PATH, would do."""
+    os.setsid()  # a signal to the node's group reaches its DHT process and p2pd
+    enter_network_namespace(netns)  # a forkserver's child has one thread
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    os.chdir(REPO_ROOT)
+    from node.ops.cli import main
+
+    exit_as_the_interpreter_would(lambda: main(argv))
 
 
 @dataclass
@@ -73,7 +136,7 @@ class ChaosNode:
     index: int
     run_dir: Path
     log_path: Path
-    process: subprocess.Popen[bytes] | None = None
+    process: ForkedNode | None = None
     stopped: bool = False  # SIGSTOPped right now
     starts: list[float] = field(default_factory=list)  # wall-clock time of every (re)start
 
@@ -103,13 +166,10 @@ class Swarm:
         self.wan, self.args = wan, args
         self.nodes = [ChaosNode(i, root / f"node-{i}", root / f"node-{i}.log") for i in range(args.nodes)]
 
-    def argv(self, node: ChaosNode, peers: Sequence[str]) -> list[str]:
+    def argv(self, node: ChaosNode, peers: Sequence[str], start_peers: int = 1) -> list[str]:
         address = self.wan.address(node.index)
         args = self.args
         argv = [
-            sys.executable,
-            "-m",
-            "node.ops.cli",
             "join",
             "--name",
             "chaos",
@@ -122,6 +182,7 @@ class Swarm:
         argv += ["--inner-steps", str(args.inner_steps), "--log-every", "1000", "--min-peers", "2"]
         argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
         argv += ["--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "1"]
+        argv += ["--start-peers", str(start_peers)]
         argv += [
             "--listen",
             f"{address}:0",
@@ -134,23 +195,44 @@ class Swarm:
             argv += ["--peers", ",".join(peers)]
         return argv
 
-    def start(self, node: ChaosNode) -> None:
+    def start_all(self) -> None:
+        """Start every node: the first, then the others together through it. Each waits at the start
+        barrier (``--start-peers``) for all of them, so none trains rounds alone while the others start."""
+        first, *others = self.nodes
+        self.start(first, start_peers=len(self.nodes))
+        for node in others:
+            self.launch(node, start_peers=len(self.nodes))
+        for node in others:
+            self.wait_up(node)
+
+    def start(self, node: ChaosNode, start_peers: int = 1) -> None:
         """(Re)start ``node``, joining through every other live node's multiaddr."""
+        self.launch(node, start_peers)
+        self.wait_up(node)
+
+    def launch(self, node: ChaosNode, start_peers: int = 1) -> None:
         peers = [
             a for other in self.nodes if other is not node and other.alive for a in other.multiaddrs()[:1]
         ]
         (node.run_dir / "node.json").unlink(missing_ok=True)
-        with node.log_path.open("ab") as log:
-            node.process = self.wan.popen(
-                node.index,
-                self.argv(node, peers),
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
+        argv = self.argv(node, peers, start_peers)
+        process = _forkserver().Process(
+            target=_run_forked_node, args=(argv, str(node.log_path), self.wan.namespace(node.index))
+        )
+        process.start()
+        node.process = ForkedNode(process)
+        deadline = time.monotonic() + 30
+        while node.process.poll() is None and time.monotonic() < deadline:  # killpg needs its setsid first
+            try:
+                if os.getpgid(node.process.pid) == node.process.pid:
+                    break
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
         node.stopped = False
         node.starts.append(time.time())
+
+    def wait_up(self, node: ChaosNode) -> None:
         wait_until(lambda: bool(node.multiaddrs()), 90, f"node {node.index} to come up", lambda: node.alive)
 
     def kill(self, node: ChaosNode) -> None:
@@ -369,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             swarm = Swarm(wan, root, args)
             try:
-                for node in swarm.nodes:
-                    swarm.start(node)
+                swarm.start_all()
                 up = time.time()
                 if not wait_until(
                     lambda: recovered_since(swarm.nodes, up), args.recovery_timeout, "a first round"

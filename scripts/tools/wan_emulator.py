@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import datetime
 import json
 import os
@@ -53,6 +54,7 @@ from types import FrameType, TracebackType
 
 SUBNET_PREFIX = "10.213.0."  # a private /24 that exists only inside our own namespaces
 MAX_HOSTS = 250
+CLONE_NEWNET = 0x40000000  # setns(2): the descriptor names a network namespace
 DEFAULT_NAME_PREFIX = "dtwan"
 COMMAND_TIMEOUT = datetime.timedelta(seconds=20)
 STOP_GRACE = datetime.timedelta(seconds=3)
@@ -136,6 +138,20 @@ def cleanup_leftovers(name_prefix: str = DEFAULT_NAME_PREFIX, *, force: bool = F
         _run(["ip", "netns", "del", namespace])
         removed.append(namespace)
     return removed
+
+
+def enter_network_namespace(name: str) -> None:
+    """As ``ip netns exec NAME`` does for its command: this process, and whatever it starts from now
+    on, opens its sockets in the named network namespace. Only for a process with one thread (a
+    namespace is entered per thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 class WanEmulator:

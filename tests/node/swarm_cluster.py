@@ -13,7 +13,6 @@ output in its log; only tests that time the interpreter's start need the fresh o
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing.process
 import os
@@ -29,10 +28,10 @@ from typing import Any, Protocol
 
 from node.ops.metrics import read_metrics
 from scripts.common import exit_as_the_interpreter_would
+from scripts.tools.wan_emulator import enter_network_namespace
 from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CLONE_NEWNET = 0x40000000  # setns(2): the descriptor names a network namespace
 
 # Small and quick: the nano model at 32 tokens a sequence (a third of the CPU of its 128 a step; no swarm
 # test depends on the context length), short inner phases, short windows and leases.
@@ -89,20 +88,6 @@ class ForkedNode:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
         return self._process.exitcode
-
-
-def enter_network_namespace(name: str) -> None:
-    """As ``ip netns exec NAME`` does for its command: this process, and whatever it starts from now
-    on, opens its sockets in the named network namespace. Only for a process with one thread (a
-    namespace is entered per thread)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
-    finally:
-        os.close(fd)
 
 
 def _run_forked_node(
