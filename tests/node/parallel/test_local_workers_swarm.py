@@ -9,12 +9,16 @@
   processes gone with it.
 
 Every node is forked from the server that imported the node once (``Cluster(forked=True)``); each still
-spawns its local ranks itself.
+spawns its local ranks itself. The nodes train on a 0.2 MB text file (``small_corpus``), not the default
+31.5 MB stdlib corpus, whose loading costs each node ~2 CPU-seconds, and in rounds of 5 inner steps, not
+FAST_FLAGS' 10: the nodes train without pause (on while a joiner starts), so the CPU a test costs is its
+wall time, which is set by how soon its nodes reach their rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 import signal
@@ -34,6 +38,13 @@ from tests.node.swarm_cluster import Cluster, tail, wait_for
 
 TENSOR_PARALLEL = ["--local-workers", "2", "--tp", "2"]
 DATA_PARALLEL = ["--local-workers", "2", "--dp", "2"]
+
+
+def small_corpus(tmp_path: Path) -> list[str]:
+    """Flags that train on a 0.2 MB text file written under ``tmp_path``, in rounds of 5 inner steps."""
+    path = tmp_path / "text.txt"
+    path.write_text(inspect.getsource(inspect) * 2)
+    return ["--data", str(path), "--inner-steps", "5"]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -72,7 +83,7 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         # No round limit: stopped by SIGTERM below. A join window of 30 s, not 5: with parallel tests on
         # the cores a node's 10 steps have taken 11 s, and a node left out of a round would fail the
         # check below, which is about layouts sharing rounds, not about the window.
-        flags = ["--min-peers", "2", "--swarm-streams", "2", "--join-window", "30"]
+        flags = ["--min-peers", "2", "--swarm-streams", "2", "--join-window", "30", *small_corpus(tmp_path)]
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         # The tp node keeps its outer state sharded over its ranks; the dp joiner whole on rank 0.
@@ -123,6 +134,7 @@ def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
     SwarmKey.generate().write(key_path)
     auth = SwarmAuth(SwarmKey.from_file(key_path), tls=True)
     flags = ["--min-peers", "2", "--swarm-streams", "2", "--swarm-key-file", str(key_path), "--tls"]
+    flags += small_corpus(tmp_path)
     with Cluster(tmp_path, forked=True) as cluster:
         single = cluster.start(flags)
         parallel = cluster.start([*flags, *TENSOR_PARALLEL], peers=cluster.first_multiaddr(single))
