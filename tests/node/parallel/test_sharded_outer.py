@@ -6,10 +6,19 @@ the whole vector) over the same replica, fed the same pseudo-gradient means: sin
 elementwise, every range must come out bit-identical to the flat vector's, and so must the pseudo-gradient,
 the params written into the model, the hash and a checkpoint (which loads either way). Each rank holds
 its 1/K of the 2 N numbers, and rank 0 no flat copy.
+
+Each check runs in a process forked from the preloaded forkserver (``in_forked_process``): a process with
+one thread forks its local ranks (``node/parallel/local.py``), where the test process, with pytest's
+threads, would spawn them, each a fresh interpreter importing torch and the node (~4 CPU-seconds a rank,
+most of what these checks cost).
 """
 
 from __future__ import annotations
 
+import multiprocessing.context
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,7 +31,7 @@ from node.outer.diloco import DiLoCo
 from node.outer.state import FlatOuterState, tensor_hash
 from node.parallel.outer import ShardedOuterState, shard_ranges
 from node.train.trainer import build_replica
-from tests.node.parallel_support import fixed_batches
+from tests.node.parallel_support import fixed_batches, spawned_workers
 
 SETTINGS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -42,6 +51,26 @@ def build(layout: dict[str, int], tmp_path: Path, sharding: str = "on") -> Paral
     return replica
 
 
+def _run_check(check: Callable[..., None], tmp_path: Path, *args: object) -> None:
+    """In the forked process: ``check(*args, tmp_path)``, its traceback written to ``failure.txt`` if it fails."""
+    try:
+        check(*args, tmp_path)
+    except BaseException:
+        (tmp_path / "failure.txt").write_text(traceback.format_exc())
+        raise
+
+
+def in_forked_process(check: Callable[..., None], tmp_path: Path, *args: object) -> None:
+    """``check(*args, tmp_path)`` in a process forked from the preloaded forkserver; its failure is ours."""
+    failure = tmp_path / "failure.txt"
+    try:
+        with spawned_workers(_run_check, [(check, tmp_path, *args)], deadline=timedelta(seconds=200)):
+            pass
+    finally:
+        if failure.exists():
+            pytest.fail(failure.read_text(), pytrace=False)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("layout", "offload"),
@@ -51,7 +80,13 @@ def test_sharded_outer_steps_match_the_flat_state_bit_for_bit(
     layout: dict[str, int], offload: bool, tmp_path: Path
 ) -> None:
     """(``offload``: the ranks keep their ranges on the CPU; on this CPU machine the same place.)"""
+    in_forked_process(_check_sharded_outer_steps, tmp_path, layout, offload)
+
+
+def _check_sharded_outer_steps(layout: dict[str, int], offload: bool, tmp_path: Path) -> None:
     replica = build(layout, tmp_path)
+    # Forked, not spawned: the CPU this module saves (see the docstring).
+    assert all(isinstance(p, multiprocessing.context.ForkProcess) for p in replica.workers.processes)
     try:
         sharded = replica.outer_state(offload=offload, **SETTINGS)
         assert isinstance(sharded, ShardedOuterState)
@@ -118,6 +153,10 @@ def test_shard_ranges_tile_the_vector_in_nearly_equal_pieces() -> None:
 def test_on_cpu_the_outer_state_stays_flat_unless_asked(tmp_path: Path) -> None:
     """``--outer-sharding auto`` (the default) keeps it whole on rank 0 when the ranks share the host's
     memory: shards would only add the gathered copy a joiner fetches beside them."""
+    in_forked_process(_check_flat_unless_asked, tmp_path)
+
+
+def _check_flat_unless_asked(tmp_path: Path) -> None:
     replica = build({"local_workers": 2, "tp": 2}, tmp_path, sharding="auto")
     try:
         assert replica.outer_state(offload=False, **SETTINGS) is None
