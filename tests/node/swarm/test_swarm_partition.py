@@ -13,7 +13,7 @@ state at its first round boundary after the heal. A node trains all the time, so
 its rounds: it waits for no more of them than its checks need. The three start together at the
 start barrier (``--start-peers 3``), so their first round is of three and no node trains rounds
 alone, or adopts a state, while the others start; one round of each side's own after the split
-shows the two lineages parted (120 CPU-s with 240-step rounds and two rounds a side; 50-60 now).
+shows the two lineages parted (120 CPU-s with 240-step rounds and two rounds a side; 44-60 now).
 """
 
 from __future__ import annotations
