@@ -46,6 +46,16 @@ class ForkedCommand(ForkedNode):
 
     stdout: IO[Any] | None = None
 
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 def _fd_of(stream: IO[Any] | int | None) -> int | None:
     """The descriptor a Popen ``stdout`` / ``stderr`` argument names (None: the parent's own)."""
@@ -138,7 +148,7 @@ def start_cli(
     *,
     script: Path | None = None,
     env: Mapping[str, str] | None = None,
-) -> ForkedNode:
+) -> ForkedCommand:
     """`python -m node.ops.cli ARGV` (or `python SCRIPT ARGV`), forked, with the `python -m node.ops.cli`
     commands it starts forked too."""
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
@@ -147,7 +157,7 @@ def start_cli(
         args=(list(argv), str(stdout_path), str(stderr_path), env, None if script is None else str(script)),
     )
     process.start()
-    return ForkedNode(process)
+    return ForkedCommand(process)
 
 
 def run_cli(argv: Sequence[str], out_dir: Path, timeout: float, *, script: Path | None = None) -> Completed:

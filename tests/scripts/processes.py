@@ -26,3 +26,27 @@ def kill_processes_mentioning(text: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue  # exited meanwhile
+
+
+def processes_in_groups(process_groups: list[int]) -> list[int]:
+    """Pids of the live (not zombie) processes in one of ``process_groups`` (a node's group holds its DHT
+    process and p2pd: what a forked node's command line cannot name)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # Fields after "(comm)": state, ppid, pgrp, ...; comm may itself contain spaces or parens.
+            state, _, process_group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited while we looked
+        if state != "Z" and int(process_group) in process_groups:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_process_groups(process_groups: list[int]) -> None:
+    """SIGKILL every process of ``process_groups``: a failed test's leftovers."""
+    for group in process_groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # gone already

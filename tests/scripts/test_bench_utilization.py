@@ -6,8 +6,8 @@ every node.
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.node.forked_cli import run_cli
-from tests.scripts.processes import kill_processes_mentioning, processes_mentioning
+from tests.node.forked_cli import run_cli, start_cli
+from tests.scripts.processes import kill_process_groups, processes_in_groups
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 bench = load_script("bench_utilization")
@@ -180,40 +180,39 @@ def test_small_overlapped_run_reports_the_nodes_own_figures(tmp_path: Path) -> N
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_node(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    bench_process = subprocess.Popen(
-        [*SMALL_RUN, "--modes", "sync", "--max-rounds", "1000", "--keep-logs", str(logs)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # Forked, with its launcher and nodes (tests/node/forked_cli.py), as the small run above.
+    argv = [*SMALL_RUN[2:], "--modes", "sync", "--max-rounds", "1000", "--keep-logs", str(logs)]
+    stderr_path = tmp_path / "bench.stderr"
+    bench_process = start_cli(argv, tmp_path / "bench.stdout", stderr_path, script=Path(SMALL_RUN[1]))
     swarm_dir = logs / "loopback-sync" / "swarm"
     metrics = swarm_dir / "node-1" / "metrics.jsonl"
-    node_dirs = str(swarm_dir / "node-")  # on the nodes' command lines only
+    node_pids: list[int] = []  # each node leads its process group: its DHT process and p2pd are in it
     try:
         # Bounds for a loaded machine (parallel tests share the cores): a first round in ~10 s alone.
         deadline = time.monotonic() + 120
         while not (metrics.exists() and '"param_hash"' in metrics.read_text()):
-            assert bench_process.poll() is None, bench_process.communicate()[1][-4000:]
+            assert bench_process.poll() is None, stderr_path.read_text()[-4000:]
             assert time.monotonic() < deadline, "no round within 120 s"
             time.sleep(0.5)
-        assert len(processes_mentioning(node_dirs)) >= 2  # the nodes run
+        node_pids = [int((swarm_dir / f"node-{i}.pid").read_text()) for i in range(2)]
+        assert len(processes_in_groups(node_pids)) >= 2  # the nodes run
         # First Ctrl-C: the launcher stops the nodes gracefully (a node in a round may wait for its
         # departed peer up to the launcher's grace); a second one makes it kill them at once.
-        bench_process.send_signal(signal.SIGINT)
+        os.kill(bench_process.pid, signal.SIGINT)
         launcher_log = logs / "loopback-sync" / "swarm.log"
         deadline = time.monotonic() + 60
         while bench_process.poll() is None and "stopping 2 node(s)" not in launcher_log.read_text():
             assert time.monotonic() < deadline, "the launcher did not start stopping its nodes"
             time.sleep(0.2)
         if bench_process.poll() is None:
-            bench_process.send_signal(signal.SIGINT)
-        _, stderr = bench_process.communicate(timeout=60)
+            os.kill(bench_process.pid, signal.SIGINT)
+        bench_process.wait(timeout=60)
     finally:
         if bench_process.poll() is None:  # the test failed above: leave no launcher or node running
-            bench_process.kill()
+            os.killpg(bench_process.pid, signal.SIGKILL)
             bench_process.wait(timeout=10)
-            kill_processes_mentioning(str(logs))
+            kill_process_groups(node_pids)
+    stderr = stderr_path.read_text()
     assert bench_process.returncode == 130, stderr[-4000:]
     assert "interrupted" in stderr
-    assert processes_mentioning(node_dirs) == []
+    assert processes_in_groups(node_pids) == []
