@@ -16,6 +16,7 @@ process group and gloo sockets.
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -84,6 +85,15 @@ def worker_process_group(
         dist.destroy_process_group()
 
 
+def _enter_worker(env: dict[str, str], cwd: str, target: Callable[..., None], *args: object) -> None:
+    """In the forked worker: the environment and working dir the test process has now (the server's
+    are those of its start, perhaps under another test's monkeypatch), then ``target(*args)``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
 @contextmanager
 def spawned_workers(
     target: Callable[..., None], args_per_rank: Sequence[tuple[object, ...]], deadline: timedelta
@@ -97,7 +107,8 @@ def spawned_workers(
     """
     context = forkserver(WORKER_PRELOAD)
     workers: list[multiprocessing.process.BaseProcess] = [
-        context.Process(target=target, args=args) for args in args_per_rank
+        context.Process(target=_enter_worker, args=(dict(os.environ), os.getcwd(), target, *args))
+        for args in args_per_rank
     ]
     for worker in workers:
         worker.start()
