@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -160,3 +161,26 @@ def exit_as_the_interpreter_would(main: Callable[[], object]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status if isinstance(status, int) else (0 if status is None else 1))
+
+
+class ForkedProcess:
+    """A process forked from a preloaded server (multiprocessing's forkserver), behind the names of
+    subprocess.Popen that the launchers and tests use: ``pid``, ``returncode``, ``poll``, ``wait``."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        assert process.pid is not None
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode  # (exitcode polls the child, and reaps it once it ended)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
+        return self._process.exitcode

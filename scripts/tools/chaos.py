@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from node.ops.metrics import read_metrics
 from scripts.common import (
     REPO_ROOT,
+    ForkedProcess,
     add_output_flags,
     exit_as_the_interpreter_would,
     exit_on_sigterm,
@@ -87,25 +88,6 @@ POLL_SECONDS = 0.5
 # What a node imports before its first step (torch._dynamo: on torch's first optimizer step), once, in
 # the forkserver every node is forked from: a fresh interpreter would spend ~3 CPU-s importing them.
 NODE_PRELOAD = ["__main__", "node.ops.cli", "node.train.trainer", "protocol.allreduce", "torch._dynamo"]
-
-
-class ForkedNode:
-    """A node forked from the preloaded server, behind the names of subprocess.Popen that chaos uses."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
-        assert process.pid is not None
-        self._process = process
-        self.pid: int = process.pid
-
-    def poll(self) -> int | None:
-        self._process.is_alive()  # reaps the child if it ended
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
-        return self._process.exitcode
 
 
 def _forkserver() -> multiprocessing.context.ForkServerContext:
@@ -136,7 +118,7 @@ class ChaosNode:
     index: int
     run_dir: Path
     log_path: Path
-    process: ForkedNode | None = None
+    process: ForkedProcess | None = None
     stopped: bool = False  # SIGSTOPped right now
     starts: list[float] = field(default_factory=list)  # wall-clock time of every (re)start
 
@@ -220,7 +202,7 @@ class Swarm:
             target=_run_forked_node, args=(argv, str(node.log_path), self.wan.namespace(node.index))
         )
         process.start()
-        node.process = ForkedNode(process)
+        node.process = ForkedProcess(process)
         deadline = time.monotonic() + 30
         while node.process.poll() is None and time.monotonic() < deadline:  # killpg needs its setsid first
             try:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from scripts.common import exit_as_the_interpreter_would
+from scripts.common import ForkedProcess, exit_as_the_interpreter_would
 from tests.forking import enter_child, forkserver
-from tests.node.swarm_cluster import NODE_PRELOAD, REPO_ROOT, ForkedNode, enter_network_namespace
+from tests.node.swarm_cluster import NODE_PRELOAD, REPO_ROOT, enter_network_namespace
 
 CLI_PREFIX = [sys.executable, "-m", "node.ops.cli"]
 
@@ -41,7 +41,7 @@ class Completed:
     stderr: str
 
 
-class ForkedCommand(ForkedNode):
+class ForkedCommand(ForkedProcess):
     """A forked command behind subprocess.Popen's names, ``stdout`` included (set with stdout=PIPE)."""
 
     stdout: IO[Any] | None = None

@@ -14,7 +14,6 @@ output in its log; only tests that time the interpreter's start need the fresh o
 from __future__ import annotations
 
 import json
-import multiprocessing.process
 import os
 import runpy
 import signal
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from node.ops.metrics import read_metrics
-from scripts.common import exit_as_the_interpreter_would
+from scripts.common import ForkedProcess, exit_as_the_interpreter_would
 from scripts.tools.wan_emulator import enter_network_namespace
 from tests.forking import enter_child, forkserver
 
@@ -68,28 +67,6 @@ class NodeProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-class ForkedNode:
-    """A node forked from the preloaded server, behind subprocess.Popen's names."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
-        self._process = process
-        assert process.pid is not None
-        self.pid: int = process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
-        return self._process.exitcode
-
-
 def _run_forked_node(
     argv: list[str],
     log_path: str,
@@ -124,7 +101,7 @@ def fork_node(
     netns: str | None = None,
     script: Path | None = None,
     env: Mapping[str, str] | None = None,
-) -> ForkedNode:
+) -> ForkedProcess:
     """`python -m node.ops.cli ARGV` forked from the preloaded server, once its session exists; in network
     namespace ``netns`` if given; ``script``'s ``main(ARGV)`` instead of the CLI's if given; with
     ``env`` (default: the test process's environment)."""
@@ -134,7 +111,7 @@ def fork_node(
         args=(list(argv), str(log_path), str(REPO_ROOT), env, netns, None if script is None else str(script)),
     )
     process.start()
-    node = ForkedNode(process)
+    node = ForkedProcess(process)
     deadline = time.monotonic() + 30
     while node.poll() is None and time.monotonic() < deadline:  # killpg needs the child's setsid first
         try:

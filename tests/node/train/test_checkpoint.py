@@ -26,7 +26,8 @@ import node.train.checkpoint as checkpoint
 from node.config import NodeConfig
 from node.train.checkpoint import join_state, latest_checkpoint, load_checkpoint, save_checkpoint, split_state
 from node.train.trainer import Trainer
-from tests.node.swarm_cluster import ForkedNode, fork_node
+from scripts.common import ForkedProcess
+from tests.node.swarm_cluster import fork_node
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -474,9 +475,9 @@ def e2e_config(corpus: Path, run_dir: Path, **overrides: Any) -> NodeConfig:
 
 
 @pytest.fixture
-def node_process() -> Iterator[list[ForkedNode]]:
+def node_process() -> Iterator[list[ForkedProcess]]:
     """Collects started nodes and kills any still running when the test ends, pass or fail."""
-    started: list[ForkedNode] = []
+    started: list[ForkedProcess] = []
     yield started
     for process in started:
         if process.poll() is None:
@@ -484,7 +485,9 @@ def node_process() -> Iterator[list[ForkedNode]]:
             process.wait(timeout=10)
 
 
-def wait_for_new_checkpoint(root: Path, previous: Path | None, process: ForkedNode, log_path: Path) -> Path:
+def wait_for_new_checkpoint(
+    root: Path, previous: Path | None, process: ForkedProcess, log_path: Path
+) -> Path:
     deadline = time.monotonic() + 60
     while (current := latest_checkpoint(root)) in (None, previous):
         assert process.poll() is None, f"node exited early:\n{log_path.read_text()}"
@@ -496,7 +499,7 @@ def wait_for_new_checkpoint(root: Path, previous: Path | None, process: ForkedNo
 
 @pytest.mark.timeout(180)
 def test_sigkilled_node_resumes_from_latest_checkpoint(
-    tmp_path: Path, node_process: list[ForkedNode]
+    tmp_path: Path, node_process: list[ForkedProcess]
 ) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(inspect.getsource(inspect))  # ~130 KB of text
