@@ -31,7 +31,8 @@ from node.config import ConfigError
 from node.outer.diloco import flatten_params
 from node.outer.seam import Adopt, AdoptedState, RoundOutcome, RoundRequest, RoundStats
 from node.outer.state import tensor_hash
-from tests.node.swarm_cluster import ForkedNode, fork_node
+from scripts.common import ForkedProcess
+from tests.node.swarm_cluster import fork_node
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "scripts" / "examples" / "own_loop.py"
@@ -96,7 +97,7 @@ def test_two_processes_agree_on_param_hash_every_round(tmp_path: Path) -> None:
     common = ["--name", name, "--rounds", "3", "--inner-steps", "5", "--batch-size", "8",
               "--min-peers", "2", "--start-peers", "2", "--join-window", "3", "--listen", "127.0.0.1:0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes: list[ForkedNode] = []
+    processes: list[ForkedProcess] = []
     try:
         for index in range(2):
             run_dir = tmp_path / f"node-{index}"
