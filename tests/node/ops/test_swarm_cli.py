@@ -139,10 +139,14 @@ def test_sigterm_leaves_cleanly(tmp_path):
 @pytest.mark.timeout(120)
 def test_sigterm_during_start_up_exits_cleanly(tmp_path):
     """A signal while torch imports, the DHT starts or the model is built is kept, not fatal:
-    the node stops before its first step and exits 0 (a fresh interpreter: its imports are timed)."""
+    the node stops before its first step and exits 0 (a fresh interpreter: its imports are timed).
+
+    The signal goes once the node has logged its config: its handler is installed by then (a signal
+    before it, while the interpreter itself starts, is the default's), and torch, the DHT and the model
+    are still ahead of it. A fixed sleep instead lost the race on a busy machine."""
     with Cluster(tmp_path) as cluster:
         node = cluster.start(["--min-peers", "1", "--inner-steps", "20"])
-        time.sleep(1.5)  # past the interpreter's start, inside the slow imports and start-up
+        wait_for(lambda: "config: " in node.log(), 60, "the config line", node)
         node.signal(signal.SIGTERM)
         assert node.wait(60) == 0, tail(node)
         assert "received SIGTERM" in node.log()
