@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 py=.venv/bin/python
+# The tests' processes cache what they compile (.pyc, pytest's rewritten test modules): otherwise each of
+# the 6 workers and every node they start compiles the same test and library modules again.
+unset PYTHONDONTWRITEBYTECODE
 if [ -f scripts/gen_protos.py ]; then
   "$py" scripts/gen_protos.py --check
 fi
