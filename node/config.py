@@ -21,6 +21,7 @@ wins) is ``node/config_layers.py``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -89,6 +90,14 @@ def _check_paths_exist(section: object, *names: str) -> None:
         value = getattr(section, name)
         if value and not Path(value).exists():
             raise ConfigError(f"{_flat_name(section, name)} path does not exist: {value}")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_addresses(section: object, *names: str) -> None:
@@ -592,8 +601,16 @@ class MetricsConfig:
     port: int = field(
         default=0,
         metadata=_help(
-            "Serve Prometheus metrics at http://HOST:PORT/metrics, HOST being the --listen host "
-            "(0.0.0.0, every interface, by default); 0 = no metrics endpoint."
+            "Serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --metrics-listen; 0 = no "
+            "metrics endpoint."
+        ),
+    )
+    listen: str = field(
+        default="127.0.0.1",
+        metadata=_help(
+            "Host (interface) the metrics endpoint binds: loopback by default, as it has no "
+            "authentication; 0.0.0.0 serves every interface (for a Prometheus on another machine: "
+            "firewall the port to it)."
         ),
     )
 
@@ -602,6 +619,11 @@ class MetricsConfig:
         _check_choices(self, "log_format")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"metrics_port must be in [0, 65535] (0 = off), got {self.port}")
+        host = self.listen.strip("[]")
+        if not host or any(c.isspace() or c in "/[]" for c in host) or (":" in host and not _is_ip(host)):
+            raise ConfigError(
+                f"metrics_listen is a host (the port is --metrics-port), e.g. 127.0.0.1 or 0.0.0.0, got {self.listen!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -752,6 +774,7 @@ FLAT_NAMES: Mapping[str, str] = {
     "log_every": "metrics.log_every",
     "log_format": "metrics.log_format",
     "metrics_port": "metrics.port",
+    "metrics_listen": "metrics.listen",
 }
 """Every setting's flat name -> ``section.field``, in the order of the sections and their fields."""
 

@@ -10,6 +10,7 @@ only over mutual TLS, so ``auth`` brings the swarm's certificate then.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from protocol.auth.channels import SwarmAuth, operator_channel
 
 EXIT_SERVING = 0
 EXIT_UNHEALTHY = 1
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def check_health(
@@ -79,12 +81,28 @@ def health_settings(values: dict[str, Any]) -> HealthSettings:
     )
 
 
+def recorded_local_address(run_dir: Path) -> str | None:
+    """The ``local_address`` the node recorded in ``run_dir/node.json`` (where a process on its own
+    machine reaches its gRPC server: the port it bound), None if there is no such record."""
+    try:
+        identity = json.loads((run_dir / "node.json").read_text())
+    except (OSError, ValueError):  # none yet (the node is starting), or caught mid-write
+        return None
+    address = identity.get("local_address") if isinstance(identity, dict) else None
+    return address if isinstance(address, str) and address else None
+
+
 def local_address(listen: str, run_dir: Path) -> str:
-    """The address of this machine's node: loopback and the ``--listen`` port, or (port 0: any free
-    port) the ``grpc_address`` the node recorded in ``run_dir/node.json``."""
+    """The address of this machine's node: the one it recorded in ``run_dir/node.json`` (what it
+    bound, whatever flag or variable set it: a container started with ``join --listen 0.0.0.0:8000``
+    is asked at 8000, not at the image's ``DTNODE_LISTEN``); before it has one, loopback and the
+    ``--listen`` port, or (port 0: any free port) the ``grpc_address`` of an older node.json."""
     from node.ops.status import address_from_run_dir
 
+    recorded = recorded_local_address(run_dir)
+    if recorded is not None:
+        return recorded
     host, _, port = listen.rpartition(":")
     if port and port != "0":
-        return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::', '[::]') else host}:{port}"
+        return f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
     return address_from_run_dir(run_dir)

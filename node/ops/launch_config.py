@@ -184,6 +184,8 @@ def node_argv(config: LaunchConfig, index: int, *, peers: str, host: str | None)
             extra["bandwidth_mbit"] = config.link_mbit
     if config.base.metrics.port:  # one Prometheus port per node: the user's, then the next ones
         extra["metrics_port"] = config.base.metrics.port + index
+        if host is not None and not _user_set(config, "metrics_listen"):
+            extra["metrics_listen"] = host  # its emulated host's loopback is not this machine's
     all_peers = ",".join(address for address in (config.base.network.peers, peers) if address)
     if all_peers:
         extra["peers"] = all_peers

@@ -17,6 +17,13 @@ metric                                          type       from
 ``dtnode_inner_steps_total``                    counter    step ``step``: over the whole run
 ``dtnode_training_tokens_total``                counter    ``tokens``: this node's, over the whole run
 ``dtnode_outer_rounds_total``                   counter    round ``round``: over the whole run
+``dtnode_round``                                gauge      round ``round``: the rounds the node's global
+                                                           params have been through (an adoption may
+                                                           set it back: a gauge, not a counter)
+``dtnode_last_round_timestamp_seconds``         gauge      round ``time``: when the latest round ended
+                                                           (Unix time; ``time() - …`` is its age)
+``dtnode_params_info{round,param_hash}``        gauge      1; the latest round and the first 16 hex
+                                                           digits of its ``param_hash`` (one series)
 ``dtnode_eval_loss``                            gauge      the latest round's ``eval_loss`` that was
                                                            measured (``--eval-every``)
 ``dtnode_peers``                                gauge      round ``peers`` (contributions in the mean)
@@ -29,21 +36,40 @@ metric                                          type       from
                                                            replicas); their sum is ``bytes_sent``
 ``dtnode_received_bytes_total{phase}``          counter    the same for ``bytes_recv``; ``state_sync``:
                                                            ``bytes_recv_state_sync``
-``dtnode_codec_error_ratio``                    gauge      ``codec_error`` (NaN when nothing was encoded)
+``dtnode_codec_error_ratio``                    gauge      ``codec_error`` (of the latest round that
+                                                           encoded something)
 ``dtnode_failures_total{kind}``                 counter    ``failures_by_kind``
 ``dtnode_round_outcomes_total{outcome}``        counter    ``averaged``, ``fell_back``, ``adopted`` or
                                                            ``caught_up`` (adopted with the round's mean)
-``dtnode_utilization_ratio``                    gauge      ``utilization`` (NaN when not measured)
+``dtnode_utilization_ratio``                    gauge      ``utilization`` (of the latest round that
+                                                           measured it)
 ``dtnode_blocked_ratio``                        gauge      ``blocked_share``: time waiting for the swarm
 ``dtnode_pseudo_gradient_norm``                 gauge      ``pseudo_gradient_norm`` (of the mean applied)
 ``process_*``                                   (several)  prometheus_client's process collector: resident
                                                            memory, CPU seconds, open file descriptors
 ==============================================  =========  ==========================================
 
+A gauge is absent from a scrape until the node has a value for it (no NaN stands for "not
+measured yet": an alert rule compares numbers, and NaN compares false with every one); a field a
+record leaves null (a swarm of one encodes nothing: no ``codec_error``) keeps the gauge's latest
+measured value. Only a diverged training loss is NaN: it was measured, and NaN is what it is.
+
+What to alert on, e.g.:
+
+- a stall: ``time() - dtnode_last_round_timestamp_seconds > 3 * <round period>`` (or
+  ``changes(dtnode_round[15m]) == 0``);
+- a split swarm (two lineages that never average again): nodes at one round with different params,
+  ``count by (round) (count by (round, param_hash) (dtnode_params_info)) > 1``;
+- a node left alone: ``dtnode_peers == 1`` for several rounds.
+
 The three run-wide counters (steps, tokens, rounds) continue from the checkpoint when a run
 resumes, so across a restart they keep growing rather than falling to 0 (what Prometheus would read
 as a counter reset); they are absent from a scrape until the process writes its first record. The
 other ``_total`` counters count what this process saw (they start at 0 in every process).
+
+The endpoint has no authentication: it binds ``--metrics-listen`` (loopback by default), and
+exposing it further (``--metrics-listen 0.0.0.0``, a published container port) is for a network
+only the operator's Prometheus reaches.
 """
 
 from __future__ import annotations
@@ -65,7 +91,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from node import __version__
@@ -76,6 +102,9 @@ ALLREDUCE_PHASES = ("reduce_scatter", "all_gather")
 # Rounds last from seconds (a toy model on loopback) to an hour (a large model over a WAN).
 ROUND_DURATION_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 SERVER_STOP_TIMEOUT_S = 5.0
+# The param_hash digits in dtnode_params_info: 64 bits tell lineages apart; the whole hash is in
+# metrics.jsonl.
+PARAM_HASH_DIGITS = 16
 # Run-wide counters: metric name (without _total), help, record field, the record kinds it is read from.
 RUN_TOTALS = (
     (
@@ -97,11 +126,37 @@ RUN_TOTALS = (
         ("round",),
     ),
 )
-
-
-def _gauge_value(value: Any) -> float:
-    """A record value as a gauge value: null (not measured) is NaN, Prometheus' "no value"."""
-    return math.nan if value is None else float(value)
+# Unlabelled gauges: metric name -> help. Each is absent from a scrape until it has a value.
+GAUGES = {
+    "dtnode_loss": "Training loss of the latest inner step.",
+    "dtnode_learning_rate": "Inner AdamW learning rate of the latest step.",
+    "dtnode_tokens_per_second": "Training tokens per second of the latest inner step.",
+    "dtnode_round": "Outer rounds the node's global params have been through (an adoption may set it back).",
+    "dtnode_last_round_timestamp_seconds": "Unix time at which the node's latest outer round ended.",
+    "dtnode_eval_loss": "Held-out loss of the latest round that measured it.",
+    "dtnode_peers": "Contributions in the latest round's mean (1 = this node alone).",
+    "dtnode_codec_error_ratio": (
+        "Latest round that encoded: norm of the error-feedback residual over the pseudo-gradient's."
+    ),
+    "dtnode_utilization_ratio": (
+        "Latest round: share of the wall time since the previous round spent on inner steps."
+    ),
+    "dtnode_blocked_ratio": (
+        "Latest round: share of the wall time since the previous round spent waiting for the swarm."
+    ),
+    "dtnode_pseudo_gradient_norm": "Norm of the mean pseudo-gradient of the latest round.",
+}
+# Round record field -> the gauge it sets (a null field leaves the gauge as it was).
+ROUND_GAUGES = {
+    "round": "dtnode_round",
+    "time": "dtnode_last_round_timestamp_seconds",
+    "eval_loss": "dtnode_eval_loss",  # null in rounds that did not evaluate (--eval-every)
+    "peers": "dtnode_peers",
+    "codec_error": "dtnode_codec_error_ratio",  # null when nothing was encoded
+    "utilization": "dtnode_utilization_ratio",
+    "blocked_share": "dtnode_blocked_ratio",
+    "pseudo_gradient_norm": "dtnode_pseudo_gradient_norm",
+}
 
 
 def build_facts() -> dict[str, str]:
@@ -131,6 +186,36 @@ class RunTotals(Collector):
                 yield CounterMetricFamily(name, documentation, value=self._values[name])
 
 
+class LatestValues(Collector):
+    """The unlabelled gauges (:data:`GAUGES`) and ``dtnode_params_info``: each the latest value the
+    records gave it, absent until they gave one. A scrape reads a dict a writer replaces values of
+    (one reference each): it sees the old value or the new one."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+        self.params: dict[str, str] | None = None  # the labels of dtnode_params_info
+
+    def set(self, name: str, value: float | None) -> None:
+        """``name`` to ``value``; None (not measured) leaves it as it was."""
+        assert name in GAUGES, name
+        if value is not None:
+            self.values[name] = float(value)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
+        values = dict(self.values)
+        for name, documentation in GAUGES.items():
+            if name in values:
+                yield GaugeMetricFamily(name, documentation, value=values[name])
+        params = self.params
+        if params is not None:
+            yield InfoMetricFamily(
+                "dtnode_params",
+                f"The latest round and the first {PARAM_HASH_DIGITS} hex digits of the param_hash of the "
+                "global params it left (value 1); nodes of one swarm agree at each round.",
+                value=params,
+            )
+
+
 class PrometheusExporter:
     """Gauges and counters of the metrics records, on a registry of its own (so that several
     exporters, e.g. in tests, never clash on prometheus_client's global one)."""
@@ -144,23 +229,8 @@ class PrometheusExporter:
         )
         self.run_totals = RunTotals()
         registry.register(self.run_totals)
-        self.loss = Gauge("dtnode_loss", "Training loss of the latest inner step.", registry=registry)
-        self.learning_rate = Gauge(
-            "dtnode_learning_rate", "Inner AdamW learning rate of the latest step.", registry=registry
-        )
-        self.tokens_per_second = Gauge(
-            "dtnode_tokens_per_second",
-            "Training tokens per second of the latest inner step.",
-            registry=registry,
-        )
-        self.eval_loss = Gauge(
-            "dtnode_eval_loss", "Held-out loss of the latest round that measured it.", registry=registry
-        )
-        self.peers = Gauge(
-            "dtnode_peers",
-            "Contributions in the latest round's mean (1 = this node alone).",
-            registry=registry,
-        )
+        self.latest = LatestValues()
+        registry.register(self.latest)
         self.round_duration = Histogram(
             "dtnode_round_duration_seconds",
             "Training-thread time per outer round: inner steps plus waiting for the swarm.",
@@ -179,11 +249,6 @@ class PrometheusExporter:
         self.received_bytes = Counter(
             "dtnode_received_bytes", "Wire bytes this node received, by phase.", ["phase"], registry=registry
         )
-        self.codec_error = Gauge(
-            "dtnode_codec_error_ratio",
-            "Latest averaged round: norm of the error-feedback residual over the pseudo-gradient's.",
-            registry=registry,
-        )
         self.failures = Counter(
             "dtnode_failures",
             "Failures in outer rounds, by kind (node/ops/metrics.py).",
@@ -196,23 +261,8 @@ class PrometheusExporter:
             ["outcome"],
             registry=registry,
         )
-        self.utilization = Gauge(
-            "dtnode_utilization_ratio",
-            "Latest round: share of the wall time since the previous round spent on inner steps.",
-            registry=registry,
-        )
-        self.blocked = Gauge(
-            "dtnode_blocked_ratio",
-            "Latest round: share of the wall time since the previous round spent waiting for the swarm.",
-            registry=registry,
-        )
-        self.pseudo_gradient_norm = Gauge(
-            "dtnode_pseudo_gradient_norm",
-            "Norm of the mean pseudo-gradient of the latest round.",
-            registry=registry,
-        )
-        # Every known label exists from the start at 0, so rate() and alerts see a series before
-        # the first event rather than none.
+        # Every known label of a counter exists from the start at 0, so rate() and alerts see a series
+        # before the first event rather than none.
         for phase in ALLREDUCE_PHASES:
             self.sent_bytes.labels(phase=phase)
         for phase in (*ALLREDUCE_PHASES, "state_sync"):
@@ -221,15 +271,6 @@ class PrometheusExporter:
             self.failures.labels(kind=kind)
         for outcome in ROUND_OUTCOMES:
             self.round_outcomes.labels(outcome=outcome)
-        for gauge in (
-            self.loss,
-            self.eval_loss,
-            self.codec_error,
-            self.utilization,
-            self.blocked,
-            self.pseudo_gradient_norm,
-        ):
-            gauge.set(math.nan)  # not measured before the first round
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -239,16 +280,20 @@ class PrometheusExporter:
         """Update the metrics from one step or round record."""
         self.run_totals.update(record)
         if record["kind"] == "step":
-            self.loss.set(_gauge_value(record["loss"]))
-            self.learning_rate.set(record["lr"])
-            self.tokens_per_second.set(record["tokens_per_s"])
+            # A diverged loss is NaN in the record (null in metrics.jsonl): measured, so shown as NaN.
+            self.latest.set("dtnode_loss", math.nan if record["loss"] is None else record["loss"])
+            self.latest.set("dtnode_learning_rate", record["lr"])
+            self.latest.set("dtnode_tokens_per_second", record["tokens_per_s"])
         elif record["kind"] == "round":
             self._write_round(record)
 
     def _write_round(self, record: dict[str, Any]) -> None:
-        if record.get("eval_loss") is not None:  # null: this round did not evaluate (--eval-every)
-            self.eval_loss.set(float(record["eval_loss"]))
-        self.peers.set(record["peers"])
+        for field, name in ROUND_GAUGES.items():
+            self.latest.set(name, record.get(field))
+        self.latest.params = {
+            "round": str(record["round"]),
+            "param_hash": str(record["param_hash"])[:PARAM_HASH_DIGITS],
+        }
         compute, comm = record["seconds_compute"], record["seconds_comm"]
         blocked = record.get("seconds_blocked", comm)
         self.round_duration.observe(compute + blocked)
@@ -259,7 +304,6 @@ class PrometheusExporter:
             self.sent_bytes.labels(phase=phase).inc(by_phase.get(f"sent_{phase}", 0))
             self.received_bytes.labels(phase=phase).inc(by_phase.get(f"recv_{phase}", 0))
         self.received_bytes.labels(phase="state_sync").inc(record.get("bytes_recv_state_sync", 0))
-        self.codec_error.set(_gauge_value(record.get("codec_error")))
         for kind, count in record.get("failures_by_kind", {}).items():
             self.failures.labels(kind=kind).inc(count)
         outcome = "averaged"
@@ -268,9 +312,6 @@ class PrometheusExporter:
         elif record["fell_back"]:
             outcome = "fell_back"
         self.round_outcomes.labels(outcome=outcome).inc()
-        self.utilization.set(_gauge_value(record.get("utilization")))
-        self.blocked.set(_gauge_value(record.get("blocked_share")))
-        self.pseudo_gradient_norm.set(_gauge_value(record.get("pseudo_gradient_norm")))
 
     # --- the HTTP endpoint ---
 

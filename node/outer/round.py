@@ -55,6 +55,10 @@ from node.outer.seam import (
 )
 from node.swarm.state import state_snapshot
 
+# How often the phase's throughput goes to the swarm side during a phase (the record carries it
+# from the next heartbeat on): often enough for `dtnode status`, rarely enough to cost nothing.
+ADVERTISE_RATE_EVERY_S = 1.0
+
 if TYPE_CHECKING:
     from node.outer.diloco import DiLoCo
     from protocol.statesync.snapshot import Snapshot
@@ -194,6 +198,7 @@ class OuterRound:
         self._phase_start_step: int | None = None
         self._extended_since: float | None = None
         self._last_boundary: float | None = None  # when the previous step was counted (API timing)
+        self._rate_advertised = 0.0  # when the phase's throughput last went to the swarm side
         # Overlap: the round in flight on the averaging thread, and the (step, data position) at the
         # end of its phase (what its served state carries).
         self._executor = (
@@ -259,6 +264,11 @@ class OuterRound:
         progress.tokens += tokens
         progress.round_tokens += tokens
         progress.round_compute_seconds += compute_seconds
+        if self.swarm is not None and now - self._rate_advertised >= ADVERTISE_RATE_EVERY_S:
+            # Peers and `dtnode status` see the throughput during the phase, not only after it (a
+            # first round, or a joiner's, would show 0 for its whole length).
+            self._rate_advertised = now
+            self.swarm.advertise_rate(self.tokens_per_s)
 
     def at_step_boundary(self) -> RoundApplied | None:
         """Between two inner steps: end the phase if it is over (see the module docstring) and return

@@ -15,6 +15,7 @@ the round calls             with                                     the swarm a
 ``after_step(members)``     the round's group, once stepped through   the data shard to train next
 ``after_adopt(state)``      the swarm's state, once loaded            —
 ``publish(snapshot)``       the global state to serve now             —
+``advertise_rate(tok/s)``   the phase's throughput so far (every 1 s) —
 ``phase_should_end()``                                                a catching-up node's phase ends
 ``lineage_peer_due()``                                                a node is fetching our state
 ==========================  ====================================================================
@@ -211,6 +212,8 @@ class SwarmSide(Averager, Protocol):
     def after_adopt(self, state: AdoptedState) -> None: ...
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
+
+    def advertise_rate(self, tokens_per_s: float) -> None: ...
 
     def phase_should_end(self) -> bool: ...
 

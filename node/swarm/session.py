@@ -212,6 +212,10 @@ class SwarmSession:
         )
         self._held = ((round, snapshot.state_id), _held_state(snapshot))
 
+    def advertise_rate(self, tokens_per_s: float) -> None:
+        """This node's throughput in the phase under way, in its record from the next heartbeat on."""
+        self.swarm.advertise_rate(tokens_per_s)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What one round carries into the next, for the checkpoint: the codec's error-feedback
         residual (a copy). Without it a resumed node's next round encodes another vector than an

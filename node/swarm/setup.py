@@ -74,6 +74,15 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
 
 
 LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def local_address(listen: str, port: int) -> str:
+    """``host:port`` at which a process on this machine reaches a server bound to ``listen`` at
+    ``port``: the listen host, loopback for a wildcard one."""
+    host = listen.rpartition(":")[0]
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def reachable_first(multiaddrs: list[str]) -> list[str]:
@@ -93,7 +102,15 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
     multiaddrs = reachable_first(swarm.multiaddrs())
     run_dir = config.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    identity = {"peer_id": swarm.peer_id, "multiaddrs": multiaddrs, "grpc_address": swarm.grpc_address}
+    # local_address: where a process on this machine reaches it (`dtnode health`, a container's
+    # HEALTHCHECK): the port it bound, which the address others dial may not show (a port forward's).
+    local = None if config.network.client_mode else local_address(config.network.listen, swarm.server.port)
+    identity = {
+        "peer_id": swarm.peer_id,
+        "multiaddrs": multiaddrs,
+        "grpc_address": swarm.grpc_address,
+        "local_address": local,
+    }
     (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
     action = "joined the swarm" if config.network.peers else "started a new swarm"
     if config.network.client_mode:  # nobody can dial it, so nobody can join through it either

@@ -150,12 +150,13 @@ class Trainer:
         return self.round.progress
 
     def _metrics_sinks(self) -> list[MetricsSink]:
-        """The progress display, and the Prometheus endpoint on the --listen host if --metrics-port."""
+        """The progress display, and the Prometheus endpoint (on --metrics-listen: loopback unless
+        asked otherwise, as it has no authentication) if --metrics-port."""
         config = self.config
         sinks: list[MetricsSink] = [progress_sink(config)]
         if config.metrics.port:
             exporter = PrometheusExporter()
-            host = config.network.listen.rpartition(":")[0] or "0.0.0.0"
+            host = config.metrics.listen.strip("[]")  # an IPv6 host may come bracketed
             try:
                 exporter.serve(host, config.metrics.port)
             except OSError as error:

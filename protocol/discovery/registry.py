@@ -12,6 +12,8 @@ Liveness is leases, not connections (the Kademlia way: a value lives until it ex
   (the caller is a training loop). The thread stores it with ``expires_at = now + ttl`` and
   re-stores the latest record every ``period`` (the *heartbeat*). The lease survives two lost
   heartbeats because ``ttl >= 3·period + 2·call_timeout`` (checked at construction).
+  ``revise(change)`` edits the latest record for the next heartbeat without a store of its own (the
+  throughput, which changes at every step).
 - **Leave.** ``leave()`` stops the heartbeat and stores a ``status="left"`` *tombstone* whose
   expiration is later than every heartbeat's. The DHT keeps, per subkey, the value that expires
   last, and ``latest=True`` readers merge on the same rule, so the tombstone replaces the record
@@ -131,6 +133,14 @@ class SwarmRegistry:
             self._waiters.append(done)
             self._changed.notify()
         return done
+
+    def revise(self, change: Callable[[PeerRecord], PeerRecord]) -> None:
+        """Make ``change(record)`` this peer's record from the next heartbeat on, with no store of its
+        own: for a figure that moves all the time (the throughput during a phase), which can wait for
+        the next beat. Does nothing before the first :meth:`publish` or once stopped."""
+        with self._changed:
+            if self._latest is not None and not self._stopping:
+                self._latest = change(self._latest)
 
     def leave(self, timeout: timedelta | None = None) -> bool:
         """Stop the heartbeat and write a tombstone so that other peers drop this one at once.

@@ -182,6 +182,12 @@ class SwarmNode:
         if self._phase.phase is NodePhase.STARTING:
             self.set_phase(NodePhase.TRAINING)
 
+    def advertise_rate(self, tokens_per_s: float) -> None:
+        """Our training throughput now, in our record from the next heartbeat on (no DHT call of its
+        own): peers and ``dtnode status`` see it during a phase, not only from the round's end."""
+        if self.registry is not None:
+            self.registry.revise(lambda record: dataclasses.replace(record, tokens_per_s=tokens_per_s))
+
     def watch_closely(self, on: bool) -> None:
         """Between rounds, read the swarm's view every ``view_refresh`` (on) or every 5 x (off): a node
         that must end its inner phase as soon as a peer is ready for the next round sees it sooner."""

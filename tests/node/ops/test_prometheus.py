@@ -89,10 +89,18 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     port = exporter.serve("127.0.0.1", 0)
     assert port > 0 and exporter.port == port
     samples, types = scrape(port)
-    # Before any record: the labelled series exist at 0, the gauges with nothing measured are NaN.
+    # Before any record: the labelled counters exist at 0; no gauge has a value yet, so none is in
+    # the scrape (no NaN stands in for one).
     assert value(samples, "dtnode_failures_total", kind="peer") == 0
     assert value(samples, "dtnode_received_bytes_total", phase="state_sync") == 0
-    assert math.isnan(value(samples, "dtnode_codec_error_ratio"))
+    assert not [key for key, sample in samples.items() if math.isnan(sample)]
+    # (prometheus_client adds a <counter>_created gauge beside each counter: its own convention.)
+    dtnode_gauges = {
+        name
+        for name, _ in samples
+        if types.get(name) == "gauge" and name.startswith("dtnode_") and not name.endswith("_created")
+    }
+    assert dtnode_gauges == {"dtnode_build_info"}
     # The run-wide counters come from the records (a resumed run continues them): none yet.
     assert not [name for name, _ in samples if name.startswith(("dtnode_inner_steps", "dtnode_outer_rounds"))]
     # The process collector: this process's resident memory, as the kernel reports it.
@@ -101,14 +109,25 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
 
     exporter.write(step_record(1, 3.5))
     exporter.write(step_record(2, 3.25))
-    exporter.write(round_record(1, failures_by_kind={"peer": 2}))
+    samples, _ = scrape(port)
+    # Steps, no round yet: the step gauges are in, the round's are still absent.
+    assert value(samples, "dtnode_loss") == 3.25
+    for name in ("dtnode_round", "dtnode_last_round_timestamp_seconds", "dtnode_params_info", "dtnode_eval_loss",
+                 "dtnode_peers", "dtnode_codec_error_ratio", "dtnode_utilization_ratio"):  # fmt: skip
+        assert not [key for key in samples if key[0] == name], name
+    exporter.write(round_record(1, failures_by_kind={"peer": 2}, time=1_700_000_000.5))
+    samples, _ = scrape(port)
+    assert value(samples, "dtnode_round") == 1
+    assert value(samples, "dtnode_last_round_timestamp_seconds") == 1_700_000_000.5
+    assert value(samples, "dtnode_params_info", round="1", param_hash="ab" * 8) == 1
     exporter.write(step_record(3, 3.0))
     exporter.write(
         round_record(2, peers=1, fell_back=True, bytes_sent=10, bytes_recv=20, bytes_recv_state_sync=4096,
                      bytes_by_phase={"sent_reduce_scatter": 7, "sent_all_gather": 3,
                                      "recv_reduce_scatter": 15, "recv_all_gather": 5},
                      codec_error=None, utilization=None, seconds_compute=100.0, seconds_comm=30.0,
-                     seconds_blocked=30.0, failures_by_kind={"peer": 1, "fell_back": 1}, eval_loss=2.25)
+                     seconds_blocked=30.0, failures_by_kind={"peer": 1, "fell_back": 1}, eval_loss=2.25,
+                     param_hash="0123456789abcdef" * 4, time=1_700_000_060.25)
     )  # fmt: skip
     samples, types = scrape(port)
 
@@ -119,13 +138,18 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     assert value(samples, "dtnode_tokens_per_second") == 1003.0
     assert value(samples, "dtnode_learning_rate") == 1e-3
     assert value(samples, "dtnode_inner_steps_total") == 3
-    # The latest round.
+    # The latest round: a gauge of its number and its end time, one info series of its params.
     assert value(samples, "dtnode_outer_rounds_total") == 2
+    assert types["dtnode_round"] == "gauge" and value(samples, "dtnode_round") == 2
+    assert value(samples, "dtnode_last_round_timestamp_seconds") == 1_700_000_060.25
+    assert [key for key in samples if key[0] == "dtnode_params_info"] == [
+        ("dtnode_params_info", (("param_hash", "0123456789abcdef"), ("round", "2")))
+    ]
     assert value(samples, "dtnode_eval_loss") == 2.25
     assert value(samples, "dtnode_peers") == 1
-    assert math.isnan(value(samples, "dtnode_codec_error_ratio")) and math.isnan(
-        value(samples, "dtnode_utilization_ratio")
-    )
+    # Not measured in round 2 (null): the latest measured value stays, never NaN.
+    assert value(samples, "dtnode_codec_error_ratio") == 0.004
+    assert value(samples, "dtnode_utilization_ratio") == 0.8
     assert value(samples, "dtnode_round_seconds", part="compute") == 100.0
     assert value(samples, "dtnode_round_seconds", part="comm") == 30.0
     assert value(samples, "dtnode_round_seconds", part="blocked") == 30.0
@@ -154,11 +178,19 @@ def test_endpoint_reports_the_records_it_was_given(exporter: PrometheusExporter)
     samples, _ = scrape(port)
     assert value(samples, "dtnode_eval_loss") == 2.25 and value(samples, "dtnode_outer_rounds_total") == 3
 
-    # Two adoptions: a whole-state fetch and a step with the round's mean.
+    # Two adoptions: a whole-state fetch and a step with the round's mean; then an adoption of a
+    # lineage at a lower round: the round gauge goes down (a counter could not).
     exporter.write(round_record(4, adopted=True, peers=0))
     exporter.write(round_record(5, adopted=True, caught_up=True, peers=0))
     samples, _ = scrape(port)
-    assert value(samples, "dtnode_round_outcomes_total", outcome="adopted") == 1
+    assert value(samples, "dtnode_round") == 5
+    exporter.write(round_record(2, adopted=True, peers=0, param_hash="cd" * 32))
+    samples, _ = scrape(port)
+    assert value(samples, "dtnode_round") == 2
+    assert [key for key in samples if key[0] == "dtnode_params_info"] == [
+        ("dtnode_params_info", (("param_hash", "cd" * 8), ("round", "2")))
+    ]
+    assert value(samples, "dtnode_round_outcomes_total", outcome="adopted") == 2
     assert value(samples, "dtnode_round_outcomes_total", outcome="caught_up") == 1
     assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 2
 
@@ -228,10 +260,17 @@ def test_a_taken_port_is_an_error(exporter: PrometheusExporter) -> None:
             exporter.serve("127.0.0.1", taken.getsockname()[1])
 
 
-def test_metrics_port_is_validated() -> None:
+def test_metrics_port_and_host_are_validated() -> None:
     with pytest.raises(ConfigError, match="metrics_port"):
         NodeConfig.from_flat(metrics_port=70000)
     assert NodeConfig().metrics.port == 0  # off unless asked for
+    # The endpoint has no authentication: loopback unless the operator says otherwise.
+    assert NodeConfig().metrics.listen == "127.0.0.1"
+    for host in ("0.0.0.0", "::1", "[::]", "metrics.example"):
+        assert NodeConfig.from_flat(metrics_listen=host).metrics.listen == host
+    for wrong in ("0.0.0.0:9400", "", "a b", "http://x"):
+        with pytest.raises(ConfigError, match="metrics_listen is a host"):
+            NodeConfig.from_flat(metrics_listen=wrong)
 
 
 def free_port() -> int:
@@ -243,20 +282,25 @@ def free_port() -> int:
 
 @pytest.mark.timeout(60)
 def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
+    """Scraped before and after the first round: the round's gauges appear with it, none is NaN
+    before; the endpoint binds loopback although the node listens on every interface."""
     corpus = tmp_path / "text.txt"
     corpus.write_text(inspect.getsource(inspect))
     port = free_port()
     config = NodeConfig.from_flat(
         model="nano", seq_len=32, batch_size=4, inner_steps=3, eval_batches=2, warmup_steps=2, total_steps=30,
-        data=str(corpus), run_dir=str(tmp_path / "run"), log_every=100, listen="127.0.0.1:0", metrics_port=port,
+        data=str(corpus), run_dir=str(tmp_path / "run"), log_every=100, listen="0.0.0.0:0", metrics_port=port,
         eval_every=1,
     )  # fmt: skip
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     trainer = Trainer(config)
     try:
+        (exporter,) = [sink for sink in trainer.metrics.sinks if isinstance(sink, PrometheusExporter)]
+        assert exporter._server is not None and exporter._server.server_address[0] == "127.0.0.1"
         for _ in range(config.inner.steps):  # what Trainer.run does, stopped before it closes the endpoint
             trainer.metrics.write(trainer.inner_step())
+        before, _ = scrape(port)
         assert trainer.round.at_step_boundary() is not None  # the phase's end: its round is recorded
         samples, _ = scrape(port)
     finally:
@@ -266,6 +310,16 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="step")
     (round_,) = read_metrics(tmp_path / "run" / "metrics.jsonl", kind="round")
     assert [r["step"] for r in steps] == [1, 2, 3]
+    # Before the round: the steps' gauges, nothing of a round, and no NaN anywhere.
+    assert value(before, "dtnode_loss") == steps[-1]["loss"]
+    assert value(before, "dtnode_inner_steps_total") == 3
+    assert not [key for key, sample in before.items() if math.isnan(sample)]
+    assert not [key for key in before if key[0] in ("dtnode_round", "dtnode_last_round_timestamp_seconds",
+                                                     "dtnode_params_info", "dtnode_eval_loss", "dtnode_peers")]  # fmt: skip
+    # After it: its number, end time and params, as metrics.jsonl has them.
+    assert value(samples, "dtnode_round") == 1
+    assert value(samples, "dtnode_last_round_timestamp_seconds") == round_["time"]
+    assert value(samples, "dtnode_params_info", round="1", param_hash=round_["param_hash"][:16]) == 1
     assert value(samples, "dtnode_loss") == steps[-1]["loss"]
     assert value(samples, "dtnode_tokens_per_second") == steps[-1]["tokens_per_s"]
     assert value(samples, "dtnode_inner_steps_total") == 3
@@ -275,7 +329,8 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     assert value(samples, "dtnode_utilization_ratio") == round_["utilization"]
     assert value(samples, "dtnode_round_seconds", part="compute") == round_["seconds_compute"]
     assert value(samples, "dtnode_sent_bytes_total", phase="reduce_scatter") == 0
-    assert math.isnan(value(samples, "dtnode_codec_error_ratio")) and round_["codec_error"] is None
+    # Nothing was encoded (a swarm of one): no codec error, in the record or the scrape.
+    assert round_["codec_error"] is None and ("dtnode_codec_error_ratio", ()) not in samples
     assert round_["failures_by_kind"] == {} and round_["bytes_recv_state_sync"] == 0
     assert round_["density"] is None and round_["allreduce_share"] is None  # no all-reduce ran
     assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 1

@@ -4,6 +4,7 @@ own metrics.jsonl), against a served status (JSON and text), and against no node
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -94,12 +95,53 @@ def test_status_json_against_a_running_two_node_swarm(tmp_path: Path) -> None:
             assert 0.0 <= peer["seconds_since_heartbeat"] <= 16.0  # within one record TTL
             assert 0.0 < peer["seconds_until_expiry"] <= 16.0
 
+        # `dtnode health` without ADDR asks the address the node recorded (the port it bound), not the
+        # --listen setting of its environment (a container image's DTNODE_LISTEN may name another).
+        env = dict(os.environ, DTNODE_LISTEN="0.0.0.0:1", DTNODE_RUN_DIR=str(first.run_dir))
+        healthy = subprocess.run([sys.executable, "-m", "node.ops.cli", "health"], cwd=REPO_ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        local = first.identity()["local_address"]
+        assert (
+            local.startswith("127.0.0.1:")
+            and local.rpartition(":")[2] == status["grpc_address"].rpartition(":")[2]
+        )
+        assert healthy.returncode == 0 and healthy.stdout.strip() == f"{local}: SERVING", healthy
+
         # ADDR given, plain text (stdout is a pipe): one line per peer, named by the tail of its id.
         text = dtnode_status(second.identity()["grpc_address"])
         assert text.returncode == 0, text.stderr
         assert f"node {second.identity()['peer_id']}" in text.stdout
         for peer_id in ids:
             assert sum(peer_id[-10:] in line for line in text.stdout.splitlines()) >= 1, text.stdout
+
+
+@pytest.mark.timeout(180)
+def test_status_shows_each_peers_throughput_during_its_first_phase(tmp_path: Path) -> None:
+    """TOK/S while the nodes train their first phase (100000 inner steps: longer than the test), before
+    any round: each node advertises its phase's throughput so far with its heartbeat, not only at a
+    round's end (on the code before, every peer showed 0 until its first round ended). The reference
+    is the node's own step records: the phase's tokens over its compute seconds lies between the
+    slowest and the fastest step's rate."""
+    with Cluster(tmp_path, forked=True) as cluster:
+        flags = ["--min-peers", "2", "--inner-steps", "100000"]
+        first = cluster.start(flags)
+        second = cluster.start(flags, peers=cluster.first_multiaddr(first))
+        deadline = time.monotonic() + 60
+        rates: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            result = dtnode_status("--json", "--run-dir", str(first.run_dir))
+            if result.returncode == 0:
+                status = json.loads(result.stdout)
+                assert status["round"] == 0 and not first.hashes(), "the first phase ended: make it longer"
+                rates = {peer["peer_id"]: peer["tokens_per_s"] for peer in status["peers"]}
+                if len(rates) == 2 and all(rate > 0 for rate in rates.values()):
+                    break
+            time.sleep(1.0)
+        assert len(rates) == 2 and all(rate > 0 for rate in rates.values()), f"{rates}\n{tail(first)}"
+        for node in (first, second):
+            step_rates = [record["tokens_per_s"] for record in node.records("step")]
+            advertised = rates[node.identity()["peer_id"]]
+            assert 0.99 * min(step_rates) <= advertised <= 1.01 * max(step_rates), (advertised, step_rates)
 
 
 @contextmanager

@@ -46,6 +46,8 @@ class ScriptedSwarm:
     calls: list[str] = field(default_factory=list)
     requests: list[RoundRequest] = field(default_factory=list)
     served: list[Snapshot] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    """The throughputs the loop advertised during its phases (``advertise_rate``)."""
     join_request: JoinRequest | None = None
     _handed: AdoptedState | None = None
     _busy: threading.Lock = field(default_factory=threading.Lock)
@@ -99,6 +101,11 @@ class ScriptedSwarm:
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self._enter("publish")
         self.served.append(snapshot)
+
+    def advertise_rate(self, tokens_per_s: float) -> None:
+        # Thread-safe in the real swarm (a record edit under the registry's lock), so called beside an
+        # overlapped round: not one of the calls that must not overlap.
+        self.rates.append(tokens_per_s)
 
     def phase_should_end(self) -> bool:
         return self.end_phase

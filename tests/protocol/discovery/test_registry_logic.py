@@ -7,6 +7,7 @@ same behaviour over real hivemind peers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -141,6 +142,23 @@ def test_records_published_faster_than_stored_are_coalesced() -> None:
     view = registry.fetch()
     assert view.peers[0].round == 3
     assert len(dht.stores) <= 3  # round 0, then 1 (already taken by the thread), then 3 at most
+    registry.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_revised_record_goes_out_with_the_next_heartbeat_and_no_store_of_its_own() -> None:
+    clock = FakeClock()
+    dht = FakeDht(clock)
+    registry = make_registry(dht, clock, period=timedelta(seconds=1), ttl=timedelta(seconds=11))
+    registry.revise(lambda record: dataclasses.replace(record, tokens_per_s=1.0))  # nothing published: no-op
+    registry.publish(make_record(dht.peer_id)).result(timeout=2)
+    stores = len(dht.stores)
+    registry.revise(lambda record: dataclasses.replace(record, tokens_per_s=2500.0))
+    assert len(dht.stores) == stores  # no store of its own: the heartbeat carries it
+    assert registry.fetch().peers[0].tokens_per_s == 1000.0
+    poll(lambda: len(dht.stores), lambda count: count > stores, within=timedelta(seconds=4))
+    (peer,) = registry.fetch().peers
+    assert peer.tokens_per_s == 2500.0 and peer.round == 0  # the rest of the record as published
     registry.close()
 
 
