@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -64,7 +63,13 @@ from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
-from protocol.swarm.participation import START_TIMEOUT, await_start_peers, peer_due, serve_stragglers
+from protocol.swarm.participation import (
+    START_TIMEOUT,
+    await_lineage_past,
+    await_start_peers,
+    peer_due,
+    serve_stragglers,
+)
 from protocol.swarm.result import (
     GroupAveraged,
     LineageResync,
@@ -407,15 +412,12 @@ class SwarmSession:
     # --- adopting the canonical state ---
 
     def _wait_for_canonical_past(self, ours: Lineage) -> LineageDecision | None:
-        """After a missed round: the lineage decision once the group published params newer than ours."""
-        budget = self.swarm.config.round_deadline + self.swarm.config.record_ttl
-        deadline = time.monotonic() + budget.total_seconds()
-        while time.monotonic() < deadline and not self.identity.stop_requested():  # SIGTERM ends the wait
-            decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
-            if not decision.in_canonical and decision.canonical.round > ours[0]:
-                return decision
-            time.sleep(self.swarm.config.view_refresh.total_seconds())
-        return None
+        """After a missed round: the lineage decision once the group published params newer than ours,
+        None (we step on our own Δ) if none is canonical within ``missed_round_wait``; a SIGTERM ends
+        the wait (``participation.await_lineage_past``)."""
+        return await_lineage_past(
+            self.swarm, round=ours[0], param_hash=ours[1], stop_requested=self.identity.stop_requested
+        )
 
     def _fetch_canonical(
         self, decision: LineageDecision, *, why: str, ours: Lineage | None

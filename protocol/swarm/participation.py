@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from protocol.membership.lineage import LineageDecision
+from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,38 @@ def await_start_peers(
                         live, num_nodes, timeout)  # fmt: skip
             return live
     return live
+
+
+def missed_round_wait(config: SwarmConfig) -> timedelta:
+    """How long a node that missed a round waits for the group that began without it to publish its
+    new params: the group's all-reduce drops a member that makes no progress for the stall timeout (a
+    frozen one), then each member publishes within a heartbeat and a DHT store."""
+    return config.allreduce.stall_timeout + config.heartbeat + config.dht_call_timeout
+
+
+def await_lineage_past(
+    swarm: SwarmNode, *, round: int, param_hash: str, stop_requested: Callable[[], bool]
+) -> LineageDecision | None:
+    """After a missed round (a group of our lineage ``(round, param_hash)`` began it without us): the
+    lineage decision once a lineage past ``round`` is canonical (adopt it), or None after
+    :func:`missed_round_wait` (or at ``stop_requested()``): the group froze or died before it
+    published, or it is smaller than the nodes it left behind, whose lineage stays canonical. The
+    caller then steps on its own Δ, so it records the round, and the next round's lineage check syncs
+    it to whichever lineage is canonical by then. Waiting for the group as long as its
+    ``round_deadline`` stalled every node it left behind for minutes, each waiting for the others to
+    move (issue 31, "No stall under faults")."""
+    wait = missed_round_wait(swarm.config)
+    deadline = time.monotonic() + wait.total_seconds()
+    while not stop_requested():
+        decision = swarm.lineage(round=round, param_hash=param_hash)
+        if not decision.in_canonical and decision.canonical.round > round:
+            return decision
+        if time.monotonic() >= deadline:
+            log.info("no lineage past round %d became canonical within %s of our missed round",
+                     round, wait)  # fmt: skip
+            return None
+        time.sleep(swarm.config.view_refresh.total_seconds())
+    return None
 
 
 def serve_stragglers(swarm: SwarmNode) -> int:

@@ -34,8 +34,21 @@ Checks over every node's ``metrics.jsonl`` at the end (the records of ``node/ops
 Output: one JSON object (trials, faults by kind, rounds, hangs, divergences, non_finite, rejoined,
 recovery seconds p50/p90/max, eval loss first/last, wall seconds) and a one-line summary.
 
+``--cycle MINUTES`` runs another shape instead of the trials (issue 31): nodes joined by hand, with
+``dtnode join``'s own round and network settings (join window, max wait, deadlines, heartbeat, TTL),
+and ONE victim (``--victim``, default the first node, whose address every other node was given in
+``--peers``) that is, every ``--cycle-gap`` seconds (10-25), in turn frozen (SIGSTOP, held
+``--stop-seconds``, 5-20, then SIGCONT) and killed and restarted at once, for MINUTES. The check:
+every other node (live all along) writes a round record (averaged, fallen back or adopted) at least
+every ``--bound`` seconds; its longest gap (from the first fault to the end, the ends counted) is
+reported per node, and a gap past the bound fails the run (besides divergences and non-finite values).
+The default bound is ARCHITECTURE.md's ("No stall under faults"): 2 x P + J + S, with P the round
+period (the median gap between two records of those nodes in this run), J the join window (15 s) and
+S the all-reduce's stall timeout (30 s), the defaults of ``dtnode join``.
+
     python scripts/tools/chaos.py                                     # 6 nodes, 50 trials, 100 Mbit/s
     python scripts/tools/chaos.py --nodes 4 --trials 3 --kinds kill,stop,partition   # a quick look
+    python scripts/tools/chaos.py --nodes 5 --cycle 4 --seed 1        # one victim frozen / restarted
 
 Exit code: 0 if every check passed, 1 if one failed, 2 if the emulator cannot run here (needs root
 and iproute2), 130 on Ctrl-C or SIGTERM (every node is stopped and the namespaces removed first).
@@ -84,6 +97,9 @@ from scripts.tools.wan_emulator import (
 FAULT_KINDS = ("kill", "stop", "restart", "partition", "slow_link")
 SLOW_LINK_MBIT = 1.0
 NAME_PREFIX = "dtchaos"
+# dtnode join's join window and the all-reduce's stall timeout: the --cycle nodes run with them.
+JOIN_WINDOW_SECONDS = 15.0
+STALL_TIMEOUT_SECONDS = 30.0
 POLL_SECONDS = 0.5
 # What a node imports before its first step (torch._dynamo: on torch's first optimizer step), once, in
 # the forkserver every node is forked from: a fresh interpreter would spend ~3 CPU-s importing them.
@@ -162,8 +178,10 @@ class Swarm:
         argv += ["--eval-batches", "1", "--threads", "1"]
         argv += ["--eval-every", "1"]  # every round's eval_loss: null counts as non-finite below
         argv += ["--inner-steps", str(args.inner_steps), "--log-every", "1000", "--min-peers", "2"]
-        argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
-        argv += ["--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "1"]
+        if not args.cycle:  # the cycle runs nodes as a user starts them by hand: dtnode join's settings
+            argv += ["--join-window", "5", "--max-wait", "60", "--round-deadline", str(args.round_deadline)]
+            argv += ["--heartbeat", "2", "--record-ttl", "16"]
+        argv += ["--checkpoint-every", "1"]
         argv += ["--start-peers", str(start_peers)]
         argv += [
             "--listen",
@@ -314,6 +332,57 @@ def run_trial(swarm: Swarm, kind: str, rng: random.Random, args: argparse.Namesp
     return record
 
 
+def run_cycle(swarm: Swarm, rng: random.Random, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``--cycle`` shape: for ``args.cycle`` minutes, every ``--cycle-gap`` seconds the victim is
+    in turn frozen for ``--stop-seconds`` (then continued) and killed and restarted at once; one
+    record per fault (what, when, for how long)."""
+    victim = swarm.nodes[args.victim]
+    faults: list[dict[str, Any]] = []
+    end = time.monotonic() + 60 * args.cycle
+    while time.monotonic() < end:
+        time.sleep(min(rng.uniform(*args.cycle_gap), max(end - time.monotonic(), 0.0)))
+        if time.monotonic() >= end:
+            break
+        kind = ("stop", "restart")[len(faults) % 2]
+        fault: dict[str, Any] = {"kind": kind, "node": victim.index, "time": round(time.time(), 1)}
+        if kind == "stop":
+            hold = min(rng.uniform(*args.stop_seconds), max(end - time.monotonic(), 0.1))
+            victim.signal(signal.SIGSTOP)
+            victim.stopped = True
+            time.sleep(hold)
+            victim.signal(signal.SIGCONT)
+            victim.stopped = False
+            fault["hold_seconds"] = round(hold, 1)
+        else:
+            swarm.kill(victim)
+            swarm.start(victim)
+        faults.append(fault)
+        print(json.dumps({"fault": len(faults) - 1, **fault}), file=sys.stderr, flush=True)
+    return faults
+
+
+def record_gaps(swarm: Swarm, since: float, until: float, skip: int) -> tuple[dict[int, float], float]:
+    """Per node but ``skip`` (the victim): the longest time between two of its round records (any:
+    averaged, fallen back, adopted) within ``[since, until]``, the two ends counted as records; and the
+    round period, the median gap between two records of those nodes."""
+    longest, all_gaps = {}, []
+    for node in swarm.nodes:
+        if node.index == skip:
+            continue
+        times = [since, *sorted(r["time"] for r in node.rounds() if since < r["time"] < until), until]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        longest[node.index] = round(max(gaps), 1)
+        all_gaps += gaps[1:-1]  # between two records (not from or to an end)
+    return longest, round(statistics.median(all_gaps), 1) if all_gaps else 0.0
+
+
+def stall_bound(period: float) -> float:
+    """ARCHITECTURE.md's bound on the time a live node goes without a round record, whatever one other
+    node does: 2 x the round period + the join window + the all-reduce's stall timeout (dtnode join's
+    defaults: 15 s and 30 s)."""
+    return round(2 * period + JOIN_WINDOW_SECONDS + STALL_TIMEOUT_SECONDS, 1)
+
+
 def check(swarm: Swarm, trials: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The end-of-run checks over every node's records (see the module docstring)."""
     all_rounds = [(n.index, r) for n in swarm.nodes for r in n.rounds()]
@@ -402,6 +471,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-delay", type=float, default=5.0, help="random wait before each fault")
     parser.add_argument("--recovery-timeout", type=float, default=180.0, help="seconds to wait for recovery")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument(
+        "--cycle", type=float, default=0.0, metavar="MINUTES",
+        help="instead of --trials: one victim frozen and restarted in turn for MINUTES (see above)",
+    )  # fmt: skip
+    parser.add_argument("--victim", type=int, default=0, help="--cycle: the node frozen and restarted")
+    parser.add_argument(
+        "--cycle-gap", type=float, nargs=2, default=(10.0, 25.0), help="--cycle: seconds between faults"
+    )
+    parser.add_argument(
+        "--stop-seconds", type=float, nargs=2, default=(5.0, 20.0), help="--cycle: how long a freeze holds"
+    )
+    parser.add_argument(
+        "--bound", type=float, default=None,
+        help="--cycle: the longest a live node may go without a round record, seconds (default: 2 x the "
+        "round period + 15 s + 30 s, see above; 0: report, check nothing)",
+    )  # fmt: skip
     add_output_flags(parser, keep_logs=True)  # --json-out: the summary and every trial
     args = parser.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -413,6 +498,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--trials and --inner-steps must be >= 1")
     if args.seq_len < 0:
         parser.error("--seq-len must be >= 0")
+    if args.cycle < 0 or not 0 <= args.victim < args.nodes:
+        parser.error("--cycle must be >= 0 and --victim one of the nodes")
     return args
 
 
@@ -440,7 +527,14 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     print("chaos: the swarm never completed a first round", file=sys.stderr)
                     return 1
-                for index in range(args.trials):
+                cycle: dict[str, Any] = {}
+                if args.cycle:
+                    since = time.time()
+                    cycle["cycle_faults"] = run_cycle(swarm, rng, args)
+                    gaps, period = record_gaps(swarm, since, time.time(), skip=args.victim)
+                    bound = stall_bound(period) if args.bound is None else args.bound
+                    cycle.update(longest_gap_seconds=gaps, round_period_seconds=period, bound_seconds=bound)
+                for index in range(0 if args.cycle else args.trials):
                     kind = args.kinds[index % len(args.kinds)] if args.in_turn else rng.choice(args.kinds)
                     trial = run_trial(swarm, kind, rng, args)
                     trials.append(trial)
@@ -448,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 # A node restarted by the last trial gets the same chance to rejoin as the others.
                 settled = time.time()
                 wait_until(lambda: recovered_since(swarm.live(), settled), args.recovery_timeout, "the end")
-                result = check(swarm, trials, args)
+                result = {**check(swarm, trials, args), **cycle}
             finally:
                 swarm.stop_all()
     except KeyboardInterrupt:
@@ -462,8 +556,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": round(time.monotonic() - started, 1),
         "seed": args.seed,
     }
+    gaps, bound = list(result.get("longest_gap_seconds", {}).values()), result.get("bound_seconds", 0.0)
     passed = (
-        summary["hangs"] == 0
+        (not bound or max(gaps, default=0.0) <= bound)
+        and summary["hangs"] == 0
         and summary["divergences"] == 0
         and summary["non_finite"] == 0
         and summary["rejoined"] == summary["restarted_nodes"]
@@ -472,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["passed"] = passed
     print_json(summary)
     write_json(args.json_out, {"summary": summary, "trials": trials})
+    if args.cycle:
+        print(
+            f"chaos: node {args.victim} frozen / restarted {len(result['cycle_faults'])} times in {args.cycle:g} "
+            f"min; the others' longest gaps without a round record: {result['longest_gap_seconds']} s "
+            f"(bound {result['bound_seconds']:g} s: round period {result['round_period_seconds']:g} s)"
+        )
     print(
         f"chaos: {len(trials)} trials on {args.nodes} nodes, {summary['rounds']} rounds: "
         f"{summary['hangs']} hangs, {summary['divergences']} divergences, {summary['non_finite']} non-finite, "

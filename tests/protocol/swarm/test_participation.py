@@ -1,18 +1,31 @@
-"""The start barrier and serving the nodes still behind at the end of a run, over real sockets
-(two SwarmNodes on loopback, hivemind DHT). Each wait ends on what the other node publishes, not
-on a timer: the tests fail by their bounded deadlines if it does not."""
+"""The start barrier, serving the nodes still behind at the end of a run and the wait after a missed
+round, over real sockets (SwarmNodes on loopback, hivemind DHT). Each wait ends on what the other
+node publishes, not on a timer: the tests fail by their bounded deadlines if it does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+import torch
 
-from protocol.swarm.participation import await_start_peers, serve_stragglers
-from tests.protocol.swarm.test_swarm_node import started_nodes
+from protocol.allreduce.config import AllReduceConfig
+from protocol.membership.lineage import Lineage
+from protocol.swarm.config import SwarmConfig
+from protocol.swarm.node import SwarmNode
+from protocol.swarm.participation import (
+    await_lineage_past,
+    await_start_peers,
+    missed_round_wait,
+    serve_stragglers,
+)
+from protocol.swarm.result import GroupAveraged, RoundMissed, RoundResult
+from tests.protocol.swarm.test_swarm_node import ROUNDS, node_config, started_nodes, wait_for_lineages
 
 HASH_A, HASH_B = "a" * 64, "b" * 64
 
@@ -60,3 +73,61 @@ def test_a_finished_node_serves_until_the_node_behind_it_caught_up() -> None:
         behind.publish(round=3, param_hash=HASH_A, tokens_per_s=1.0, snapshot=None)  # it caught up
         server.join(30)
         assert not server.is_alive() and result == [1]
+
+
+@pytest.mark.timeout(120)
+def test_a_node_that_missed_a_round_steps_on_within_the_missed_round_wait() -> None:
+    """Two nodes begin round 1 without the third (its phase ran past their join window) and then
+    publish nothing: a frozen or killed group, or one smaller than the nodes it left behind. The
+    third node misses the round; its own lineage stays canonical, so no lineage past it ever appears.
+    It must give up waiting within ``missed_round_wait`` (the stall timeout of the group's all-reduce,
+    a heartbeat and a DHT store: 5.5 s here), not wait the group's ``round_deadline`` plus a record
+    TTL (28 s here, 5 min 20 s by default), recording no round meanwhile, as issue 31's stalled swarm
+    did."""
+    run_name = f"missed-{uuid.uuid4().hex[:12]}"
+    rounds = dataclasses.replace(ROUNDS, min_peers=2, join_window=timedelta(seconds=1))
+
+    def config(peers: tuple[str, ...]) -> SwarmConfig:
+        return dataclasses.replace(
+            node_config(run_name, peers),
+            rounds=rounds,
+            allreduce=AllReduceConfig(stall_timeout=timedelta(seconds=3)),
+        )
+
+    nodes: list[SwarmNode] = []
+    try:
+        for _ in range(3):
+            nodes.append(SwarmNode(config(tuple(nodes[0].multiaddrs()) if nodes else ())))
+        late, *group = nodes
+        for node in nodes:
+            node.publish(round=0, param_hash=HASH_A, tokens_per_s=1.0, snapshot=None)
+        wait_for_lineages(nodes, {node.peer_id: Lineage(0, HASH_A) for node in nodes})
+
+        def run(node: SwarmNode) -> RoundResult:
+            return node.run_round(
+                torch.ones(64),
+                round=0,
+                param_hash=HASH_A,
+                num_tokens=10,
+                tokens_per_s=1.0,
+                error_feedback=None,
+            )
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = list(pool.map(run, group, timeout=60))
+        assert all(isinstance(result, GroupAveraged) for result in results), results
+        # The group publishes nothing past round 0 (it froze, died, or is the smaller side); the late
+        # node asks to join round 1, hears that it began without it, and misses it.
+        missed = run(late)
+        assert isinstance(missed, RoundMissed), missed
+        wait = missed_round_wait(late.config)
+        assert wait == timedelta(seconds=5.5)
+        started = time.monotonic()
+        decision = await_lineage_past(late, round=0, param_hash=HASH_A, stop_requested=lambda: False)
+        waited = time.monotonic() - started
+        assert decision is None  # nothing past our lineage became canonical: step on our own Δ
+        assert wait.total_seconds() - 0.5 <= waited <= wait.total_seconds() + 3.0, waited
+    finally:
+        for node in reversed(nodes):
+            node.leave()
+            node.close()
