@@ -410,8 +410,17 @@ class NetworkConfig:
     announce: str = field(
         default="",
         metadata=_help(
-            "Host other nodes dial, if not the listen host, e.g. behind NAT with forwarded ports (needs "
-            "fixed --listen and --dht-listen ports)."
+            "gRPC address other nodes dial, if not the listen address: HOST, or HOST:PORT when a port "
+            "forward's outside PORT differs from --listen's (a rented GPU behind a port mapping); the DHT "
+            "is announced at HOST too, unless --dht-announce says otherwise. Needs fixed --listen and "
+            "--dht-listen ports."
+        ),
+    )
+    dht_announce: str = field(
+        default="",
+        metadata=_help(
+            "DHT address other nodes dial: HOST:PORT or a multiaddr (/ip4/IP/tcp/PORT, /dns/NAME/tcp/PORT), "
+            "e.g. a port forward's outside port; empty = --announce's host at --dht-listen's port."
         ),
     )
     client_mode: bool = field(
@@ -440,14 +449,19 @@ class NetworkConfig:
                 f"record_ttl must be at least 3 x heartbeat + 10 s = {3 * self.heartbeat + 10:g}, got {self.record_ttl:g}"
             )
         _check_addresses(self, "listen", "dht_listen")
-        if self.announce.count(":") == 1:
+        # The syntax of --announce and --dht-announce is checked with the swarm's settings
+        # (protocol/discovery/addresses.py), before any socket: here, only what they need.
+        announced = [
+            f"--{name.replace('_', '-')}" for name in ("announce", "dht_announce") if getattr(self, name)
+        ]
+        if announced and self.enabled and self.client_mode:
             raise ConfigError(
-                f"announce is a host (the ports are --listen's and --dht-listen's), got {self.announce!r}"
+                f"--client-mode accepts no connections, so it has no address to announce: drop {' and '.join(announced)}"
             )
-        if self.announce and self.enabled and (not self.dht_listen or self.dht_listen.endswith(":0")):
-            raise ConfigError("--announce needs a fixed DHT port: set --dht-listen HOST:PORT")
-        if self.announce and self.enabled and not self.client_mode and self.listen.endswith(":0"):
-            # Others dial the announced host at our gRPC port: a random one cannot be forwarded.
+        if announced and self.enabled and (not self.dht_listen or self.dht_listen.endswith(":0")):
+            # A port forward (or a firewall rule) points at one port: a random one cannot be forwarded.
+            raise ConfigError(f"{announced[0]} needs a fixed DHT port: set --dht-listen HOST:PORT")
+        if self.announce and self.enabled and self.listen.endswith(":0"):
             raise ConfigError("--announce needs a fixed gRPC port: set --listen HOST:PORT")
         if self.client_mode and self.enabled and not self.peers:
             raise ConfigError("--client-mode needs --peers: a node nobody can dial cannot start a swarm")
@@ -749,6 +763,7 @@ FLAT_NAMES: Mapping[str, str] = {
     "listen": "network.listen",
     "dht_listen": "network.dht_listen",
     "announce": "network.announce",
+    "dht_announce": "network.dht_announce",
     "client_mode": "network.client_mode",
     "use_relay": "network.use_relay",
     "bandwidth_mbit": "network.bandwidth_mbit",

@@ -5,7 +5,8 @@
 plots runs' metrics (``node/ops/report.py``) and ``dtnode sample`` generates text with a run's exported
 model (``node/model/sample.py``); ``dtnode status`` shows a running node's view of the swarm
 (``node/ops/status.py``); ``dtnode health`` exits 0 when a node's gRPC health says SERVING
-(``node/ops/health.py``). For ``join``, one flag per setting of :class:`~node.config.NodeConfig` is
+(``node/ops/health.py``); ``dtnode bootstrap`` runs a DHT peer only, the address a swarm is found
+through (``node/ops/bootstrap.py``). For ``join``, one flag per setting of :class:`~node.config.NodeConfig` is
 generated from its sections, one help group each (``node/ops/cli_flags.py``), so ``--help`` documents every setting; a
 flag given on the command line wins over ``DTNODE_*`` environment variables, which win over
 ``--config node.toml``, which wins over defaults. Before ``join`` opens a socket it checks what can
@@ -29,6 +30,7 @@ from typing import Any, NoReturn
 from node import __version__
 from node.config import ConfigError, NodeConfig, layered_values, load_config
 from node.data.tokenizer import add_tokenizer_command
+from node.ops.bootstrap import BOOTSTRAP_SETTINGS
 from node.ops.cli_flags import add_config_flags
 from node.ops.logs import configure_logging
 
@@ -191,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument(
         "path", metavar="PATH", help="the key file to create (an existing file is not overwritten)"
     )
+    bootstrap = commands.add_parser(
+        "bootstrap",
+        help="run a DHT-only node (no training) that keeps a swarm discoverable; print its multiaddrs",
+        description="Start a DHT peer on --dht-listen and nothing else (no model, no gRPC server), print "
+        "the multiaddrs to pass to `dtnode join --peers`, and serve until Ctrl-C or SIGTERM "
+        "(see node/ops/bootstrap.py). Settings: flag > DTNODE_* env > --config TOML > default.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bootstrap.add_argument("--config", dest="config_file", default=None, help="TOML file of settings")
+    add_config_flags(bootstrap, only=BOOTSTRAP_SETTINGS)
     add_tokenizer_command(commands)  # dtnode tokenizer train (node/data/tokenizer.py)
     return parser
 
@@ -471,6 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_report(args)
         if args.command == "sample":
             return run_sample(args)
+        if args.command == "bootstrap":
+            from node.ops.bootstrap import run_bootstrap
+
+            flags = {key: value for key, value in vars(args).items() if key not in ("command", "config_file")}
+            return run_bootstrap(load_config(config_file=args.config_file, flags=flags))
         if args.command == "keygen":
             return run_keygen(args)
         if args.command == "health":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from collections.abc import Collection
 from dataclasses import MISSING
 
 from node.config import FLAT_NAMES, SECTIONS, flat_choices, flat_fields, flat_types
@@ -34,10 +35,12 @@ def setting_groups() -> dict[str, list[str]]:
     return groups
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
-    """One flag per setting, in its section's help group; absent flags stay absent (SUPPRESS), so
-    lower layers show through. Returns the groups by section name (callers may add their own flags
-    to them)."""
+def add_config_flags(
+    parser: argparse.ArgumentParser, only: Collection[str] | None = None
+) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per setting (of the flat names in ``only``, if given), in its section's help group;
+    absent flags stay absent (SUPPRESS), so lower layers show through. Returns the groups by section
+    name (callers may add their own flags to them)."""
     types = flat_types()
     choices = flat_choices()
     by_name = flat_fields()
@@ -45,6 +48,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Arg
     groups = {}
     for title, names in setting_groups().items():
         summary = (inspect.getdoc(SECTIONS[title]) or title).splitlines()[0].rstrip(".")
+        names = [name for name in names if only is None or name in only]
+        if not names:
+            continue
         group = groups[title] = parser.add_argument_group(f"[{title}] {summary}")
         for name in names:
             f = by_name[name]

@@ -106,7 +106,7 @@ def launch_config(
     settings = flat_values(base)
     if link_mbit is not None:
         load_wan_emulator()  # a missing emulator or no namespaces: say so before starting anything
-        for key in ("peers", "listen", "dht_listen", "announce"):
+        for key in ("peers", "listen", "dht_listen", "announce", "dht_announce"):
             if settings[key] != NODE_DEFAULTS[key]:
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"--link-mbit gives every node an emulated host of its own: drop {flag}")

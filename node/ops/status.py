@@ -44,6 +44,11 @@ def address_from_run_dir(run_dir: Path) -> str:
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not JSON: {error}") from None
     address = identity.get("grpc_address") if isinstance(identity, dict) else None
+    if isinstance(identity, dict) and identity.get("client_mode"):
+        raise ValueError(
+            f"{path} is a --client-mode node's: it listens on no port, so it cannot be asked; ask a node "
+            "it joined (dtnode status HOST:PORT)"
+        )
     if not isinstance(address, str) or not address:
         raise ValueError(f"{path} has no grpc_address")
     return address

@@ -13,27 +13,48 @@ from node.config import ConfigError, NodeConfig
 from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
 from protocol.auth.key import SwarmKey
+from protocol.discovery.addresses import join_host_port, split_announce
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.membership.config import RoundConfig
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
 
 
+def dht_config(config: NodeConfig) -> DhtConfig:
+    """The DHT peer's settings: ``--dht-listen`` (default: the ``--listen`` host, any port), and what others
+    dial: ``--dht-announce``, else ``--announce``'s host at the DHT's listen port. ValueError if malformed."""
+    network = config.network
+    listen_host = network.listen.rpartition(":")[0] or "0.0.0.0"
+    dht_listen = network.dht_listen or f"{listen_host}:0"
+    announce = network.dht_announce or None
+    if announce is None and network.announce:
+        host, _ = split_announce(network.announce)
+        announce = join_host_port(host, int(dht_listen.rpartition(":")[2]))
+    return DhtConfig(
+        initial_peers=tuple(address.strip() for address in network.peers.split(",") if address.strip()),
+        listen=dht_listen,
+        announce=announce,
+        identity_path=config.security.identity_path or None,
+        use_relay=network.use_relay,
+        client_mode=network.client_mode,
+    )
+
+
+def swarm_key(config: NodeConfig) -> SwarmKey | None:
+    """The swarm key of ``--swarm-key-file``, None for an open swarm; ValueError if it cannot be used."""
+    return SwarmKey.from_file(Path(config.security.key_file)) if config.security.key_file else None
+
+
 def swarm_config(config: NodeConfig) -> SwarmConfig:
     """The swarm side's settings from the node's (durations in seconds become timedeltas)."""
-    listen_host = config.network.listen.rpartition(":")[0] or "0.0.0.0"
-    peers = tuple(address.strip() for address in config.network.peers.split(",") if address.strip())
-    announce = config.network.announce or None
-    dht_listen = config.network.dht_listen or f"{listen_host}:0"
+    announce_host, announce_port = None, None
     try:
-        dht = DhtConfig(
-            initial_peers=peers,
-            listen=dht_listen,
-            announce=None if announce is None else f"{announce}:{dht_listen.rpartition(':')[2]}",
-            identity_path=config.security.identity_path or None,
-            use_relay=config.network.use_relay,
-            client_mode=config.network.client_mode,
-        )
+        if config.network.announce:
+            announce_host, announce_port = split_announce(config.network.announce)
+        if config.network.client_mode and config.rounds.streams > 1:
+            # Streams 2.. are all-reduce servers of their own, which peers dial.
+            raise ValueError("--client-mode accepts no connections: it runs one stream (--swarm-streams 1)")
+        dht = dht_config(config)
         max_wait = timedelta(seconds=config.rounds.max_wait)
         join_window = timedelta(seconds=config.rounds.join_window)
         rounds = RoundConfig(
@@ -43,13 +64,13 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             proposal_timeout=min(timedelta(seconds=5), join_window),
             begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
         )
-        auth = None
-        if config.security.key_file:
-            auth = SwarmAuth(SwarmKey.from_file(Path(config.security.key_file)), tls=config.security.tls)
+        key = swarm_key(config)
+        auth = None if key is None else SwarmAuth(key, tls=config.security.tls)
         return SwarmConfig(
             run_name=config.run.name,
             listen=config.network.listen,
-            announce_host=announce,
+            announce_host=announce_host,
+            announce_port=announce_port,
             dht=dht,
             rounds=rounds,
             allreduce=AllReduceConfig(
@@ -102,18 +123,20 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
     multiaddrs = reachable_first(swarm.multiaddrs())
     run_dir = config.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    client = config.network.client_mode  # it listens on nothing: no address to record
     # local_address: where a process on this machine reaches it (`dtnode health`, a container's
     # HEALTHCHECK): the port it bound, which the address others dial may not show (a port forward's).
     local = None if config.network.client_mode else local_address(config.network.listen, swarm.server.port)
     identity = {
         "peer_id": swarm.peer_id,
         "multiaddrs": multiaddrs,
-        "grpc_address": swarm.grpc_address,
+        "grpc_address": None if client else swarm.grpc_address,
         "local_address": local,
+        "client_mode": client,
     }
     (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
     action = "joined the swarm" if config.network.peers else "started a new swarm"
-    if config.network.client_mode:  # nobody can dial it, so nobody can join through it either
+    if client:  # nobody can dial it, so nobody can join through it either
         print(f"dtnode: joined the swarm {config.run.name!r} as {swarm.peer_id} in client mode (accepts no "
               "connections; join others through a node without --client-mode).", flush=True)  # fmt: skip
         return swarm

@@ -80,6 +80,13 @@ class AllReducePeer:
         add_servicer_to_server(AllReduceServicer(self.registry, self.config), server)
         self._attached = True
 
+    def dial_only(self) -> None:
+        """Run rounds on no server: a client's peer (``--client-mode``) accepts no connections, so it
+        only calls the other members (it pushes its contribution and pulls the averages)."""
+        if self._attached:
+            raise RuntimeError("the all-reduce servicer is already on a server")
+        self._attached = True
+
     @classmethod
     async def start(
         cls,
@@ -132,7 +139,9 @@ class AllReducePeer:
         could not get) and says so. Every member that does not fall back gets a bit-identical `averaged`.
         """
         if not self._attached or self._closed:
-            raise RuntimeError("start() the peer (or add it to a started server) before calling allreduce()")
+            raise RuntimeError(
+                "start() the peer (or add it to a started server, or make it dial_only()) before calling allreduce()"
+            )
         if vector.dtype != torch.float32 or vector.dim() != 1 or vector.device.type != "cpu":
             raise ValueError(
                 f"vector must be a 1-D fp32 CPU tensor, got {vector.dtype} {tuple(vector.shape)}"

@@ -1,4 +1,5 @@
-"""``HOST:PORT`` flags and libp2p multiaddrs: what ``--listen``, ``--announce`` and ``--peers`` accept.
+"""``HOST:PORT`` flags and libp2p multiaddrs: what ``--listen``, ``--announce``, ``--dht-announce`` and
+``--peers`` accept.
 
 A hivemind DHT peer is reached through its p2p daemon at a *multiaddr* such as
 ``/ip4/10.0.0.2/tcp/4100/p2p/12D3KooW...``: transport address, then the peer's identity. Users
@@ -59,21 +60,72 @@ def listen_multiaddr(host_port: str) -> str:
     return multiaddr
 
 
-def announce_multiaddr(host_port: str) -> str:
-    """The multiaddr other peers are told to dial for ``--announce HOST:PORT``.
+def _check_dial_host(host: str, *, flag: str) -> None:
+    """``host`` is an IP literal or a DNS name a dialing peer can resolve."""
+    if _ip_multiaddr(host, 1, flag=flag) is not None:
+        return
+    if len(host) > MAX_DNS_NAME_CHARS or _DNS_NAME_RE.fullmatch(host) is None:
+        raise ValueError(f"{flag} host must be an IP address or a DNS name, got {host!r}")
+
+
+def split_announce(text: str, *, flag: str = "--announce") -> tuple[str, int | None]:
+    """``--announce HOST[:PORT]`` (``[V6]`` or ``[V6]:PORT`` for IPv6) as the host others dial and the
+    outside port, None when only a host is given (then others dial the listen port).
+
+    The outside port differs from the listen port behind a port forward (a rented GPU whose provider
+    maps public port 40123 to the container's 8000): others dial the outside one.
+    """
+    port_text: str | None
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"{flag} must be HOST, HOST:PORT, [IPV6] or [IPV6]:PORT, got {text!r}")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:  # a name, an IPv4 address, or a bare IPv6 address (several colons, no port)
+        host, port_text = text, None
+    if not host:
+        raise ValueError(f"{flag} needs a host, got {text!r}")
+    _check_dial_host(host, flag=flag)
+    if port_text is None:
+        return host, None
+    if not port_text.isdigit() or not 1 <= int(port_text) <= MAX_PORT:
+        raise ValueError(f"{flag} port must be in 1..{MAX_PORT} (the port others dial), got {text!r}")
+    return host, int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def announce_multiaddr(address: str, *, flag: str = "--dht-announce") -> str:
+    """The multiaddr other peers are told to dial for the DHT: ``HOST:PORT`` or a multiaddr.
 
     Needed when the listen address is not what others see (``0.0.0.0``, a port forward, a
     container). The port must be explicit: the p2p daemon cannot announce "port 0". A host
-    name becomes ``/dns/NAME/tcp/PORT`` and is resolved by each dialing peer.
+    name becomes ``/dns/NAME/tcp/PORT`` and is resolved by each dialing peer. A multiaddr is
+    taken as given (``/ip4/…/tcp/PORT`` or ``/dns/…/tcp/PORT``), without ``/p2p/…``: the daemon
+    appends its own peer id.
     """
-    host, port = parse_host_port(host_port, flag="--announce")
+    if address.startswith("/"):
+        try:
+            multiaddr = Multiaddr(address)
+        except ValueError as error:
+            raise ValueError(f"{flag} {address!r} is not a multiaddr: {error}") from None
+        if "tcp" not in multiaddr or multiaddr["tcp"] == "0":
+            raise ValueError(f"{flag} multiaddr needs /tcp/PORT with the real port others dial: {address!r}")
+        if "p2p" in multiaddr:
+            raise ValueError(f"{flag} multiaddr must not name a peer id (/p2p/...): {address!r}")
+        return address
+    host, port = parse_host_port(address, flag=flag)
     if port == 0:
-        raise ValueError(f"--announce needs the real port others dial, not 0: {host_port!r}")
-    multiaddr = _ip_multiaddr(host, port, flag="--announce")
-    if multiaddr is not None:
-        return multiaddr
-    if len(host) > MAX_DNS_NAME_CHARS or _DNS_NAME_RE.fullmatch(host) is None:
-        raise ValueError(f"--announce host must be an IP address or a DNS name, got {host!r}")
+        raise ValueError(f"{flag} needs the real port others dial, not 0: {address!r}")
+    multiaddr_text = _ip_multiaddr(host, port, flag=flag)
+    if multiaddr_text is not None:
+        return multiaddr_text
+    _check_dial_host(host, flag=flag)
     return f"/dns/{host}/tcp/{port}"
 
 

@@ -5,7 +5,8 @@ daemon (``p2pd``) that owns the sockets. :class:`DhtNode` starts that pair and w
 calls discovery needs:
 
 - **Start.** The p2p daemon listens on ``--listen HOST:PORT`` (default ``127.0.0.1:0``: loopback,
-  any free port), tells others to dial ``--announce HOST:PORT`` when set, and joins the swarm
+  any free port), tells others to dial ``--dht-announce`` (``HOST:PORT`` or a multiaddr: a port
+  forward's outside address) when set, and joins the swarm
   through ``--peers`` (multiaddrs printed by running peers). Everything that would probe the real
   network is off: UPnP / NAT-PMP port mapping, AutoNAT (reachability is forced to "public" so
   libp2p does not go looking), circuit relays and auto-relay, and the IPFS bootstrap list. A peer
@@ -13,7 +14,8 @@ calls discovery needs:
   ``use_relay`` (``--use-relay``) turns libp2p's circuit relays and auto-relay on, best effort: a
   peer behind NAT may then be reached through a public peer that relays for it, when one is found.
   ``client_mode`` (``--client-mode``) is hivemind's DHT client mode: the peer stores and reads
-  records through others but answers no DHT request, so nobody needs to dial it. Startup
+  records through others but answers no DHT request, so nobody needs to dial it; its p2p daemon
+  listens on no address at all (``no_listen``), its connections are the ones it opens. Startup
   has a deadline; unreachable initial peers give a :class:`DhtStartupError` that names them.
   With ``identity_path`` the peer's key is read from that file (made on first start, mode 0600:
   ``identity.py``), so its peer id and multiaddr are the same after a restart.
@@ -125,7 +127,8 @@ class DhtConfig:
     listen: str = "127.0.0.1:0"
     """``--listen HOST:PORT``: the p2p daemon's TCP address; port 0 picks a free one."""
     announce: str | None = None
-    """``--announce HOST:PORT``: the address others should dial, if not the listen address."""
+    """``--dht-announce``: the address others should dial, if not the listen address: ``HOST:PORT`` or a
+    multiaddr (``/ip4/…/tcp/PORT``), e.g. a port forward's outside address; not for a client."""
     startup_timeout: timedelta = timedelta(seconds=20)
     """Deadline for starting the daemon and joining through ``initial_peers`` (p2pd gives up by 15 s itself)."""
     rpc_timeout: timedelta = timedelta(seconds=3)
@@ -139,8 +142,9 @@ class DhtConfig:
     peer when a direct connection fails); best effort, off by default so a peer contacts only the
     addresses it was given."""
     client_mode: bool = False
-    """``--client-mode``: hivemind's DHT client mode; the peer answers no DHT request (nobody dials it)
-    and so cannot start a swarm: it needs ``initial_peers``."""
+    """``--client-mode``: hivemind's DHT client mode; the peer answers no DHT request and its p2p daemon
+    listens on nothing (nobody dials it; ``listen`` is unused), so it cannot start a swarm: it needs
+    ``initial_peers``."""
     host_multiaddr: str = field(init=False)
     """``listen`` as a multiaddr (derived)."""
     announce_multiaddr: str | None = field(init=False)
@@ -158,6 +162,8 @@ class DhtConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.client_mode and not self.initial_peers:
             raise ValueError("a DHT client (client_mode) needs initial_peers: it cannot start a swarm")
+        if self.client_mode and self.announce is not None:
+            raise ValueError("a DHT client (client_mode) listens on nothing: it has no address to announce")
         if self.identity_path is not None:
             check_identity_path(Path(self.identity_path))  # made at start; an unusable one fails now
 
@@ -178,6 +184,8 @@ class DhtConfig:
             use_ipfs=False,
             client_mode=self.client_mode,
         )
+        if self.client_mode:  # dial out only: the daemon binds no TCP (or QUIC) port at all
+            kwargs.update(host_maddrs=[], no_listen=True)
         if self.announce_multiaddr is not None:
             kwargs["announce_maddrs"] = [self.announce_multiaddr]
         return kwargs
@@ -354,7 +362,10 @@ class DhtNode:
 
 
 async def _identity(_dht: DHT, node: DHTNode) -> tuple[str, list[str]]:
-    """Our peer id and the addresses the daemon reported when it started (no new daemon request)."""
+    """Our peer id and the addresses the daemon reported when it started (no new daemon request); a
+    client's daemon listens on nothing, so it has none (hivemind would raise for an empty list)."""
+    if node.protocol.client_mode:
+        return node.peer_id.to_base58(), []
     addresses = await node.get_visible_maddrs(latest=False)
     return node.peer_id.to_base58(), [str(address) for address in addresses]
 

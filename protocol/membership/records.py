@@ -10,7 +10,7 @@ at once. A node that is still fetching the swarm's state to join it publishes ``
 expects to hold it. A syncing peer counts for no lineage and takes part in no round; a leader may
 wait for it (``rounds.py``). A record with ``client=True`` is a node that accepts no connections
 (``--client-mode``): it takes part in rounds but never leads one, owns no part, serves no state, and
-nobody dials its ``grpc_address``.
+nobody dials its ``grpc_address``, which is ``CLIENT_ADDRESS``: the client binds no port to name.
 
 Records come from untrusted peers: :meth:`PeerRecord.from_dict` validates every field (types,
 lengths, ranges, finiteness) and raises ``ValueError`` naming the field, never anything else.
@@ -38,6 +38,9 @@ PARAM_HASH_HEX_CHARS: Final = 64  # SHA-256, as ``node.diloco.tensor_hash`` prin
 MAX_COUNTER: Final = 2**63 - 1  # rounds, token counts: what a protobuf int64 holds
 MAX_PROTOCOL_VERSION: Final = 2**31 - 1
 STATUSES: Final = ("active", "left", "syncing")
+CLIENT_ADDRESS: Final = "client.invalid:1"
+"""The ``grpc_address`` of a client's record and messages: it listens on nothing, so it names no address
+(the ``.invalid`` top-level domain never resolves, RFC 6761: a peer that dialled it anyway fails at once)."""
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
 _OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client"})

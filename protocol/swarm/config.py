@@ -32,6 +32,9 @@ class SwarmConfig:
     """gRPC bind address ``host:port`` (all-reduce, state sync, membership, health); port 0 = any."""
     announce_host: str | None = None
     """The host other peers dial for our gRPC server; None: the listen host, or 127.0.0.1 for a wildcard."""
+    announce_port: int | None = None
+    """The port other peers dial for our gRPC server, the outside port of a port forward to the listen
+    port (``--announce HOST:PORT``); None: the port we are bound to. Needs ``announce_host``."""
     dht: DhtConfig = field(default_factory=DhtConfig)
     rounds: RoundConfig = field(default_factory=RoundConfig)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -60,9 +63,10 @@ class SwarmConfig:
     message_timeout: timedelta = timedelta(seconds=3)
     """Deadline of one membership message."""
     client_mode: bool = False
-    """We accept no connections (``--client-mode``, e.g. behind NAT): our record says so, so peers
-    never dial us, give us no part, never fetch state from us nor follow us as a leader; messages for
-    us wait at their senders until we collect them (``collect.py``). Needs ``dht.client_mode``."""
+    """We accept no connections (``--client-mode``, e.g. behind NAT): no gRPC server is bound (``listen``
+    is unused) and our record names no address (``CLIENT_ADDRESS``), so peers never dial us, give us no
+    part, never fetch state from us nor follow us as a leader; messages for us wait at their senders
+    until we collect them (``collect.py``). Needs ``dht.client_mode`` (whose daemon listens on nothing)."""
     auth: SwarmAuth | None = None
     """A closed swarm's credential (``protocol.auth``): our calls and DHT records are signed with its
     key, and peers that do not sign with it are refused; with ``auth.tls`` every gRPC connection is
@@ -75,6 +79,13 @@ class SwarmConfig:
             raise ValueError(f"listen must be HOST:PORT (port 0 = any free port), got {self.listen!r}")
         if self.announce_host is not None:
             check_address(f"{self.announce_host}:1", "announce_host")
+        if self.announce_port is not None:
+            if self.announce_host is None:
+                raise ValueError("announce_port needs announce_host (an outside port is dialled at a host)")
+            if not 1 <= self.announce_port <= 65535:
+                raise ValueError(f"announce_port must be in 1..65535, got {self.announce_port}")
+        if self.client_mode and self.announce_host is not None:
+            raise ValueError("a client (client_mode) serves nothing: it has no address to announce")
         if self.client_mode and not self.dht.client_mode:
             raise ValueError("client_mode needs dht.client_mode: a client answers no DHT request either")
         # ValueError for an unknown codec, a bad density, or a rule that does not apply to the codec

@@ -129,8 +129,8 @@ class SwarmNode:
         self._watch = self._loop.submit(watch_swarm(self.driver, self.dht.reconnect))
         if config.client_mode:  # nobody dials us: we fetch what our peers hold for us
             self._collect = self._loop.submit(collect_messages(self.driver, client))
-        self.grpc_address = self.server.address
-        if config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
+        self.grpc_address = self.server.address  # a client's: CLIENT_ADDRESS (it binds nothing)
+        if not config.client_mode and config.announce_host is None and config.listen_host in WILDCARD_HOSTS:
             # Bound to every interface: advertise one others can reach, as the DHT sees it.
             host = routable_host(self.dht.visible_multiaddrs())
             if host is not None:

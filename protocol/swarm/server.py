@@ -22,6 +22,7 @@ from protocol.allreduce.peer import AllReducePeer
 from protocol.auth.channels import add_port, new_server
 from protocol.membership.messages import Message
 from protocol.membership.outbox import Outbox
+from protocol.membership.records import CLIENT_ADDRESS
 from protocol.membership.transport import SERVICE_NAME as MEMBERSHIP_SERVICE
 from protocol.membership.transport import MembershipServicer, add_membership_to_server
 from protocol.statesync.provider import SERVICE_NAME as STATESYNC_SERVICE
@@ -69,6 +70,7 @@ class NodeServer:
         self.status = StatusServicer(status) if status is not None else None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._stopped = False
         self.port = 0
 
     @classmethod
@@ -82,11 +84,19 @@ class NodeServer:
     ) -> NodeServer:
         """Bind ``config.listen`` and serve every service; OSError if the address cannot be bound.
 
+        A client (``config.client_mode``) binds nothing: it accepts no connections, so its services
+        are built (its all-reduce peer dials out, its state provider and membership servicer hold what
+        the node keeps) but no server runs them, and ``port`` stays 0.
+
         ``status`` builds the answer to ``Status.GetStatus`` on the loop (it must not block); without
         it the status service is not served. ``outbox``: the messages we hold for client-mode peers,
         which they fetch with ``Membership.Collect``.
         """
         node = cls(config, on_message, status=status, outbox=outbox)
+        if config.client_mode:
+            node.allreduce.dial_only()
+            logger.info("client mode: no gRPC server (this node accepts no connections)")
+            return node
         options = _merged_options(
             config.allreduce.grpc_options(server=True), config.statesync.server_options()
         )
@@ -112,18 +122,26 @@ class NodeServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` other peers dial: the announced host, else the listen host (loopback for a wildcard)."""
+        """``host:port`` other peers dial: the announced host and port (the port we are bound to unless
+        a port forward's is announced), else the listen host (loopback for a wildcard); a client's
+        ``CLIENT_ADDRESS``."""
+        if self.config.client_mode:
+            return CLIENT_ADDRESS
         host = self.config.announce_host or self.config.listen_host
         if host in WILDCARD_HOSTS:
             host = "127.0.0.1"
-        return f"{host}:{self.port}"
+        port = self.config.announce_port or self.port
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
     async def stop(self, grace: timedelta) -> None:
-        """Say NOT_SERVING, let in-flight calls finish for ``grace``, then close every service."""
-        if self._server is None:
+        """Say NOT_SERVING, let in-flight calls finish for ``grace``, then close every service (a
+        client's too: its all-reduce peer holds channels to its peers). Idempotent."""
+        if self._stopped:
             return
+        self._stopped = True
         await self.health.enter_graceful_shutdown()
         server, self._server = self._server, None
         self.state_provider.close()
-        await server.stop(grace.total_seconds())
+        if server is not None:
+            await server.stop(grace.total_seconds())
         await self.allreduce.close()

@@ -101,14 +101,15 @@ def fork_node(
     netns: str | None = None,
     script: Path | None = None,
     env: Mapping[str, str] | None = None,
+    cwd: Path = REPO_ROOT,
 ) -> ForkedProcess:
     """`python -m node.ops.cli ARGV` forked from the preloaded server, once its session exists; in network
     namespace ``netns`` if given; ``script``'s ``main(ARGV)`` instead of the CLI's if given; with
-    ``env`` (default: the test process's environment)."""
+    ``env`` (default: the test process's environment), in working directory ``cwd``."""
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     process = forkserver(NODE_PRELOAD).Process(
         target=_run_forked_node,
-        args=(list(argv), str(log_path), str(REPO_ROOT), env, netns, None if script is None else str(script)),
+        args=(list(argv), str(log_path), str(cwd), env, netns, None if script is None else str(script)),
     )
     process.start()
     node = ForkedProcess(process)

@@ -1,15 +1,25 @@
-"""DHT peers for nodes behind NAT: a client-mode peer (answers no DHT request) and relays on."""
+"""DHT peers for nodes behind NAT: a client-mode peer (answers no DHT request, listens on no port) and
+relays on."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from hivemind.utils import get_dht_time
 
 from protocol.discovery import DhtConfig, DhtNode
+from tests.scripts.processes import listening_tcp_sockets
 
 TIMEOUT = timedelta(seconds=10)
+
+
+def process_tree(pid: int | None) -> list[int]:
+    """``pid`` and its children (the DHT process and its p2p daemon)."""
+    assert pid is not None
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(int(child) for child in children)]
 
 
 def test_a_client_cannot_start_a_swarm_and_relays_are_off_unless_asked() -> None:
@@ -30,6 +40,10 @@ def test_a_client_peer_stores_and_reads_through_a_full_peer_and_relays_start() -
         peers = tuple(server.visible_multiaddrs())
         with DhtNode(DhtConfig(listen="127.0.0.1:0", initial_peers=peers, client_mode=True)) as client:
             assert client._dht.client_mode and not server._dht.client_mode
+            # The client's DHT process and p2p daemon listen on no port; the server's daemon does.
+            assert listening_tcp_sockets(process_tree(client.pid)) == []
+            assert listening_tcp_sockets(process_tree(server.pid)) != []
+            assert client.visible_multiaddrs() == []
             expires = get_dht_time() + 30
             assert client.store("k", "from the client", expiration_time=expires, subkey="c", timeout=TIMEOUT)
             entry = server.get("k", latest=True, timeout=TIMEOUT)

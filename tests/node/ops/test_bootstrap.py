@@ -1,0 +1,94 @@
+"""``dtnode bootstrap``: a DHT peer and nothing else. Two keyed DHT peers that know only its printed
+multiaddr find each other's records through it; it listens on its DHT port alone (no gRPC server);
+SIGTERM stops it with exit 0; settings that cannot work are one line and exit 2 before any socket."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from protocol.auth.key import SwarmKey
+from protocol.discovery import DhtConfig, DhtNode
+from tests.node.swarm_cluster import fork_node, wait_for
+from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
+
+TIMEOUT = timedelta(seconds=10)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(90)
+def test_peers_that_know_only_the_bootstrap_node_find_each_other(tmp_path: Path) -> None:
+    key_path = tmp_path / "swarm.key"
+    key = SwarmKey.generate()
+    key.write(key_path)
+    port = free_port()
+    log_path = tmp_path / "bootstrap.log"
+    argv = ["bootstrap", "--dht-listen", f"127.0.0.1:{port}", "--swarm-key-file", str(key_path),
+            "--identity-path", str(tmp_path / "boot.identity")]  # fmt: skip
+    log_path.write_bytes(b"")
+    bootstrap = fork_node(argv, log_path)
+    try:
+        printed = re.compile(r"dtnode join --name NAME --peers (\S+)")
+        log = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        wait_for(lambda: printed.search(log()) is not None or bootstrap.poll() is not None, 60, "the banner")
+        match = printed.search(log())
+        assert match is not None, log()
+        assert f"key fingerprint {key.fingerprint}" in log() and "trains nothing" in log()
+        multiaddr = match[1]
+        assert multiaddr.startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/"), multiaddr
+        # The DHT port and nothing else: no gRPC server, no metrics.
+        assert listening_tcp_sockets(processes_in_groups([bootstrap.pid])) == [f"127.0.0.1:{port}"]
+
+        config = DhtConfig(listen="127.0.0.1:0", initial_peers=(multiaddr,))
+        with DhtNode(config, swarm_key=key) as first, DhtNode(config, swarm_key=key) as second:
+            expires = get_dht_time() + 30
+            assert first.store(
+                "dtnode/demo/peers", "first", expiration_time=expires, subkey="a", timeout=TIMEOUT
+            )
+            found = second.get("dtnode/demo/peers", latest=True, timeout=TIMEOUT)
+            assert found is not None and isinstance(found.value, dict), found
+            assert found.value["a"].value == "first"
+        assert bootstrap.poll() is None, log()
+        os.kill(bootstrap.pid, signal.SIGTERM)
+        assert bootstrap.wait(30) == 0, log()
+    finally:
+        if bootstrap.poll() is None:
+            os.killpg(bootstrap.pid, signal.SIGKILL)
+            bootstrap.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bootstrap"], "--dht-listen must be set, HOST:PORT on a fixed port"),
+        (["bootstrap", "--dht-listen", "127.0.0.1:0", "--dht-announce", "10.0.0.1:4001"],
+         "--dht-announce needs a fixed DHT port"),
+        (["bootstrap", "--dht-listen", "127.0.0.1:4001", "--dht-announce", "10.0.0.1:0"],
+         "--dht-announce needs the real port others dial, not 0"),
+        (["bootstrap", "--dht-listen", "127.0.0.1:4001", "--swarm-key-file", "/nonexistent/swarm.key"],
+         "/nonexistent/swarm.key"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_work_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from node.ops.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    # One line, "dtnode bootstrap: error: --flag: what is wrong" (node/ops/cli_errors.py puts the flag first).
+    assert re.match(r"dtnode( bootstrap)?: error: ", err) and err.count("\n") == 1, err
+    flag, _, what = message.partition(" ")
+    assert message in err or f"{flag}: {what}" in err, err

@@ -1,0 +1,42 @@
+"""A ``--client-mode`` node accepts no connections, so it listens on nothing: none of its processes
+(the node, its DHT process, their p2p daemon) holds a TCP socket in LISTEN state, from its start to
+its rounds, while the ordinary node it joined listens on its gRPC and DHT ports (the check sees
+sockets where there are some). Listening sockets are read from /proc: each process's socket fds
+matched against its network namespace's TCP tables (``tests/scripts/processes.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.node.swarm_cluster import Cluster, tail, wait_for
+from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
+
+
+@pytest.mark.timeout(150)
+def test_a_client_mode_node_listens_on_no_port(tmp_path: Path) -> None:
+    with Cluster(tmp_path, forked=True) as cluster:
+        flags = ["--max-rounds", "2", "--inner-steps", "3", "--start-peers", "2"]
+        server = cluster.start([*flags, "--listen", "127.0.0.1:0", "--dht-listen", "127.0.0.1:0"])
+        peers = cluster.first_multiaddr(server)
+        client = cluster.start([*flags, "--client-mode"], peers=peers)  # --listen 0.0.0.0:0 by default
+        wait_for(lambda: "in client mode" in client.log(), 60, "the client's banner", client)
+
+        def listening(node_pid: int) -> list[str]:
+            return listening_tcp_sockets(processes_in_groups([node_pid]))  # a node leads its group
+
+        server_ports = listening(server.process.pid)
+        grpc_port = server.identity()["grpc_address"].rpartition(":")[2]
+        assert f"127.0.0.1:{grpc_port}" in server_ports, server_ports
+        assert len(server_ports) >= 2, server_ports  # the gRPC server and the p2p daemon
+        assert listening(client.process.pid) == [], tail(client)
+        assert client.identity()["grpc_address"] is None and client.identity()["client_mode"] is True
+
+        wait_for(lambda: len(client.records()) >= 1, 90, "the client's first round", client)
+        assert listening(client.process.pid) == [], tail(client)
+        codes = cluster.wait_all(90)
+    assert codes == [0, 0], tail(client)
+    rounds = [record for record in client.records()]
+    assert [record["round"] for record in rounds] == [1, 2]
+    assert all(record["peers"] == 2 for record in rounds), rounds
