@@ -104,6 +104,20 @@ def test_a_restarted_node_counts_as_rejoined_only_once_it_matches(tmp_path: Path
     assert (result["restarted_nodes"], result["rejoined"]) == (1, 0)
 
 
+def test_record_gaps_measures_each_live_nodes_longest_silence_and_the_round_period(tmp_path: Path) -> None:
+    """--cycle's check: per node but the victim, the longest time without a round record, the cycle's
+    start and end counted; the period is the median gap between two records."""
+    members = ["a", "b", "c"]
+    steady = [round_record(r, f"h{r}", members, time=100.0 + 10 * r) for r in range(1, 10)]  # 110 .. 190
+    stalled = [record for record in steady if not 130 < record["time"] < 175]  # silent 130 -> 180
+    victim = [round_record(1, "h1", members, time=111.0)]  # silent from 111 on: not checked
+    swarm = FakeSwarm(tmp_path / "gaps", [victim, steady, stalled])
+    longest, period = chaos.record_gaps(swarm, since=105.0, until=200.0, skip=0)
+    assert longest == {1: 10.0, 2: 50.0}
+    assert period == 10.0  # the median of 8 gaps of 10 s (node 1) and 10, 10, 50, 10 s (node 2)
+    assert chaos.stall_bound(period) == 2 * 10.0 + 15.0 + 30.0
+
+
 @pytest.mark.skipif(_reason is not None, reason=_reason or "")
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_recovers_from_every_kind_of_fault(tmp_path: Path) -> None:
