@@ -284,12 +284,15 @@ async def watch_swarm(driver: RoundDriver, reconnect: Callable[[Sequence[str]], 
 
     A partition makes each side drop the other from its DHT routing table; without a knock,
     the two halves of the DHT would never merge again after the partition heals. The bootstrap
-    peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent.
+    peers and every peer seen in the last ``record_ttl`` x 10 are knocked on while absent. A
+    bootstrap peer that never published a record (a ``dtnode bootstrap`` node: DHT only) is never in
+    the view, so it is not counted lost: it is knocked on quietly, once a ``record_ttl``.
     """
     tick = driver.config.view_refresh.total_seconds()
     bootstrap = [address.rpartition("/p2p/")[2] for address in driver.config.dht.initial_peers]
     lost: list[str] = []
     last_read = time.monotonic()
+    knocked_recordless = last_read  # they answered our start-up moments ago
     while True:
         # While peers are missing, knock sooner: a healed partition should merge well within a round.
         await asyncio.sleep(tick)
@@ -306,10 +309,21 @@ async def watch_swarm(driver: RoundDriver, reconnect: Callable[[Sequence[str]], 
                 for peer_id, seen in driver.last_seen.items()
                 if peer_id not in view and seen >= forget_before and peer_id != driver.peer_id
             ]
-            lost += [peer_id for peer_id in bootstrap if peer_id not in view and peer_id not in lost]
+            absent = [peer_id for peer_id in bootstrap if peer_id not in view and peer_id not in lost]
+            lost += [peer_id for peer_id in absent if peer_id in driver.last_seen]
             if lost:
                 answered = await asyncio.to_thread(reconnect, lost[-64:])
                 if answered:
                     logger.info("reconnected to %d of %d lost peer(s)", answered, len(lost[-64:]))
+            recordless = [peer_id for peer_id in absent if peer_id not in driver.last_seen]
+            if (
+                recordless
+                and time.monotonic() - knocked_recordless >= driver.config.record_ttl.total_seconds()
+            ):
+                knocked_recordless = time.monotonic()
+                answered = await asyncio.to_thread(reconnect, recordless[-64:])
+                logger.debug(
+                    "knocked on %d of %d bootstrap peer(s) without a record", answered, len(recordless)
+                )
         except (DhtCallTimeout, DhtNodeClosed, TimeoutError) as error:
             logger.debug("swarm watch: %s", error)

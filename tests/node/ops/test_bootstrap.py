@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.auth.key import SwarmKey
 from protocol.discovery import DhtConfig, DhtNode
-from tests.node.swarm_cluster import fork_node, wait_for
+from tests.node.swarm_cluster import Cluster, fork_node, tail, wait_for
 from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
 
 TIMEOUT = timedelta(seconds=10)
@@ -92,3 +92,38 @@ def test_settings_that_cannot_work_are_one_line_and_exit_2(
     assert re.match(r"dtnode( bootstrap)?: error: ", err) and err.count("\n") == 1, err
     flag, _, what = message.partition(" ")
     assert message in err or f"{flag}: {what}" in err, err
+
+
+@pytest.mark.timeout(150)
+def test_two_nodes_that_know_only_the_bootstrap_node_train_together(tmp_path: Path) -> None:
+    """Training nodes started with --peers <the bootstrap's multiaddr> only find each other through it
+    and share every round (the start barrier sees both). Each first waits the join timeout (30 s) for
+    a node of its run to show a record: a joiner publishes none until it holds the swarm's state, and
+    the bootstrap node has none. They do not log the bootstrap node as a lost peer (it has no record)."""
+    port = free_port()
+    log_path = tmp_path / "bootstrap.log"
+    log_path.write_bytes(b"")
+    bootstrap = fork_node(["bootstrap", "--dht-listen", f"127.0.0.1:{port}"], log_path)
+    try:
+        printed = re.compile(r"dtnode join --name NAME --peers (\S+)")
+        log = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        wait_for(lambda: printed.search(log()) is not None or bootstrap.poll() is not None, 60, "the banner")
+        match = printed.search(log())
+        assert match is not None, log()
+        with Cluster(tmp_path, forked=True) as cluster:
+            flags = ["--max-rounds", "2", "--inner-steps", "3", "--start-peers", "2",
+                     "--listen", "127.0.0.1:0", "--dht-listen", "127.0.0.1:0"]  # fmt: skip
+            nodes = [cluster.start(flags, peers=match[1]) for _ in range(2)]
+            assert cluster.wait_all(120) == [0, 0], "\n".join(tail(node) for node in nodes)
+        assert not any("reconnected to" in node.log() for node in nodes), tail(nodes[0])
+        records = [node.records() for node in nodes]
+        for node_records in records:
+            assert [r["round"] for r in node_records] == [1, 2], node_records
+            assert all(r["peers"] == 2 for r in node_records), node_records
+        assert [r["param_hash"] for r in records[0]] == [r["param_hash"] for r in records[1]]
+        os.kill(bootstrap.pid, signal.SIGTERM)
+        assert bootstrap.wait(30) == 0, log()
+    finally:
+        if bootstrap.poll() is None:
+            os.killpg(bootstrap.pid, signal.SIGKILL)
+            bootstrap.wait(10)
