@@ -133,8 +133,16 @@ class SwarmTrainer:
             from node.swarm.session import SwarmSession  # imported late: the gRPC stack is slow to import
             from node.swarm.setup import start_swarm
 
+            module_name = type(module).__name__
+
+            def join_hint(run_name: str, peers: str) -> str:  # a `dtnode join` node trains dtnode's own model
+                return (f"join_swarm(<a {module_name} built as this one>, run_name={run_name!r}, "
+                        f"data_id={data_id!r}, peers={peers!r}) in your own loop (Python API)")  # fmt: skip
+
             self._session = SwarmSession(
-                start_swarm(config), joining=bool(config.network.peers), start_peers=config.rounds.start_peers
+                start_swarm(config, join_hint=join_hint),
+                joining=bool(config.network.peers),
+                start_peers=config.rounds.start_peers,
             )
         self.diloco = DiLoCo(
             module,
@@ -151,6 +159,7 @@ class SwarmTrainer:
             settings=RoundSettings(
                 inner_steps=config.inner.steps, round_seconds=config.rounds.seconds,
                 model=f"api:{type(module).__name__}", corpus_sha256=self.corpus_sha256,
+                rank=config.corpus.rank,
             ),
             data=self._data,
             stop_requested=self._stop.is_set,

@@ -199,7 +199,13 @@ class CorpusConfig:
     )
     val_fraction: float = field(default=0.01, metadata=_help("Fraction of the corpus held out for eval."))
     seed: int = field(default=0, metadata=_help("Seed of the data order (shared by the whole swarm)."))
-    shard_index: int = field(default=0, metadata=_help("This node's data shard (0-based)."))
+    shard_index: int = field(
+        default=0,
+        metadata=_help(
+            "This node's data shard (0-based) and, with --num-shards > 1, its rank: its place in the "
+            "order of every round's members, parts and shards (a run of ranked nodes reproduces)."
+        ),
+    )
     num_shards: int = field(default=1, metadata=_help("Number of data shards the corpus is split into."))
 
     def __post_init__(self) -> None:
@@ -212,6 +218,12 @@ class CorpusConfig:
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
         _check_paths_exist(self, "path", "tokenizer")
+
+    @property
+    def rank(self) -> int | None:
+        """This node's place in the swarm's member order (``records.member_order``): its shard index
+        when the shards are set (``dtnode swarm`` numbers its nodes so), else None (by peer id)."""
+        return self.shard_index if self.num_shards > 1 else None
 
 
 @dataclass(frozen=True, kw_only=True)

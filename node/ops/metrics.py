@@ -6,7 +6,7 @@ Contract (read by ``dtnode report``, benchmarks and tests):
   inner step; ``round`` is the outer round the step belongs to (1-based), ``step`` the global inner
   step count after it, ``tokens`` this node's cumulative training tokens.
 - ``{"kind": "round", "round", "eval_loss", "peers", "bytes_sent", "bytes_recv", "seconds_compute",
-  "seconds_comm", "param_hash", "fell_back", "adopted", "shard", …}`` after every outer round;
+  "seconds_comm", "param_hash", "fell_back", "solo", "adopted", "shard", …}`` after every outer round;
   ``param_hash`` is the SHA-256 of the global params in canonical order, ``peers`` how many
   contributions the round's mean holds, ``fell_back`` that this node stepped on its own Δ (the
   swarm round failed), ``adopted`` that it replaced its state by the swarm's instead of stepping
@@ -223,6 +223,7 @@ def round_record(
         "pseudo_gradient_norm": applied.pseudo_gradient_norm,
         "tokens": progress.tokens,
         "fell_back": applied.kind == "fell_back",
+        "solo": applied.kind == "solo",  # a round of this node alone: its own Δ, no group to average with
         "adopted": applied.kind == "adopted",
         # Adopted by stepping with the round's mean from our own state, not by a whole-state fetch.
         "caught_up": applied.caught_up,

@@ -96,6 +96,8 @@ def round_status(record: dict[str, Any]) -> str:
         parts.append("adopted the swarm's state")
     elif record.get("fell_back"):
         parts.append("fell back to own Δ")
+    elif record.get("solo"):
+        parts.append("solo (no other node in the round)")
     return " | ".join(parts)
 
 

@@ -62,6 +62,8 @@ def round_line(name: str, record: Mapping[str, Any]) -> str:
         line += " | fell back (own Δ)"
     if record.get("adopted"):
         line += " | adopted the swarm's state"
+    if record.get("solo"):
+        line += " | solo (no other node in the round)"
     return line
 
 

@@ -53,7 +53,7 @@ from node.outer.seam import (
     RoundStats,
     SwarmSide,
 )
-from node.swarm.state import state_snapshot
+from node.swarm.state import run_identity, state_snapshot
 
 # How often the phase's throughput goes to the swarm side during a phase (the record carries it
 # from the next heartbeat on): often enough for `dtnode status`, rarely enough to cost nothing.
@@ -66,7 +66,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dtnode")
 
-RoundKind = Literal["averaged", "fell_back", "adopted"]
+RoundKind = Literal["averaged", "solo", "fell_back", "adopted"]
+"""averaged: with a group of two or more; solo: a round of this node alone (a group of one, or no
+swarm), its own Δ the mean; fell_back: a group's all-reduce failed, or no group formed; adopted."""
 
 
 @dataclass
@@ -101,6 +103,7 @@ class RoundSettings:
     overlap: bool = False  # average a phase's Δ while the next phase trains (Streaming DiLoCo)
     model: str  # the model's name in the served state (a preset, or "api:<Module>")
     corpus_sha256: str  # the data identity a joiner is checked against
+    rank: int | None = None  # this node's place in the swarm's member order, fixed by its run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +125,8 @@ class RoundApplied:
     def kind(self) -> RoundKind:
         match self.decision:
             case Averaged():
-                return "averaged"
+                alone = len(self.stats.members) <= 1 and self.stats.num_peers <= 1
+                return "solo" if alone else "averaged"
             case FellBack():
                 return "fell_back"
             case Adopt():
@@ -220,7 +224,8 @@ class OuterRound:
 
     def start(self, swarm_state: dict[str, torch.Tensor] | None = None) -> None:
         """Join the swarm: adopt its state if ours is not its own (the one adoption path), serve the
-        state we hold, pass the start barrier; then restore the swarm's part of a checkpoint
+        state we hold, pass the start barrier (which may hand us the barrier lineage's round-0 state,
+        and assigns our data shard); then restore the swarm's part of a checkpoint
         (``swarm_state``: the codec's residual) unless the state it belongs to was replaced."""
         self._last_boundary = time.monotonic()
         swarm = self.swarm
@@ -234,13 +239,24 @@ class OuterRound:
                 stepper=lambda mean, start: self.diloco.stepped(mean, start=start),
                 stop_requested=self.stop_requested,
                 open_streams=self.open_streams,
+                identity=run_identity(
+                    model=self.settings.model,
+                    num_elements=self.diloco.num_elements,
+                    corpus_sha256=self.settings.corpus_sha256,
+                ),
+                rank=self.settings.rank,
             )
         )
         if answer.adopt is not None:
             self._adopt(answer.adopt)
         if answer.serve:
             self._serve()
-        swarm.await_start_peers()
+        start = swarm.await_start_peers()
+        if start.adopt is not None:  # our round-0 params were not the barrier's lineage: take it
+            self._adopt(start.adopt)
+            self._serve()
+        if start.shard is not None:  # the barrier's nodes read disjoint data from the first step
+            self.data.reshard(*start.shard)
         if swarm_state and not swarm.num_adoptions:
             swarm.load_state_dict(swarm_state)
 

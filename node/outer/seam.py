@@ -9,7 +9,9 @@ the round calls             with                                     the swarm a
 ==========================  ====================================================================
 ``join(request)``           the model's identity, the state it holds  the swarm's state to adopt, or
                             now (:class:`JoinRequest`)                 none (:class:`JoinAnswer`)
-``await_start_peers()``                                               (the start barrier)
+``await_start_peers()``                                               the round-0 state to take
+                                                                     and the data shard to read
+                                                                     from step 1 (:class:`StartAnswer`)
 ``average(Δ, round=...)``   the lineage Δ was trained from, weight,   one :class:`RoundOutcome`
                             throughput (:class:`RoundRequest`)
 ``after_step(members)``     the round's group, once stepped through   the data shard to train next
@@ -172,6 +174,11 @@ class JoinRequest:
     """True once the node is asked to stop: the swarm's waits end early."""
     open_streams: Callable[[], StreamRunner] | None = None
     """The all-reduce streams 1..S-1 on the local ranks (``--swarm-streams S > 1``), else None."""
+    identity: str = ""
+    """What this node trains, as an opaque digest (:func:`node.swarm.state.run_identity`): only nodes
+    of one identity share rounds and states."""
+    rank: int | None = None
+    """This node's place in the swarm's member order, fixed by its run (None: ordered by peer id)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,16 @@ class JoinAnswer:
 
     adopt: AdoptedState | None = None
     serve: bool = True
+
+
+@dataclass(frozen=True)
+class StartAnswer:
+    """What the start barrier settled before the first inner step: the swarm's round-0 state to take
+    (``adopt``: our round-0 params differ from the lineage the barrier's nodes follow), and the data
+    shard (index, count) to read from step 1 (None: keep the configured one)."""
+
+    adopt: AdoptedState | None = None
+    shard: tuple[int, int] | None = None
 
 
 class Averager(Protocol):
@@ -205,7 +222,7 @@ class SwarmSide(Averager, Protocol):
 
     def join(self, request: JoinRequest) -> JoinAnswer: ...
 
-    def await_start_peers(self) -> None: ...
+    def await_start_peers(self) -> StartAnswer: ...
 
     def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None: ...
 

@@ -49,6 +49,7 @@ from node.outer.seam import (
     RoundOutcome,
     RoundRequest,
     RoundStats,
+    StartAnswer,
     Stepped,
 )
 from node.swarm.catch_up import catch_up_with_means, rejoin_due
@@ -57,8 +58,8 @@ from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_s
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import TopKCodec
 from protocol.error_feedback import ErrorFeedback
-from protocol.membership.lineage import LineageDecision
-from protocol.membership.shards import assign_shard
+from protocol.membership.lineage import LineageDecision, decide_lineage
+from protocol.membership.shards import assign_shard, start_shards
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
@@ -135,6 +136,9 @@ class SwarmSession:
         # state, so a catch-up cannot start from it; the whole state is fetched at once.
         self._stepped_alone = False
         self._stepping_alone = False  # the same, for the round being averaged
+        # Rounds our state went through alone (solo, fell back, stepped on our own Δ) since the last
+        # one we shared with a group: what adopting another state would discard (a WARNING says so).
+        self._rounds_alone: list[int] = []
 
     # --- lifecycle ---
 
@@ -147,6 +151,7 @@ class SwarmSession:
         """Announce the node; a joiner whose own state is not the swarm's gets the swarm's to adopt.
         The loop then loads and serves what this answers, and calls :meth:`await_start_peers`."""
         self._join = request
+        self.swarm.set_identity(request.identity, rank=request.rank)  # before our first record
         held = request.held
         self._held = ((held.round_id, held.state_id), _held_state(held))
         self.streams = None
@@ -162,15 +167,26 @@ class SwarmSession:
         # A joiner serves the state it holds only once it is the swarm's: a record of any other would
         # count for a lineage the swarm could be sent back to (several joiners on one seeded init).
         ahead = self.prefetch.result() if self.prefetch is not None else None
-        view = self.swarm.wait_for_peers(1, self.join_timeout)
+        view = self.swarm.wait_for_peers(1, self.join_timeout, or_foreign=True)
+        if view.foreign and not [p for p in view if p.peer_id != self.swarm.peer_id]:
+            # Every node we found trains something else: joining them is a mistake, not a new swarm.
+            theirs = ", ".join(sorted({record.identity[:12] for record in view.foreign}))
+            raise ConfigError(
+                f"cannot join run {self.swarm.config.run_name!r}: its node(s) train another corpus or model than "
+                f"ours (identity {theirs}, ours {request.identity[:12]}): the same model, data (or data_id) and "
+                "tokenizer are needed"
+            )
         if len([p for p in view if p.peer_id != self.swarm.peer_id]) == 0:
             log.warning("joined the DHT but saw no peer of run %r within %s; training alone until one appears",
                         self.swarm.config.run_name, self.join_timeout)  # fmt: skip
             return JoinAnswer()
         ours = self._held[0]
-        decision = self.swarm.lineage(round=ours[0], param_hash=ours[1])
+        # A fresh node follows the swarm's lineage, even where its own init would win the tie-break.
+        decision = self.swarm.lineage(round=ours[0], param_hash=ours[1], defer=ours[0] == 0)
         if decision.in_canonical:
             return JoinAnswer()
+        if ours[0] == 0 and decision.canonical.round == 0:
+            _warn_other_init(ours[1], decision.canonical.param_hash, "the swarm's")
         state, behind = None, None
         if ahead is not None and ahead[0].canonical == decision.canonical:
             state = self._checked(ahead[1])
@@ -194,11 +210,39 @@ class SwarmSession:
         self._adopted(state)
         return JoinAnswer(state)
 
-    def await_start_peers(self) -> None:
+    def await_start_peers(self) -> StartAnswer:
         """The start barrier (``protocol/swarm/participation.py``): wait until ``start_peers`` nodes
-        of the run are live (after the loop served its state: each counts the others' records)."""
-        if self.start_peers > 1:
-            await_start_peers(self.swarm, self.start_peers, self.start_timeout, self.identity.stop_requested)
+        of the run are live (after the loop served its state: each counts the others' records).
+
+        A fresh run (every node the barrier saw at round 0) then settles two things before the first
+        inner step, from the live records the barrier passed on, so every node that saw the same
+        nodes settles them alike: the lineage (nodes started on different inits take the one the
+        lineage rule names, with a WARNING: nothing was trained yet), and the data shards (the nodes
+        in the member order: by rank, then peer id; ``protocol/membership/shards.py``). A node that
+        joins a run past round 0 reads its source's shard until its first round (as at any join)."""
+        if self.start_peers <= 1:
+            return StartAnswer()
+        view = await_start_peers(
+            self.swarm, self.start_peers, self.start_timeout, self.identity.stop_requested
+        )
+        record = self.swarm.driver.record
+        if record is None or record.status != "active" or self.identity.stop_requested():
+            return StartAnswer()  # (a joiner still fetching the swarm's state serves nothing yet)
+        records = view.with_local(record)
+        if record.round != 0 or any(peer.round != 0 for peer in records) or len(records) < 2:
+            return StartAnswer()
+        decision = decide_lineage(records, record)
+        adopt = None
+        if not decision.in_canonical:
+            _warn_other_init(record.param_hash, decision.canonical.param_hash, "the start barrier's nodes'")
+            adopt = self._fetch_canonical(decision, why="start barrier", ours=None)
+            if adopt is None:  # (logged) the first round's lineage check sends us to re-sync
+                return StartAnswer()
+            self._adopted(adopt)
+        shard = start_shards(records)[self.swarm.peer_id]
+        log.info("start barrier: %d node(s) on one lineage; reading data shard %d of %d from the first step",
+                 len(records), shard.shard_index, shard.num_shards)  # fmt: skip
+        return StartAnswer(adopt=adopt, shard=(shard.shard_index, shard.num_shards))
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         """Advertise and serve ``snapshot``, the loop's global state now, with the round's mean beside
@@ -296,6 +340,10 @@ class SwarmSession:
         )
         self._bytes_state_sync = self._state_sync_failures = 0
         self._stepped_alone = self._stepping_alone
+        if isinstance(decision, Averaged) and len(stats.members) > 1:
+            self._rounds_alone = []
+        elif not isinstance(decision, Adopt):
+            self._rounds_alone.append(request.round_index)
         return RoundOutcome(decision, stats)
 
     def _average(self, vector: torch.Tensor, request: RoundRequest) -> tuple[RoundDecision, RoundStats]:
@@ -379,6 +427,8 @@ class SwarmSession:
         if outcome.fell_back:
             self._stepping_alone = True
             return FellBack(outcome.averaged, "; ".join(outcome.failures[:3]) or "fell back"), stats
+        if len(members) == 1:  # a group of one: our own Δ is the mean (reported as solo, RoundApplied.kind)
+            log.info("round %d: solo (no other node of our lineage was ready)", round_index)
         return Averaged(outcome.averaged), stats
 
     def _resync(
@@ -454,7 +504,22 @@ class SwarmSession:
             log.warning("could not fetch the swarm's state (%s): %s", why, error)
             self._state_sync_failures += 1
             return None
-        return self._checked(report)
+        state = self._checked(report)
+        self._warn_discarded(canonical.round, canonical.param_hash)
+        return state
+
+    def _warn_discarded(self, round: int, param_hash: str) -> None:
+        """Adopting the state ``(round, param_hash)`` discards trained rounds of ours: say which."""
+        held = self._held[0] if self._held is not None else (0, "")
+        alone = self._rounds_alone
+        ahead = list(range(round + 1, held[0] + 1))  # rounds we hold past the swarm's state
+        if not alone and not ahead:
+            return
+        lost = sorted({*alone, *ahead})
+        log.warning("adopting the swarm's state (round %d, param_hash %s) in place of ours (round %d, param_hash "
+                    "%s) discards %d round(s) of ours the swarm's state does not hold (round(s) %s: %s) and the "
+                    "inner steps since", round, param_hash[:12], held[0], held[1][:12], len(lost),
+                    _spans(lost), "stepped without the swarm" if alone else "the swarm's lineage outnumbers ours")  # fmt: skip
 
     def _catch_up(
         self, decision: LineageDecision, held: tuple[Lineage, Stepped], *, why: str
@@ -517,6 +582,7 @@ class SwarmSession:
         """The loop loads ``state``, the swarm's: fresh error-feedback residuals (ours are of other
         params); end our phase as soon as the swarm's next round forms."""
         self.catching_up, self._stepped_alone = True, False
+        self._rounds_alone = []
         self._adopted_lineage = state.lineage
         self._held = (state.lineage, (state.global_params, state.outer_momentum))
         if self.error_feedback is not None:  # residuals of other params
@@ -534,6 +600,24 @@ class SwarmSession:
         chain of means leads to the state that gives, so a later catch-up fetches the whole state."""
         self._stepping_alone = True
         return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})
+
+
+def _spans(rounds: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _warn_other_init(ours: str, theirs: str, whose: str) -> None:
+    """A fresh node's round-0 params are not the swarm's: another seed or init of the same model."""
+    log.warning("our round-0 params (param_hash %s) differ from %s (%s): another seed or init of the same "
+                "model and data; taking theirs before the first inner step (nothing trained is lost)",
+                ours[:12], whose, theirs[:12])  # fmt: skip
 
 
 def _held_state(snapshot: Snapshot) -> Stepped:

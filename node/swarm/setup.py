@@ -6,6 +6,7 @@ prints how to join it (addresses other machines can dial first, loopback last) a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -112,8 +113,14 @@ def reachable_first(multiaddrs: list[str]) -> list[str]:
     return sorted(multiaddrs, key=lambda address: address.startswith(LOOPBACK_PREFIXES))
 
 
-def start_swarm(config: NodeConfig) -> SwarmNode:
-    """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``."""
+def _join_command(run_name: str, peers: str) -> str:
+    return f"dtnode join --name {run_name} --peers {peers}"
+
+
+def start_swarm(config: NodeConfig, *, join_hint: Callable[[str, str], str] | None = None) -> SwarmNode:
+    """Start the node's swarm side, print how to join it, and record it in ``RUN_DIR/node.json``.
+    ``join_hint(run_name, peers)``: how another machine joins (default: the ``dtnode join`` command;
+    the Python API's nodes train the user's module, which only ``join_swarm`` can)."""
     try:
         swarm = SwarmNode(swarm_config(config))
     except DhtStartupError as error:
@@ -142,7 +149,8 @@ def start_swarm(config: NodeConfig) -> SwarmNode:
         return swarm
     print(
         f"dtnode: {action} {config.run.name!r} as {swarm.peer_id} (gRPC {swarm.grpc_address}).\n"
-        f"To join it from another machine:\n  dtnode join --name {config.run.name} --peers {','.join(multiaddrs)}",
+        "To join it from another machine:\n  "
+        + (join_hint or _join_command)(config.run.name, ",".join(multiaddrs)),
         flush=True,
     )
     return swarm

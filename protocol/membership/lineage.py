@@ -106,16 +106,24 @@ def _rendezvous_rank(local_id: str, source_id: str) -> bytes:
     return hashlib.sha256(f"{local_id}\x00{source_id}".encode()).digest()
 
 
-def decide_lineage(records: Iterable[PeerRecord], local: PeerRecord) -> LineageDecision:
+def decide_lineage(
+    records: Iterable[PeerRecord], local: PeerRecord, *, defer: bool = False
+) -> LineageDecision:
     """Decide the canonical lineage over ``records`` (the live peers) plus ``local``.
 
     ``local`` replaces the local peer's own record if ``records`` holds one: a peer knows its
     state better than the DHT's copy. The result is a pure function of the records, so peers with
     the same view decide the same.
+
+    ``defer``: the local peer does not count (unless it is alone): a fresh node joining a swarm
+    follows the swarm's lineage, even where its own init would win the rule's tie-break (two nodes
+    at round 0 on different inits); the swarm's nodes, whose records were there first, never adopt
+    a newcomer's init.
     """
     peers = {record.peer_id: record for record in records}
     peers[local.peer_id] = local
-    canonical, num_peers = canonical_lineage(peers.values())
+    others = [record for record in peers.values() if record.peer_id != local.peer_id]
+    canonical, num_peers = canonical_lineage(others if defer and others else peers.values())
     local_lineage = Lineage.of(local)
     in_canonical = local_lineage == canonical
     sources: tuple[str, ...] = ()

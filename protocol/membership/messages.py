@@ -10,8 +10,8 @@ formed; its members hold global params ``(r - 1, param_hash)`` before it):
 
 - ``JoinRequest``: "I am ready for round r with param_hash; if you lead it, include me."
 - ``Proposal``: "I lead round r for the peers holding param_hash; will you join? (proposal_id)"
-- ``Accept``:   "Yes to proposal_id; here is my address, my weight, my bandwidth, and whether I am a
-  client (I accept no connections: give me no part)."
+- ``Accept``:   "Yes to proposal_id; here is my address, my weight, my bandwidth, whether I am a
+  client (I accept no connections: give me no part), and my rank (my place in the member order)."
 - ``Reject``:   "No to proposal_id, because <reason>."
 - ``Withdraw``: "I take back my Accept of proposal_id, because <reason>."
 - ``Cancel``:   "Forget proposal_id: it will not begin with you, because <reason>."
@@ -32,8 +32,10 @@ from protocol.membership.records import (
     check_int,
     check_param_hash,
     check_peer_id,
+    check_rank,
     check_rate,
     check_token,
+    member_order,
 )
 
 MAX_GROUP_SIZE: Final = 1024  # bounds the work a hostile message can cause
@@ -107,6 +109,8 @@ class GroupMember:
     """Where the member's all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
     client: bool = False
     """The member accepts no connections (``--client-mode``): it owns no part and nobody dials it."""
+    rank: int | None = None
+    """The member's place in the member order, fixed by its run (``records.member_order``); None: unranked."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -117,6 +121,12 @@ class GroupMember:
         )
         check_stream_addresses(self.stream_addresses)
         _check_bool("client", self.client)
+        check_rank(self.rank)
+
+    @property
+    def order(self) -> tuple[bool, int, str]:
+        """Where the member stands in a group (``records.member_order``)."""
+        return member_order(self.rank, self.peer_id)
 
     @property
     def num_streams(self) -> int:
@@ -131,8 +141,8 @@ class GroupMember:
 class GroupSpec:
     """Everything the members of round ``round`` agree on; the leader sends it in ``Begin``.
 
-    ``members`` are sorted by peer id (the all-reduce order); member ``i`` owns the vector
-    elements ``[part_boundaries[i], part_boundaries[i + 1])`` (``parts.py``).
+    ``members`` are in the member order (``records.member_order``: by rank, then peer id; the
+    all-reduce order, and the data shards' order); member ``i`` owns the vector elements ``[part_boundaries[i], part_boundaries[i + 1])`` (``parts.py``).
     """
 
     round: int
@@ -155,8 +165,9 @@ class GroupSpec:
         if not all(isinstance(member, GroupMember) for member in self.members):
             raise ValueError("members must all be GroupMember")
         ids = [member.peer_id for member in self.members]
-        if any(a >= b for a, b in pairwise(ids)):
-            raise ValueError(f"members must be sorted by peer_id without duplicates, got {ids}")
+        if len(set(ids)) != len(ids) or any(a.order >= b.order for a, b in pairwise(self.members)):
+            order = [(member.rank, member.peer_id) for member in self.members]
+            raise ValueError(f"members must be sorted by (rank, peer_id) without duplicates, got {order}")
         if self.leader_id not in ids:
             raise ValueError(f"leader {self.leader_id!r} is not a member")
         bounds = self.part_boundaries
@@ -272,6 +283,8 @@ class Accept:
     """Where our all-reduce streams 1..S-1 listen (stream 0 is ``grpc_address``)."""
     client: bool = False
     """We accept no connections (``--client-mode``): give us no part, never dial us."""
+    rank: int | None = None
+    """Our place in the member order, fixed by our run; None: unranked (order us by peer id)."""
 
     def __post_init__(self) -> None:
         _check_round(self.round)
@@ -283,6 +296,7 @@ class Accept:
         )
         check_stream_addresses(self.stream_addresses)
         _check_bool("client", self.client)
+        check_rank(self.rank)
 
     @property
     def num_streams(self) -> int:

@@ -56,7 +56,8 @@ class OpenProposal:
         return sorted(self.invited - self.declined)
 
     def build_group(self, *, leader: GroupMember, vector_length: int) -> GroupSpec:
-        """The group of the leader and every accepter, members sorted by id, parts by bandwidth."""
+        """The group of the leader and every accepter, members in the member order (by rank, then
+        peer id: ``records.member_order``), parts by bandwidth."""
         members = [leader] + [
             GroupMember(
                 peer_id=peer_id,
@@ -65,10 +66,11 @@ class OpenProposal:
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
                 stream_addresses=accept.stream_addresses,
                 client=accept.client,
+                rank=accept.rank,
             )
             for peer_id, accept in self.accepts.items()
         ]
-        members.sort(key=lambda member: member.peer_id)
+        members.sort(key=lambda member: member.order)
         bandwidths = [member.bandwidth_bytes_per_s for member in members]
         clients = [member.client for member in members]
         return GroupSpec(

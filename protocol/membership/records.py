@@ -43,7 +43,9 @@ CLIENT_ADDRESS: Final = "client.invalid:1"
 (the ``.invalid`` top-level domain never resolves, RFC 6761: a peer that dialled it anyway fails at once)."""
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
-_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client"})
+_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client", "rank", "identity"})
+MAX_RANK: Final = 2**31 - 1
+MAX_IDENTITY_CHARS: Final = 128
 
 
 # --- field validators: each takes an untrusted object and returns it typed, or raises ValueError ---
@@ -87,6 +89,19 @@ def check_token(name: str, value: object, *, max_chars: int) -> str:
 
 def check_peer_id(value: object, name: str = "peer_id") -> str:
     return check_token(name, value, max_chars=MAX_PEER_ID_CHARS)
+
+
+def check_rank(value: object, name: str = "rank") -> int | None:
+    """None (unranked) or an int in ``[0, MAX_RANK]``."""
+    return None if value is None else check_int(name, value, maximum=MAX_RANK)
+
+
+def member_order(rank: int | None, peer_id: str) -> tuple[bool, int, str]:
+    """The swarm's member order (a group's all-reduce order, its parts, the data shards): ranked
+    nodes first by rank, then unranked ones; ties by peer id (code point order). A rank is fixed by
+    the run (``dtnode swarm`` numbers its nodes), a peer id is random unless its identity key is kept,
+    so a run whose nodes are all ranked orders its groups the same way every time it runs."""
+    return (rank is None, rank or 0, peer_id)
 
 
 def check_param_hash(value: object, name: str = "param_hash") -> str:
@@ -140,6 +155,14 @@ class PeerRecord:
     client: bool = False
     """The peer accepts no connections (``--client-mode``): never dial it, never fetch state from it,
     never follow it as a leader. Optional in a stored record (absent = False)."""
+    rank: int | None = None
+    """The peer's place in the member order, fixed by its run (:func:`member_order`); None: unranked,
+    ordered by peer id after the ranked peers. Optional in a stored record (absent = None)."""
+    identity: str = ""
+    """An opaque digest of what the peer trains (its model and its data, as its node computes it):
+    only peers of one identity share a lineage, a round or a state; peers of another are left out of
+    the view (``SwarmView.of_identity``). Empty: unknown (a peer that has not said yet). Optional in a
+    stored record (absent = "")."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -169,6 +192,9 @@ class PeerRecord:
             object.__setattr__(self, "ready_at", check_rate("ready_at", self.ready_at))
         if not isinstance(self.client, bool):
             raise ValueError(f"client must be a bool, got {type(self.client).__name__}")
+        check_rank(self.rank)
+        if self.identity != "":
+            check_token("identity", self.identity, max_chars=MAX_IDENTITY_CHARS)
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON/msgpack-able dict for DHT storage (an optional field at its default is left out)."""
@@ -231,6 +257,8 @@ class SwarmView:
     syncing: tuple[PeerRecord, ...] = ()
     """Peers whose newest live record says they fetch the swarm's state to join it, by peer id.
     Not in ``peers``: they hold no lineage yet."""
+    foreign: tuple[PeerRecord, ...] = ()
+    """Live or syncing peers left out because they train something else (``of_identity``), by peer id."""
     _by_id: Mapping[str, PeerRecord] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -258,6 +286,27 @@ class SwarmView:
             peers=tuple(sorted(live, key=lambda record: record.peer_id)),
             left_peer_ids=left,
             syncing=tuple(sorted(syncing, key=lambda record: record.peer_id)),
+        )
+
+    def of_identity(self, identity: str) -> SwarmView:
+        """The view of the peers that train what we train: a peer whose record names another
+        ``identity`` moves to ``foreign``. An empty identity (ours or a peer's) is unknown and
+        excludes nobody."""
+        if not identity:
+            return self
+
+        def ours(record: PeerRecord) -> bool:
+            return record.identity in ("", identity)
+
+        foreign = [record for record in (*self.peers, *self.syncing) if not ours(record)]
+        if not foreign:
+            return self
+        return SwarmView(
+            now=self.now,
+            peers=tuple(record for record in self.peers if ours(record)),
+            left_peer_ids=self.left_peer_ids,
+            syncing=tuple(record for record in self.syncing if ours(record)),
+            foreign=(*self.foreign, *sorted(foreign, key=lambda record: record.peer_id)),
         )
 
     @property

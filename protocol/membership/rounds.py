@@ -26,7 +26,7 @@ Protocol
    its fetch, and otherwise would miss the round by seconds and wait a whole inner phase. It
    sends a ``Proposal`` to the ready peers and collects ``Accept`` / ``Reject`` until all answered or ``proposal_timeout``. With ``>= min_peers`` accepted
    (itself included) it fixes the :class:`~protocol.membership.messages.GroupSpec` (members
-   sorted by id, weights = tokens from their Accepts, parts from ``parts.py``) and sends it in
+   in the member order: by rank, then id; weights = tokens from their Accepts, parts from ``parts.py``) and sends it in
    ``Begin``; with fewer it cancels, suspects the silent and proposes again later.
 3. Member: accepts a proposal of its round and lineage, then waits for ``Begin`` until
    ``begin_timeout``. On Begin it is locked: ``StartAllReduce(group)``. No Begin in time, or the
@@ -449,6 +449,7 @@ class RoundFormation:
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
             stream_addresses=self.stream_addresses,
             client=self.local.client,
+            rank=self.local.rank,
         )
 
     def _cancel_proposal(self, reason: Reason) -> list[Action]:
@@ -560,6 +561,7 @@ class RoundFormation:
             bandwidth_bytes_per_s=self.local.bandwidth_bytes_per_s,
             stream_addresses=self.stream_addresses,
             client=self.local.client,
+            rank=self.local.rank,
         )
 
     def _accept(self, leader: str, proposal: Proposal, now: float) -> list[Action]:

@@ -1,8 +1,18 @@
 """Which data shard each live peer trains on: a deterministic function of the member list.
 
-Rule: sort the member ids; a member's ``shard_index`` is its position in that list and
-``num_shards`` is the list's length. Every peer that applies the rule to the same list gets the
-same, disjoint assignment, with no message exchanged.
+Rule: a member's ``shard_index`` is its position in the member order (``records.member_order``: by
+rank, then peer id; the order of a round's ``GroupSpec``) and ``num_shards`` is the number of
+members. Every peer that applies the rule to the same members gets the same, disjoint assignment,
+with no message exchanged; with ranked members (``dtnode swarm``'s nodes) it is the same in every
+run of the same command.
+
+Two moments assign shards:
+
+- *the start barrier* (``--start-peers N``): once N nodes of a fresh run (round 0, one lineage) are
+  live, each orders the live records it sees (:func:`start_shards`) and reads its shard from the
+  first inner step on. Nodes that see the same live set (the barrier waits for exactly the N it was
+  told of) get the same disjoint assignment;
+- *every round*, with the round's group (below).
 
 Data-layer contract (``node/data/batches.py``, :class:`node.data.batches.ShardedBatches`)
 -------------------------------------------------------------------------
@@ -35,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocol.membership.records import check_peer_id
+from protocol.membership.records import PeerRecord, check_peer_id, member_order
 
 
 @dataclass(frozen=True)
@@ -47,8 +57,9 @@ class ShardAssignment:
 
 
 def shard_assignments(member_ids: Iterable[str]) -> dict[str, ShardAssignment]:
-    """Every member's shard: its position in the sorted member list, of ``len(members)`` shards."""
-    members = sorted(check_peer_id(peer_id, "member id") for peer_id in member_ids)
+    """Every member's shard: its position in ``member_ids`` (a group's ``member_ids``, already in the
+    member order), of ``len(members)`` shards."""
+    members = [check_peer_id(peer_id, "member id") for peer_id in member_ids]
     if not members:
         raise ValueError("need at least one member to assign shards")
     if len(set(members)) != len(members):
@@ -56,8 +67,14 @@ def shard_assignments(member_ids: Iterable[str]) -> dict[str, ShardAssignment]:
     return {peer_id: ShardAssignment(index, len(members)) for index, peer_id in enumerate(members)}
 
 
+def start_shards(records: Iterable[PeerRecord]) -> dict[str, ShardAssignment]:
+    """The start barrier's shards: the live ``records`` (ourselves included) in the member order."""
+    ordered = sorted(records, key=lambda record: member_order(record.rank, record.peer_id))
+    return shard_assignments(record.peer_id for record in ordered)
+
+
 def assign_shard(member_ids: Iterable[str], peer_id: str) -> ShardAssignment:
-    """``peer_id``'s shard among ``member_ids`` (which must contain it)."""
+    """``peer_id``'s shard among ``member_ids`` (in the member order; it must contain ``peer_id``)."""
     assignments = shard_assignments(member_ids)
     if peer_id not in assignments:
         raise ValueError(f"{peer_id!r} is not among the members {sorted(assignments)}")

@@ -73,6 +73,7 @@ def _member_to_pb(member: GroupMember) -> pb.GroupMember:
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
         stream_addresses=member.stream_addresses,
         client=member.client,
+        rank=member.rank,
     )
 
 
@@ -120,6 +121,7 @@ def to_envelope(message: Message, *, sender_id: str, protocol_version: int) -> p
                     bandwidth_bytes_per_s=message.bandwidth_bytes_per_s,
                     stream_addresses=message.stream_addresses,
                     client=message.client,
+                    rank=message.rank,
                 )
             )
         case Reject():
@@ -180,6 +182,7 @@ def _member_from_pb(member: pb.GroupMember) -> GroupMember:
         bandwidth_bytes_per_s=member.bandwidth_bytes_per_s,
         stream_addresses=tuple(member.stream_addresses),
         client=member.client,
+        rank=member.rank if member.HasField("rank") else None,
     )
 
 
@@ -222,6 +225,7 @@ def _message_from_pb(envelope: pb.MembershipEnvelope, kind: str) -> Message:
                 bandwidth_bytes_per_s=accept.bandwidth_bytes_per_s,
                 stream_addresses=tuple(accept.stream_addresses),
                 client=accept.client,
+                rank=accept.rank if accept.HasField("rank") else None,
             )
         case "reject":
             reject = envelope.reject

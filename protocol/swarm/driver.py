@@ -83,6 +83,8 @@ class RoundDriver:
         self._unaddressed: list[tuple[float, Send]] = []
         self.num_messages_in = 0
         self._warned_streams: set[str] = set()  # peers we told the user cannot share our rounds
+        self.identity = ""  # what we train (SwarmNode.set_identity): views leave out other identities
+        self._warned_foreign: set[str] = set()  # peers of another identity we told the user about
         self.num_messages_dropped = 0
         self.watch_closely = False
         """Read the view every ``view_refresh`` between rounds, not every 5 x: a node that adopted the
@@ -97,7 +99,8 @@ class RoundDriver:
 
     async def refresh_view(self) -> SwarmView:
         """Read the DHT (in a worker thread; bounded by the registry's call timeout)."""
-        view = await asyncio.to_thread(self.registry.fetch)
+        view = (await asyncio.to_thread(self.registry.fetch)).of_identity(self.identity)
+        self._warn_foreign(view)
         self.view = view
         for record in view:
             self._addresses[record.peer_id] = record.grpc_address
@@ -125,6 +128,11 @@ class RoundDriver:
         self.num_messages_in += 1
         if sender == self.peer_id:
             raise ValueError("a peer does not send round messages to itself")
+        if any(record.peer_id == sender for record in self.view.foreign):
+            logger.debug(
+                "dropping a %s from %s: it trains another model or data", type(message).__name__, sender
+            )
+            return
         if isinstance(message, Cancel) and message.reason is Reason.STREAMS_MISMATCH:
             self._warn_streams(sender, "its leader opens another number of all-reduce streams")
         if isinstance(message, Accept):
@@ -144,6 +152,23 @@ class RoundDriver:
             actions = reply_without_formation(sender, message)
         self._execute(actions)
         self._wake.set()
+
+    def _warn_foreign(self, view: SwarmView) -> None:
+        """Once per peer: a peer that trains something else (another model, data or tokenizer,
+        as its node's identity digest says) is never grouped, followed or fetched from."""
+        for record in view.foreign:
+            if (
+                record.peer_id not in self._warned_foreign
+                and len(self._warned_foreign) < MAX_REMEMBERED_PEERS
+            ):
+                self._warned_foreign.add(record.peer_id)
+                logger.warning(
+                    "peer %s (%s) trains another model or data than we do (identity %s, ours %s): it is "
+                    "never grouped with us, nor do we take its state; every node of run %r needs the same "
+                    "model, data and tokenizer",
+                    record.peer_id, record.grpc_address, record.identity[:12], self.identity[:12],
+                    self.config.run_name,
+                )  # fmt: skip
 
     def _warn_streams(self, peer_id: str, why: str) -> None:
         """Once per peer: a peer that opens another number of streams never shares our rounds."""

@@ -95,6 +95,7 @@ class SwarmNode:
         self._phase = PhaseState(NodePhase.STARTING, 0, time.monotonic())
         self.streams: StreamRunner | None = None  # streams 1..S-1 of our rounds (attach_streams)
         self.stream_addresses: tuple[str, ...] = ()
+        self.rank: int | None = None  # our place in the member order (set_identity)
         try:
             self.peer_id = self.dht.peer_id
             self.registry = SwarmRegistry(
@@ -150,6 +151,14 @@ class SwarmNode:
         )
 
     # --- identity ---
+
+    def set_identity(self, identity: str, *, rank: int | None) -> None:
+        """Say what we train (an opaque digest the node computes from its model and data) and our
+        place in the member order (``records.member_order``), before our first record: from then on
+        our records carry both, and peers whose records name another identity are left out of every
+        view (a WARNING once per peer), so we never share a lineage, a round or a state with them."""
+        self.rank = rank
+        self.driver.identity = identity
 
     def multiaddrs(self) -> list[str]:
         """What others pass to ``dtnode join --peers`` (each ends in ``/p2p/<peer id>``)."""
@@ -240,10 +249,11 @@ class SwarmNode:
             logger.info("DHT read failed (%s); %s on the last view", error, why)
             return self.driver.view
 
-    def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
-        """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view."""
+    def lineage(self, *, round: int, param_hash: str, defer: bool = False) -> LineageDecision:
+        """Whether ``(round, param_hash)`` is the swarm's canonical lineage, judged on a fresh view
+        (``defer``: a fresh joiner's, which follows the others' lineage; ``decide_lineage``)."""
         local = self._local_record(round=round, param_hash=param_hash)
-        return decide_lineage(self.view_or_last("judging the lineage").peers, local)
+        return decide_lineage(self.view_or_last("judging the lineage").peers, local, defer=defer)
 
     def _await_group_published(self, round: int) -> None:
         """Before forming the next round, give the last round's other members (bounded by the join
@@ -260,13 +270,15 @@ class SwarmNode:
                 return
             time.sleep(self.config.view_refresh.total_seconds())
 
-    def wait_for_peers(self, num_peers: int, timeout: timedelta) -> SwarmView:
-        """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes."""
+    def wait_for_peers(self, num_peers: int, timeout: timedelta, *, or_foreign: bool = False) -> SwarmView:
+        """Poll the view until it lists ``num_peers`` peers besides us, or ``timeout`` passes (or,
+        with ``or_foreign``, a peer of another identity shows up: ``SwarmView.foreign``)."""
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             view = self.view_or_last("waiting for peers")  # a slow DHT read is one empty poll, not fatal
             if (
                 len([p for p in view if p.peer_id != self.peer_id]) >= num_peers
+                or (or_foreign and view.foreign)
                 or time.monotonic() >= deadline
             ):
                 return view
@@ -466,6 +478,8 @@ class SwarmNode:
             status="active",
             expires_at=get_dht_time() + self.config.record_ttl.total_seconds(),
             client=self.config.client_mode,
+            rank=self.rank,
+            identity=self.driver.identity,
         )
 
     def _run(self, coroutine: Coroutine[Any, Any, T], deadline: timedelta) -> T:

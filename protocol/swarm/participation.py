@@ -22,6 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from protocol.membership.lineage import LineageDecision
+from protocol.membership.records import SwarmView
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
 
@@ -33,24 +34,25 @@ START_TIMEOUT = timedelta(minutes=10)
 
 def await_start_peers(
     swarm: SwarmNode, num_nodes: int, timeout: timedelta, stop_requested: Callable[[], bool]
-) -> int:
+) -> SwarmView:
     """Wait until ``num_nodes`` nodes of the run (ourselves included) hold a lineage, at most
-    ``timeout`` and only until ``stop_requested()``; returns how many were live at the end."""
+    ``timeout`` and only until ``stop_requested()``; returns the last view read (the live nodes the
+    barrier passed on: the node settles its round-0 lineage and data shard from it)."""
     deadline = time.monotonic() + timeout.total_seconds()
     log.info("start barrier: waiting for %d node(s) of run %r", num_nodes, swarm.config.run_name)
-    live = 1
+    view = swarm.driver.view
     while not stop_requested():
         remaining = deadline - time.monotonic()
         view = swarm.wait_for_peers(num_nodes - 1, timedelta(seconds=max(min(remaining, 2.0), 0.0)))
         live = 1 + len([peer for peer in view if peer.peer_id != swarm.peer_id])
         if live >= num_nodes:
             log.info("start barrier: %d node(s) live, training", live)
-            return live
+            return view
         if remaining <= 0:
             log.warning("start barrier: only %d of %d node(s) live after %s; training with them",
                         live, num_nodes, timeout)  # fmt: skip
-            return live
-    return live
+            return view
+    return view
 
 
 def missed_round_wait(config: SwarmConfig) -> timedelta:

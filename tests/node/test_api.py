@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -162,7 +164,7 @@ def test_resume_after_round_two_is_bit_exact(tmp_path: Path) -> None:
         swarm.close()
 
     assert [r.param_hash for r in first + second] == [r.param_hash for r in straight]
-    assert [r.kind for r in straight] == ["averaged"] * 4
+    assert [r.kind for r in straight] == ["solo"] * 4  # a swarm of one node: groups of one
     for key in ("module", "swarm"):
         torch.testing.assert_close(resumed_state[key], straight_state[key], rtol=0, atol=0)
     torch.testing.assert_close(resumed_state["outer"], straight_state["outer"], rtol=0, atol=0)
@@ -189,6 +191,74 @@ def test_joiner_adopts_same_data_id_and_is_refused_another(tmp_path: Path) -> No
             run(tmp_path / "bad", name, model=fresh_model()[0], data_id="corpus-b", peers=address)
     finally:
         source.close()
+
+
+def test_nodes_of_another_data_id_never_share_a_round_and_say_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both fresh, one seed: the same round-0 params, so only the identity in their records (the
+    data_id's) tells them apart. The joiner is refused (it found only nodes of another data_id)
+    after a WARNING naming the peer; the first node's rounds stay its own, each reported as solo."""
+    name = f"api-data-{uuid.uuid4().hex[:10]}"
+    model, opt = fresh_model()
+    source = run(tmp_path / "a", name, model=model, data_id="corpus-a")
+    try:
+        # How to join a node of a custom module: through the API, not `dtnode join` (dtnode's own model).
+        printed = capsys.readouterr().out
+        assert "join_swarm(<a TinyClassifier" in printed and "dtnode join" not in printed, printed
+        address = loopback_address(tmp_path / "a")
+        with caplog.at_level("WARNING"), pytest.raises(ConfigError, match="another corpus or model"):
+            run(tmp_path / "b", name, model=fresh_model()[0], data_id="corpus-b", peers=address)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        source_id = json.loads((tmp_path / "a" / "node.json").read_text())["peer_id"]
+        assert any(source_id in w and "trains another model or data" in w for w in warnings), warnings
+        reports = train_to(source, model, opt, 2)
+        assert [(r.kind, r.num_peers) for r in reports] == [("solo", 1), ("solo", 1)]
+    finally:
+        source.close()
+
+
+def test_a_fresh_node_of_another_seed_takes_the_swarms_init_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two fresh nodes of one model and data_id but other seeds: the joiner takes the first node's
+    round-0 params before its first step (whichever hash is smaller) and says so at WARNING; then
+    every round averages the two, on one param_hash."""
+    name = f"api-seed-{uuid.uuid4().hex[:10]}"
+    first_model, first_opt = fresh_model(seed=0)
+    first = run(tmp_path / "a", name, model=first_model, data_id="toy", min_peers=2)
+    try:
+        second_model, second_opt = fresh_model(seed=7)
+        assert (
+            tensor_hash(flatten_params(list(second_model.parameters()), device="cpu")) != first.param_hash()
+        )
+        with caplog.at_level("WARNING"):
+            second = run(tmp_path / "b", name, model=second_model, data_id="toy", min_peers=2,
+                         peers=loopback_address(tmp_path / "a"))  # fmt: skip
+        try:
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert any("round-0 params" in w and first.param_hash()[:12] in w for w in warnings), warnings
+            assert second.param_hash() == first.param_hash()
+            torch.testing.assert_close(
+                dict(second_model.state_dict()), dict(first_model.state_dict()), rtol=0, atol=0
+            )
+            results: dict[str, list[RoundReport]] = {}
+            threads = [
+                threading.Thread(target=lambda k=k, s=s, m=m, o=o: results.__setitem__(k, train_to(s, m, o, 2)))
+                for k, s, m, o in (("first", first, first_model, first_opt), ("second", second, second_model, second_opt))
+            ]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(180)
+            assert set(results) == {"first", "second"}
+            for reports in results.values():
+                assert [(r.kind, r.num_peers) for r in reports] == [("averaged", 2), ("averaged", 2)]
+            assert [r.param_hash for r in results["first"]] == [r.param_hash for r in results["second"]]
+        finally:
+            second.close()
+    finally:
+        first.close()
 
 
 def test_options_are_node_config_fields() -> None:
@@ -237,7 +307,7 @@ def test_round_due_by_time() -> None:
     assert swarm.step(samples=4) is None
     time.sleep(0.25)
     report = swarm.step(samples=4)
-    assert report is not None and (report.round, report.weight, report.kind) == (1, 8.0, "averaged")
+    assert report is not None and (report.round, report.weight, report.kind) == (1, 8.0, "solo")  # no swarm
     with pytest.raises(ValueError, match="counts samples"):
         swarm.step(tokens=5)
     swarm.close()

@@ -23,6 +23,7 @@ from node.outer.seam import (
     RoundOutcome,
     RoundRequest,
     RoundStats,
+    StartAnswer,
 )
 from protocol.statesync.snapshot import Snapshot
 
@@ -39,6 +40,8 @@ class ScriptedSwarm:
     join_answer: JoinAnswer = field(default_factory=JoinAnswer)
     shard: tuple[int, int] | None = None
     """What ``after_step`` answers: the data shard of the round's group (None: it stays)."""
+    start_answer: StartAnswer = field(default_factory=StartAnswer)
+    """What the start barrier answers (``await_start_peers``)."""
     end_phase: bool = False
     peer_due: bool = False
     num_adoptions: int = 0
@@ -74,8 +77,9 @@ class ScriptedSwarm:
         self.num_adoptions += 1
         return JoinAnswer(state)
 
-    def await_start_peers(self) -> None:
+    def await_start_peers(self) -> StartAnswer:
         self._enter("await_start_peers")
+        return self.start_answer
 
     def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
         self._enter("average")

@@ -108,7 +108,7 @@ def test_swarm_of_one_with_lr_1_no_momentum_keeps_local_params() -> None:
     local = flat(model).clone()
     rounds.count_step(1, 1.0)
     report = rounds.at_step_boundary()
-    assert report is not None and report.kind == "averaged" and report.num_peers == 1
+    assert report is not None and report.kind == "solo" and report.num_peers == 1  # a swarm of one
     torch.testing.assert_close(flat(model), local, rtol=0, atol=1e-6)
 
 

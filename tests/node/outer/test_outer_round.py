@@ -29,6 +29,7 @@ from node.outer.seam import (
     JoinRequest,
     RoundDecision,
     RoundRequest,
+    StartAnswer,
 )
 from node.outer.state import tensor_hash
 from node.swarm.session import SwarmSession
@@ -112,6 +113,22 @@ def swarm_state(num_elements: int, *, round: int, step: int, seed: int) -> Adopt
         round=round, param_hash=tensor_hash(params), global_params=params, outer_momentum=momentum,
         metadata={"step": step, "data": {"epoch": 3, "position": 40}},
     )  # fmt: skip
+
+
+def test_the_start_barrier_sets_the_shard_and_the_round_zero_state_before_the_first_step() -> None:
+    """The barrier's answer is acted on before step 1: the swarm's round-0 params loaded and served
+    (our init was not the barrier's lineage), then our data shard; the swarm is told our identity."""
+    swarm = ScriptedSwarm()
+    outer_round, model, data = make_round(swarm)
+    theirs = swarm_state(params_of(model).numel(), round=0, step=0, seed=9)
+    swarm.start_answer = StartAnswer(adopt=theirs, shard=(1, 2))
+    outer_round.start()
+    assert swarm.calls == ["join", "publish", "await_start_peers", "publish"]
+    assert data.shard == (1, 2) and outer_round.progress.step == 0
+    assert torch.equal(params_of(model), theirs.global_params)
+    assert swarm.served[-1].state_id == theirs.param_hash
+    request = swarm.join_request
+    assert request is not None and len(request.identity) == 64 and request.rank is None
 
 
 def test_the_loop_acts_on_each_decision_once_and_tells_the_swarm_what_it_needs() -> None:
@@ -306,6 +323,9 @@ class FakeNode:
 
     def watch_closely(self, on: bool) -> None:
         self.closely.append(on)
+
+    def set_identity(self, identity: str, *, rank: int | None) -> None:
+        self.identity = (identity, rank)  # what the session says it trains (SwarmNode.set_identity)
 
     def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
         raise AssertionError("not reached in these scripts")

@@ -183,6 +183,9 @@ class SwarmOfOne:
     def watch_closely(self, on: bool) -> None:
         pass  # no view to read: a swarm of one
 
+    def set_identity(self, identity: str, *, rank: int | None) -> None:
+        self.identity = (identity, rank)  # what the session says it trains (SwarmNode.set_identity)
+
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
     ) -> RoundResult:

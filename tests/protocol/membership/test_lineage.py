@@ -168,3 +168,17 @@ def test_decisions_do_not_depend_on_record_order() -> None:
     records = _records({**side_a, **side_b})
     decisions = {decide_lineage(list(order), records[0]) for order in itertools.permutations(records)}
     assert len(decisions) == 1
+
+
+def test_a_fresh_joiner_defers_to_the_swarms_init_even_where_its_own_wins_the_tie() -> None:
+    """Two round-0 inits, one node each: the rule's tie-break (the smaller hash) would keep the
+    joiner's and send the swarm's node back to it; deferring, the joiner follows the swarm."""
+    small, large = sorted([fake_hash("init a"), fake_hash("init b")])
+    swarm_node = make_record("swarm", round=0, param_hash=large)
+    joiner = make_record("joiner", round=0, param_hash=small)
+    assert decide_lineage([swarm_node], joiner).in_canonical  # the tie-break alone: the joiner's init
+    deferred = decide_lineage([swarm_node], joiner, defer=True)
+    assert deferred.canonical == Lineage(0, large) and not deferred.in_canonical
+    assert deferred.sync_sources == ("swarm",)
+    # Alone, a deferring node is its own lineage.
+    assert decide_lineage([], joiner, defer=True).in_canonical

@@ -207,6 +207,34 @@ def test_syncing_peers_are_listed_apart_and_count_for_no_lineage() -> None:
     assert view.peer_ids == ("j1", "m") and [peer.peer_id for peer in view.syncing] == ["j2"]
 
 
+def test_rank_and_identity_round_trip_and_are_optional() -> None:
+    record = replace(make_record("p", expires_at=9.0), rank=0, identity="ab" * 32)
+    data = record.to_dict()
+    assert (data["rank"], data["identity"]) == (0, "ab" * 32) and PeerRecord.from_dict(data) == record
+    plain = make_record("p", expires_at=9.0).to_dict()
+    assert "rank" not in plain and "identity" not in plain  # absent: unranked, identity unknown
+    for field, value in (("rank", -1), ("rank", True), ("identity", "has space"), ("identity", 7)):
+        with pytest.raises(ValueError, match=field):
+            PeerRecord.from_dict({**plain, field: value})
+
+
+def test_a_view_of_one_identity_leaves_the_others_out() -> None:
+    """Peers that train something else (another identity digest) are set apart, active or syncing;
+    a peer that has not said (empty identity) is kept, and an empty identity of ours keeps everyone."""
+    ours, theirs = "a" * 64, "b" * 64
+    records = [
+        replace(make_record("same", expires_at=50.0), identity=ours),
+        replace(make_record("other", expires_at=50.0), identity=theirs),
+        make_record("unknown", expires_at=50.0),
+        replace(make_record("fetching", expires_at=50.0), status="syncing", identity=theirs),
+    ]
+    view = SwarmView.build(records, now=10.0, protocol_version=VERSION)
+    mine = view.of_identity(ours)
+    assert mine.peer_ids == ("same", "unknown") and mine.syncing == ()
+    assert [record.peer_id for record in mine.foreign] == ["fetching", "other"]
+    assert view.of_identity("") is view
+
+
 def test_view_keeps_live_compatible_active_peers_sorted() -> None:
     records = [
         make_record("c", expires_at=50.0),

@@ -6,21 +6,41 @@ import numpy as np
 import pytest
 
 from node.data.batches import ShardedBatches
-from protocol.membership.shards import ShardAssignment, assign_shard, shard_assignments
+from protocol.membership.records import PeerRecord
+from protocol.membership.shards import ShardAssignment, assign_shard, shard_assignments, start_shards
 
 SEQ_LEN = 4
 BATCH_SIZE = 2
 
 
-def test_position_in_the_sorted_member_list() -> None:
+def test_position_in_the_member_order() -> None:
+    """A group's member_ids are already in the member order: a member's shard is its position there."""
     assignments = shard_assignments(["peer-c", "peer-a", "peer-b"])
     assert assignments == {
-        "peer-a": ShardAssignment(0, 3),
-        "peer-b": ShardAssignment(1, 3),
-        "peer-c": ShardAssignment(2, 3),
+        "peer-c": ShardAssignment(0, 3),
+        "peer-a": ShardAssignment(1, 3),
+        "peer-b": ShardAssignment(2, 3),
     }
-    assert assign_shard(("peer-b", "peer-c", "peer-a"), "peer-c") == ShardAssignment(2, 3)
+    assert assign_shard(("peer-b", "peer-c", "peer-a"), "peer-c") == ShardAssignment(1, 3)
     assert assign_shard(["solo"], "solo") == ShardAssignment(0, 1)
+
+
+def _record(peer_id: str, rank: int | None) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer_id, grpc_address="127.0.0.1:1", protocol_version=1, round=0, param_hash="0" * 64,
+        ready_for_round=None, tokens_per_s=0.0, bandwidth_bytes_per_s=1.0, status="active", expires_at=1.0,
+        rank=rank,
+    )  # fmt: skip
+
+
+def test_start_shards_order_ranked_nodes_by_rank_then_the_others_by_id() -> None:
+    records = [_record("peer-a", None), _record("peer-z", 0), _record("peer-b", 1), _record("peer-0", None)]
+    assert start_shards(records) == {
+        "peer-z": ShardAssignment(0, 4),
+        "peer-b": ShardAssignment(1, 4),
+        "peer-0": ShardAssignment(2, 4),
+        "peer-a": ShardAssignment(3, 4),
+    }
 
 
 def test_bad_member_lists() -> None:

@@ -141,6 +141,14 @@ EXAMPLES: list[tuple[Message, pb.MembershipEnvelope]] = [
             )
         ),
     ),
+    (  # a ranked Accept (rank 0 is set on the wire: unset means unranked)
+        Accept(
+            round=1, proposal_id="p1", grpc_address="a:1", num_tokens=0, bandwidth_bytes_per_s=0.0, rank=0
+        ),
+        pb.MembershipEnvelope(
+            accept=pb.Accept(round=1, proposal_id="p1", grpc_address="a:1", num_tokens=0, rank=0)
+        ),
+    ),
 ]
 
 
@@ -211,15 +219,17 @@ _addresses = st.builds(
     st.sampled_from(["127.0.0.1", "[::1]", "node-7.example.org", "a"]),
     st.integers(min_value=1, max_value=65535),
 )
+_ranks = st.none() | st.integers(min_value=0, max_value=2**31 - 1)
 _members = st.builds(
-    GroupMember, peer_id=_peer_ids, grpc_address=_addresses, num_tokens=_counts, bandwidth_bytes_per_s=_rates
-)
+    GroupMember, peer_id=_peer_ids, grpc_address=_addresses, num_tokens=_counts, bandwidth_bytes_per_s=_rates,
+    rank=_ranks,
+)  # fmt: skip
 
 
 @st.composite
 def _groups(draw: st.DrawFn) -> GroupSpec:
     members = draw(st.lists(_members, min_size=1, max_size=12, unique_by=lambda member: member.peer_id))
-    members.sort(key=lambda member: member.peer_id)
+    members.sort(key=lambda member: member.order)
     extra_streams = draw(st.integers(min_value=0, max_value=3))  # every member opens the same number
     members = [
         replace(
@@ -263,6 +273,7 @@ _messages: st.SearchStrategy[Message] = st.one_of(
         num_tokens=_counts,
         bandwidth_bytes_per_s=_rates,
         stream_addresses=st.lists(_addresses, max_size=4).map(tuple),
+        rank=_ranks,
     ),
     _notice.flatmap(
         lambda cls: st.builds(cls, round=_rounds, proposal_id=_ids, reason=st.sampled_from(Reason))
@@ -478,3 +489,20 @@ def test_to_envelope_checks_its_own_arguments() -> None:
         to_envelope(join, sender_id=SENDER, protocol_version=2**31)
     with pytest.raises(TypeError, match="GroupSpec"):
         to_envelope(GROUP, sender_id=SENDER, protocol_version=1)  # type: ignore[arg-type]
+
+
+def test_ranked_members_come_first_by_rank_and_a_group_in_another_order_is_refused() -> None:
+    """The member order (rank, then unranked by peer id) is the all-reduce's and the shards' order;
+    rank 0 is a rank (set on the wire), not "unranked" (unset)."""
+    ranked = [
+        replace(_member("peer-z", 1.0), rank=0),
+        replace(_member("peer-a", 1.0), rank=1),
+        _member("peer-b", 1.0),
+    ]
+    group = replace(GROUP, leader_id="peer-z", members=tuple(ranked), part_boundaries=(0, 300, 600, 1000))
+    envelope = to_envelope(Begin(group=group), sender_id=SENDER, protocol_version=VERSION)
+    _, decoded = from_envelope(_over_the_wire(envelope))
+    assert isinstance(decoded, Begin) and decoded.group == group
+    assert [member.rank for member in decoded.group.members] == [0, 1, None]
+    with pytest.raises(ValueError, match="sorted by"):
+        replace(group, members=tuple(sorted(ranked, key=lambda member: member.peer_id)))

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64tnode/v1/membership.proto\x12\tdtnode.v1\"0\n\x0bJoinRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nparam_hash\x18\x02 \x01(\t\"S\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12\x12\n\nparam_hash\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"\x9f\x01\n\x06\x41\x63\x63\x65pt\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x05 \x01(\x01\x12\x18\n\x10stream_addresses\x18\x06 \x03(\t\x12\x0e\n\x06\x63lient\x18\x07 \x01(\x08\"O\n\x06Reject\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"Q\n\x08Withdraw\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"O\n\x06\x43\x61ncel\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"\x91\x01\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x04 \x01(\x01\x12\x18\n\x10stream_addresses\x18\x05 \x03(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\x08\"\xac\x01\n\tGroupSpec\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x12\n\nparam_hash\x18\x04 \x01(\t\x12\x15\n\rvector_length\x18\x05 \x01(\x04\x12\'\n\x07members\x18\x06 \x03(\x0b\x32\x16.dtnode.v1.GroupMember\x12\x17\n\x0fpart_boundaries\x18\x07 \x03(\x04\",\n\x05\x42\x65gin\x12#\n\x05group\x18\x01 \x01(\x0b\x32\x14.dtnode.v1.GroupSpec\"\xe0\x02\n\x12MembershipEnvelope\x12\x11\n\tsender_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12.\n\x0cjoin_request\x18\x03 \x01(\x0b\x32\x16.dtnode.v1.JoinRequestH\x00\x12\'\n\x08proposal\x18\x04 \x01(\x0b\x32\x13.dtnode.v1.ProposalH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x05 \x01(\x0b\x32\x11.dtnode.v1.AcceptH\x00\x12#\n\x06reject\x18\x06 \x01(\x0b\x32\x11.dtnode.v1.RejectH\x00\x12\'\n\x08withdraw\x18\x07 \x01(\x0b\x32\x13.dtnode.v1.WithdrawH\x00\x12#\n\x06\x63\x61ncel\x18\x08 \x01(\x0b\x32\x11.dtnode.v1.CancelH\x00\x12!\n\x05\x62\x65gin\x18\t \x01(\x0b\x32\x10.dtnode.v1.BeginH\x00\x42\t\n\x07message\"\x0e\n\x0c\x44\x65liverReply\"P\n\x0e\x43ollectRequest\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"@\n\x0c\x43ollectReply\x12\x30\n\tenvelopes\x18\x01 \x03(\x0b\x32\x1d.dtnode.v1.MembershipEnvelope*\xdc\x03\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12REASON_WRONG_ROUND\x10\x01\x12\x1b\n\x17REASON_LINEAGE_MISMATCH\x10\x02\x12\x1b\n\x17REASON_ALREADY_IN_GROUP\x10\x03\x12\x19\n\x15REASON_SMALLER_LEADER\x10\x04\x12\x18\n\x14REASON_NOT_AVAILABLE\x10\x05\x12\x1a\n\x16REASON_SWITCHED_LEADER\x10\x06\x12\x18\n\x14REASON_BEGIN_TIMEOUT\x10\x07\x12\x16\n\x12REASON_LEADER_GONE\x10\x08\x12\x14\n\x10REASON_NOT_BOUND\x10\t\x12\x18\n\x14REASON_INVALID_GROUP\x10\n\x12\x17\n\x13REASON_STEPPED_DOWN\x10\x0b\x12\x1b\n\x17REASON_TOO_FEW_ACCEPTED\x10\x0c\x12\x18\n\x14REASON_ROUND_STARTED\x10\r\x12\x19\n\x15REASON_STALE_PROPOSAL\x10\x0e\x12\x18\n\x14REASON_TOO_FEW_PEERS\x10\x0f\x12\x13\n\x0fREASON_MAX_WAIT\x10\x10\x12\x1b\n\x17REASON_STREAMS_MISMATCH\x10\x11\x32\x8e\x01\n\nMembership\x12\x41\n\x07\x44\x65liver\x12\x1d.dtnode.v1.MembershipEnvelope\x1a\x17.dtnode.v1.DeliverReply\x12=\n\x07\x43ollect\x12\x19.dtnode.v1.CollectRequest\x1a\x17.dtnode.v1.CollectReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64tnode/v1/membership.proto\x12\tdtnode.v1\"0\n\x0bJoinRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nparam_hash\x18\x02 \x01(\t\"S\n\x08Proposal\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12\x12\n\nparam_hash\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"\xbb\x01\n\x06\x41\x63\x63\x65pt\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x05 \x01(\x01\x12\x18\n\x10stream_addresses\x18\x06 \x03(\t\x12\x0e\n\x06\x63lient\x18\x07 \x01(\x08\x12\x11\n\x04rank\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"O\n\x06Reject\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"Q\n\x08Withdraw\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"O\n\x06\x43\x61ncel\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bproposal_id\x18\x02 \x01(\t\x12!\n\x06reason\x18\x03 \x01(\x0e\x32\x11.dtnode.v1.Reason\"\xad\x01\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x1d\n\x15\x62\x61ndwidth_bytes_per_s\x18\x04 \x01(\x01\x12\x18\n\x10stream_addresses\x18\x05 \x03(\t\x12\x0e\n\x06\x63lient\x18\x06 \x01(\x08\x12\x11\n\x04rank\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\xac\x01\n\tGroupSpec\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x12\n\nparam_hash\x18\x04 \x01(\t\x12\x15\n\rvector_length\x18\x05 \x01(\x04\x12\'\n\x07members\x18\x06 \x03(\x0b\x32\x16.dtnode.v1.GroupMember\x12\x17\n\x0fpart_boundaries\x18\x07 \x03(\x04\",\n\x05\x42\x65gin\x12#\n\x05group\x18\x01 \x01(\x0b\x32\x14.dtnode.v1.GroupSpec\"\xe0\x02\n\x12MembershipEnvelope\x12\x11\n\tsender_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12.\n\x0cjoin_request\x18\x03 \x01(\x0b\x32\x16.dtnode.v1.JoinRequestH\x00\x12\'\n\x08proposal\x18\x04 \x01(\x0b\x32\x13.dtnode.v1.ProposalH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x05 \x01(\x0b\x32\x11.dtnode.v1.AcceptH\x00\x12#\n\x06reject\x18\x06 \x01(\x0b\x32\x11.dtnode.v1.RejectH\x00\x12\'\n\x08withdraw\x18\x07 \x01(\x0b\x32\x13.dtnode.v1.WithdrawH\x00\x12#\n\x06\x63\x61ncel\x18\x08 \x01(\x0b\x32\x11.dtnode.v1.CancelH\x00\x12!\n\x05\x62\x65gin\x18\t \x01(\x0b\x32\x10.dtnode.v1.BeginH\x00\x42\t\n\x07message\"\x0e\n\x0c\x44\x65liverReply\"P\n\x0e\x43ollectRequest\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"@\n\x0c\x43ollectReply\x12\x30\n\tenvelopes\x18\x01 \x03(\x0b\x32\x1d.dtnode.v1.MembershipEnvelope*\xdc\x03\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12REASON_WRONG_ROUND\x10\x01\x12\x1b\n\x17REASON_LINEAGE_MISMATCH\x10\x02\x12\x1b\n\x17REASON_ALREADY_IN_GROUP\x10\x03\x12\x19\n\x15REASON_SMALLER_LEADER\x10\x04\x12\x18\n\x14REASON_NOT_AVAILABLE\x10\x05\x12\x1a\n\x16REASON_SWITCHED_LEADER\x10\x06\x12\x18\n\x14REASON_BEGIN_TIMEOUT\x10\x07\x12\x16\n\x12REASON_LEADER_GONE\x10\x08\x12\x14\n\x10REASON_NOT_BOUND\x10\t\x12\x18\n\x14REASON_INVALID_GROUP\x10\n\x12\x17\n\x13REASON_STEPPED_DOWN\x10\x0b\x12\x1b\n\x17REASON_TOO_FEW_ACCEPTED\x10\x0c\x12\x18\n\x14REASON_ROUND_STARTED\x10\r\x12\x19\n\x15REASON_STALE_PROPOSAL\x10\x0e\x12\x18\n\x14REASON_TOO_FEW_PEERS\x10\x0f\x12\x13\n\x0fREASON_MAX_WAIT\x10\x10\x12\x1b\n\x17REASON_STREAMS_MISMATCH\x10\x11\x32\x8e\x01\n\nMembership\x12\x41\n\x07\x44\x65liver\x12\x1d.dtnode.v1.MembershipEnvelope\x1a\x17.dtnode.v1.DeliverReply\x12=\n\x07\x43ollect\x12\x19.dtnode.v1.CollectRequest\x1a\x17.dtnode.v1.CollectReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dtnode.v1.membership_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REASON']._serialized_start=1472
-  _globals['_REASON']._serialized_end=1948
+  _globals['_REASON']._serialized_start=1528
+  _globals['_REASON']._serialized_end=2004
   _globals['_JOINREQUEST']._serialized_start=41
   _globals['_JOINREQUEST']._serialized_end=89
   _globals['_PROPOSAL']._serialized_start=91
   _globals['_PROPOSAL']._serialized_end=174
   _globals['_ACCEPT']._serialized_start=177
-  _globals['_ACCEPT']._serialized_end=336
-  _globals['_REJECT']._serialized_start=338
-  _globals['_REJECT']._serialized_end=417
-  _globals['_WITHDRAW']._serialized_start=419
-  _globals['_WITHDRAW']._serialized_end=500
-  _globals['_CANCEL']._serialized_start=502
-  _globals['_CANCEL']._serialized_end=581
-  _globals['_GROUPMEMBER']._serialized_start=584
-  _globals['_GROUPMEMBER']._serialized_end=729
-  _globals['_GROUPSPEC']._serialized_start=732
-  _globals['_GROUPSPEC']._serialized_end=904
-  _globals['_BEGIN']._serialized_start=906
-  _globals['_BEGIN']._serialized_end=950
-  _globals['_MEMBERSHIPENVELOPE']._serialized_start=953
-  _globals['_MEMBERSHIPENVELOPE']._serialized_end=1305
-  _globals['_DELIVERREPLY']._serialized_start=1307
-  _globals['_DELIVERREPLY']._serialized_end=1321
-  _globals['_COLLECTREQUEST']._serialized_start=1323
-  _globals['_COLLECTREQUEST']._serialized_end=1403
-  _globals['_COLLECTREPLY']._serialized_start=1405
-  _globals['_COLLECTREPLY']._serialized_end=1469
-  _globals['_MEMBERSHIP']._serialized_start=1951
-  _globals['_MEMBERSHIP']._serialized_end=2093
+  _globals['_ACCEPT']._serialized_end=364
+  _globals['_REJECT']._serialized_start=366
+  _globals['_REJECT']._serialized_end=445
+  _globals['_WITHDRAW']._serialized_start=447
+  _globals['_WITHDRAW']._serialized_end=528
+  _globals['_CANCEL']._serialized_start=530
+  _globals['_CANCEL']._serialized_end=609
+  _globals['_GROUPMEMBER']._serialized_start=612
+  _globals['_GROUPMEMBER']._serialized_end=785
+  _globals['_GROUPSPEC']._serialized_start=788
+  _globals['_GROUPSPEC']._serialized_end=960
+  _globals['_BEGIN']._serialized_start=962
+  _globals['_BEGIN']._serialized_end=1006
+  _globals['_MEMBERSHIPENVELOPE']._serialized_start=1009
+  _globals['_MEMBERSHIPENVELOPE']._serialized_end=1361
+  _globals['_DELIVERREPLY']._serialized_start=1363
+  _globals['_DELIVERREPLY']._serialized_end=1377
+  _globals['_COLLECTREQUEST']._serialized_start=1379
+  _globals['_COLLECTREQUEST']._serialized_end=1459
+  _globals['_COLLECTREPLY']._serialized_start=1461
+  _globals['_COLLECTREPLY']._serialized_end=1525
+  _globals['_MEMBERSHIP']._serialized_start=2007
+  _globals['_MEMBERSHIP']._serialized_end=2149
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class Proposal(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., param_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Accept(_message.Message):
-    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client")
+    __slots__ = ("round", "proposal_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client", "rank")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Accept(_message.Message):
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     round: int
     proposal_id: str
     grpc_address: str
@@ -82,7 +83,8 @@ class Accept(_message.Message):
     bandwidth_bytes_per_s: float
     stream_addresses: _containers.RepeatedScalarFieldContainer[str]
     client: bool
-    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ...) -> None: ...
+    rank: int
+    def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("round", "proposal_id", "reason")
@@ -115,20 +117,22 @@ class Cancel(_message.Message):
     def __init__(self, round: _Optional[int] = ..., proposal_id: _Optional[str] = ..., reason: _Optional[_Union[Reason, str]] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client")
+    __slots__ = ("peer_id", "grpc_address", "num_tokens", "bandwidth_bytes_per_s", "stream_addresses", "client", "rank")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     grpc_address: str
     num_tokens: int
     bandwidth_bytes_per_s: float
     stream_addresses: _containers.RepeatedScalarFieldContainer[str]
     client: bool
-    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ...) -> None: ...
+    rank: int
+    def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("round", "group_id", "leader_id", "param_hash", "vector_length", "members", "part_boundaries")
