@@ -577,7 +577,9 @@ class RoundsConfig:
             raise ConfigError(f"round_seconds must be >= 0, got {self.seconds}")
         _check_positive(self, "join_window", "max_wait", "deadline", "sync_deadline")
         if self.max_wait < self.join_window:
-            raise ConfigError(f"max_wait ({self.max_wait}) must be at least join_window ({self.join_window})")
+            raise ConfigError(
+                f"max_wait must be at least join_window ({self.join_window:g}), got {self.max_wait:g}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -692,9 +694,15 @@ class NodeConfig:
         return self.run.max_rounds * self.inner.steps
 
     def describe(self) -> str:
-        """Every setting on one line, ``section.field=value`` (the resolved config ``join`` logs)."""
+        """Every setting on one line, ``section.field=value`` (the resolved config ``join`` logs); a
+        setting the run does not use says so (``--model``'s preset under ``--model-config``)."""
+        architecture = self.architecture
+        model_file = (
+            "--model-config" if architecture.hf_config else "--init-from" if architecture.init_from else ""
+        )
+        unused = {("architecture", "preset"): f"(unused: the model is {model_file}'s)"} if model_file else {}
         return " ".join(
-            f"{section.name}.{f.name}={getattr(values, f.name)!r}"
+            f"{section.name}.{f.name}={unused.get((section.name, f.name)) or repr(getattr(values, f.name))}"
             for section in fields(self)
             for values in [getattr(self, section.name)]
             for f in fields(values)

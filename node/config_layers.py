@@ -19,6 +19,7 @@ field's type (``DTNODE_INNER_STEPS=5.0`` is a mistake for an integer). Every mis
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -73,7 +74,13 @@ def coerce(key: str, value: Any, source: str, kind: type, *, typed: bool = False
 def check_keys(keys: Collection[str], types: Types, source: str) -> None:
     unknown = sorted(set(keys) - set(types))
     if unknown:
-        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}")
+        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}{_nearest(unknown[0], types)}")
+
+
+def _nearest(key: str, known: Collection[str]) -> str:
+    """`` (did you mean X?)`` for the known key closest to a typo'd one, if one is close."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def read_toml(path: str | Path, types: Types, sections: Sections) -> dict[str, Any]:
@@ -100,9 +107,10 @@ def read_toml(path: str | Path, types: Types, sections: Sections) -> dict[str, A
     for section, table in tables.items():
         names = sections[section]
         table = {key.replace("-", "_"): value for key, value in table.items()}
-        unknown = sorted(f"[{section}] {key}" for key in table if key not in names)
+        unknown = sorted(key for key in table if key not in names)
         if unknown:
-            raise ConfigError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+            listed = ", ".join(f"[{section}] {key}" for key in unknown)
+            raise ConfigError(f"{path}: unknown setting(s): {listed}{_nearest(unknown[0], names)}")
         for key, value in table.items():
             name = names[key]
             if name in values:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from node.config_layers import ConfigError
 from node.data.documents import iter_texts
 
 if TYPE_CHECKING:
@@ -302,9 +302,8 @@ def run_tokenizer(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             out=Path(args.out),
         )
-    except ValueError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:  # the CLI prints it as its one line (node/ops/cli_errors.py), exit 2
+        raise ConfigError(str(error)) from None
     print(
         f"wrote {args.out}: a byte-level BPE of {tokenizer.vocab_size} tokens trained on "
         f"{args.data or 'the embedded corpus'} in {time.perf_counter() - start:.1f} s (sha256 "

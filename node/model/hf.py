@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from node.config import ConfigError, NodeConfig
 from node.model.gpt import ModelConfig
+from node.model.gpt import model_config as preset_config
 
 CONFIG_FILE: Final = "config.json"
 WEIGHTS_FILE: Final = "model.safetensors"
@@ -303,6 +304,17 @@ def node_model_config(config: NodeConfig, corpus_vocab_size: int) -> ModelConfig
             f"{corpus_vocab_size} token ids (see --tokenizer)"
         )
     return model_config
+
+
+def node_model(config: NodeConfig, corpus_vocab_size: int) -> ModelConfig:
+    """The model the node trains: :func:`node_model_config`'s, else ``--model``'s preset sized to the
+    corpus's vocabulary (and ``--seq-len``)."""
+    overrides: dict[str, Any] = {"vocab_size": corpus_vocab_size}
+    if config.architecture.seq_len:
+        overrides["seq_len"] = config.architecture.seq_len
+    return node_model_config(config, corpus_vocab_size) or preset_config(
+        config.architecture.preset, **overrides
+    )
 
 
 def init_state(config: NodeConfig, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:

@@ -25,31 +25,23 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from node import __version__
 from node.config import ConfigError, NodeConfig, layered_values, load_config
 from node.data.tokenizer import add_tokenizer_command
 from node.ops.bootstrap import BOOTSTRAP_SETTINGS
+from node.ops.cli_errors import EXIT_USAGE, OneLineParser, error_line
 from node.ops.cli_flags import add_config_flags
 from node.ops.logs import configure_logging
 
 log = logging.getLogger("dtnode")
 
-EXIT_USAGE = 2
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; a user mistake here is one line and exit code 2.
-
-    Flags are never matched by prefix: ``--inner-step 5`` is an error, not ``--inner-steps 5``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+def user_mistake(command: str, message: str) -> int:
+    """Print one user mistake of ``dtnode COMMAND`` as its one line (node/ops/cli_errors.py); exit code 2."""
+    print(error_line(f"dtnode {command}", message), file=sys.stderr)
+    return EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,15 +213,17 @@ def run_join(args: argparse.Namespace) -> int:
     config = load_config(config_file=args.config_file, flags=flags)
     if config.metrics.log_format != "text":
         setup_logging(config.metrics.log_format)
-    log.info("config: %s", config.describe())
     from node.ops.preflight import check_before_sockets
 
-    check_before_sockets(config)  # the layout, the swarm key, the addresses: exit 2 before any socket
+    # Every setting that cannot work (layout, key, ports, data, the checkpoint to resume): one line and
+    # exit 2 before any socket; the corpus it loads is the trainer's.
+    corpus = check_before_sockets(config)
+    log.info("config: %s", config.describe())
     # Imported late: torch is slow to import and --help / config errors should be instant.
     from node.train.trainer import Trainer
 
     if not config.network.enabled:
-        trainer = Trainer(config)
+        trainer = Trainer(config, corpus=corpus)
         stop.attach(trainer)
         trainer.run()
         log_run_summary(config, started=started)
@@ -250,7 +244,7 @@ def run_join(args: argparse.Namespace) -> int:
             prefetch=prefetch,
             start_peers=config.rounds.start_peers,
         )
-        trainer = Trainer(config, swarm=session)
+        trainer = Trainer(config, swarm=session, corpus=corpus)
         stop.attach(trainer)
         trainer.run()
         if not trainer.stop_requested:  # the run reached its end: let nodes behind us catch up first
@@ -287,8 +281,7 @@ def run_plan(args: argparse.Namespace) -> int:
             headroom=args.headroom,
         )
     except ValueError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake("plan", str(error))
     print(render_plan(plan))
     return 0
 
@@ -303,8 +296,7 @@ def run_report(args: argparse.Namespace) -> int:
         out = None if args.out is None else Path(args.out)
         path = write_report([Path(d) for d in args.run_dirs], out=out)
     except ValueError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake("report", str(error))
     print(path)
     return 0
 
@@ -324,8 +316,7 @@ def run_sample(args: argparse.Namespace) -> int:
             device=args.device,
         )
     except ValueError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake("sample", str(error))
     print(args.prompt + text)
     return 0
 
@@ -340,8 +331,7 @@ def run_keygen(args: argparse.Namespace) -> int:
     try:
         key.write(Path(args.path))
     except OSError as error:  # FileExistsError included: never overwrite a key others may hold
-        print(f"dtnode: error: cannot create {args.path}: {error.strerror}", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake("keygen", f"cannot create {args.path}: {error.strerror}")
     print(f"wrote a swarm key to {args.path} (fingerprint {key.fingerprint}); start every node with "
           f"--swarm-key-file {args.path}")  # fmt: skip
     return 0
@@ -382,8 +372,7 @@ def run_status(args: argparse.Namespace) -> int:
     from node.ops.status import run_status as print_status
 
     if not args.timeout > 0:
-        print("dtnode: error: --timeout must be positive", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake("status", "--timeout must be positive")
     from node.ops.health import health_settings
     from protocol.auth.channels import SwarmAuth
     from protocol.auth.key import SwarmKey
@@ -400,8 +389,7 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             auth = SwarmAuth(SwarmKey.from_file(Path(config.swarm_key_file)), tls=config.tls)
         except ValueError as error:  # SwarmKeyError: missing, open or weak key file
-            print(f"dtnode: error: {error}", file=sys.stderr)
-            return EXIT_USAGE
+            return user_mistake("status", f"--swarm-key-file: {error}")
     timeout = timedelta(seconds=args.timeout)
     return print_status(
         address=args.address,
@@ -497,8 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_tokenizer(args)
     except ConfigError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return user_mistake(args.command, str(error))
     parser.error(f"unknown command {args.command}")
 
 

@@ -69,7 +69,10 @@ def _finite(value: Any) -> bool:
 
 
 def format_duration(seconds: float) -> str:
-    """``42 s``, ``5 min 34 s``, ``2 h 03 min``."""
+    """``0.4 s``, ``42 s``, ``5 min 34 s``, ``2 h 03 min``: under 10 s to a tenth, so that a short run's
+    compute and wall time (0.4 s of 1.3 s) are not rounded into "0 s of 1 s"."""
+    if seconds < 9.95:
+        return f"{seconds:.1f} s"
     whole = int(round(seconds))
     if whole < 60:
         return f"{whole} s"

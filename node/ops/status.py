@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from node.ops.cli_errors import error_line
 from protocol.auth.channels import SwarmAuth
 from protocol.swarm.status import NodeStatus, StatusUnavailable, get_status
 
@@ -173,20 +174,20 @@ def run_status(
     try:
         address = check_address(address) if address else address_from_run_dir(run_dir)
     except ValueError as error:
-        print(f"dtnode: error: {error}", file=sys.stderr)
+        print(error_line("dtnode status", str(error)), file=sys.stderr)
         return 2
     try:
         status = get_status(address, timeout=timeout, auth=auth)
     except StatusUnavailable as error:
         print(
-            f"dtnode: error: the node at {address} did not answer within {timeout.total_seconds():g} s "
+            f"dtnode status: error: the node at {address} did not answer within {timeout.total_seconds():g} s "
             f"({error.code.name}: {error.details}); {unreachable_hint(auth)}",
             file=sys.stderr,
         )
         return EXIT_UNREACHABLE
     except ValueError as error:  # an answer this version cannot read
         print(
-            f"dtnode: error: the node at {address} sent a status this dtnode cannot read: {error}",
+            f"dtnode status: error: the node at {address} sent a status this dtnode cannot read: {error}",
             file=sys.stderr,
         )
         return EXIT_UNREACHABLE

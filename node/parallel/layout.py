@@ -93,13 +93,16 @@ def resolve_layout(config: NodeConfig, model_config: ModelConfig) -> LocalLayout
         dp, tp, pp = (size or 1 for size in explicit)
         if dp * tp * pp != num_workers:
             raise ConfigError(
-                f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} must equal the number of local workers "
+                f"--local-workers: dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} must equal the number of local workers "
                 f"({num_workers}; set --local-workers, or the layout flags to match)"
             )
     reason = invalid_reason(model_config, Layout(dp=dp, tp=tp, pp=pp), config.inner.batch_size)
     if reason is not None:
         preset = config.architecture.preset
-        raise ConfigError(f"local layout dp={dp} x tp={tp} x pp={pp} cannot run {preset}: {reason}")
+        # The flag of the axis at fault (the planner's layout: the worker count it was planned for).
+        axis = reason.split("=")[0] if reason[:3] in ("dp=", "tp=", "pp=") else "pp"
+        flag = f"--{axis}" if any(explicit) else "--local-workers"
+        raise ConfigError(f"{flag}: local layout dp={dp} x tp={tp} x pp={pp} cannot run {preset}: {reason}")
     num_microbatches = num_microbatches or (pp if pp > 1 else 1)
     replica_batch = config.inner.batch_size // dp
     if pp > 1 and replica_batch % num_microbatches != 0:

@@ -19,6 +19,7 @@ from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.membership.config import RoundConfig
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
+from protocol.swarm.ports import bind_problem, split_address
 
 
 def dht_config(config: NodeConfig) -> DhtConfig:
@@ -96,6 +97,16 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
 
 
 LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
+
+
+def _taken_port(flag: str, address: str) -> str | None:
+    """After a server failed to start: ``flag``'s ``address`` refused as the preflight refuses it
+    (node/ops/preflight.py), if it cannot be bound now (taken since the probe), else None."""
+    host, port = split_address(address)
+    problem = bind_problem(host, port) if port else None
+    return None if problem is None else f"{flag}: cannot listen on {host}:{port}: {problem}"
+
+
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -123,10 +134,10 @@ def start_swarm(config: NodeConfig, *, join_hint: Callable[[str, str], str] | No
     the Python API's nodes train the user's module, which only ``join_swarm`` can)."""
     try:
         swarm = SwarmNode(swarm_config(config))
-    except DhtStartupError as error:
-        raise ConfigError(str(error)) from None
+    except DhtStartupError as error:  # a port taken since the preflight's probe is named as it would be
+        raise ConfigError(_taken_port("--dht-listen", dht_config(config).listen) or str(error)) from None
     except OSError as error:
-        raise ConfigError(f"cannot listen on {config.network.listen}: {error}") from None
+        raise ConfigError(_taken_port("--listen", config.network.listen) or f"--listen: {error}") from None
     multiaddrs = reachable_first(swarm.multiaddrs())
     run_dir = config.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

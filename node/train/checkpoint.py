@@ -194,6 +194,12 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
+def checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    """The ``meta`` of checkpoint directory ``path`` without its tensors (None if unreadable)."""
+    meta = _stored_meta(path)
+    return meta if isinstance(meta, dict) else None
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return (state, meta) of the checkpoint directory ``path``."""
     document = json.loads((path / "state.json").read_text())

@@ -17,6 +17,7 @@ Counters are global over the run (a resumed run continues them): ``step`` = inne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -28,11 +29,12 @@ import torch
 
 from node.config import ConfigError, NodeConfig
 from node.data.batches import ShardedBatches, eval_batches
+from node.data.corpus import Corpus
 from node.data.node_corpus import load_node_corpus
+from node.data.tokenizer import Tokenizer
 from node.model.efficiency import eval_interval
 from node.model.export import export_model, tokenizer_info
-from node.model.gpt import model_config
-from node.model.hf import init_state, node_model_config
+from node.model.hf import init_state, node_model
 from node.model.replica import build_replica, pick_device
 from node.ops.metrics import MetricsSink, MetricsWriter
 from node.ops.progress import progress_sink
@@ -55,8 +57,15 @@ class Trainer:
     """Trains one node; ``averager`` is the swarm (a :class:`SoloAverager` for a swarm of one)."""
 
     def __init__(
-        self, config: NodeConfig, *, averager: Averager | None = None, swarm: SwarmSide | None = None
+        self,
+        config: NodeConfig,
+        *,
+        averager: Averager | None = None,
+        swarm: SwarmSide | None = None,
+        corpus: tuple[Tokenizer, Corpus] | None = None,
     ) -> None:
+        """``corpus``: the tokenizer and corpus already loaded (``dtnode join`` loads them before any
+        socket opens: node/ops/preflight.py); None: loaded here."""
         self.config = config
         self.swarm = swarm
         self.run_dir = config.resolved_run_dir
@@ -65,16 +74,10 @@ class Trainer:
             torch.set_num_threads(config.run.threads)
         self._stop = threading.Event()
 
-        self.tokenizer, self.corpus = load_node_corpus(
-            config
-        )  # --tokenizer, --data (node/data/node_corpus.py)
-        overrides: dict[str, Any] = {"vocab_size": self.corpus.vocab_size}
-        if config.architecture.seq_len:
-            overrides["seq_len"] = config.architecture.seq_len
+        # --tokenizer, --data (node/data/node_corpus.py)
+        self.tokenizer, self.corpus = load_node_corpus(config) if corpus is None else corpus
         # --model-config / --init-from (an HF Llama config.json: node/model/hf.py), else the preset.
-        self.model_config = node_model_config(config, self.corpus.vocab_size) or model_config(
-            config.architecture.preset, **overrides
-        )
+        self.model_config = node_model(config, self.corpus.vocab_size)
         torch.manual_seed(config.run.seed)
         self.replica = build_replica(config, self.model_config, self.device)
         initial_state = init_state(config, self.model_config)
@@ -204,7 +207,9 @@ class Trainer:
             "round_tokens": progress.round_tokens,
             "corpus_sha256": self.corpus.sha256,
             "model": self.config.architecture.preset,
+            "tokenizer_sha256": self.corpus.tokenizer_sha256,
             "time": time.time(),
+            "model_config": dataclasses.asdict(self.model_config),  # a resume checks its shapes first
         }  # + param_hash, of the snapshot's global params, by the writer
         state, owned = self._checkpoint_state(model_is_global)
         self.checkpoints.submit(f"step-{progress.step:010d}", state, meta, owned=owned)

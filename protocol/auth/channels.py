@@ -89,7 +89,14 @@ def new_server(*, options: Sequence[tuple[str, Any]], auth: SwarmAuth | None) ->
 
 
 def add_port(server: grpc.aio.Server, address: str, *, auth: SwarmAuth | None) -> int:
-    """Bind ``address`` on ``server`` (with mutual TLS if ``auth.tls``); the bound port, 0 if it failed."""
-    if auth is not None and auth.tls:
-        return server.add_secure_port(address, server_credentials(auth.identity))
-    return server.add_insecure_port(address)
+    """Bind ``address`` on ``server`` (with mutual TLS if ``auth.tls``); the bound port, 0 if it failed
+    (gRPC returns 0 or, since 1.5x, raises "Failed to bind to address …": the caller says why, in
+    one line, not a traceback)."""
+    try:
+        if auth is not None and auth.tls:
+            return server.add_secure_port(address, server_credentials(auth.identity))
+        return server.add_insecure_port(address)
+    except RuntimeError as error:
+        if "Failed to bind" not in str(error):
+            raise
+        return 0

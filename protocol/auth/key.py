@@ -6,8 +6,11 @@ calls, ``dht.py`` for DHT records), each made with a subkey derived for that one
 MAC of one kind can never be replayed as another.
 
 The file holds at least 32 random bytes, written as hex (``dtnode keygen PATH`` makes one) or raw.
-Loading refuses a key that is short or visibly not random (few distinct bytes) and a file other
-users can read or anyone but its owner can write, with an error that says what to do. The secret
+Loading refuses a key that is short or visibly not random (few distinct bytes), and a file that
+anyone but its owner can write (they could swap the swarm's key) or that other users can read while
+it is writable (a key left open by an editor or a umask: 0644, 0664), with an error that says what
+to do. A file readable by all that nobody can write (0444, 0440) is a secret put in place on
+purpose, the way Docker mounts its secrets, and is accepted; group read (0640) is too. The secret
 is kept out of ``repr``, logs and pickles meant for disk: what is shown is a fingerprint, an HMAC of
 the key, which identifies it (two nodes with different fingerprints will refuse each other)
 without revealing anything about it.
@@ -69,10 +72,11 @@ class SwarmKey:
             raise SwarmKeyError(f"cannot read the swarm key file {path}: {error.strerror}") from None
         if not stat.S_ISREG(mode):
             raise SwarmKeyError(f"the swarm key file {path} is not a regular file")
-        if mode & (stat.S_IRWXO | stat.S_IWGRP):
+        problem = _open_mode(stat.S_IMODE(mode))
+        if problem:
             raise SwarmKeyError(
-                f"the swarm key file {path} is accessible to other users (mode {stat.S_IMODE(mode):o}); "
-                f"run `chmod 600 {path}`"
+                f"the swarm key file {path} is {problem} (mode {stat.S_IMODE(mode):o}); run `chmod 600 {path}` "
+                "(a read-only file such as a Docker secret, mode 444, is accepted too)"
             )
         try:
             content = path.read_bytes()
@@ -98,6 +102,15 @@ class SwarmKey:
 
     def __repr__(self) -> str:
         return f"SwarmKey(fingerprint={self.fingerprint})"
+
+
+def _open_mode(mode: int) -> str | None:
+    """What is wrong with a key file of permission bits ``mode``, as a phrase; None if nothing."""
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "writable by other users"
+    if mode & (stat.S_IROTH | stat.S_IXOTH) and mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        return "readable by other users and writable"
+    return None
 
 
 def _decode(content: bytes) -> bytes:

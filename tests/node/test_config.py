@@ -126,6 +126,17 @@ def test_the_resolved_config_line_names_every_setting() -> None:
     assert len(line.split(" ")) >= len(FLAT_NAMES)
 
 
+def test_the_config_line_does_not_name_a_preset_a_model_config_replaces(tmp_path: Path) -> None:
+    """Under --model-config the model is the file's, not --model's default preset: the line says so."""
+    config_json = tmp_path / "config.json"
+    config_json.write_text("{}")
+    line = NodeConfig.from_flat(model_config=str(config_json)).describe()
+    assert "architecture.preset='tiny'" not in line
+    assert "architecture.preset=(unused: the model is --model-config's)" in line
+    assert f"architecture.hf_config='{config_json}'" in line
+    assert "architecture.preset='tiny'" in NodeConfig.from_flat().describe()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -135,7 +135,7 @@ def test_a_resume_or_a_joiner_with_another_tokenizer_is_refused(
     capsys.readouterr()
     assert main([*argv, "--max-rounds", "2", "--tokenizer", str(second)]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.startswith("dtnode: error:") and "\n" not in error and "--tokenizer" in error
+    assert error.startswith("dtnode join: error: --tokenizer: ") and "\n" not in error
 
     # A joiner: the swarm's state (trained with the first tokenizer) does not fit the second's corpus.
     source = Trainer(small_config(corpus_file, tmp_path / "source", tokenizer=str(first), swarm=False))
@@ -156,5 +156,5 @@ def test_tokenizer_train_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["tokenizer", "train", "--vocab-size", "300", "--out", str(tmp_path / "t.json"),
                  "--data", str(tmp_path / "missing.jsonl")]) == 2  # fmt: skip
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 2 and all(line.startswith("dtnode: error:") for line in errors)
+    assert len(errors) == 2 and all(line.startswith("dtnode tokenizer: error: ") for line in errors)
     assert not (tmp_path / "t.json").exists()

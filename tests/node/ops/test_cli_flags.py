@@ -59,12 +59,34 @@ def test_a_setting_with_a_literal_type_has_its_values_as_choices() -> None:
     assert choices["aggregation"] == ("mean", "clipped", "trimmed")
 
 
-@pytest.mark.parametrize("argv", [["join", "--inner-step", "5"], ["join", "--inner", "5"]])
-def test_a_flag_prefix_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["join", "--inner-step", "5"],
+            "dtnode join: error: --inner-step: no such flag; did you mean --inner-steps?",
+        ),
+        (
+            ["join", "--inner-steps=5", "--coddec=int8"],
+            "dtnode join: error: --coddec: no such flag; did you mean --codec?",
+        ),
+        (
+            ["swarm", "--nodes", "2", "--node", "3"],
+            "dtnode swarm: error: --node: no such flag; did you mean --nodes?",
+        ),
+        (["join", "--zzz"], "dtnode join: error: --zzz: no such flag (see dtnode join --help)"),
+        (["jion"], "dtnode: error: command: must be one of"),
+    ],
+)
+def test_a_flag_prefix_or_typo_is_refused_with_the_nearest_flag(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prefix is never taken for the flag (``--inner-step 5`` is not ``--inner-steps 5``), but named."""
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(argv)
     assert exited.value.code == 2
-    assert "unrecognized arguments: " + " ".join(argv[1:]) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
 
 
 def test_the_full_flag_parses() -> None:
@@ -75,14 +97,25 @@ def test_the_full_flag_parses() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["join", "--inner-steps", "0"], "--inner-steps must be >= 1, got 0"),
+        (["join", "--inner-steps", "0"], "dtnode join: error: --inner-steps: must be >= 1, got 0"),
         (
             ["join", "--max-wait", "5", "--join-window", "15"],
-            "--max-wait (5.0) must be at least --join-window",
+            "dtnode join: error: --max-wait: must be at least --join-window (15), got 5",
         ),
-        (["join", "--codec", "int3"], "argument --codec: invalid choice: 'int3'"),
-        (["join", "--lr-schedule", "linear"], "argument --lr-schedule: invalid choice"),
-        (["join", "--inner-steps", "x"], "argument --inner-steps: invalid int value"),
+        (
+            ["join", "--codec", "int3"],
+            "dtnode join: error: --codec: must be one of none, fp16, bf16, int8, int4, topk, got 'int3'",
+        ),
+        (
+            ["join", "--model", "nanoo"],
+            "dtnode join: error: --model: must be one of nano, tiny, small, 350m, 1b, 7b, got 'nanoo'",
+        ),
+        (
+            ["join", "--lr-schedule", "linear"],
+            "dtnode join: error: --lr-schedule: must be one of cosine, wsd",
+        ),
+        (["join", "--inner-steps", "x"], "dtnode join: error: --inner-steps: must be an int, got 'x'"),
+        (["join", "--inner-lr", "fast"], "dtnode join: error: --inner-lr: must be a float, got 'fast'"),
     ],
 )
 def test_an_error_names_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -220,7 +253,7 @@ def test_health_of_an_address_nobody_serves_is_1_and_a_bad_address_2(
     assert main(["health", "nowhere"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
     assert main(["health", address, "--tls"]) == 2
-    assert "--tls needs --swarm-key-file" in capsys.readouterr().err
+    assert "dtnode health: error: --tls: needs --swarm-key-file" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -54,12 +54,28 @@ def test_a_run_without_rounds_says_so(tmp_path: Path) -> None:
     assert summary_line(summary, tmp_path).startswith(
         "run ended: no round completed, no held-out loss measured"
     )
-    assert [format_duration(s) for s in (0.4, 59.6, 61, 3600 * 2 + 180)] == [
-        "0 s",
+    assert [format_duration(s) for s in (0.04, 0.4, 9.94, 9.96, 59.6, 61, 3600 * 2 + 180)] == [
+        "0.0 s",
+        "0.4 s",
+        "9.9 s",
+        "10 s",
         "1 min 00 s",
         "1 min 01 s",
         "2 h 03 min",
     ]
+
+
+def test_a_short_run_states_its_compute_and_wall_time_to_a_tenth_of_a_second(tmp_path: Path) -> None:
+    """A run of a few seconds: its compute and wall time are not rounded into "0 s of 1 s", which
+    would not give its utilization back (0.31)."""
+    metrics = tmp_path / "metrics.jsonl"
+    write(metrics, [round_record(1, 10.0, seconds_compute=0.38, seconds_wall=1.24)])
+    summary = summarize_run(metrics, started=9.0, ended=12.5)
+    line = summary_line(summary, tmp_path)
+    assert (
+        "utilization 0.31 (inner compute 0.4 s of 1.2 s from the first step to the last round), 3.5 s;"
+        in line
+    )
 
 
 def test_the_join_banner_lists_addresses_other_machines_can_dial_first() -> None:

@@ -67,13 +67,34 @@ def test_weak_keys_are_refused(tmp_path: Path, content: bytes, message: str) -> 
         SwarmKey.from_file(path)
 
 
-@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620])
-def test_open_key_files_are_refused(tmp_path: Path, mode: int) -> None:
+@pytest.mark.parametrize(
+    ("mode", "problem"),
+    [
+        (0o644, "readable by other users and writable"),  # an editor's or a umask's file
+        (0o604, "readable by other users and writable"),
+        (0o664, "writable by other users"),
+        (0o620, "writable by other users"),
+        (0o660, "writable by other users"),
+        (0o464, "writable by other users"),  # read-only for its owner, but the group may swap the key
+    ],
+)
+def test_open_key_files_are_refused(tmp_path: Path, mode: int, problem: str) -> None:
     path = tmp_path / "open.key"
     SwarmKey.generate().write(path)
     path.chmod(mode)
-    with pytest.raises(SwarmKeyError, match=f"accessible to other users .*chmod 600 {path}"):
+    with pytest.raises(SwarmKeyError, match=f"{problem} \\(mode {mode:o}\\); run `chmod 600 {path}`"):
         SwarmKey.from_file(path)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o640, 0o440, 0o444])
+def test_private_or_read_only_key_files_load(tmp_path: Path, mode: int) -> None:
+    """0444 is how Docker mounts a secret (/run/secrets/<name>): readable by all, writable by nobody,
+    so nobody can swap the key; a file others can read that its owner can still write is refused."""
+    path = tmp_path / "secret.key"
+    key = SwarmKey.generate()
+    key.write(path)
+    path.chmod(mode)
+    assert SwarmKey.from_file(path) == key
 
 
 def test_missing_key_file_is_a_clear_error(tmp_path: Path) -> None:
