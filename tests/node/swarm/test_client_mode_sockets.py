@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from node.ops.status import address_from_run_dir
 from tests.node.swarm_cluster import Cluster, tail, wait_for
 from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
 
@@ -32,6 +33,8 @@ def test_a_client_mode_node_listens_on_no_port(tmp_path: Path) -> None:
         assert len(server_ports) >= 2, server_ports  # the gRPC server and the p2p daemon
         assert listening(client.process.pid) == [], tail(client)
         assert client.identity()["grpc_address"] is None and client.identity()["client_mode"] is True
+        with pytest.raises(ValueError, match="--client-mode node's: it listens on no port"):
+            address_from_run_dir(client.run_dir)  # what `dtnode status` without an address reads
 
         wait_for(lambda: len(client.records()) >= 1, 90, "the client's first round", client)
         assert listening(client.process.pid) == [], tail(client)
