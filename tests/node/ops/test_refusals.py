@@ -251,3 +251,31 @@ def test_the_watch_sees_a_node_that_starts_its_swarm(kit: Kit, tmp_path: Path) -
     argv = [*BASE_FLAGS, "--data", str(kit.data), "--run-dir", str(tmp_path / "run"), "--start-peers", "2"]
     seen = watch_join(argv, tmp_path, timeout=60, until_listening=True)
     assert "os.fork" in seen.started and len(seen.processes) > 1 and seen.listened, seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag", ["--listen", "--dht-listen"])
+def test_a_port_taken_after_the_probe_is_still_one_line_naming_the_flag(flag: str, tmp_path: Path) -> None:
+    """The probe is a question, not a reservation: a port another process takes between it and the
+    bind fails the server's start, which is refused as the probe would have refused it (the DHT
+    peer or gRPC server that started first is shut down), not with gRPC's traceback."""
+    from node.config import ConfigError, load_config
+    from node.swarm.setup import start_swarm
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = {
+            "listen": "127.0.0.1:0",
+            "run_dir": str(tmp_path / "run"),
+            flag[2:].replace("-", "_"): f"127.0.0.1:{port}",
+        }
+        config = load_config(flags=flags, environ={})
+        with pytest.raises(ConfigError) as refused:
+            start_swarm(config)  # as after a probe that found the port free
+    assert str(refused.value) == (
+        f"{flag}: cannot listen on 127.0.0.1:{port}: port {port} is in use (another process listens on it); "
+        "pick another port"
+    )
+    assert not (tmp_path / "run" / "node.json").exists()
