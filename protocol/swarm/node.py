@@ -361,6 +361,14 @@ class SwarmNode:
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
         with self._round_phase(round + 1):
+            registry = self.server.allreduce.registry
+            if round + 1 <= registry.highest_opened:
+                # We moved to a lineage whose rounds are numbered lower (we adopted an older state):
+                # forget our old rounds before a group can lock us in. Rewound only once locked, a
+                # member's first push of the new round (sent as soon as its leader began) found the
+                # round "expired" here, was left out, and we waited for it until the reduce-scatter
+                # deadline (half the round deadline: 150 s by default; issue 31, item 6).
+                self._run(_call(registry.rewind), timedelta(seconds=5))
             self._await_group_published(round)
             local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
             started = time.monotonic()
@@ -391,10 +399,6 @@ class SwarmNode:
                 group.round, group.group_id, len(group.members), ", ".join(m.peer_id[-6:] for m in group.members),
                 seconds_forming,
             )  # fmt: skip
-            registry = self.server.allreduce.registry
-            # We moved to a lineage whose rounds are numbered lower.
-            if group.round <= registry.highest_opened:
-                self._run(_call(registry.rewind), timedelta(seconds=5))
             weight = float(group.members[group.index_of(self.peer_id)].num_tokens)
             if group.num_streams == 1:
                 result = self._run(

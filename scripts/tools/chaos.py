@@ -40,8 +40,9 @@ and ONE victim (``--victim``, default the first node, whose address every other 
 ``--peers``) that is, every ``--cycle-gap`` seconds (10-25), in turn frozen (SIGSTOP, held
 ``--stop-seconds``, 5-20, then SIGCONT) and killed and restarted at once, for MINUTES. The check:
 every other node (live all along) writes a round record (averaged, fallen back or adopted) at least
-every ``--bound`` seconds; its longest gap (from the first fault to the end, the ends counted) is
-reported per node, and a gap past the bound fails the run (besides divergences and non-finite values).
+every ``--bound`` seconds; its longest gap (from the cycle's start to the end of the run, after the
+final wait for every node to recover, the ends counted) is reported per node, and a gap past the
+bound fails the run (besides divergences and non-finite values).
 The default bound is ARCHITECTURE.md's ("No stall under faults"): 2 x P + J + S, with P the round
 period (the median gap between two records of those nodes in this run), J the join window (15 s) and
 S the all-reduce's stall timeout (30 s), the defaults of ``dtnode join``.
@@ -101,9 +102,21 @@ NAME_PREFIX = "dtchaos"
 JOIN_WINDOW_SECONDS = 15.0
 STALL_TIMEOUT_SECONDS = 30.0
 POLL_SECONDS = 0.5
-# What a node imports before its first step (torch._dynamo: on torch's first optimizer step), once, in
-# the forkserver every node is forked from: a fresh interpreter would spend ~3 CPU-s importing them.
-NODE_PRELOAD = ["__main__", "node.ops.cli", "node.train.trainer", "protocol.allreduce", "torch._dynamo"]
+# What a node imports before its first step (torch._dynamo: on torch's first optimizer step; the swarm's
+# modules, hivemind's among them), once, in the forkserver every node is forked from: a fresh interpreter
+# would spend ~4 CPU-s importing them. Last, scripts.forkserver_gc freezes them: a node's garbage
+# collections then skip them (~0.5 CPU-s a node).
+NODE_PRELOAD = [
+    "__main__",
+    "node.ops.cli",
+    "node.train.trainer",
+    "protocol.allreduce",
+    "node.swarm.setup",
+    "node.swarm.session",
+    "node.swarm.join",
+    "torch._dynamo",
+    "scripts.forkserver_gc",
+]
 
 
 def _forkserver() -> multiprocessing.context.ForkServerContext:
@@ -528,12 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                     print("chaos: the swarm never completed a first round", file=sys.stderr)
                     return 1
                 cycle: dict[str, Any] = {}
+                since = time.time()
                 if args.cycle:
-                    since = time.time()
                     cycle["cycle_faults"] = run_cycle(swarm, rng, args)
-                    gaps, period = record_gaps(swarm, since, time.time(), skip=args.victim)
-                    bound = stall_bound(period) if args.bound is None else args.bound
-                    cycle.update(longest_gap_seconds=gaps, round_period_seconds=period, bound_seconds=bound)
                 for index in range(0 if args.cycle else args.trials):
                     kind = args.kinds[index % len(args.kinds)] if args.in_turn else rng.choice(args.kinds)
                     trial = run_trial(swarm, kind, rng, args)
@@ -542,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
                 # A node restarted by the last trial gets the same chance to rejoin as the others.
                 settled = time.time()
                 wait_until(lambda: recovered_since(swarm.live(), settled), args.recovery_timeout, "the end")
+                if args.cycle:  # up to now: a silence that began in the cycle counts whole
+                    gaps, period = record_gaps(swarm, since, time.time(), skip=args.victim)
+                    bound = stall_bound(period) if args.bound is None else args.bound
+                    cycle.update(longest_gap_seconds=gaps, round_period_seconds=period, bound_seconds=bound)
                 result = {**check(swarm, trials, args), **cycle}
             finally:
                 swarm.stop_all()
