@@ -29,13 +29,17 @@ _FLAG_FIRST = re.compile(r"^(--[a-z][a-z0-9-]*(?:/--[a-z][a-z0-9-]*)?):? ")
 
 def error_line(prog: str, message: str) -> str:
     """``message`` (one mistake) as the line ``PROG: error: WHAT: what is wrong``."""
+    return f"{prog}: error: {what_is_wrong(message)}"
+
+
+def what_is_wrong(message: str) -> str:
+    """``message`` on one line as ``WHAT: what is wrong``, argparse's phrasings in this format."""
     text = " ".join(message.split())  # one line, whatever the message held
     text = re.sub(r"^argument ([^:]+): ", r"\1: ", text)  # argparse names "argument --x"
     text = re.sub(
         r"^(\S+): invalid (\w+) value: ", lambda m: f"{m[1]}: must be {_article(m[2])} {m[2]}, got ", text
     )
-    text = _FLAG_FIRST.sub(r"\1: ", text)  # "--x must be …" -> "--x: must be …"
-    return f"{prog}: error: {text}"
+    return _FLAG_FIRST.sub(r"\1: ", text)  # "--x must be …" -> "--x: must be …"
 
 
 def _article(word: str) -> str:

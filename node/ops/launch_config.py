@@ -12,7 +12,6 @@ nodes flags of their own (e.g. node 2 twice the batch), applied after all of the
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import os
@@ -26,6 +25,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from node.config import ConfigError, NodeConfig, flat_defaults, flat_values, load_config
+from node.ops.cli_errors import OneLineParser, what_is_wrong
 from node.ops.cli_flags import add_config_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -132,9 +132,12 @@ def launch_config(
     )
 
 
-class _NodeFlagsParser(argparse.ArgumentParser):
+class _NodeFlagsParser(OneLineParser):
+    """``dtnode join``'s flags as ``--node-flags`` reads them: a mistake (with "did you mean") is a
+    ConfigError that names the spec, printed as ``dtnode swarm``'s one line."""
+
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+        raise ConfigError(what_is_wrong(message))
 
 
 def parse_node_flags(specs: Sequence[str]) -> dict[int, dict[str, Any]]:

@@ -133,7 +133,7 @@ def test_node_flags_reach_only_their_node_and_win():
         (["2--batch-size 16"], "expected I:FLAGS"),
         (["x:--batch-size 16"], "expected I:FLAGS"),
         (["1:--batch-size sixteen"], "--batch-size"),
-        (["1:--batch 16"], "unrecognized arguments"),  # no prefix matching
+        (["1:--batch 16"], "--batch: no such flag; did you mean --batch-size"),  # no prefix matching
         (["1:--model 'nano"], "quotation"),
     ],
 )
