@@ -235,7 +235,8 @@ def run_join(args: argparse.Namespace) -> int:
 
     swarm = start_swarm(config)
     try:
-        # A fresh joiner fetches the swarm's state while its model and data are being built.
+        # A fresh joiner fetches the swarm's state while its model is being built (its data is loaded:
+        # the preflight read it, before any socket).
         fresh = latest_checkpoint(config.resolved_run_dir / "checkpoints") is None
         prefetch = Prefetch(swarm, join_timeout=JOIN_TIMEOUT) if config.network.peers and fresh else None
         session = SwarmSession(
