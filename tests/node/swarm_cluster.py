@@ -42,13 +42,17 @@ FAST_FLAGS = (
 )  # fmt: skip
 
 
-# What a node imports before its first step (torch._dynamo: on torch's first optimizer step).
+# What a node imports before its first step (torch._dynamo: on torch's first optimizer step; the swarm's
+# modules, which `dtnode join` imports only with the swarm on: hivemind and its scipy, ~0.85 CPU-s a node).
 NODE_PRELOAD = (
     "node.ops.cli",
     "node.train.trainer",
     "node.ops.preflight",
     "node.train.held_out",
     "protocol.allreduce",
+    "node.swarm.setup",
+    "node.swarm.session",
+    "node.swarm.join",
     "torch._dynamo",
 )
 
