@@ -212,3 +212,16 @@ def test_cli_help_documents_every_field_and_version() -> None:
         assert f"[{section}] " in result.stdout, section  # one help group per section
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("dtnode ")
+
+
+def test_a_typod_setting_in_the_environment_or_toml_is_answered_with_the_nearest(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(environ={"DTNODE_INNER_STEP": "5"})
+    assert str(refused.value) == (
+        "environment variable DTNODE_INNER_STEP: unknown setting(s): inner_step (did you mean inner_steps?)"
+    )
+    toml = tmp_path / "node.toml"
+    toml.write_text("[inner]\nstep = 5\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_file=toml, environ={})
+    assert str(refused.value) == f"{toml}: unknown setting(s): [inner] step (did you mean steps?)"
