@@ -39,8 +39,9 @@ metric                                          type       from
 ``dtnode_codec_error_ratio``                    gauge      ``codec_error`` (of the latest round that
                                                            encoded something)
 ``dtnode_failures_total{kind}``                 counter    ``failures_by_kind``
-``dtnode_round_outcomes_total{outcome}``        counter    ``averaged``, ``fell_back``, ``adopted`` or
-                                                           ``caught_up`` (adopted with the round's mean)
+``dtnode_round_outcomes_total{outcome}``        counter    ``averaged``, ``solo`` (no other node in the round),
+                                                           ``fell_back``, ``adopted`` or ``caught_up``
+                                                           (adopted with the round's mean)
 ``dtnode_utilization_ratio``                    gauge      ``utilization`` (of the latest round that
                                                            measured it)
 ``dtnode_blocked_ratio``                        gauge      ``blocked_share``: time waiting for the swarm
@@ -97,7 +98,7 @@ from prometheus_client.registry import Collector
 from node import __version__
 from node.ops.metrics import FAILURE_KINDS
 
-ROUND_OUTCOMES = ("averaged", "fell_back", "adopted", "caught_up")
+ROUND_OUTCOMES = ("averaged", "solo", "fell_back", "adopted", "caught_up")
 ALLREDUCE_PHASES = ("reduce_scatter", "all_gather")
 # Rounds last from seconds (a toy model on loopback) to an hour (a large model over a WAN).
 ROUND_DURATION_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
@@ -311,6 +312,8 @@ class PrometheusExporter:
             outcome = "caught_up" if record.get("caught_up") else "adopted"
         elif record["fell_back"]:
             outcome = "fell_back"
+        elif record.get("solo"):  # a round of this node alone: nothing was averaged
+            outcome = "solo"
         self.round_outcomes.labels(outcome=outcome).inc()
 
     # --- the HTTP endpoint ---

@@ -333,7 +333,8 @@ def test_trainer_serves_its_metrics_over_http(tmp_path: Path) -> None:
     assert round_["codec_error"] is None and ("dtnode_codec_error_ratio", ()) not in samples
     assert round_["failures_by_kind"] == {} and round_["bytes_recv_state_sync"] == 0
     assert round_["density"] is None and round_["allreduce_share"] is None  # no all-reduce ran
-    assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 1
+    assert round_["solo"] and value(samples, "dtnode_round_outcomes_total", outcome="solo") == 1
+    assert value(samples, "dtnode_round_outcomes_total", outcome="averaged") == 0
     with pytest.raises(urllib.error.URLError):  # closed with the metrics writer
         scrape(port)
 

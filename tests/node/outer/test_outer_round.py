@@ -8,6 +8,7 @@ the adopted state's own tensors and counters, and the scripted round results.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -372,7 +373,7 @@ def request(round_index: int, lineage_hash: str) -> RoundRequest:
     )
 
 
-def test_the_swarm_side_turns_each_round_result_into_one_decision() -> None:
+def test_the_swarm_side_turns_each_round_result_into_one_decision(caplog: pytest.LogCaptureFixture) -> None:
     num = 64
     vector = torch.linspace(-1, 1, num)
     mean = 0.25 * vector
@@ -426,6 +427,13 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision() -> None:
     )
     assert node.fetched == [canonical.state_id] and outcomes[4].stats.bytes_recv_state_sync == 100
     assert outcomes[4].stats.num_peers == 0
+    # Rounds 2-4 stepped on our own Δ; the adopted state holds none of them: a WARNING names them.
+    discarded = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "discards" in r.getMessage()
+    ]
+    assert len(discarded) == 1 and "discards 3 round(s)" in discarded[0] and "round(s) 2-4" in discarded[0]
     residual = session.error_feedback
     session.after_adopt(adopt.state)
     assert session.num_adoptions == 1 and session.error_feedback is not residual  # fresh residual
