@@ -68,6 +68,11 @@ def data_sha256(data_id: str) -> str:
     return hashlib.sha256(f"dtnode-api-data:{data_id}".encode()).hexdigest()
 
 
+def module_shapes(module: nn.Module) -> str:
+    """The trainable parameters' names and shapes, as text: the module's part of the node's identity."""
+    return ";".join(f"{name}:{tuple(p.shape)}" for name, p in module.named_parameters() if p.requires_grad)
+
+
 @dataclass(frozen=True)
 class RoundReport:
     """One outer round as the loop sees it."""
@@ -159,7 +164,7 @@ class SwarmTrainer:
             settings=RoundSettings(
                 inner_steps=config.inner.steps, round_seconds=config.rounds.seconds,
                 model=f"api:{type(module).__name__}", corpus_sha256=self.corpus_sha256,
-                rank=config.corpus.rank,
+                rank=config.corpus.rank, architecture=module_shapes(module),
             ),
             data=self._data,
             stop_requested=self._stop.is_set,

@@ -115,6 +115,15 @@ class ModelConfig:
             return self.mlp_hidden_dim
         return _round_up(int(8 * self.dim / 3), 64)
 
+    def architecture(self) -> str:
+        """The shapes this config gives a model, as text (part of a node's identity, which only nodes
+        that can average share: ``node/swarm/state.py``): every field but the sequence length (the
+        RoPE table's only) and the init's scale (an init the swarm's replaces)."""
+        ignored = ("seq_len", "init_std")
+        return repr(
+            [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ignored]
+        )
+
     def num_params(self) -> int:
         """Analytic parameter count of ``GPT(self)``, embeddings included (tied weights counted once)."""
         dim, kv_dim = self.dim, self.resolved_num_kv_heads * self.head_dim

@@ -104,6 +104,7 @@ class RoundSettings:
     model: str  # the model's name in the served state (a preset, or "api:<Module>")
     corpus_sha256: str  # the data identity a joiner is checked against
     rank: int | None = None  # this node's place in the swarm's member order, fixed by its run
+    architecture: str = ""  # the model's shapes as text (its config, or the module's parameters): identity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +242,7 @@ class OuterRound:
                 open_streams=self.open_streams,
                 identity=run_identity(
                     model=self.settings.model,
+                    architecture=self.settings.architecture,
                     num_elements=self.diloco.num_elements,
                     corpus_sha256=self.settings.corpus_sha256,
                 ),

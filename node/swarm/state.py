@@ -73,12 +73,13 @@ def state_snapshot(
     )
 
 
-def run_identity(*, model: str, num_elements: int, corpus_sha256: str) -> str:
+def run_identity(*, model: str, architecture: str, num_elements: int, corpus_sha256: str) -> str:
     """What a node trains, as the opaque digest its DHT record carries (``PeerRecord.identity``):
-    the model's name and size and the data identity (the corpus and tokenizer's SHA-256, or an API
-    user's ``data_id``). Nodes of different identities never share a round or a state; the init is
-    not part of it: a fresh node whose round-0 params differ from the swarm's takes the swarm's."""
-    text = f"dtnode-identity:v1\0{model}\0{num_elements}\0{corpus_sha256}"
+    the model's name, architecture (its shapes, as text) and size, and the data identity (the corpus
+    and tokenizer's SHA-256, or an API user's ``data_id``). Nodes of different identities never share
+    a round or a state; the init is not part of it: a fresh node whose round-0 params differ from the
+    swarm's takes the swarm's."""
+    text = f"dtnode-identity:v1\0{model}\0{architecture}\0{num_elements}\0{corpus_sha256}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

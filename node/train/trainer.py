@@ -126,7 +126,7 @@ class Trainer:
             settings=RoundSettings(
                 inner_steps=config.inner.steps, round_seconds=config.rounds.seconds, overlap=config.outer.overlap,
                 model=config.architecture.preset, corpus_sha256=self.corpus.sha256,
-                rank=config.corpus.rank,
+                rank=config.corpus.rank, architecture=self.model_config.architecture(),
             ),
             data=self.batches,
             stop_requested=self._stop.is_set,
