@@ -7,16 +7,17 @@ the placeholder peer id ``12D3KooWA…`` in B's ``--peers`` the one A printed. T
 (a nano model for 2 rounds of a few steps on a small text file) and the run dirs come from
 ``DTNODE_*`` variables, which flags outrank, so no flag of the walkthrough is changed.
 
-The network is what the walkthrough describes:
+The network is what the walkthrough describes, with the kernel's NAT (iptables in the namespaces):
 
-- A's provider maps public ports 40100 and 40101 to A's 7000 and 7001: a user-space port forward
-  (``scripts/tools/port_forward.py``) on A, and B's uplink drops every packet to A's 7000 and 7001,
-  so every byte B exchanges with A goes through the outside ports A announces;
-- B is a laptop nobody can connect to: its uplink drops every SYN-ACK it would send (no TCP
-  connection toward it can open), and its node listens on no port anyway (checked from /proc).
+- A's provider maps public ports 40100 and 40101 to A's 7000 and 7001: DNAT rules on A's uplink, and
+  A's 7000 and 7001 drop every connection from outside that did not come through them, so every byte
+  B exchanges with A goes through the outside ports A announces;
+- B is a laptop behind a home router: B's namespace has a private address (192.168.77.2) behind host
+  1 of the emulator, which masquerades it and forwards nothing in, so nobody has a route to B at
+  all; B's node listens on no port anyway (checked from /proc).
 
 Both nodes must be in both rounds (B's peer id among the members of each of A's rounds), end on one
-param_hash each round, and the forward must have carried B's connections to both outside ports.
+param_hash each round, and A's DNAT rules must have carried connections to both outside ports.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.swarm.test_client_mode_nat import refuse_inbound, tcp_connects
 from tests.node.swarm_cluster import REPO_ROOT, Node, fork_node, tail, wait_for
 from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
-from tests.scripts.script_loader import load_script, script_path
+from tests.scripts.script_loader import load_script
 
 wan_emulator = load_script("wan_emulator")
-_reason = wan_emulator.unavailable_reason()
+IPTABLES = shutil.which("iptables", path="/usr/sbin:/sbin:/usr/bin:/bin")
+_reason = wan_emulator.unavailable_reason() or (None if IPTABLES else "the walkthrough's NAT needs iptables")
+LAN = ("192.168.77.1", "192.168.77.2")  # B's home network: its router's side, the laptop
 
 DOC_ADDRESS = "203.0.113.7"
 DOC_PEER_ID = "12D3KooWA…"
@@ -81,33 +83,111 @@ def test_the_walkthrough_block_is_what_the_run_below_expects() -> None:
     assert "--client-mode" in commands["B"][0] and DOC_PEER_ID in commands["B"][0]
 
 
-def block_ports(wan: object, source: int, destination: int, ports: list[int]) -> None:
-    """Host ``source`` drops every packet it sends to ``destination``'s TCP ``ports`` (the black hole)."""
-    address = wan.address(destination)  # type: ignore[attr-defined]
-    for port in ports:
-        match = ["match", "ip", "dst", f"{address}/32", "match", "ip", "protocol", "6", "0xff",
-                 "match", "ip", "dport", str(port), "0xffff"]  # fmt: skip
-        subprocess.run(
-            ["ip", "netns", "exec", wan.namespace(source), "tc", "filter", "add", "dev", "eth0",  # type: ignore[attr-defined]
-             "parent", "1:", "protocol", "ip", "prio", "6", "u32", *match, "flowid", "1:2"],
-            check=True, timeout=20,
-        )  # fmt: skip
-
-
-def connects_to_port(wan: object, source: int, destination: int, port: int) -> bool:
-    """Whether host ``source`` opens a TCP connection to ``destination:port`` within 2 s."""
-    probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)"
+def netns_run(namespace: str, *argv: str) -> str:
     done = subprocess.run(
-        ["ip", "netns", "exec", wan.namespace(source), sys.executable, "-c", probe,  # type: ignore[attr-defined]
-         wan.address(destination), str(port)],  # type: ignore[attr-defined]
-        capture_output=True, timeout=20,
-    )  # fmt: skip
-    return done.returncode == 0
+        ["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, f"{argv}: {done.stderr}"
+    return done.stdout
+
+
+def provider_port_mapping(namespace: str, address: str) -> None:
+    """``address`` (the host in ``namespace``) is reached at FORWARDED's outside ports through DNAT on
+    its uplink, and from outside not at the inside ports themselves."""
+    assert IPTABLES is not None
+    for outside, inside in FORWARDED.items():
+        netns_run(namespace, IPTABLES, "-t", "nat", "-A", "PREROUTING", "-i", "eth0", "-p", "tcp", "-d", address,
+                  "--dport", str(outside), "-j", "DNAT", "--to-destination", f"{address}:{inside}")  # fmt: skip
+    inside_ports = ",".join(str(port) for port in FORWARDED.values())
+    netns_run(namespace, IPTABLES, "-A", "INPUT", "-i", "eth0", "-p", "tcp", "-m", "multiport", "--dports",
+              inside_ports, "-m", "conntrack", "!", "--ctstate", "DNAT", "-j", "DROP")  # fmt: skip
+
+
+def home_router(router: str, lan: str) -> None:
+    """Put the new namespace ``lan`` behind ``router`` on a private network that ``router`` masquerades
+    on its uplink and forwards nothing into."""
+    assert IPTABLES is not None
+    subprocess.run(["ip", "netns", "add", lan], check=True, timeout=20)
+    for argv in (
+        ["ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", lan],
+        ["ip", "-n", router, "addr", "add", f"{LAN[0]}/24", "dev", "lan0"],
+        ["ip", "-n", router, "link", "set", "lan0", "up"],
+        ["ip", "-n", lan, "addr", "add", f"{LAN[1]}/24", "dev", "eth0"],
+        ["ip", "-n", lan, "link", "set", "eth0", "up"],
+        ["ip", "-n", lan, "link", "set", "lo", "up"],
+        ["ip", "-n", lan, "route", "add", "default", "via", LAN[0]],
+    ):
+        subprocess.run(argv, check=True, timeout=20, capture_output=True)
+    netns_run(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    netns_run(
+        router,
+        IPTABLES,
+        "-t",
+        "nat",
+        "-A",
+        "POSTROUTING",
+        "-o",
+        "eth0",
+        "-s",
+        f"{LAN[1]}/32",
+        "-j",
+        "MASQUERADE",
+    )
+
+
+def remove_namespace(name: str) -> None:
+    """Kill what still runs in namespace ``name`` and delete it (its veth goes with it)."""
+    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=20)
+    for pid in listed.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # exited meanwhile
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+LISTEN_ONCE = (
+    "import socket, sys\n"
+    "s = socket.create_server(('0.0.0.0', int(sys.argv[1]))); s.settimeout(8)\n"
+    "print('listening', flush=True)\n"
+    "try:\n    s.accept()\nexcept OSError:\n    pass\n"
+)
+CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)"
+
+
+def connects(source: str, target: str, listen_port: int, host: str, port: int) -> bool:
+    """Whether a process in namespace ``source`` opens a TCP connection to ``host:port`` while one in
+    namespace ``target`` listens on ``listen_port``."""
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", target, sys.executable, "-c", LISTEN_ONCE, str(listen_port)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert listener.stdout is not None and listener.stdout.readline().strip() == b"listening"
+        probe = subprocess.run(
+            ["ip", "netns", "exec", source, sys.executable, "-c", CONNECT, host, str(port)],
+            capture_output=True, timeout=20,
+        )  # fmt: skip
+        return probe.returncode == 0
+    finally:
+        listener.kill()
+        listener.wait(10)
+
+
+def dnat_connections(namespace: str) -> dict[int, int]:
+    """Connections each DNAT rule of ``namespace`` let in (the nat table sees a connection's first packet)."""
+    assert IPTABLES is not None
+    listing = netns_run(namespace, IPTABLES, "-t", "nat", "-L", "PREROUTING", "-v", "-n", "-x")
+    counts = {}
+    for line in listing.splitlines():
+        if "DNAT" in line and (port := re.search(r"dpt:(\d+)", line)):
+            counts[int(port[1])] = int(line.split()[0])
+    return counts
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(_reason is not None, reason=_reason or "")
-def test_the_readme_walkthrough_runs_as_written_behind_a_port_forward_and_a_nat(tmp_path: Path) -> None:
+def test_the_readme_walkthrough_runs_as_written_behind_a_port_mapping_and_a_nat(tmp_path: Path) -> None:
     commands = walkthrough_commands()
     corpus = tmp_path / "text.txt"
     corpus.write_text((REPO_ROOT / "node" / "config.py").read_text() * 8)
@@ -116,40 +196,39 @@ def test_the_readme_walkthrough_runs_as_written_behind_a_port_forward_and_a_nat(
         directory.mkdir()
     nodes: list[Node] = []
     with wan_emulator.WanEmulator(2, None, name_prefix="dtwalk") as wan:
-        a_address = wan.address(0)
-        forward = wan.popen(
-            0,
-            [sys.executable, str(script_path("port_forward")),
-             *(f"{a_address}:{outside}=127.0.0.1:{inside}" for outside, inside in FORWARDED.items())],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+        a_namespace, a_address, router = wan.namespace(0), wan.address(0), wan.namespace(1)
+        laptop = f"{wan.run_name}-lan"  # B's namespace behind its router (host 1)
+        namespaces = {"A": a_namespace, "B": laptop}
         try:
-            assert forward.stdout is not None
-            for _ in FORWARDED:
-                assert forward.stdout.readline().startswith("forwarding "), "the port forward did not start"
-            block_ports(wan, 1, 0, list(FORWARDED.values()))  # B reaches A through the outside ports only
-            refuse_inbound(wan, 1)  # nobody can connect to B
-            assert not tcp_connects(wan, 0, 1), "B must refuse inbound connections"
-            assert tcp_connects(wan, 1, 0), "B must still open connections itself"
+            provider_port_mapping(a_namespace, a_address)
+            home_router(router, laptop)
+            # The network is as described, before any node runs:
+            assert connects(laptop, a_namespace, 7000, a_address, 40100), "A's mapped port must be reachable"
+            assert not connects(laptop, a_namespace, 7000, a_address, 7000), "A's inside port must be closed"
+            assert not connects(a_namespace, laptop, 7000, LAN[1], 7000), "nobody may have a route to B"
+            assert not connects(a_namespace, laptop, 7000, wan.address(1), 7000), (
+                "B's router forwards nothing"
+            )
+            netns_run(a_namespace, str(IPTABLES), "-t", "nat", "-Z", "PREROUTING")  # count the run's only
 
-            def run(machine: str, index: int, command: str, log_name: str) -> Node:
-                command = command.replace(DOC_ADDRESS, wan.address(0))
+            def run(machine: str, command: str, log_name: str) -> Node:
+                command = command.replace(DOC_ADDRESS, a_address)
                 argv = shlex.split(command)
                 assert argv[0] == "dtnode"
                 env = dict(os.environ, **RUN_SIZE, DTNODE_DATA=str(corpus))
                 env["DTNODE_RUN_DIR"] = str(machines[machine] / "run")
                 log_path = tmp_path / log_name
                 process = fork_node(
-                    argv[1:], log_path, netns=wan.namespace(index), env=env, cwd=machines[machine]
+                    argv[1:], log_path, netns=namespaces[machine], env=env, cwd=machines[machine]
                 )
                 node = Node(name=f"{machine}: {command}", run_dir=machines[machine] / "run",
                             process=process, log_path=log_path, argv=argv)  # fmt: skip
                 nodes.append(node)
                 return node
 
-            keygen = run("A", 0, commands["A"][0], "a-keygen.log")
+            keygen = run("A", commands["A"][0], "a-keygen.log")
             assert keygen.wait(60) == 0, tail(keygen)
-            a_node = run("A", 0, commands["A"][1], "a.log")
+            a_node = run("A", commands["A"][1], "a.log")
             join_line = re.compile(r"dtnode join --name demo --peers (\S+)")
             wait_for(lambda: join_line.search(a_node.log()) is not None, 60, "A's join command", a_node)
             printed = join_line.search(a_node.log())
@@ -161,18 +240,18 @@ def test_the_readme_walkthrough_runs_as_written_behind_a_port_forward_and_a_nat(
 
             shutil.copy2(machines["A"] / "swarm.key", machines["B"] / "swarm.key")  # "over a secure channel"
             b_command = commands["B"][0].replace(DOC_PEER_ID, peer_id)
-            b_node = run("B", 1, b_command, "b.log")
+            b_node = run("B", b_command, "b.log")
             wait_for(lambda: "in client mode" in b_node.log(), 60, "B's banner", b_node)
             assert listening_tcp_sockets(processes_in_groups([b_node.process.pid])) == [], tail(b_node)
 
             deadline = time.monotonic() + 180
             codes = [node.wait(max(deadline - time.monotonic(), 0.1)) for node in (a_node, b_node)]
             assert codes == [0, 0], f"{tail(a_node)}\n{tail(b_node)}"
+            mapped = dnat_connections(a_namespace)
         finally:
             for node in nodes:
                 node.signal(signal.SIGKILL)
-            forward.send_signal(signal.SIGTERM)
-            forwarded, _ = forward.communicate(timeout=20)
+            remove_namespace(laptop)
 
     b_id = b_node.identity()["peer_id"]
     a_rounds, b_rounds = a_node.records(), b_node.records()
@@ -181,14 +260,10 @@ def test_the_readme_walkthrough_runs_as_written_behind_a_port_forward_and_a_nat(
         assert a_round["peers"] == b_round["peers"] == 2, (a_round, b_round)
         assert b_id in a_round["members"] and not a_round["fell_back"] and not b_round["adopted"]
         assert a_round["param_hash"] == b_round["param_hash"]
-    b_address = wan.address(1)
-    for outside in FORWARDED:  # B's connections came in through both outside ports
-        assert re.search(rf"{re.escape(a_address)}:{outside}: {re.escape(b_address)}:\d+ ->", forwarded), (
-            forwarded
-        )
-    print(f"walkthrough: A {a_node.identity()['peer_id']} at {a_address}:40100/40101, B {b_id} (client)")
+    assert all(mapped.get(outside, 0) > 0 for outside in FORWARDED), mapped  # B came in through both
+    print(f"walkthrough: A {peer_id} at {a_address}:40100/40101, B {b_id} (client, behind a NAT)")
     for a_round in a_rounds:  # B's are equal (asserted above)
         print(
             f"round {a_round['round']}: peers {a_round['peers']}, param_hash {a_round['param_hash'][:12]} on both"
         )
-    print(f"forwarded connections from B: {len(re.findall(re.escape(b_address) + ':', forwarded))}")
+    print(f"connections through A's port mapping: {mapped}")
