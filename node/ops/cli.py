@@ -31,7 +31,7 @@ from node import __version__
 from node.config import ConfigError, NodeConfig, layered_values, load_config
 from node.data.tokenizer import add_tokenizer_command
 from node.ops.bootstrap import BOOTSTRAP_SETTINGS
-from node.ops.cli_errors import EXIT_USAGE, OneLineParser, error_line
+from node.ops.cli_errors import EXIT_USAGE, OneLineParser, choices_text, error_line
 from node.ops.cli_flags import add_config_flags
 from node.ops.logs import configure_logging
 
@@ -268,9 +268,11 @@ def log_run_summary(config: NodeConfig, *, started: float) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the planner's choice; a model or memory that cannot work is a user mistake (exit 2)."""
-    from node.model.gpt import model_config
+    from node.model.gpt import MODEL_PRESETS, model_config
     from node.parallel.plan import plan_layout, render_plan
 
+    if args.model not in MODEL_PRESETS:
+        return user_mistake("plan", f"--model: {choices_text(MODEL_PRESETS, args.model)}")
     try:
         config = model_config(args.model)
         plan = plan_layout(

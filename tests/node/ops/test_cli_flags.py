@@ -116,6 +116,10 @@ def test_the_full_flag_parses() -> None:
         ),
         (["join", "--inner-steps", "x"], "dtnode join: error: --inner-steps: must be an int, got 'x'"),
         (["join", "--inner-lr", "fast"], "dtnode join: error: --inner-lr: must be a float, got 'fast'"),
+        (
+            ["plan", "--model", "nanoo", "--gpus", "1", "--gpu-mem", "1"],
+            "dtnode plan: error: --model: must be one of nano, tiny, small, 350m, 1b, 7b, got 'nanoo' (did you mean nano?)",
+        ),
     ],
 )
 def test_an_error_names_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
