@@ -82,6 +82,7 @@ def _check_choices(section: object, *names: str) -> None:
         if value not in allowed:
             raise ConfigError(
                 f"{_flat_name(section, name)} must be one of {', '.join(allowed)}, got {value!r}"
+                f"{config_layers.nearest(str(value), allowed)}"
             )
 
 
@@ -171,7 +172,10 @@ class ArchitectureConfig:
 
         if self.preset not in MODEL_PRESETS:
             flat = _flat_name(self, "preset")
-            raise ConfigError(f"{flat} must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
+            raise ConfigError(
+                f"{flat} must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}"
+                f"{config_layers.nearest(self.preset, MODEL_PRESETS)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,10 +74,10 @@ def coerce(key: str, value: Any, source: str, kind: type, *, typed: bool = False
 def check_keys(keys: Collection[str], types: Types, source: str) -> None:
     unknown = sorted(set(keys) - set(types))
     if unknown:
-        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}{_nearest(unknown[0], types)}")
+        raise ConfigError(f"{source}: unknown setting(s): {', '.join(unknown)}{nearest(unknown[0], types)}")
 
 
-def _nearest(key: str, known: Collection[str]) -> str:
+def nearest(key: str, known: Collection[str]) -> str:
     """`` (did you mean X?)`` for the known key closest to a typo'd one, if one is close."""
     close = difflib.get_close_matches(key, list(known), n=1)
     return f" (did you mean {close[0]}?)" if close else ""
@@ -110,7 +110,7 @@ def read_toml(path: str | Path, types: Types, sections: Sections) -> dict[str, A
         unknown = sorted(key for key in table if key not in names)
         if unknown:
             listed = ", ".join(f"[{section}] {key}" for key in unknown)
-            raise ConfigError(f"{path}: unknown setting(s): {listed}{_nearest(unknown[0], names)}")
+            raise ConfigError(f"{path}: unknown setting(s): {listed}{nearest(unknown[0], names)}")
         for key, value in table.items():
             name = names[key]
             if name in values:

@@ -108,7 +108,7 @@ def test_the_full_flag_parses() -> None:
         ),
         (
             ["join", "--model", "nanoo"],
-            "dtnode join: error: --model: must be one of nano, tiny, small, 350m, 1b, 7b, got 'nanoo'",
+            "dtnode join: error: --model: must be one of nano, tiny, small, 350m, 1b, 7b, got 'nanoo' (did you mean nano?)",
         ),
         (
             ["join", "--lr-schedule", "linear"],
