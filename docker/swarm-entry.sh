@@ -16,8 +16,13 @@
 #   own container address. If the bootstrap is unreachable the join fails and exits non-zero; the
 #   compose file restarts it.
 #
-# Every node's run directory (metrics.jsonl, checkpoints, identity.key) is
-# $SWARM_RUNS/<container host name>.
+# Every node's run directory (metrics.jsonl, checkpoints, identity.key) is in the volume: the
+# bootstrap's $SWARM_RUNS/bootstrap, a worker's $SWARM_RUNS/worker-<slot>. A worker takes the lowest
+# slot no running worker holds: it locks $SWARM_RUNS/worker-<slot>.lock (flock) and keeps the lock
+# open for as long as its node runs (the descriptor stays open across exec; the kernel drops the
+# lock when the process dies, however it dies). So N workers use worker-1..worker-N whatever their
+# container names, a worker killed and restarted takes its run dir back (the others hold theirs)
+# and resumes from its checkpoint, and `down` / `up` finds the same run dirs instead of new ones.
 # The training settings come from DTNODE_* variables (see `dtnode join --help`).
 set -eu
 
@@ -26,6 +31,7 @@ role="${1:?$usage}"
 shift
 runs="${SWARM_RUNS:-/runs}"
 wait_seconds="${SWARM_WAIT_SECONDS:-180}"
+max_slots="${SWARM_MAX_WORKERS:-64}"
 grpc_port=7000
 dht_port=7001
 host_name="$(cat /etc/hostname)"
@@ -33,6 +39,7 @@ bootstrap_json="$runs/bootstrap/node.json"
 
 case "$role" in
   bootstrap)
+    echo "$runs/bootstrap" >/tmp/dtnode-run-dir
     exec dtnode join --run-dir "$runs/bootstrap" --listen "0.0.0.0:$grpc_port" \
       --dht-listen "0.0.0.0:$dht_port" --announce "$host_name" \
       --identity-path "$runs/bootstrap/identity.key" "$@"
@@ -57,9 +64,25 @@ case "$role" in
     [ -n "$peers" ] || { echo "dtnode-swarm-entry: no multiaddrs in $bootstrap_json" >&2; exit 1; }
     # The address other containers reach this one at (its entry in the compose network's DNS).
     address="$(python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))')"
-    exec dtnode join --run-dir "$runs/$host_name" --listen "0.0.0.0:$grpc_port" \
+    slot=1
+    while :; do
+      exec 9>"$runs/worker-$slot.lock"
+      if flock --nonblock 9; then
+        break
+      fi
+      exec 9>&-
+      slot=$((slot + 1))
+      if [ "$slot" -gt "$max_slots" ]; then
+        echo "dtnode-swarm-entry: all $max_slots worker slots in $runs are held by running workers" >&2
+        exit 1
+      fi
+    done
+    run_dir="$runs/worker-$slot"
+    echo "dtnode-swarm-entry: worker slot $slot (run dir $run_dir)" >&2
+    echo "$run_dir" >/tmp/dtnode-run-dir  # for `docker exec`: which run dir this container's node has
+    exec dtnode join --run-dir "$run_dir" --listen "0.0.0.0:$grpc_port" \
       --dht-listen "0.0.0.0:$dht_port" --announce "$address" --peers "$peers" \
-      --identity-path "$runs/$host_name/identity.key" "$@"
+      --identity-path "$run_dir/identity.key" "$@"
     ;;
   *)
     echo "dtnode-swarm-entry: unknown role '$role'; $usage" >&2

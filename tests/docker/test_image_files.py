@@ -1,6 +1,8 @@
 """The image and compose files agree with the CLI, checked without a Docker engine: the HEALTHCHECK
-is a ``dtnode`` command the parser accepts, the node runs as a non-root user, the ports the image
-sets are the ones it exposes, and compose workers wait for a healthy bootstrap."""
+is a ``dtnode`` command the parser accepts, the node runs as a non-root user with its run dir in a
+volume, the ports the image sets are the ones it exposes, compose workers wait for a healthy
+bootstrap and take stable run dirs, every node holds the swarm-key secret, and compose's
+Prometheus scrapes every node service at the metrics port."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import json
 import re
 from pathlib import Path
 
+import yaml
+
+from node.config import NodeConfig
 from node.ops.cli import build_parser
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
@@ -34,17 +39,68 @@ def test_the_healthcheck_is_dtnode_health() -> None:
 def test_the_node_runs_as_a_user_and_exposes_its_ports() -> None:
     ((_, user),) = instructions("USER")
     assert user.split(":")[0] not in ("root", "0")
-    env = dict(re.findall(r"(DTNODE_\w+)=(\S+)", " ".join(rest for _, rest in instructions("ENV"))))
+    env = image_env()
     ports = {int(env[key].rpartition(":")[2]) for key in ("DTNODE_LISTEN", "DTNODE_DHT_LISTEN")}
     ports.add(int(env["DTNODE_METRICS_PORT"]))
     ((_, exposed),) = instructions("EXPOSE")
     assert {int(port) for port in exposed.split()} == ports == {7000, 7001, 9400}
 
 
-def test_compose_workers_wait_for_a_healthy_bootstrap() -> None:
-    compose = (DOCKER / "docker-compose.yml").read_text()
-    worker = compose[compose.index("\n  worker:") :]
-    assert re.search(r"\n    depends_on:\n      bootstrap:\n        condition: service_healthy\n", worker)
+def image_env() -> dict[str, str]:
+    return dict(re.findall(r"(DTNODE_\w+)=(\S+)", " ".join(rest for _, rest in instructions("ENV"))))
+
+
+def test_the_run_dir_is_in_a_volume_and_metrics_serve_the_container() -> None:
+    ((_, volume),) = instructions("VOLUME")
+    env = image_env()
+    assert env["DTNODE_RUN_DIR"].startswith(volume.strip() + "/")  # checkpoints outlive the container
+    # Every setting the image sets is one the node accepts (the metrics endpoint on every interface
+    # of the container's own network namespace: loopback would be unreachable from Prometheus).
+    flat = {key.removeprefix("DTNODE_").lower(): value for key, value in env.items()}
+    config = NodeConfig.from_flat(**{k: int(v) if v.isdigit() else v for k, v in flat.items()})
+    assert config.metrics.listen == "0.0.0.0" and config.metrics.port == 9400
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+
+
+def test_compose_workers_wait_for_a_healthy_bootstrap_and_take_stable_run_dirs() -> None:
+    services = compose()["services"]
+    assert services["worker"]["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     entry = (DOCKER / "swarm-entry.sh").read_text()
     # The bootstrap and every worker keep their peer id in their run dir.
-    assert len(re.findall(r'--identity-path "\$runs/[^"]+/identity\.key"', entry)) == 2
+    assert len(re.findall(r'--identity-path "\$(runs/bootstrap|run_dir)/identity\.key"', entry)) == 2
+    # A worker's run dir is a slot it holds a lock on, never its (random) container host name.
+    assert 'run_dir="$runs/worker-$slot"' in entry and "flock --nonblock 9" in entry
+    assert "$host_name/" not in entry
+
+
+def test_compose_gives_every_node_the_swarm_key_and_publishes_on_loopback() -> None:
+    spec = compose()
+    services = spec["services"]
+    assert spec["secrets"]["swarm_key"]["file"]
+    for name in ("bootstrap", "worker"):
+        service = services[name]
+        assert service["secrets"] == ["swarm_key"]
+        assert service["environment"]["DTNODE_SWARM_KEY_FILE"] == "/run/secrets/swarm_key"
+        assert "runs:/runs" in service["volumes"]
+    published = [port for service in services.values() for port in service.get("ports", [])]
+    assert published and all(port.startswith("${SWARM_PUBLISH_HOST:-127.0.0.1}:") for port in published)
+
+
+def test_compose_prometheus_scrapes_every_node_service() -> None:
+    services = compose()["services"]
+    config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (discovery,) = job["dns_sd_configs"]
+    node_services = {
+        name for name, service in services.items() if service.get("entrypoint") == ["dtnode-swarm-entry"]
+    }
+    assert set(discovery["names"]) == node_services == {"bootstrap", "worker"}
+    assert discovery["port"] == int(image_env()["DTNODE_METRICS_PORT"])
+    mounted = {volume.split(":")[1]: volume.split(":")[0] for volume in services["prometheus"]["volumes"]}
+    assert mounted["/etc/prometheus/dtnode.yml"] == "./prometheus.yml"
+    (rules,) = config["rule_files"]
+    assert (DOCKER / mounted[rules]).is_file()
+    assert "--config.file=/etc/prometheus/dtnode.yml" in services["prometheus"]["command"]
