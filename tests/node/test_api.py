@@ -261,6 +261,32 @@ def test_a_fresh_node_of_another_seed_takes_the_swarms_init_with_a_warning(
         first.close()
 
 
+def test_two_api_nodes_behind_the_start_barrier_read_disjoint_shards_from_the_first_step(
+    tmp_path: Path,
+) -> None:
+    """start_peers=2: the barrier assigns each node its shard before its first step (the user's loop
+    reads ``swarm.shard`` for its first batch), where both read shard (0, 1) in round 1 before."""
+    name = f"api-shards-{uuid.uuid4().hex[:10]}"
+    first_model, _ = fresh_model()
+    trainers: dict[str, SwarmTrainer] = {}
+    first = SwarmTrainer(first_model, config=api_config(name=name, start_peers=2, run_dir=str(tmp_path / "a"),
+                                                        inner_steps=4, **FAST), data_id="toy")  # fmt: skip
+    try:
+        starter = threading.Thread(target=first.start)  # holds at the barrier until the second is live
+        starter.start()
+        second = join_swarm(fresh_model()[0], run_name=name, data_id="toy", start_peers=2, inner_steps=4,
+                            run_dir=str(tmp_path / "b"), peers=loopback_address(tmp_path / "a"), **FAST)  # fmt: skip
+        trainers["second"] = second
+        starter.join(120)
+        assert not starter.is_alive()
+        assert sorted([first.shard, second.shard]) == [(0, 2), (1, 2)]
+        assert first.num_steps == second.num_steps == 0  # before the first step
+    finally:
+        first.close()
+        for trainer in trainers.values():
+            trainer.close()
+
+
 def test_options_are_node_config_fields() -> None:
     assert api_config(codec="int4", min_peers=3).rounds.codec == "int4"
     with pytest.raises(ConfigError, match="unknown setting"):
