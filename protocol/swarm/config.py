@@ -16,8 +16,10 @@ from protocol.membership.config import RoundConfig
 from protocol.membership.records import check_address, check_rate, check_token
 from protocol.statesync.config import StateSyncConfig
 
-PROTOCOL_VERSION: Final = 1
-"""The membership / all-reduce / state-sync protocol this code speaks; peers of other versions are ignored."""
+PROTOCOL_VERSION: Final = 2
+"""The membership / all-reduce / state-sync protocol this code speaks; peers of other versions are ignored.
+2: a group's members are in the member order (by rank, then peer id), no longer by peer id alone, and
+records carry the node's identity digest (issue 31)."""
 
 WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", ""})
 
