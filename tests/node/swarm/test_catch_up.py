@@ -186,6 +186,9 @@ class SwarmOfOne:
     def set_identity(self, identity: str, *, rank: int | None) -> None:
         self.identity = (identity, rank)  # what the session says it trains (SwarmNode.set_identity)
 
+    def advertise_rate(self, tokens_per_s: float) -> None:
+        pass  # nobody reads a swarm of one's record
+
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
     ) -> RoundResult:
