@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from node.data.documents import stdlib_root
 from node.ops.metrics import read_metrics
 from scripts.common import ForkedProcess, exit_as_the_interpreter_would
 from scripts.tools.wan_emulator import enter_network_namespace
@@ -32,13 +33,19 @@ from tests.forking import enter_child, forkserver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# A small corpus for the swarm tests' nodes: the stdlib's email package, a folder of 29 files (0.4 MB) on
+# every machine, split and sharded as the default corpus is. The default (the whole stdlib, 31.5 MB) costs
+# each node ~1 CPU-s to load and to lay out its windows; no swarm test depends on what the text is.
+SMALL_CORPUS = str(stdlib_root() / "email")
+
 # Small and quick: the nano model at 32 tokens a sequence (a third of the CPU of its 128 a step; no swarm
-# test depends on the context length), short inner phases, short windows and leases.
+# test depends on the context length), short inner phases, short windows and leases, the small corpus.
 FAST_FLAGS = (
     "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--threads", "1",
     "--inner-steps", "10", "--log-every", "1000", "--join-window", "5", "--max-wait", "60",
     "--round-deadline", "60", "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0",
     "--eval-every", "1",  # the tests compare every round's eval_loss
+    "--data", SMALL_CORPUS,
 )  # fmt: skip
 
 

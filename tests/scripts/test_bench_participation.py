@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ import pytest
 
 from node.ops.cli import build_parser
 from tests.node.forked_cli import run_cli
+from tests.node.swarm_cluster import SMALL_CORPUS
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script, script_path
 
 bench = load_script("bench_participation")
@@ -160,10 +162,12 @@ def test_freezer_stops_the_node_group_for_one_and_a_half_periods(tmp_path):
 @pytest.mark.timeout(300)
 def test_quick_d_run_reports_the_nodes_own_figures(tmp_path):
     # Forked from a preloaded server, as its launcher and nodes are (tests/node/forked_cli.py): a fresh
-    # interpreter's imports cost about 4 CPU-seconds each, as much as a node's rounds here.
+    # interpreter's imports cost about 4 CPU-seconds each, as much as a node's rounds here. Sequences of
+    # 32 tokens (a third of 128's step) and the small corpus (swarm_cluster.py: ~1 CPU-s less a node).
+    node_args = f"--node-args=--seq-len 32 --data {shlex.quote(SMALL_CORPUS)}"
     completed = run_cli(
-        ["--cases", "d", "--quick", "--node-args=--seq-len 32", "--keep-logs", str(tmp_path)],  # 32 tokens:
-        tmp_path, timeout=280, script=script_path("bench_participation"),  # a third of 128's step
+        ["--cases", "d", "--quick", node_args, "--keep-logs", str(tmp_path)],
+        tmp_path, timeout=280, script=script_path("bench_participation"),
     )  # fmt: skip
     lines = completed.stdout.strip().splitlines()
     assert len(lines) == 3, completed.stdout[-3000:] + completed.stderr[-3000:]

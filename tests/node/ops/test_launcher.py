@@ -25,15 +25,17 @@ from node.ops.cli import build_parser
 from node.ops.launch_config import flags_to_argv, launch_config, node_argv, parse_node_flags
 from node.ops.swarm_report import MetricsTail, hash_agreement
 from tests.node.forked_cli import run_cli, start_cli
-from tests.node.swarm_cluster import REPO_ROOT, wait_for
+from tests.node.swarm_cluster import REPO_ROOT, SMALL_CORPUS, wait_for
 from tests.scripts.script_loader import load_script
 
 # Small and quick (as FAST_FLAGS in swarm_cluster.py), but --threads is left to the launcher. These tests
-# check the launcher, not the model: sequences of 32 tokens make a step a third of nano's default 128.
+# check the launcher, not the model: sequences of 32 tokens make a step a third of nano's default 128, and
+# the small corpus loads in milliseconds, not the default's ~1 CPU-s a node.
 FAST = (
     "--model", "nano", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--inner-steps", "10",
     "--log-every", "1000", "--join-window", "5", "--max-wait", "60", "--round-deadline", "60",
     "--heartbeat", "2", "--record-ttl", "16", "--checkpoint-every", "0", "--eval-every", "1",
+    "--data", SMALL_CORPUS,
 )  # fmt: skip
 
 
