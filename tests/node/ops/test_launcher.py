@@ -167,6 +167,21 @@ def test_each_node_gets_its_own_metrics_port():
     assert ports == [9400, 9401, 9402]
     unset = launch_config(num_nodes=2, node_flags={})
     assert "metrics_port" not in vars(build_parser().parse_args(node_argv(unset, 1, peers="", host=None)[3:]))
+    # On loopback by default (the node's own default); a node on an emulated host (--link-mbit) binds
+    # that host's address, which this machine reaches, unless the user chose --metrics-listen.
+    assert "metrics_listen" not in vars(
+        build_parser().parse_args(node_argv(config, 0, peers="", host=None)[3:])
+    )
+    linked = launch_config(num_nodes=3, node_flags={"metrics_port": 9400, "bandwidth_mbit": 100.0})
+    emulated = build_parser().parse_args(node_argv(linked, 1, peers="", host="10.213.0.2")[3:])
+    assert emulated.metrics_listen == "10.213.0.2" and emulated.metrics_port == 9401
+    chosen = launch_config(
+        num_nodes=2, node_flags={"metrics_port": 9400, "metrics_listen": "0.0.0.0", "bandwidth_mbit": 100.0}
+    )
+    assert (
+        build_parser().parse_args(node_argv(chosen, 1, peers="", host="10.213.0.2")[3:]).metrics_listen
+        == "0.0.0.0"
+    )
 
 
 def test_node_argv_on_an_emulated_host_listens_there_at_the_link_rate():
