@@ -94,8 +94,9 @@ def exit_on_sigterm() -> SignalHandler:
 class ForkedScript:
     """``main(argv)`` of the script run as ``__main__``, in a process forked from a forkserver that imported
     that script (and ``torch._dynamo``, which torch imports at a model's first step) once: a child costs a
-    fork, not a fresh interpreter's imports (~2.5 CPU-s with torch). The server only imports, so each child
-    starts as clean as a fresh ``python SCRIPT`` would. stdout and stderr go to ``log_path``; ``poll``,
+    fork, not a fresh interpreter's imports (~2.5 CPU-s with torch). The server only imports (and then
+    freezes what they made, ``scripts/forkserver_gc.py``: a child's garbage collections skip it), so each
+    child starts as clean as a fresh ``python SCRIPT`` would. stdout and stderr go to ``log_path``; ``poll``,
     ``wait``, ``kill`` and ``returncode`` are ``subprocess.Popen``'s.
 
     Only for the main program: the forkserver is one per process, started with the preload of its first
@@ -103,7 +104,7 @@ class ForkedScript:
 
     def __init__(self, main: Callable[[list[str]], int], argv: list[str], log_path: Path) -> None:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["__main__", "torch._dynamo"])
+        context.set_forkserver_preload(["__main__", "torch._dynamo", "scripts.forkserver_gc"])  # gc last
         self._process = context.Process(target=_run_forked, args=(main, argv, str(log_path)))
         self._process.start()
 

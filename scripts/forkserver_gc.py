@@ -1,5 +1,5 @@
-"""Imported last by a forkserver's preload (tests/forking.py, scripts/tools/chaos.py): what the preload's
-imports made is frozen.
+"""Imported last by a forkserver's preload (tests/forking.py, scripts/tools/chaos.py, scripts/common.py's
+ForkedScript): what the preload's imports made is frozen.
 
 Every process forked from the server inherits torch's, gRPC's, hivemind's and the node's module objects.
 A full garbage collection in a child would walk all of them, and by touching each one copy the memory
