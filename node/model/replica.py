@@ -243,7 +243,7 @@ def build_replica(config: NodeConfig, model_config: ModelConfig, device: torch.d
     if layout is not None and config.outer.overlap and config.rounds.streams > 1:
         # The streams travel on the local ranks' command group, which the inner steps hold meanwhile.
         raise ConfigError(
-            "--overlap with --swarm-streams > 1 needs a node without local workers "
+            "--overlap: does not run with --swarm-streams > 1 on a node with local workers "
             "(the streams of a node with local workers run between inner steps, not alongside them)"
         )
     compile_model = resolve_compile(config.parallel.compile, device, local_workers=layout is not None)

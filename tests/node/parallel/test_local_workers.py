@@ -208,7 +208,7 @@ def test_bf16_autocast_stays_close_to_fp32(
         (["--local-workers", "2", "--pp", "2", "--zero", "3"], "does not run with pipeline stages"),
         (
             ["--local-workers", "2", "--tp", "2", "--overlap", "--swarm-streams", "2"],
-            "--overlap with --swarm-streams",
+            "dtnode join: error: --overlap: does not run with --swarm-streams > 1 on a node with local workers",
         ),
     ],
 )
