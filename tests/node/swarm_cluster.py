@@ -151,6 +151,16 @@ class Node:
         """round -> param_hash after it, for the rounds this node took part in (not adopted)."""
         return {r["round"]: r["param_hash"] for r in self.records() if not r.get("adopted")}
 
+    def averaged_hashes(self) -> dict[int, str]:
+        """round -> param_hash after it, for the rounds this node averaged with others. A node stopped by
+        SIGTERM may end on a round it fell back in alone (its peer left first): that round steps on its
+        own Δ, so its param_hash is its own, not the lineage's."""
+        return {
+            r["round"]: r["param_hash"]
+            for r in self.records()
+            if r["peers"] >= 2 and not r["fell_back"] and not r.get("adopted")
+        }
+
     def identity(self) -> dict[str, Any]:
         return json.loads((self.run_dir / "node.json").read_text())
 

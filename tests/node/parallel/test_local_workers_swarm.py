@@ -103,12 +103,16 @@ def test_nodes_with_and_without_local_workers_share_every_round(tmp_path):
         assert "outer state sharded" not in joiner.log()
         for node in cluster.nodes:
             assert "all-reduce on 2 streams" in node.log(), tail(node)
-        rounds = sorted(set(first.hashes()) & set(parallel.hashes()))
-        assert len(rounds) >= 2 and all(r["peers"] >= 2 for r in parallel.records()), parallel.records()
-        assert_one_lineage([node.hashes() for node in cluster.nodes], rounds)
-        joined = sorted(set(joiner.hashes()) & set(first.hashes()))
-        assert joined, (joiner.hashes(), first.hashes())
-        assert_one_lineage([first.hashes(), joiner.hashes()], joined)
+        # Only a node's last round may fall back alone (its peers left at the SIGTERM first).
+        assert all(r["peers"] >= 2 and not r["fell_back"] for r in parallel.records()[:-1]), (
+            parallel.records()
+        )
+        rounds = sorted(set(first.averaged_hashes()) & set(parallel.averaged_hashes()))
+        assert len(rounds) >= 2, (first.records(), parallel.records())
+        assert_one_lineage([node.averaged_hashes() for node in cluster.nodes], rounds)
+        joined = sorted(set(joiner.averaged_hashes()) & set(first.averaged_hashes()))
+        assert joined, (joiner.records(), first.records())
+        assert_one_lineage([first.averaged_hashes(), joiner.averaged_hashes()], joined)
         losses = [r["eval_loss"] for r in parallel.records()]
         assert losses[-1] < losses[0], losses
 
@@ -147,9 +151,13 @@ def test_streams_on_local_ranks_speak_the_closed_swarms_mutual_tls(tmp_path):
         for node in cluster.nodes:
             node.signal(signal.SIGTERM)
         assert cluster.wait_all(90) == [0, 0], "\n\n".join(tail(n) for n in cluster.nodes)
-        rounds = sorted(set(single.hashes()) & set(parallel.hashes()))
-        assert len(rounds) >= 2, (single.hashes(), parallel.hashes())
-        assert_one_lineage([single.hashes(), parallel.hashes()], rounds)
+        # Only a node's last round may fall back alone (its peer left at the SIGTERM first); such a round
+        # steps on the node's own Δ, so the lineage is compared over the rounds both averaged.
+        for node in cluster.nodes:
+            assert all(r["peers"] == 2 and not r["fell_back"] for r in node.records()[:-1]), node.records()
+        rounds = sorted(set(single.averaged_hashes()) & set(parallel.averaged_hashes()))
+        assert len(rounds) >= 2, (single.records(), parallel.records())
+        assert_one_lineage([single.averaged_hashes(), parallel.averaged_hashes()], rounds)
         shared = [r for r in parallel.records() if r["round"] in rounds]
         assert all(r["peers"] == 2 and not r["fell_back"] and r["streams"] == 2 for r in shared), shared
 
