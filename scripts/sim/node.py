@@ -1,0 +1,668 @@
+"""One simulated daemon: the life of a ``dtnode join`` process, driving the product's own decisions.
+
+A node trains an inner phase, forms the next round, runs (a model of) the all-reduce or learns that
+it missed the round, re-syncs, and trains again, as ``node/swarm/session.py`` and
+``protocol/swarm/node.py`` sequence it. Every decision is the product's, called as the daemon calls
+it; the simulator only supplies time, the DHT, links and faults:
+
+==========================================  ================================================
+daemon                                      here
+==========================================  ================================================
+``RoundDriver.form`` (protocol/swarm/        one ``RoundFormation`` per round, built with the
+driver.py): ``start``, ``on_view`` every     daemon's ``SwarmConfig.rounds``; views every
+``view_refresh``, ``tick`` at                ``view_refresh``, a tick at ``next_deadline``, each
+``next_deadline``, ``on_message``            message at its arrival; ``Send`` / ``Publish`` /
+                                             outcomes executed as the driver executes them
+``SwarmRegistry`` heartbeat and TTL          ``SimulatedDht`` stores every ``heartbeat`` with
+                                             ``expires_at = now + record_ttl``; a tombstone on leave
+``SwarmNode._await_group_published``         the same wait, on the simulated view
+``await_lineage_past`` after a missed round  ``decide_lineage`` polled up to ``missed_round_wait``
+``SwarmSession._fetch_canonical``            catch-up with the rounds' means when at most
+                                             ``MAX_CATCH_UP_ROUNDS`` behind and not stepped alone,
+                                             else the whole state; announced (``syncing`` record)
+``OuterRound._phase_due`` / ``peer_due``     ``peer_due`` itself, on a stand-in of ``SwarmNode``
+``SwarmSession.phase_should_end``            ``rejoin_due`` itself
+``Prefetch`` (a fresh joiner)                ``decide_lineage`` on the view, then the fetch
+==========================================  ================================================
+
+Time a node spends training counts as compute; the rest of its wall time (forming, the all-reduce,
+fetching, waiting) does not: ``compute utilization`` is their ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from node.outer.seam import MAX_DUE_WAIT
+from node.swarm.catch_up import rejoin_due
+from node.swarm.session import MAX_CATCH_UP_ROUNDS
+from protocol.codecs import Codec
+from protocol.membership.actions import (
+    Action,
+    GroupMemberLost,
+    MissedRound,
+    Outcome,
+    Publish,
+    Resync,
+    RoundFailed,
+    Send,
+    StartAllReduce,
+    reply_without_formation,
+)
+from protocol.membership.lineage import Lineage, decide_lineage
+from protocol.membership.messages import GroupSpec, Message
+from protocol.membership.records import PeerRecord, SwarmView
+from protocol.membership.rounds import RoundFormation
+from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
+from protocol.swarm.participation import missed_round_wait, peer_due
+from scripts.sim.allreduce_cost import MemberTraffic, part_payload_bytes
+from scripts.sim.dht import SimulatedDht
+from scripts.sim.events import Event, EventQueue
+from scripts.sim.groups import AllReduces, LineageTree, Origin, derived_hash
+from scripts.sim.links import LinkProfile, Network
+from scripts.sim.settings import SimSettings
+
+INIT_HASH = derived_hash("the run's seeded init")
+"""The round-0 params every node of the run starts from (``dtnode swarm`` seeds them alike)."""
+STATE_BYTES_PER_NUMBER = 8
+"""A whole state fetch: fp32 global params and fp32 outer momentum."""
+MAX_SYNC_SOURCES = 4
+"""Sources a fetch reads from in parallel (the first of the decision's, in its rendezvous order)."""
+TOKENS_PER_PHASE = 1_000_000
+"""Tokens an inner phase trains (fixed H: the same for every node, whatever its speed)."""
+
+
+class NodeState(StrEnum):
+    OFF = "off"  # not started, crashed or left
+    SYNCING = "syncing"  # fetching the swarm's state
+    TRAINING = "training"
+    FORMING = "forming"  # waiting for the last group's records, then RoundFormation
+    ALLREDUCE = "allreduce"
+    MISSED = "missed"  # a group began without us: waiting for its params to become canonical
+
+
+class Recorder(Protocol):
+    """Where a node reports what happened (``report.py``)."""
+
+    def formed(
+        self,
+        peer_id: str,
+        round: int,
+        outcome: str,
+        started: float,
+        seconds: float,
+        messages_in: int,
+        bytes_out: int,
+    ) -> None: ...
+
+    def round_end(
+        self, peer_id: str, round: int, how: str, compute_seconds: float, wall_seconds: float
+    ) -> None: ...
+
+    def averaged(self, peer_id: str, round: int, bytes_sent: int) -> None: ...
+
+    def up(self, peer_id: str, now: float) -> None: ...
+
+    def down(self, peer_id: str, now: float) -> None: ...
+
+    def holds_state(self, peer_id: str, now: float) -> None: ...
+
+    def error(self, peer_id: str, round: int, what: str) -> None: ...
+
+
+@dataclass
+class World:
+    """What every node shares: time, the DHT, the links, the all-reduces and the product's settings."""
+
+    queue: EventQueue
+    dht: SimulatedDht
+    network: Network
+    allreduces: AllReduces
+    lineages: LineageTree
+    config: SwarmConfig
+    settings: SimSettings
+    codec: Codec
+    recorder: Recorder
+    nodes: dict[str, SimNode]
+
+    @property
+    def vector_payload_bytes(self) -> int:
+        """One round's mean as the codec's bytes (what a catch-up fetches per round)."""
+        chunk = self.config.allreduce.chunk_num_elements
+        return part_payload_bytes(self.codec, self.settings.num_params, chunk)
+
+
+class _Provider:
+    """The part of ``StateProvider`` that ``peer_due`` asks: did we serve a state lately."""
+
+    def __init__(self, node: SimNode) -> None:
+        self._node = node
+
+    def served_lately(self, within: float) -> bool:
+        return self._node.world.queue.now - within <= self._node.serving_until
+
+
+class _Driver:
+    """The part of ``RoundDriver`` that ``peer_due`` reads."""
+
+    def __init__(self, node: SimNode) -> None:
+        self._node = node
+        self.view = SwarmView(now=0.0, peers=())
+
+    @property
+    def record(self) -> PeerRecord | None:
+        return self._node.published
+
+    def clock(self) -> float:
+        return self._node.world.queue.now
+
+
+class _Server:
+    def __init__(self, node: SimNode) -> None:
+        self.state_provider = _Provider(node)
+
+
+class DaemonStandIn:
+    """What ``protocol.swarm.participation.peer_due`` reads of a ``SwarmNode``, backed by a sim node."""
+
+    def __init__(self, node: SimNode) -> None:
+        self.peer_id = node.peer_id
+        self.config = node.world.config
+        self.server = _Server(node)
+        self.driver = _Driver(node)
+
+
+class SimNode:
+    """One simulated daemon (see the module docstring)."""
+
+    def __init__(
+        self, world: World, *, peer_id: str, speed: float, profile: LinkProfile, heartbeat_offset: float
+    ) -> None:
+        self.world = world
+        self.heartbeat_offset = heartbeat_offset  # in [0, 1): when in the period its heartbeat falls
+        self.peer_id = peer_id
+        self.speed = speed
+        self.profile = profile
+        self.alive = False
+        self.frozen_until = -math.inf
+        self.incarnation = 0  # a crash or leave ends one; its pending events then do nothing
+        self.state = NodeState.OFF
+        self.lineage: Lineage | None = None  # the global params we hold
+        self.stepped_alone = False  # our state came from our own Δ: no chain of means leads to it
+        self.catching_up = False
+        self.adopted = Lineage(0, INIT_HASH)
+        self.published: PeerRecord | None = None
+        self.formation: RoundFormation | None = None
+        self.last_group_members: tuple[str, ...] = ()
+        self.serving_until = -math.inf
+        self.stand_in = DaemonStandIn(self)
+        # the phase and the round in progress
+        self._phase_started = 0.0
+        self._phase_end: Event | None = None
+        self._extended_since: float | None = None
+        self._compute = 0.0  # seconds trained since our last round ended
+        self._round_started = 0.0  # when our last round ended (wall time of this round from here)
+        self._form_started = 0.0
+        self._messages_in = 0
+        self._bytes_out_at_start = 0
+        self._tick: Event | None = None
+        self._handled: RoundFormation | None = None
+        self._missed_deadline = 0.0
+        self._published_deadline = 0.0
+        self._num_tokens = 0
+
+    # --- plumbing ---
+
+    @property
+    def now(self) -> float:
+        return self.world.queue.now
+
+    @property
+    def config(self) -> SwarmConfig:
+        return self.world.config
+
+    def is_up(self) -> bool:
+        return self.alive and self.now >= self.frozen_until
+
+    def _after(self, delay: float, action: Callable[[], None]) -> Event:
+        """Run ``action`` later, unless this incarnation ended; a frozen node runs it once it thaws."""
+        incarnation = self.incarnation
+
+        def run() -> None:
+            if self.incarnation != incarnation or not self.alive:
+                return
+            if self.now < self.frozen_until:
+                self.world.queue.at(self.frozen_until, run)
+                return
+            action()
+
+        return self.world.queue.after(delay, run)
+
+    def _view(self) -> SwarmView:
+        return self.world.dht.view(self.peer_id, self.now)
+
+    def _record(self, *, status: str = "active", ready_at: float | None = None) -> PeerRecord:
+        assert self.lineage is not None
+        return PeerRecord(
+            peer_id=self.peer_id,
+            grpc_address=f"{self.peer_id}.sim:7000",
+            protocol_version=PROTOCOL_VERSION,
+            round=self.lineage.round,
+            param_hash=self.lineage.param_hash,
+            ready_for_round=None,
+            tokens_per_s=TOKENS_PER_PHASE * self.speed / self.world.settings.phase_seconds,
+            bandwidth_bytes_per_s=self.profile.up_bytes_per_s,
+            status=status,  # type: ignore[arg-type]
+            expires_at=self.now + self.config.record_ttl.total_seconds(),
+            ready_at=ready_at,
+        )
+
+    def publish(self, record: PeerRecord) -> None:
+        """Our record from now on (the heartbeat keeps storing it), stored at once."""
+        self.published = record
+        self.world.dht.store(
+            dataclasses.replace(record, expires_at=self.now + self.config.record_ttl.total_seconds()),
+            self.now,
+        )
+
+    def _heartbeat(self) -> None:
+        if self.published is not None:
+            self.publish(self.published)
+        self._after(self.config.heartbeat.total_seconds(), self._heartbeat)
+
+    # --- lifecycle (faults.py and swarm.py call these) ---
+
+    def start(self, lineage: Lineage | None, *, delay: float) -> None:
+        """Start the daemon ``delay`` seconds from now: with ``lineage`` (an initial node, or one
+        restarting from its checkpoint) or fresh (None: it fetches the swarm's state first)."""
+        self.incarnation += 1
+        self.alive = True
+        self.frozen_until = -math.inf
+        self.state = NodeState.SYNCING
+        self.formation = None
+        self._handled = None
+        self.lineage = lineage
+        self.world.recorder.up(self.peer_id, self.now)
+        if lineage is not None:
+            self.publish(self._record())
+        self._after(self.heartbeat_offset * self.config.heartbeat.total_seconds(), self._heartbeat)
+        self._after(delay, self._join)
+
+    def crash(self) -> None:
+        """Gone without a word: its record lingers until it expires."""
+        self._stop()
+
+    def leave(self) -> None:
+        """Gone with a tombstone, which expires after every heartbeat's record."""
+        if self.published is not None:
+            tombstone = dataclasses.replace(
+                self.published, status="left", ready_for_round=None, ready_at=None
+            )
+            self.world.dht.store(
+                dataclasses.replace(
+                    tombstone, expires_at=self.now + 2 * self.config.record_ttl.total_seconds()
+                ),
+                self.now,
+            )
+        self._stop()
+
+    def freeze(self, seconds: float) -> None:
+        """Stopped (SIGSTOP-like): no heartbeat, no answer; its timers run once it thaws."""
+        if not self.is_up():
+            return
+        self.frozen_until = self.now + seconds
+        self.world.recorder.down(self.peer_id, self.now)
+        incarnation = self.incarnation
+        self.world.queue.at(self.frozen_until, lambda: self._thaw(incarnation))
+
+    def _thaw(self, incarnation: int) -> None:
+        if self.alive and self.incarnation == incarnation:
+            self.world.recorder.up(self.peer_id, self.now)
+
+    def _stop(self) -> None:
+        if self.alive:
+            self.world.recorder.down(self.peer_id, self.now)
+        self.alive = False
+        self.incarnation += 1
+        self.state = NodeState.OFF
+        self.formation = None
+
+    # --- joining (Prefetch, SwarmSession.join) ---
+
+    def _join(self) -> None:
+        view = self._view()
+        others = [peer for peer in view if peer.peer_id != self.peer_id]
+        if self.lineage is None and not others:
+            self._after(self.config.view_refresh.total_seconds(), self._join)  # wait to see the swarm
+            return
+        if self.lineage is None:
+            # A fresh node's params are unknown until its model exists: it follows the swarm's lineage.
+            local = dataclasses.replace(self._record_for(Lineage(0, INIT_HASH)), param_hash="0" * 64)
+            decision = decide_lineage(view.peers, local)
+            if decision.canonical.round == 0:
+                self._adopt(decision.canonical, catching_up=False)
+                return
+            self._fetch(decision.canonical, decision.sync_sources, why="join")
+            return
+        decision = decide_lineage(view.peers, self._record(), defer=True)
+        if decision.in_canonical or not decision.sync_sources:
+            self.world.recorder.holds_state(self.peer_id, self.now)
+            self._train()
+            return
+        self._fetch(decision.canonical, decision.sync_sources, why="restart")
+
+    def _record_for(self, lineage: Lineage) -> PeerRecord:
+        held, self.lineage = self.lineage, lineage
+        try:
+            return self._record()
+        finally:
+            self.lineage = held
+
+    # --- the inner phase (OuterRound) ---
+
+    def _train(self) -> None:
+        self.state = NodeState.TRAINING
+        self._phase_started = self.now
+        self._extended_since = None
+        full = self.world.settings.phase_seconds / self.speed
+        self._phase_end = self._after(full, self._phase_due)
+        if self.catching_up:
+            self._after(self.config.view_refresh.total_seconds(), self._check_rejoin)
+
+    def _check_rejoin(self) -> None:
+        """SwarmSession.phase_should_end: an adopter joins the swarm's round as soon as it forms."""
+        if self.state is not NodeState.TRAINING or not self.catching_up:
+            return
+        if rejoin_due(self._view(), self.peer_id, (self.adopted.round, self.adopted.param_hash)):
+            if self._phase_end is not None:
+                self._phase_end.cancel()
+            self._end_phase()
+            return
+        self._after(self.config.view_refresh.total_seconds(), self._check_rejoin)
+
+    def _phase_due(self) -> None:
+        """H steps are done: end the phase, unless a node is fetching our lineage's state (then train
+        on, at most MAX_DUE_WAIT), as ``OuterRound._phase_due`` does through ``peer_due``."""
+        if self.state is not NodeState.TRAINING:
+            return
+        self.stand_in.driver.view = self._view()
+        if peer_due(self.stand_in, max_ahead=MAX_DUE_WAIT):  # type: ignore[arg-type]
+            if self._extended_since is None:
+                self._extended_since = self.now
+            if self.now - self._extended_since < MAX_DUE_WAIT.total_seconds():
+                self._phase_end = self._after(self.config.view_refresh.total_seconds(), self._phase_due)
+                return
+        self._end_phase()
+
+    def _end_phase(self) -> None:
+        trained = self.now - self._phase_started
+        self._compute += trained
+        full = self.world.settings.phase_seconds / self.speed
+        self._num_tokens = max(1, round(TOKENS_PER_PHASE * min(trained / full, 1.0)))
+        self.catching_up = False
+        self.state = NodeState.FORMING
+        self._published_deadline = self.now + self.config.rounds.join_window.total_seconds()
+        self._await_group_published()
+
+    # --- the round (SwarmNode.run_round, RoundDriver.form) ---
+
+    def _await_group_published(self) -> None:
+        """Give the last group's other members time to publish their new params (bounded)."""
+        assert self.lineage is not None
+        view = self._view()
+        lagging = [
+            peer_id
+            for peer_id in self.last_group_members
+            if (record := view.get(peer_id)) is not None and record.round < self.lineage.round
+        ]
+        if lagging and self.now < self._published_deadline:
+            self._after(self.config.view_refresh.total_seconds(), self._await_group_published)
+            return
+        self._form()
+
+    def _form(self) -> None:
+        local = self._record()
+        self.published = local
+        self._form_started = self.now
+        self._messages_in = 0
+        self._bytes_out_at_start = self.world.network.bytes_sent.get(self.peer_id, 0)
+        formation = RoundFormation(
+            config=self.config.rounds,
+            local=local,
+            num_tokens=self._num_tokens,
+            vector_length=self.world.settings.num_params,
+            now=self.now,
+        )
+        self.formation = formation
+        self._execute(formation, lambda: formation.start(self._view(), self.now))
+        self._after(self.config.view_refresh.total_seconds(), lambda: self._refresh(formation))
+
+    def _refresh(self, formation: RoundFormation) -> None:
+        """Every view_refresh while the round forms: a fresh view, then a tick (as the driver)."""
+        if formation is not self.formation or formation.outcome is not None:
+            return
+        self._execute(formation, lambda: formation.on_view(self._view(), self.now))
+        self._execute(formation, lambda: formation.tick(self.now))
+        self._after(self.config.view_refresh.total_seconds(), lambda: self._refresh(formation))
+
+    def _on_deadline(self, formation: RoundFormation) -> None:
+        self._tick = None
+        if formation is self.formation and formation.outcome is None:
+            self._execute(formation, lambda: formation.tick(self.now))
+
+    def _execute(self, formation: RoundFormation, event: Callable[[], list[Action]]) -> None:
+        """Feed one event to the formation and do what it asks (RoundDriver._execute)."""
+        try:
+            actions = event()
+        except ValueError as error:  # the product refused (e.g. a proposal beyond MAX_GROUP_SIZE)
+            self.world.recorder.error(self.peer_id, formation.round, str(error))
+            if formation is self.formation and self._handled is not formation:
+                self._handled = formation
+                self._record_formed(formation, "error")
+                self._own_delta(formation.round, "error")
+            return
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action.to, action.message)
+            elif isinstance(action, Publish):
+                assert self.published is not None
+                self.publish(dataclasses.replace(self.published, ready_for_round=action.ready_for_round))
+            elif isinstance(action, GroupMemberLost):
+                pass  # the all-reduce model drops silent members by itself (groups.py)
+        if formation is not self.formation or self._handled is formation:
+            return
+        if formation.outcome is not None:
+            self._handled = formation
+            if self._tick is not None:
+                self._tick.cancel()
+                self._tick = None
+            self._on_outcome(formation, formation.outcome)
+            return
+        deadline = formation.next_deadline()
+        next_refresh = self.now + self.config.view_refresh.total_seconds()
+        if (
+            deadline is not None
+            and deadline < next_refresh
+            and (self._tick is None or self._tick.at != deadline)
+        ):
+            if self._tick is not None:
+                self._tick.cancel()
+            self._tick = self._after(deadline - self.now, lambda: self._on_deadline(formation))
+
+    def _send(self, to: str, message: Message) -> None:
+        network = self.world.network
+        target = self.world.nodes.get(to)
+        arrival = network.send_time(self.peer_id, to, message, self.now)
+        if target is None or not network.reachable(self.peer_id, to):
+            return
+        sender = self.peer_id
+
+        def deliver() -> None:
+            if target.is_up() and network.reachable(sender, to):
+                target.on_message(sender, message)
+
+        self.world.queue.at(arrival, deliver)
+
+    def on_message(self, sender: str, message: Message) -> None:
+        """A membership message (the servicer hands it to the driver)."""
+        self._messages_in += 1
+        formation = self.formation
+        if formation is None:
+            for action in reply_without_formation(sender, message):
+                if isinstance(action, Send):
+                    self._send(action.to, action.message)
+            return
+        self._execute(formation, lambda: formation.on_message(sender, message, self.now))
+
+    def _record_formed(self, formation: RoundFormation, outcome: str) -> None:
+        self.world.recorder.formed(
+            self.peer_id,
+            formation.round,
+            outcome,
+            self._form_started,
+            self.now - self._form_started,
+            self._messages_in,
+            self.world.network.bytes_sent.get(self.peer_id, 0) - self._bytes_out_at_start,
+        )
+
+    def _on_outcome(self, formation: RoundFormation, outcome: Outcome) -> None:
+        round = formation.round
+        match outcome:
+            case StartAllReduce(group=group):
+                self._record_formed(formation, "group")
+                self.state = NodeState.ALLREDUCE
+                self.last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
+                self.world.allreduces.lock(self, group)
+            case MissedRound():
+                self._record_formed(formation, "missed")
+                self.state = NodeState.MISSED
+                self._missed_deadline = self.now + missed_round_wait(self.config).total_seconds()
+                self._await_lineage_past(round)
+            case Resync(canonical=canonical, sources=sources):
+                self._record_formed(formation, "resync")
+                self._fetch(canonical, sources, why="resync")
+            case RoundFailed():
+                self._record_formed(formation, "failed")
+                self._own_delta(round, "failed")
+
+    def allreduce_done(self, group: GroupSpec, lineage: Lineage | None, traffic: MemberTraffic) -> None:
+        incarnation = self.incarnation
+        if not self.alive or self.state is not NodeState.ALLREDUCE:
+            return
+
+        def done() -> None:
+            if self.incarnation != incarnation or self.state is not NodeState.ALLREDUCE:
+                return
+            if lineage is None:
+                self._own_delta(group.round, "fell_back")
+                return
+            self.world.recorder.averaged(self.peer_id, group.round, traffic.sent)
+            self.stepped_alone = False
+            self._round_done(lineage, group.round, "averaged")
+
+        if self.now < self.frozen_until:
+            self.world.queue.at(self.frozen_until, done)
+        else:
+            done()
+
+    # --- after the round ---
+
+    def _await_lineage_past(self, round: int) -> None:
+        """After a missed round: adopt the group's params once canonical, else our own Δ."""
+        assert self.lineage is not None
+        if self.state is not NodeState.MISSED:
+            return
+        decision = decide_lineage(self._view().peers, self._record())
+        if not decision.in_canonical and decision.canonical.round > self.lineage.round:
+            self._fetch(decision.canonical, decision.sync_sources, why="missed")
+        elif self.now >= self._missed_deadline:
+            self._own_delta(round, "missed")
+        else:
+            self._after(self.config.view_refresh.total_seconds(), lambda: self._await_lineage_past(round))
+
+    def _own_delta(self, round: int, how: str) -> None:
+        """The round steps on our own Δ: params nobody else holds."""
+        assert self.lineage is not None
+        new = Lineage(
+            self.lineage.round + 1, derived_hash(self.lineage.param_hash, "alone", self.peer_id, round)
+        )
+        self.world.lineages.add(new, Origin(parent=self.lineage, averaged=False))
+        self.stepped_alone = True
+        self._round_done(new, round, how)
+
+    def _round_done(self, lineage: Lineage, round: int, how: str) -> None:
+        self.world.recorder.round_end(self.peer_id, round, how, self._compute, self.now - self._round_started)
+        self._compute, self._round_started = 0.0, self.now
+        self.lineage = lineage
+        self.publish(self._record())  # published right after the outer step
+        self._train()
+
+    def _fetch(self, canonical: Lineage, sources: tuple[str, ...], *, why: str) -> None:
+        """Fetch the canonical state (SwarmSession._fetch_canonical): the rounds' means if at most
+        MAX_CATCH_UP_ROUNDS behind on a chain of means, else the whole state; announced."""
+        network, nodes = self.world.network, self.world.nodes
+        usable = [
+            source
+            for source in sources
+            if source in nodes and nodes[source].is_up() and network.reachable(self.peer_id, source)
+        ][:MAX_SYNC_SOURCES]
+        if not usable:  # the fetch fails (its sources are gone or cut off); a later check retries
+            retry = self.config.message_timeout.total_seconds()
+            if self.lineage is None:
+                self._after(retry, self._join)
+            else:
+                next_round = self.lineage.round + 1
+                self._after(retry, lambda: self._own_delta(next_round, f"{why}_failed"))
+            return
+        held = self.lineage
+        behind = canonical.round - held.round if held is not None else 0
+        means = (
+            held is not None
+            and not self.stepped_alone
+            and 0 < behind <= MAX_CATCH_UP_ROUNDS
+            and self.world.lineages.means_lead_back(canonical, held)
+        )
+        num_bytes = (
+            behind * self.world.vector_payload_bytes
+            if means
+            else STATE_BYTES_PER_NUMBER * self.world.settings.num_params
+        )
+        seconds = network.transfer_seconds(num_bytes, self.peer_id, usable)
+        self.state = NodeState.SYNCING
+        for source in usable:
+            nodes[source].serving_until = max(nodes[source].serving_until, self.now + seconds)
+        self.publish(
+            dataclasses.replace(self._record_for(canonical), status="syncing", ready_at=self.now + seconds)
+        )
+        self._after(seconds, lambda: self._fetched(canonical, why))
+
+    def _fetched(self, canonical: Lineage, why: str) -> None:
+        if self.lineage is None:
+            self._adopt(canonical, catching_up=True)
+            return
+        self._compute_adopt(canonical, why)
+
+    def _compute_adopt(self, canonical: Lineage, why: str) -> None:
+        """The loop loads the swarm's state (Adopt): this round ends for us, the next phase catches up."""
+        self.world.recorder.round_end(
+            self.peer_id, canonical.round, why, self._compute, self.now - self._round_started
+        )
+        self._compute, self._round_started = 0.0, self.now
+        self._adopt(canonical, catching_up=True)
+
+    def _adopt(self, canonical: Lineage, *, catching_up: bool) -> None:
+        first = self.lineage is None
+        self.lineage = canonical
+        self.stepped_alone = False
+        self.catching_up = catching_up
+        self.adopted = canonical
+        self.publish(self._record())
+        if first:
+            self._round_started = self.now
+            self.world.recorder.holds_state(self.peer_id, self.now)
+        self._train()

@@ -1,0 +1,187 @@
+"""What a simulated run did, per round: the recorder the nodes report to, and the figures it makes.
+
+Per round r (the r-th outer round of a lineage):
+
+- ``formation_seconds``: from a node's ``RoundFormation`` start to its ``StartAllReduce`` (median,
+  max over the nodes that got into a group);
+- ``groups`` and ``group_sizes``: the groups whose all-reduce ran, with their contributors;
+  ``split_groups`` = groups beyond the first (0 when the round formed one group);
+- ``participation``: of the *live* nodes, those up (not crashed, frozen or gone) from the first
+  formation start of the round to its last group's end and holding the swarm's state before it
+  began, the share that averaged in a group of the round (a node partitioned away counts as live);
+- ``bytes_sent``: the byte formula's bytes per contributing node (``allreduce_cost.py``);
+- ``compute_utilization``: training seconds over wall seconds, summed over the nodes whose round r
+  ended (averaged, fell back, adopted), each from its previous round's end;
+- ``leader``: the biggest group's leader: membership messages it received and bytes it sent while
+  forming, and how long its Begins took to reach the last member (``last_lock - first_lock``).
+
+``summary_line`` is one line for a terminal; ``to_json`` is deterministic for a seed (no wall time).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from scripts.sim.groups import GroupReport
+
+
+@dataclass
+class Formed:
+    peer_id: str
+    outcome: str
+    started: float
+    seconds: float
+    messages_in: int
+    bytes_out: int
+
+
+@dataclass
+class RunRecorder:
+    """Collects what nodes and groups report (implements ``node.Recorder``)."""
+
+    formations: dict[int, list[Formed]] = field(default_factory=lambda: defaultdict(list))
+    groups: dict[int, list[GroupReport]] = field(default_factory=lambda: defaultdict(list))
+    round_ends: dict[int, list[tuple[str, str, float, float]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    averaged_by: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))
+    downtime: dict[str, list[list[float]]] = field(default_factory=dict)  # peer -> [[down, up], ...]
+    state_since: dict[str, float] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def formed(
+        self,
+        peer_id: str,
+        round: int,
+        outcome: str,
+        started: float,
+        seconds: float,
+        messages_in: int,
+        bytes_out: int,
+    ) -> None:
+        self.formations[round].append(Formed(peer_id, outcome, started, seconds, messages_in, bytes_out))
+
+    def round_end(
+        self, peer_id: str, round: int, how: str, compute_seconds: float, wall_seconds: float
+    ) -> None:
+        self.round_ends[round].append((peer_id, how, compute_seconds, wall_seconds))
+
+    def averaged(self, peer_id: str, round: int, bytes_sent: int) -> None:
+        self.averaged_by[round][peer_id] = bytes_sent
+
+    def up(self, peer_id: str, now: float) -> None:
+        spans = self.downtime.setdefault(peer_id, [[-1.0, now]])  # not there before it started
+        if spans[-1][1] == float("inf"):
+            spans[-1][1] = now
+
+    def down(self, peer_id: str, now: float) -> None:
+        self.downtime.setdefault(peer_id, []).append([now, float("inf")])
+
+    def holds_state(self, peer_id: str, now: float) -> None:
+        self.state_since.setdefault(peer_id, now)
+
+    def error(self, peer_id: str, round: int, what: str) -> None:
+        if len(self.errors) < 20:
+            self.errors.append({"peer_id": peer_id, "round": round, "error": what})
+
+    def count_fault(self, kind: str) -> None:
+        self.faults[kind] += 1
+
+    def group_done(self, report: GroupReport) -> None:
+        self.groups[report.round].append(report)
+
+    # --- figures ---
+
+    def _up_throughout(self, peer_id: str, start: float, end: float) -> bool:
+        return not any(down < end and up > start for down, up in self.downtime.get(peer_id, []))
+
+    def round_figures(self, index: int) -> dict[str, Any]:
+        formations = self.formations.get(index, [])
+        groups = sorted(self.groups.get(index, []), key=lambda g: (-len(g.contributors), g.group_id))
+        ran = [g for g in groups if g.averaged]
+        in_group = [f.seconds for f in formations if f.outcome == "group"]
+        start = min((f.started for f in formations), default=0.0)
+        end = max((g.end for g in groups), default=start)
+        live = [
+            peer_id
+            for peer_id, since in self.state_since.items()
+            if since <= start and self._up_throughout(peer_id, start, end)
+        ]
+        averaged = self.averaged_by.get(index, {})
+        num_averaged_live = sum(1 for peer_id in live if peer_id in averaged)
+        bytes_sent = list(averaged.values())
+        ends = self.round_ends.get(index, [])
+        compute = sum(e[2] for e in ends)
+        wall = sum(e[3] for e in ends)
+        leader: dict[str, Any] = {}
+        if groups:
+            biggest = groups[0]
+            own = [f for f in formations if f.peer_id == biggest.leader_id and f.outcome == "group"]
+            leader = {
+                "peer_id": biggest.leader_id,
+                "messages_in": own[0].messages_in if own else None,
+                "bytes_out": own[0].bytes_out if own else None,
+                "begin_fanout_seconds": round_(biggest.last_lock - biggest.first_lock),
+            }
+        outcomes = Counter(f.outcome for f in formations)
+        return {
+            "round": index,
+            "formation_seconds_median": round_(statistics.median(in_group)) if in_group else None,
+            "formation_seconds_max": round_(max(in_group)) if in_group else None,
+            "groups": len(ran),
+            "group_sizes": [len(g.contributors) for g in ran],
+            "groups_fell_back": len(groups) - len(ran),
+            "split_groups": max(len(ran) - 1, 0),
+            "live_nodes": len(live),
+            "live_averaged": num_averaged_live,
+            "participation": round_(num_averaged_live / len(live)) if live else None,
+            "outcomes": dict(sorted(outcomes.items())),
+            "bytes_sent_mean": round(statistics.fmean(bytes_sent)) if bytes_sent else None,
+            "bytes_sent_max": max(bytes_sent) if bytes_sent else None,
+            "allreduce_seconds": round_(max((g.allreduce_seconds for g in ran), default=0.0)),
+            "compute_utilization": round_(compute / wall) if wall > 0 else None,
+            "leader": leader,
+            "started_at": round_(start),
+            "ended_at": round_(end),
+        }
+
+    def rounds(self) -> list[int]:
+        return sorted(set(self.groups) | set(self.formations))
+
+
+def round_(value: float) -> float:
+    """Figures to a millisecond / a thousandth, so the JSON reads well and compares exactly."""
+    return round(value, 3)
+
+
+def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures over its rounds."""
+    live = sum(r["live_nodes"] for r in rounds)
+    averaged = sum(r["live_averaged"] for r in rounds)
+    utilizations = [r["compute_utilization"] for r in rounds if r["compute_utilization"] is not None]
+    return {
+        "rounds": len(rounds),
+        "split_groups": sum(r["split_groups"] for r in rounds),
+        "live_node_rounds": live,
+        "live_node_rounds_averaged": averaged,
+        "participation": round_(averaged / live) if live else None,
+        "compute_utilization_mean": round_(statistics.fmean(utilizations)) if utilizations else None,
+    }
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    t = result["totals"]
+    rounds = result["rounds"]
+    formation = [r["formation_seconds_max"] for r in rounds if r["formation_seconds_max"] is not None]
+    sizes = [max(r["group_sizes"], default=0) for r in rounds]
+    return (
+        f"swarm_sim: {result['settings']['num_nodes']} nodes, {t['rounds']} rounds, seed {result['settings']['seed']}: "
+        f"participation {t['participation']}, split groups {t['split_groups']}, "
+        f"largest group {max(sizes, default=0)}, formation max {max(formation, default=0.0):.1f}s, "
+        f"utilization {t['compute_utilization_mean']}, lineages at end {result['end']['lineages']}, "
+        f"simulated {result['end']['simulated_seconds']:.0f}s"
+    )

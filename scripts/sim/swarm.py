@@ -1,0 +1,189 @@
+"""A simulated swarm: the world built from a seed, its nodes started, the run, and what it did.
+
+``simulate(settings)`` draws every node's speed and link from the seed (``settings.py`` documents
+the distributions), starts ``num_nodes`` nodes on the run's round-0 params, injects the faults of
+``settings.faults`` and runs the event queue until a group of round ``num_rounds`` has averaged and
+no node still forms that round (or until ``settings.stop_after``). It returns a JSON-able dict:
+the settings, the product settings it ran with, one entry per round (``report.py``), the totals and
+the state at the end (how many lineages the live nodes hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter
+from typing import Any
+
+from protocol.membership.lineage import Lineage
+from protocol.swarm.config import PROTOCOL_VERSION
+from scripts.sim.dht import SimulatedDht
+from scripts.sim.events import EventQueue
+from scripts.sim.faults import FaultInjector
+from scripts.sim.groups import AllReduces, GroupReport, LineageTree
+from scripts.sim.links import LinkProfile, Network
+from scripts.sim.node import INIT_HASH, NodeState, SimNode, World
+from scripts.sim.report import RunRecorder, totals
+from scripts.sim.settings import SimSettings, daemon_swarm_config
+
+STREAMS = ("speeds", "links", "dht", "faults", "starts")
+"""Independent random streams, one per concept, so that (say) a fault rate leaves the links alone."""
+
+
+class Swarm:
+    """The world and its nodes (see the module docstring)."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.config = daemon_swarm_config(settings)
+        self.rngs = {name: random.Random(f"{settings.seed}/{name}") for name in STREAMS}
+        self.queue = EventQueue()
+        self.recorder = RunRecorder()
+        self.network = Network(PROTOCOL_VERSION)
+        self.lineages = LineageTree()
+        self._round_done_at: float | None = None
+        self.allreduces = AllReduces(
+            queue=self.queue,
+            network=self.network,
+            codec=self.config.wire_codec(),
+            chunk_num_elements=self.config.allreduce.chunk_num_elements,
+            stall_timeout=self.config.allreduce.stall_timeout.total_seconds(),
+            lineages=self.lineages,
+            on_report=self._group_done,
+        )
+        self.world = World(
+            queue=self.queue,
+            dht=SimulatedDht(
+                rng=self.rngs["dht"],
+                protocol_version=PROTOCOL_VERSION,
+                delay=(settings.dht_delay_min, settings.dht_delay_max),
+                loss=settings.dht_loss,
+                epoch=settings.dht_epoch,
+            ),
+            network=self.network,
+            allreduces=self.allreduces,
+            lineages=self.lineages,
+            config=self.config,
+            settings=settings,
+            codec=self.config.wire_codec(),
+            recorder=self.recorder,
+            nodes={},
+        )
+        self.faults = FaultInjector(
+            self.world,
+            settings.faults,
+            rng=self.rngs["faults"],
+            period=settings.phase_seconds,
+            initial_size=settings.num_nodes,
+            new_node=self.add_node,
+            count=self.recorder.count_fault,
+        )
+
+    def add_node(self) -> SimNode:
+        """A new node with its speed and link drawn from the seed."""
+        s = self.settings
+        speeds, links = self.rngs["speeds"], self.rngs["links"]
+        index = len(self.world.nodes)
+        peer_id = f"n{index:05d}"
+        mbit = math.exp(links.uniform(math.log(s.link_mbit_min), math.log(s.link_mbit_max)))
+        profile = LinkProfile(
+            latency_s=links.uniform(s.latency_ms_min, s.latency_ms_max) / 1000,
+            up_bytes_per_s=mbit * 1e6 / 8,
+            down_bytes_per_s=mbit * 1e6 / 8,
+        )
+        self.network.add(peer_id, profile)
+        node = SimNode(
+            self.world,
+            peer_id=peer_id,
+            speed=speeds.uniform(s.speed_min, s.speed_max),
+            profile=profile,
+            heartbeat_offset=self.rngs["starts"].random(),
+        )
+        self.world.nodes[peer_id] = node
+        return node
+
+    def _group_done(self, report: GroupReport) -> None:
+        self.recorder.group_done(report)
+        if report.averaged and report.round >= self.settings.num_rounds and self._round_done_at is None:
+            self._round_done_at = self.queue.now
+
+    def _finished(self) -> bool:
+        """A group of the last round averaged and no node still forms it or runs its all-reduce."""
+        if self._round_done_at is None:
+            return False
+        last = self.settings.num_rounds
+        for node in self.world.nodes.values():
+            if node.state in (NodeState.FORMING, NodeState.ALLREDUCE) and node.lineage is not None:
+                if node.lineage.round + 1 <= last and node.is_up():
+                    return False
+        return True
+
+    def start(self) -> None:
+        """Create the initial nodes on the round-0 params and schedule the faults (once)."""
+        if self.world.nodes:
+            return
+        start = Lineage(0, INIT_HASH)
+        for _ in range(self.settings.num_nodes):
+            node = self.add_node()
+            node.start(start, delay=self.rngs["starts"].uniform(0.0, 1.0))
+            self.recorder.holds_state(node.peer_id, 0.0)
+        self.faults.start()
+
+    def run(self) -> dict[str, Any]:
+        """Run to the end (``start`` first, if not done: a test may schedule its own faults between)."""
+        self.start()
+        stop_after = self.settings.stop_after
+        while self.queue.now < stop_after and not self._finished():
+            self.queue.run_until(min(self.queue.now + 10.0, stop_after), stop=self._finished)
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        last = self.settings.num_rounds
+        rounds = [self.recorder.round_figures(r) for r in self.recorder.rounds() if r <= last]
+        live = [node for node in self.world.nodes.values() if node.is_up() and node.lineage is not None]
+        held = Counter(node.lineage for node in live if node.lineage is not None)
+        canonical = held.most_common(1)[0] if held else None
+        config = self.config
+        return {
+            "settings": _plain(dataclasses.asdict(self.settings)),
+            "product": {
+                "rounds": _plain(dataclasses.asdict(config.rounds)),
+                "record_ttl": config.record_ttl.total_seconds(),
+                "heartbeat": config.heartbeat.total_seconds(),
+                "view_refresh": config.view_refresh.total_seconds(),
+                "message_timeout": config.message_timeout.total_seconds(),
+                "stall_timeout": config.allreduce.stall_timeout.total_seconds(),
+                "chunk_num_elements": config.allreduce.chunk_num_elements,
+                "codec": config.codec,
+            },
+            "rounds": rounds,
+            "totals": totals(rounds),
+            "faults": dict(sorted(self.recorder.faults.items())),
+            "errors": self.recorder.errors,
+            "end": {
+                "simulated_seconds": round(self.queue.now, 3),
+                "events": self.queue.num_events_run,
+                "live_nodes": len(live),
+                "lineages": len(held),
+                "canonical_round": canonical[0].round if canonical else None,
+                "canonical_nodes": canonical[1] if canonical else 0,
+                "dht_stores": self.world.dht.num_stores,
+                "dht_lost": self.world.dht.num_lost,
+                "membership_messages": self.network.num_messages,
+            },
+        }
+
+
+def _plain(value: Any) -> Any:
+    """timedeltas as seconds, the rest as is (for JSON)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if hasattr(value, "total_seconds"):
+        return value.total_seconds()
+    return value
+
+
+def simulate(settings: SimSettings) -> dict[str, Any]:
+    """Run one simulated swarm; see the module docstring."""
+    return Swarm(settings).run()
