@@ -38,6 +38,13 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         phase k+1, each worker restarts from the newest global params minus its own
                         last phase; its eval after round k is of the global params then (rounds < k),
                         with a last point once the last round has landed.
+    streaming:H:F:CODEC[...][:mix=A][:tau=T]
+                        Streaming DiLoCo's fragments (``node.outer.fragments``): the parameters in F
+                        fragments (blocks strided), fragment f's round after the steps s = f*H/F
+                        (mod H), each with its own all-reduce (payload, error feedback) and outer
+                        optimizer; its mean lands T inner steps later (default 0) and the local
+                        fragment is mixed with the new global one, A of the local kept (default 0.5).
+                        The verdict compares each F > 1 with diloco at the same H and codec (+0.5%).
 
 How DiLoCo is run: an in-process simulation of the swarm's arithmetic, not the swarm. The N workers
 live in one process and step one after another; every H steps ``SimulatedAllReduce`` does what the
@@ -129,6 +136,7 @@ TARGET_LOSS_GAP = 0.02
 TARGET_REDUCTION = 1000.0
 SPARSE_TARGET_LOSS_GAP = 0.005  # issue 30: top-k within 0.5% of int8's eval loss ...
 SPARSE_TARGET_REDUCTION = 25.0  # ... at >= 25x fewer bytes than int8
+FRAGMENTS_TARGET_LOSS_GAP = 0.005  # issue 32: F fragments within 0.5% of unfragmented DiLoCo's eval loss
 
 PROFILES: dict[str, dict[str, Any]] = {
     # quick: a shared 3000-step one-worker warm start (~4.5 CPU-min at batch 8 x 128 tokens), then 600
@@ -181,7 +189,7 @@ def _collect(job: _Job, settings: BenchSettings) -> dict[str, Any]:
                               "error_feedback": variant.error_feedback, "inner_lr": own.inner_lr,
                               "outer_lr": None if variant.kind == "ddp" else own.outer_lr,
                               "tokens": settings.steps * settings.tokens_per_step, "steps_per_worker": settings.steps,
-                              "warm_start_tokens": warm_start_tokens}  # fmt: skip
+                              "warm_start_tokens": warm_start_tokens, "num_fragments": variant.num_fragments}  # fmt: skip
     codes = [p.returncode for p in job.processes]
     if any(code != 0 for code in codes) or not all(path.exists() for path in job.results):
         return record | {"error": f"exit codes {codes}; see {job.results[0].with_suffix('.log')}"}
@@ -283,8 +291,8 @@ def sparse_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
     pairs = []
     for sparse in (r for r in finished if r["codec"] == "topk"):
         dense = next(
-            (r for r in finished if r["codec"] == "int8" and (r["kind"], r["inner_steps"])
-             == (sparse["kind"], sparse["inner_steps"])),
+            (r for r in finished if r["codec"] == "int8" and (r["kind"], r["inner_steps"], r.get("num_fragments"))
+             == (sparse["kind"], sparse["inner_steps"], sparse.get("num_fragments"))),
             None,
         )  # fmt: skip
         if dense is not None:
@@ -300,6 +308,31 @@ def sparse_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
     return bool(met), f"sparse target {'MET by ' + ', '.join(met) if met else 'NOT MET'}: {gaps}"
 
 
+def fragments_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
+    """Issue 32: whether every streaming variant with F > 1 ends within 0.5% of the unfragmented DiLoCo
+    variant of the same H, codec and density (the first such); the text gives each gap."""
+    finished = [r for r in records if "error" not in r and r["kind"] != "ddp"]
+    pairs = []
+    for streaming in (r for r in finished if r["kind"] == "streaming" and r["num_fragments"] > 1):
+        whole = next(
+            (r for r in finished if r["kind"] == "diloco" and (r["inner_steps"], r["codec"], r.get("density"))
+             == (streaming["inner_steps"], streaming["codec"], streaming.get("density"))),
+            None,
+        )  # fmt: skip
+        if whole is not None:
+            pairs.append(
+                (streaming["variant"], whole["variant"], streaming["eval_loss"] / whole["eval_loss"] - 1)
+            )
+    if not pairs:
+        return (
+            None,
+            "fragments target not evaluated (needs a streaming F > 1 and a diloco variant of the same H, codec)",
+        )
+    met = all(gap <= FRAGMENTS_TARGET_LOSS_GAP for _, _, gap in pairs)
+    gaps = "; ".join(f"{v} {gap:+.2%} vs {w}" for v, w, gap in pairs)
+    return met, f"fragments target {'MET' if met else 'NOT MET'}: {gaps}"
+
+
 def summary_line(records: list[dict[str, Any]], warm: dict[str, Any] | None = None) -> str:
     parts = []
     if warm is not None:
@@ -313,8 +346,9 @@ def summary_line(records: list[dict[str, Any]], warm: dict[str, Any] | None = No
         else:
             gap = f" {r['eval_gap_vs_ddp']:+.1%}" if "eval_gap_vs_ddp" in r else ""
             parts.append(f"{r['variant']} {r['eval_loss']:.4f}{gap} @ {r['reduction_vs_ddp']:,.0f}x")
-    sparse = sparse_verdict(records)
-    tail = "" if sparse[0] is None else f" | {sparse[1]}"
+    tail = "".join(
+        f" | {text}" for met, text in (sparse_verdict(records), fragments_verdict(records)) if met is not None
+    )
     return f"summary: eval loss | {' | '.join(parts)} | {target_verdict(records)[1]}{tail}"
 
 
@@ -524,10 +558,12 @@ def _main(args: argparse.Namespace) -> int:
         )
     met, verdict = target_verdict(records)
     sparse_met, sparse_text = sparse_verdict(records)
+    fragments_met, fragments_text = fragments_verdict(records)
     results = {"settings": dataclasses.asdict(settings), "warm_start": warm, "counted": COUNTED,
                "variants": records, "pending": [v.name for v in pending],
                "target_met": met, "target": verdict,
-               "sparse_target_met": sparse_met, "sparse_target": sparse_text}  # fmt: skip
+               "sparse_target_met": sparse_met, "sparse_target": sparse_text,
+               "fragments_target_met": fragments_met, "fragments_target": fragments_text}  # fmt: skip
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(records, args.out_dir / "convergence.png")
     print(summary_line(records, warm), flush=True)

@@ -29,6 +29,7 @@ from node.data.corpus import Corpus
 from node.model.gpt import GPT, cross_entropy_loss, model_config
 from node.model.replica import build_inner_optimizer
 from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.fragments import FragmentedDiLoCo, due_fragments, fragment_plan
 from node.outer.state import tensor_hash
 from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
@@ -135,6 +136,9 @@ class Variant:
     density: float | None = None  # top-k: the fraction of numbers sent (always set for top-k)
     outer_momentum: float | None = None
     error_feedback_decay: float | None = None
+    num_fragments: int = 1  # streaming: F, the fragments synchronised in turn
+    mix: float | None = None  # streaming: α, the share of the local fragment kept when its round lands
+    overlap_steps: int | None = None  # streaming: τ, inner steps a fragment's round overlaps
 
     @property
     def error_feedback(self) -> bool:
@@ -149,12 +153,25 @@ class Variant:
         momentum = "" if self.outer_momentum is None else f"-m{self.outer_momentum:g}"
         decay = "" if self.error_feedback_decay is None else f"-d{self.error_feedback_decay:g}"
         feedback = "-ef" if self.error_feedback else ""
-        return f"{self.kind}-H{self.inner_steps}-{codec}{feedback}{decay}{momentum}{lr}"
+        stream = ""
+        if self.kind == "streaming":
+            stream = f"-F{self.num_fragments}-mix{self.fragment_mix:g}-tau{self.fragment_overlap_steps}"
+        return f"{self.kind}-H{self.inner_steps}{stream}-{codec}{feedback}{decay}{momentum}{lr}"
+
+    @property
+    def fragment_mix(self) -> float:
+        return DEFAULT_FRAGMENT_MIX if self.mix is None else self.mix
+
+    @property
+    def fragment_overlap_steps(self) -> int:
+        return DEFAULT_OVERLAP_STEPS if self.overlap_steps is None else self.overlap_steps
 
     def spec(self) -> str:
         if self.kind == "ddp":
             return "ddp" if self.inner_lr is None else f"ddp:{self.inner_lr!r}"
         fields = [self.kind, str(self.inner_steps), self.codec]
+        if self.kind == "streaming":
+            fields.insert(2, str(self.num_fragments))
         if self.density is not None:
             fields.append(repr(self.density))
         if self.outer_lr is not None:
@@ -163,6 +180,10 @@ class Variant:
             fields.append(f"momentum={self.outer_momentum!r}")
         if self.error_feedback_decay is not None:
             fields.append(f"decay={self.error_feedback_decay!r}")
+        if self.mix is not None:
+            fields.append(f"mix={self.mix!r}")
+        if self.overlap_steps is not None:
+            fields.append(f"tau={self.overlap_steps}")
         return ":".join(fields)
 
     def settings(self, shared: BenchSettings) -> BenchSettings:
@@ -201,28 +222,38 @@ def _fraction(text: str, field: str, spec: str, *, zero_ok: bool) -> float:
 
 
 VARIANT_SYNTAX = (
-    "ddp[:INNER_LR] or KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B], KIND diloco or overlap, "
-    "DENSITY for topk only (default 0.015)"
+    "ddp[:INNER_LR], KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B] with KIND diloco or overlap, "
+    "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY for topk only (default 0.015)"
 )
+DEFAULT_FRAGMENT_MIX = 0.5  # Streaming DiLoCo's α (Douillard et al. 2025)
+DEFAULT_OVERLAP_STEPS = 0
 
 
 def parse_variant(text: str) -> Variant:
     """``ddp[:INNER_LR]`` or ``KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B]`` (e.g.
     ``ddp:2e-3``, ``diloco:100:int4``, ``diloco:150:int4:0.9``, ``diloco:150:topk:0.03``,
     ``diloco:150:topk:0.03:1.0:momentum=0:decay=0.95``: SparseLoCo's outer SGD and error feedback).
-    DENSITY is top-k's only, and then comes first: ``diloco:150:topk:0.9`` is top-k at 90%."""
+    DENSITY is top-k's only, and then comes first: ``diloco:150:topk:0.9`` is top-k at 90%.
+    ``streaming:H:F:CODEC[...][:mix=A][:tau=T]``: F fragments (``streaming:30:4:int8:mix=0.5:tau=3``)."""
     fields = text.split(":")
     if fields[0] == "ddp" and len(fields) <= 2:
         return Variant("ddp", inner_lr=_positive(fields[1], "INNER_LR", text) if len(fields) == 2 else None)
     if len(fields) < 3 or fields[0] not in (*RUNNERS, *PENDING_KINDS) or not fields[1].isdigit():
         raise ValueError(f"bad variant {text!r}: use {VARIANT_SYNTAX}")
-    if fields[2] not in CODEC_NAMES or int(fields[1]) < 1:
+    kind, inner_steps = fields[0], int(fields[1])
+    num_fragments = 1
+    if kind == "streaming":  # streaming:H:F:CODEC...
+        if len(fields) < 4 or not fields[2].isdigit() or int(fields[2]) < 1:
+            raise ValueError(f"bad variant {text!r}: use {VARIANT_SYNTAX} (F >= 1)")
+        num_fragments = int(fields.pop(2))
+    if fields[2] not in CODEC_NAMES or inner_steps < 1:
         raise ValueError(f"bad variant {text!r}: H must be >= 1 and CODEC one of {', '.join(CODEC_NAMES)}")
-    kind, inner_steps, codec = fields[0], int(fields[1]), fields[2]
+    codec = fields[2]
     keywords = dict(field.split("=", 1) for field in fields[3:] if "=" in field)
     positional = [field for field in fields[3:] if "=" not in field]
-    if set(keywords) - {"momentum", "decay"} or len(keywords) != sum("=" in f for f in fields[3:]):
-        raise ValueError(f"bad variant {text!r}: the named fields are momentum= and decay=, once each")
+    names = {"momentum", "decay"} | ({"mix", "tau"} if kind == "streaming" else set())
+    if set(keywords) - names or len(keywords) != sum("=" in f for f in fields[3:]):
+        raise ValueError(f"bad variant {text!r}: the named fields are {', '.join(sorted(names))}=, once each")
     density = None
     if takes_density(codec):
         density = (
@@ -234,12 +265,19 @@ def parse_variant(text: str) -> Variant:
         raise ValueError(f"bad variant {text!r}: use {VARIANT_SYNTAX}")
     momentum = keywords.get("momentum")
     decay = keywords.get("decay")
+    mix = None if "mix" not in keywords else _fraction(keywords["mix"], "mix", text, zero_ok=True)
+    if mix == 1.0:
+        raise ValueError(f"bad variant {text!r}: mix must be < 1 (1 would never take the swarm's params)")
+    tau = keywords.get("tau")
+    if tau is not None and not (tau.isdigit() and int(tau) < inner_steps):
+        raise ValueError(f"bad variant {text!r}: tau must be an integer in [0, H)")
     return Variant(
         kind, inner_steps, codec,
         outer_lr=_positive(positional[0], "OUTER_LR", text) if positional else None,
         density=density,
         outer_momentum=None if momentum is None else _fraction(momentum, "momentum", text, zero_ok=True),
         error_feedback_decay=None if decay is None else _fraction(decay, "decay", text, zero_ok=True),
+        num_fragments=num_fragments, mix=mix, overlap_steps=None if tau is None else int(tau),
     )  # fmt: skip
 
 
@@ -477,6 +515,128 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     }
 
 
+def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
+    """N Streaming DiLoCo workers in this process (``node.outer.fragments``): F fragments, fragment f's
+    round after the inner steps s ≡ ⌊f·H/F⌋ (mod H), each through its own ``SimulatedAllReduce`` (its
+    own payload and error feedback). A round's mean lands τ inner steps later (the workers train on
+    meanwhile, as a node does while the round is in flight), then the fragment takes its outer step and
+    each worker's copy of it is mixed with the new global fragment (α). At the end every fragment with
+    steps since its last round has a last round (τ = 0), so the final eval is of global params that
+    count every step, as a node's run end applies its round in flight. Eval every H steps and at the
+    end is of the global params of every fragment, which every worker holds alike.
+
+    F = 1, τ = 0, α = 0 is ``diloco`` bit for bit (tests/scripts/test_bench_convergence.py).
+    """
+    start = time.perf_counter()
+    num_workers, inner_steps = settings.num_workers, variant.inner_steps
+    num_fragments, mix, tau = variant.num_fragments, variant.fragment_mix, variant.fragment_overlap_steps
+    if settings.steps % inner_steps:
+        raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
+    corpus, eval_set = load_data(settings)
+    workers = [build_worker(settings, corpus, i) for i in range(num_workers)]
+    names = [name for name, p in workers[0].model.named_parameters() if p.requires_grad]
+    plan = fragment_plan(names, num_fragments)
+    own = variant.settings(settings)
+    outer = [
+        FragmentedDiLoCo(w.model, plan, outer_lr=own.outer_lr, outer_momentum=own.outer_momentum)
+        for w in workers
+    ]
+    allreduces = [
+        SimulatedAllReduce(
+            num_members=num_workers,
+            num_elements=outer[0].num_elements(f),
+            codec=variant.wire_codec(),
+            error_feedback=variant.error_feedback,
+            chunk_num_elements=settings.chunk_num_elements,
+            error_feedback_decay=own.error_feedback_decay,
+        )  # fmt: skip
+        for f in range(num_fragments)
+    ]
+    eval_model = copy.deepcopy(workers[0].model)
+    history = [(0, 0.0, evaluate(workers[0].model, eval_set))]  # (tokens, bytes per worker, eval loss)
+    in_flight: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (the step it lands after, mean)
+    last_round = [0] * num_fragments  # the step each fragment's last round was taken at
+    rounds = [0] * num_fragments
+
+    def start_round(fragment: int, step: int) -> torch.Tensor:
+        deltas = [o.pseudo_gradient(fragment) for o in outer]
+        weight = float((step - last_round[fragment]) * settings.batch_size * settings.seq_len)
+        last_round[fragment], rounds[fragment] = step, rounds[fragment] + 1
+        return allreduces[fragment].reduce(deltas, [weight] * num_workers)
+
+    def land(fragment: int, mean: torch.Tensor) -> None:
+        for o in outer:  # each member's own copy of the mean, as each node gets one
+            o.land(fragment, mean.clone(), mix=mix)
+        hashes = {o.fragments[fragment].param_hash() for o in outer}
+        assert len(hashes) == 1, f"the workers' global params of fragment {fragment} diverged"
+
+    def bytes_per_worker() -> float:
+        return sum(sum(a.bytes_sent) for a in allreduces) / num_workers
+
+    for step in range(1, settings.steps + 1):
+        lr = schedule_of(settings).lr(step - 1)
+        for worker in workers:
+            inner_step(worker, settings, lr)
+        for fragment, (due, mean) in list(in_flight.items()):
+            if due == step:
+                land(fragment, mean)
+                del in_flight[fragment]
+        for fragment in due_fragments(step, inner_steps=inner_steps, num_fragments=num_fragments):
+            assert fragment not in in_flight, "tau < H: a fragment's round lands before its next"
+            mean = start_round(fragment, step)
+            if tau == 0:
+                land(fragment, mean)
+            else:
+                in_flight[fragment] = (step + tau, mean)
+        if step % inner_steps == 0 and step < settings.steps:
+            evaluated = _global_model(outer[0].global_params(), eval_model)
+            history.append(
+                (step * settings.tokens_per_step, bytes_per_worker(), evaluate(evaluated, eval_set))
+            )
+            _progress(step, settings.steps, history[-1][2])
+    for fragment, (_, mean) in sorted(in_flight.items()):  # the run ends: the rounds in flight land
+        land(fragment, mean)
+    for fragment in range(num_fragments):  # and the steps since a fragment's last round get one
+        if last_round[fragment] < settings.steps:
+            land(fragment, start_round(fragment, settings.steps))
+    evaluated = _global_model(outer[0].global_params(), eval_model)
+    history.append(
+        (settings.steps * settings.tokens_per_step, bytes_per_worker(), evaluate(evaluated, eval_set))
+    )
+    _progress(settings.steps, settings.steps, history[-1][2])
+    hashes = [o.param_hash() for o in outer]
+    assert len(set(hashes)) == 1, "the workers' global params diverged"
+    sends = sends_per_payload(allreduces[0].codec, num_workers)
+    formula = sum(
+        rounds[f] * sends * payload_bytes(allreduces[f].codec, outer[0].num_elements(f), num_workers,
+                                          settings.chunk_num_elements)
+        for f in range(num_fragments)
+    )  # fmt: skip
+    return {
+        "num_params": sum(outer[0].num_elements(f) for f in range(num_fragments)),
+        "rounds": sum(rounds),
+        "fragment_rounds": rounds,
+        "fragments": plan.describe().splitlines(),
+        "fragment_elements": [outer[0].num_elements(f) for f in range(num_fragments)],
+        "mix": mix,
+        "overlap_steps": tau,
+        "history": history,
+        "final_train_loss": recent_train_loss(workers, settings.eval_every),
+        "bytes_sent_per_worker": bytes_per_worker(),
+        "bytes_sent_per_worker_formula": formula,
+        "bytes_formula": "sum over fragments of its rounds * sends per payload * its payload",
+        "density": variant.density,
+        "outer_momentum": own.outer_momentum,
+        "error_feedback_decay": own.error_feedback_decay if variant.error_feedback else None,
+        "param_hashes": hashes,
+        "simulated": True,
+        "accounting": "in-process simulation of each fragment's all-reduce arithmetic (real codecs, error "
+        "feedback and PartReducer) and of its wire payload bytes; no sockets, framing not counted",
+        "wall_seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time(),
+    }
+
+
 def ddp_rank_main(settings: BenchSettings, rank: int, store: Path, result_path: Path) -> None:
     """One DDP rank: gradients (and the loss, for the log) all-reduced every step over gloo."""
     import torch.distributed as dist
@@ -533,4 +693,5 @@ RUNNERS: dict[str, Callable[[BenchSettings, Variant], dict[str, Any]] | None] = 
     "ddp": None,  # multi-process: launched by `_launch`, its ranks run `ddp_rank_main`
     "diloco": run_diloco,
     "overlap": run_diloco,  # with the delayed outer update, as `dtnode join --overlap`
+    "streaming": run_streaming,  # fragments synchronised in turn (node/outer/fragments.py)
 }

@@ -321,6 +321,60 @@ def test_parse_sparse_variants() -> None:
             variants.parse_variant(bad)
 
 
+def test_parse_streaming_variants() -> None:
+    variant = variants.parse_variant("streaming:30:4:int8:mix=0.25:tau=3")
+    assert (variant.kind, variant.inner_steps, variant.num_fragments, variant.codec) == (
+        "streaming",
+        30,
+        4,
+        "int8",
+    )
+    assert (variant.fragment_mix, variant.fragment_overlap_steps) == (0.25, 3)
+    assert variant.name == "streaming-H30-F4-mix0.25-tau3-int8-ef"
+    assert variants.parse_variant(variant.spec()) == variant
+    default = variants.parse_variant("streaming:30:2:topk:0.03:momentum=0")
+    assert (default.num_fragments, default.density, default.outer_momentum) == (2, 0.03, 0.0)
+    assert (default.fragment_mix, default.fragment_overlap_steps) == (variants.DEFAULT_FRAGMENT_MIX, 0)
+    assert variants.parse_variant(default.spec()) == default
+    for bad in (
+        "streaming:30:int8", "streaming:30:0:int8", "streaming:30:4:int8:mix=1", "streaming:30:4:int8:tau=30",
+        "streaming:30:4:int8:tau=x", "diloco:30:int8:mix=0.5", "streaming:30:4:foo",
+    ):  # fmt: skip
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)
+
+
+@pytest.mark.timeout(120)
+def test_one_fragment_streaming_without_overlap_or_mix_is_diloco() -> None:
+    """F = 1, τ = 0, α = 0 trains as the synchronous DiLoCo runner does: the same eval after every
+    round and the same bytes (an independent path: ``run_diloco`` steps ``DiLoCo`` directly)."""
+    settings = variants.BenchSettings(**TINY, eval_every=2, num_eval_batches=1, eval_batch_size=4)
+    diloco = variants.run_diloco(settings, variants.parse_variant("diloco:2:int4"))
+    streaming = variants.run_streaming(settings, variants.parse_variant("streaming:2:1:int4:mix=0:tau=0"))
+    assert streaming["history"] == diloco["history"]
+    assert streaming["bytes_sent_per_worker"] == diloco["bytes_sent_per_worker"]
+    assert streaming["fragment_rounds"] == [2]
+
+
+@pytest.mark.timeout(120)
+def test_streaming_fragments_round_in_turn_and_count_their_bytes() -> None:
+    settings = variants.BenchSettings(**TINY, eval_every=2, num_eval_batches=1, eval_batch_size=4)
+    record = variants.run_streaming(settings, variants.parse_variant("streaming:2:2:int8:mix=0.5:tau=1"))
+    # H = 2, F = 2 over 4 steps: fragment 0 after steps 2 and 4, fragment 1 after steps 1 and 3, then
+    # once more at the end for step 4 (its round in flight from step 3 landed first).
+    assert record["fragment_rounds"] == [2, 3]
+    sizes = record["fragment_elements"]
+    assert sum(sizes) == record["num_params"] and len(record["fragments"]) == 2
+    payloads = [sum(_part_payloads("int8", size, 2, AllReduceConfig().chunk_num_elements)) for size in sizes]
+    expected = (2 * payloads[0] + 3 * payloads[1]) * 2 * (2 - 1) / 2  # rounds x 2 (N - 1) / N x payload
+    assert (
+        record["bytes_sent_per_worker"] == pytest.approx(expected) == record["bytes_sent_per_worker_formula"]
+    )
+    history = record["history"]
+    assert [point[0] for point in history] == [0, 2 * settings.tokens_per_step, 4 * settings.tokens_per_step]
+    assert math.isfinite(history[-1][2]) and len(set(record["param_hashes"])) == 1
+
+
 def test_sparse_verdict_compares_top_k_with_int8_of_the_same_kind_and_h() -> None:
     def record(variant: str, codec: str, inner_steps: int, loss: float, sent: float) -> dict[str, Any]:
         return {"variant": variant, "kind": "diloco", "codec": codec, "inner_steps": inner_steps,
@@ -335,6 +389,23 @@ def test_sparse_verdict_compares_top_k_with_int8_of_the_same_kind_and_h() -> Non
     assert "topk-far +1.00% vs int8 at 100.0x fewer bytes" in text and "topk-h50" not in text
     assert bench.sparse_verdict([int8, far])[0] is False
     assert bench.sparse_verdict([int8])[0] is None
+
+
+def test_fragments_verdict_compares_each_streaming_run_with_diloco_of_the_same_h_and_codec() -> None:
+    def record(variant: str, kind: str, fragments: int, inner_steps: int, loss: float) -> dict[str, Any]:
+        return {"variant": variant, "kind": kind, "num_fragments": fragments, "codec": "int8",
+                "density": None, "inner_steps": inner_steps, "eval_loss": loss}  # fmt: skip
+
+    whole = record("diloco", "diloco", 1, 30, 2.0)
+    close = record("f4", "streaming", 4, 30, 2.0 * 1.004)  # +0.4%
+    far = record("f2", "streaming", 2, 30, 2.0 * 1.01)  # +1%
+    one = record("f1", "streaming", 1, 30, 3.0)  # F = 1: not a fragments run
+    other_h = record("f4-h10", "streaming", 4, 10, 1.0)  # no diloco at H=10: not compared
+    met, text = bench.fragments_verdict([whole, close, one, other_h])
+    assert met is True and text == "fragments target MET: f4 +0.40% vs diloco"
+    met, text = bench.fragments_verdict([whole, close, far])
+    assert met is False and "f2 +1.00% vs diloco" in text
+    assert bench.fragments_verdict([whole, one])[0] is None
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,112 @@
+"""Streamed fragments (node/outer/fragments.py): the plan, the schedule, and the outer step per fragment
+against plain DiLoCo and a hand-computed step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from node.model.gpt import GPT, model_config
+from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.fragments import FragmentedDiLoCo, due_fragments, fragment_offset, fragment_plan
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(model_config("nano", vocab_size=64, seq_len=16))
+
+
+def test_the_plan_strides_blocks_and_places_the_embeddings_and_head_beside_their_blocks() -> None:
+    names = [name for name, _ in _gpt().named_parameters()]
+    plan = fragment_plan(names, 2)
+    by_fragment = [[names[i] for i in members] for members in plan.fragments]
+    # nano has 4 layers: 0 and 2 in fragment 0 with the embeddings, 1 and 3 in fragment 1 with the head.
+    assert by_fragment[0][0] == "tok_embeddings.weight"
+    assert {n.split(".")[1] for n in by_fragment[0] if n.startswith("layers.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in by_fragment[1] if n.startswith("layers.")} == {"1", "3"}
+    assert by_fragment[1][-2:] == ["norm.weight", "output.weight"]
+    every = sorted(i for members in plan.fragments for i in members)
+    assert every == list(range(len(names)))  # each parameter in exactly one fragment
+    assert all(list(members) == sorted(members) for members in plan.fragments)
+    assert fragment_plan(names, 1).fragments == (tuple(range(len(names))),)
+
+
+def test_the_plan_of_a_model_without_blocks_strides_its_parameters_and_refuses_too_many_fragments() -> None:
+    names = ["a.weight", "a.bias", "b.weight"]
+    assert fragment_plan(names, 2).fragments == ((0, 2), (1,))
+    with pytest.raises(ValueError, match="3 blocks"):
+        fragment_plan(names, 4)
+    with pytest.raises(ValueError, match="at most 4"):
+        fragment_plan([name for name, _ in _gpt().named_parameters()], 5)
+
+
+def test_each_fragment_rounds_every_h_steps_at_its_offset() -> None:
+    assert [s for s in range(1, 25) if due_fragments(s, inner_steps=8, num_fragments=1)] == [8, 16, 24]
+    assert [fragment_offset(f, inner_steps=8, num_fragments=4) for f in range(4)] == [0, 2, 4, 6]
+    due = {s: due_fragments(s, inner_steps=8, num_fragments=4) for s in range(1, 17)}
+    assert {s: f for s, f in due.items() if f} == {
+        2: [1],
+        4: [2],
+        6: [3],
+        8: [0],
+        10: [1],
+        12: [2],
+        14: [3],
+        16: [0],
+    }
+
+
+def _train(model: nn.Module, generator: torch.Generator) -> None:
+    """A stand-in for inner steps: every parameter moves by a seeded random amount."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+
+
+def test_one_fragment_without_overlap_or_mix_is_plain_diloco_bit_for_bit() -> None:
+    plain_model, fragmented_model = _gpt(), _gpt()
+    plain = DiLoCo(plain_model, outer_lr=0.7, outer_momentum=0.9)
+    names = [name for name, _ in fragmented_model.named_parameters()]
+    fragmented = FragmentedDiLoCo(fragmented_model, fragment_plan(names, 1), outer_lr=0.7, outer_momentum=0.9)
+    plain_gen, fragmented_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _train(plain_model, plain_gen)
+        _train(fragmented_model, fragmented_gen)
+        delta = plain.pseudo_gradient()
+        assert torch.equal(fragmented.pseudo_gradient(0), delta)
+        mean = delta * 0.5  # a "swarm mean" both take
+        plain.outer_step(mean.clone())
+        fragmented.land(0, mean.clone(), mix=0.0)
+        assert torch.equal(fragmented.global_params(), plain.global_params)
+        assert torch.equal(
+            flatten_params(list(fragmented_model.parameters()), device="cpu"), plain.global_params
+        )
+
+
+def test_a_landed_fragment_steps_its_global_params_and_mixes_only_its_own_local_params() -> None:
+    model = _gpt()
+    names = [name for name, _ in model.named_parameters()]
+    plan = fragment_plan(names, 2)
+    fragmented = FragmentedDiLoCo(model, plan, outer_lr=0.5, outer_momentum=0.0)  # plain SGD: hand-computable
+    start = flatten_params(list(model.parameters()), device="cpu")
+    _train(model, torch.Generator().manual_seed(2))
+    trained = flatten_params(list(model.parameters()), device="cpu")
+    sizes = [p.numel() for p in model.parameters()]
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in plan.fragments[1]])
+    delta = fragmented.pseudo_gradient(1)
+    assert torch.equal(delta, start[index] - trained[index])
+    mean = torch.full_like(delta, 0.25)
+    fragmented.land(1, mean, mix=0.5)
+    new_global = start[index] - 0.5 * 0.25  # SGD: θ − lr·Δ̄
+    expected = start.clone()
+    expected[index] = new_global
+    torch.testing.assert_close(fragmented.global_params(), expected, rtol=0, atol=1e-7)
+    now = flatten_params(list(model.parameters()), device="cpu")
+    torch.testing.assert_close(now[index], 0.5 * trained[index] + 0.5 * new_global, rtol=0, atol=1e-6)
+    other = torch.ones_like(now, dtype=torch.bool)
+    other[index] = False
+    assert torch.equal(now[other], trained[other])  # fragment 0 untouched: its round did not come
+    with pytest.raises(ValueError, match="mix"):
+        fragmented.land(1, mean, mix=1.0)
