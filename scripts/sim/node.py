@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -113,6 +114,8 @@ class Recorder(Protocol):
     def holds_state(self, peer_id: str, now: float) -> None: ...
 
     def error(self, peer_id: str, round: int, what: str) -> None: ...
+
+    def host_seconds(self, peer_id: str, round: int, seconds: float) -> None: ...
 
 
 @dataclass
@@ -457,6 +460,7 @@ class SimNode:
 
     def _execute(self, formation: RoundFormation, event: Callable[[], list[Action]]) -> None:
         """Feed one event to the formation and do what it asks (RoundDriver._execute)."""
+        started = time.perf_counter()  # host CPU of the product's call, reported apart (not simulated)
         try:
             actions = event()
         except ValueError as error:  # the product refused (e.g. a proposal beyond MAX_GROUP_SIZE)
@@ -466,6 +470,7 @@ class SimNode:
                 self._record_formed(formation, "error")
                 self._own_delta(formation.round, "error")
             return
+        self.world.recorder.host_seconds(self.peer_id, formation.round, time.perf_counter() - started)
         for action in actions:
             if isinstance(action, Send):
                 self._send(action.to, action.message)

@@ -5,7 +5,9 @@ Per round r (the r-th outer round of a lineage):
 - ``formation_seconds``: from a node's ``RoundFormation`` start to its ``StartAllReduce`` (median,
   max over the nodes that got into a group);
 - ``groups`` and ``group_sizes``: the groups whose all-reduce ran, with their contributors;
-  ``split_groups`` = groups beyond the first (0 when the round formed one group);
+  ``split_groups`` = groups beyond the first among those formed from one lineage (the protocol
+  split it), ``other_lineage_groups`` = groups formed from lineages other than the largest group's
+  (nodes that stepped alone or a partition's side, which the lineage rule re-syncs later);
 - ``participation``: of the *live* nodes, those up (not crashed, frozen or gone) from the first
   formation start of the round to its last group's end and holding the swarm's state before it
   began, the share that averaged in a group of the round (a node partitioned away counts as live);
@@ -52,6 +54,8 @@ class RunRecorder:
     state_since: dict[str, float] = field(default_factory=dict)
     errors: list[dict[str, Any]] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
+    host: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    """Round -> peer -> host seconds its RoundFormation calls took (wall clock: not in the JSON)."""
 
     def formed(
         self,
@@ -87,6 +91,22 @@ class RunRecorder:
     def error(self, peer_id: str, round: int, what: str) -> None:
         if len(self.errors) < 20:
             self.errors.append({"peer_id": peer_id, "round": round, "error": what})
+
+    def host_seconds(self, peer_id: str, round: int, seconds: float) -> None:
+        by_peer = self.host[round]
+        by_peer[peer_id] = by_peer.get(peer_id, 0.0) + seconds
+
+    def host_line(self, index: int) -> str:
+        """How long the product's formation code ran on this host for round ``index``: the biggest
+        group's leader, the busiest node, all nodes (measured, so not part of the JSON)."""
+        by_peer = self.host.get(index, {})
+        groups = sorted(self.groups.get(index, []), key=lambda g: (-len(g.contributors), g.group_id))
+        leader = by_peer.get(groups[0].leader_id, 0.0) if groups else 0.0
+        busiest = max(by_peer.values(), default=0.0)
+        return (
+            f"round {index}: host CPU in RoundFormation calls: leader {leader:.3f}s, busiest node "
+            f"{busiest:.3f}s, all nodes {sum(by_peer.values()):.2f}s"
+        )
 
     def count_fault(self, kind: str) -> None:
         self.faults[kind] += 1
@@ -135,7 +155,8 @@ class RunRecorder:
             "groups": len(ran),
             "group_sizes": [len(g.contributors) for g in ran],
             "groups_fell_back": len(groups) - len(ran),
-            "split_groups": max(len(ran) - 1, 0),
+            "split_groups": len(ran) - len({g.parent for g in ran}),
+            "other_lineage_groups": len({g.parent for g in ran}) - 1 if ran else 0,
             "live_nodes": len(live),
             "live_averaged": num_averaged_live,
             "participation": round_(num_averaged_live / len(live)) if live else None,
@@ -166,6 +187,7 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "rounds": len(rounds),
         "split_groups": sum(r["split_groups"] for r in rounds),
+        "other_lineage_groups": sum(r["other_lineage_groups"] for r in rounds),
         "live_node_rounds": live,
         "live_node_rounds_averaged": averaged,
         "participation": round_(averaged / live) if live else None,
@@ -181,6 +203,7 @@ def summary_line(result: dict[str, Any]) -> str:
     return (
         f"swarm_sim: {result['settings']['num_nodes']} nodes, {t['rounds']} rounds, seed {result['settings']['seed']}: "
         f"participation {t['participation']}, split groups {t['split_groups']}, "
+        f"groups on other lineages {t['other_lineage_groups']}, "
         f"largest group {max(sizes, default=0)}, formation max {max(formation, default=0.0):.1f}s, "
         f"utilization {t['compute_utilization_mean']}, lineages at end {result['end']['lineages']}, "
         f"simulated {result['end']['simulated_seconds']:.0f}s"

@@ -23,7 +23,7 @@ from scripts.sim.events import EventQueue
 from scripts.sim.faults import FaultInjector
 from scripts.sim.groups import AllReduces, GroupReport, LineageTree
 from scripts.sim.links import LinkProfile, Network
-from scripts.sim.node import INIT_HASH, NodeState, SimNode, World
+from scripts.sim.node import INIT_HASH, SimNode, World
 from scripts.sim.report import RunRecorder, totals
 from scripts.sim.settings import SimSettings, daemon_swarm_config
 
@@ -109,15 +109,19 @@ class Swarm:
             self._round_done_at = self.queue.now
 
     def _finished(self) -> bool:
-        """A group of the last round averaged and no node still forms it or runs its all-reduce."""
+        """A group of the last round averaged, and every up node holding params reached that round
+        (or a slowest phase plus ``max_wait`` passed since: some may never, if they keep missing)."""
         if self._round_done_at is None:
             return False
-        last = self.settings.num_rounds
-        for node in self.world.nodes.values():
-            if node.state in (NodeState.FORMING, NodeState.ALLREDUCE) and node.lineage is not None:
-                if node.lineage.round + 1 <= last and node.is_up():
-                    return False
-        return True
+        settings = self.settings
+        grace = settings.phase_seconds / settings.speed_min + settings.max_wait
+        if self.queue.now >= self._round_done_at + grace:
+            return True
+        return all(
+            node.lineage is None or node.lineage.round >= settings.num_rounds
+            for node in self.world.nodes.values()
+            if node.is_up()
+        )
 
     def start(self) -> None:
         """Create the initial nodes on the round-0 params and schedule the faults (once)."""

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.sim.report import summary_line  # noqa: E402
 from scripts.sim.settings import FaultRates, SimSettings  # noqa: E402
-from scripts.sim.swarm import simulate  # noqa: E402
+from scripts.sim.swarm import Swarm  # noqa: E402
 
 
 def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namespace]:
@@ -98,7 +98,8 @@ def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namesp
 def round_line(figures: dict[str, Any]) -> str:
     leader = figures["leader"]
     return (
-        f"round {figures['round']}: groups {figures['group_sizes']} (split {figures['split_groups']}), "
+        f"round {figures['round']}: groups {figures['group_sizes']} (split {figures['split_groups']}, "
+        f"other lineages {figures['other_lineage_groups']}), "
         f"formation median/max {figures['formation_seconds_median']}/{figures['formation_seconds_max']} s, "
         f"participation {figures['live_averaged']}/{figures['live_nodes']}, "
         f"bytes/node {figures['bytes_sent_mean']}, all-reduce {figures['allreduce_seconds']} s, "
@@ -140,10 +141,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_settings(argv)
     started = time.perf_counter()
-    result = simulate(settings)
+    swarm = Swarm(settings)
+    result = swarm.run()
     wall = time.perf_counter() - started
     for figures in result["rounds"]:
         print(round_line(figures))
+        print("  " + swarm.recorder.host_line(figures["round"]))
     print(summary_line(result) + f", wall {wall:.1f}s")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
