@@ -30,6 +30,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from node import config_layers
 from node.config_layers import ConfigError
+from protocol.discovery.addresses import split_host_port
 from protocol.membership.messages import MAX_STREAMS
 
 # The settings with a fixed set of values; the CLI lists them as the flags' choices.
@@ -104,8 +105,7 @@ def _is_ip(text: str) -> bool:
 def _check_addresses(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        _, colon, port = value.rpartition(":")
-        if value and (not colon or not port.isdigit() or int(port) > 65535):
+        if value and split_host_port(value) is None:
             raise ConfigError(
                 f"{_flat_name(section, name)} must be HOST:PORT (port 0 = any free port), got {value!r}"
             )

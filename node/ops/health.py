@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.config import flat_defaults, resolve_run_dir
 from protocol.auth.channels import SwarmAuth, operator_channel
+from protocol.discovery.addresses import join_host_port, parse_host_port
 
 EXIT_SERVING = 0
 EXIT_UNHEALTHY = 1
@@ -102,7 +103,8 @@ def local_address(listen: str, run_dir: Path) -> str:
     recorded = recorded_local_address(run_dir)
     if recorded is not None:
         return recorded
-    host, _, port = listen.rpartition(":")
-    if port and port != "0":
-        return f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
+    if listen:
+        host, port = parse_host_port(listen, flag="--listen", empty_host="")
+        if port:
+            return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
     return address_from_run_dir(run_dir)

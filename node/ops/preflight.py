@@ -152,16 +152,18 @@ def listen_addresses(config: NodeConfig) -> list[tuple[str, str, int]]:
     """``(flag, host, port)`` of every TCP address the node will listen on (port 0: any free one): the
     gRPC server and the DHT peer (none in client mode: it accepts no connections) and the metrics
     endpoint."""
-    from protocol.swarm.ports import split_address
+    from node.swarm.setup import dht_listen
+    from protocol.discovery.addresses import parse_host_port
 
     addresses: list[tuple[str, str, int]] = []
     network = config.network
     if network.enabled and not network.client_mode:
+        # An empty host stays empty: bind_problem probes it as every interface, and names it as written.
         with _flag("--listen"):
-            addresses.append(("--listen", *split_address(network.listen)))
-        listen_host = network.listen.rpartition(":")[0] or "0.0.0.0"
+            addresses.append(("--listen", *parse_host_port(network.listen, flag="--listen", empty_host="")))
         with _flag("--dht-listen"):
-            addresses.append(("--dht-listen", *split_address(network.dht_listen or f"{listen_host}:0")))
+            listen = dht_listen(network)
+            addresses.append(("--dht-listen", *parse_host_port(listen, flag="--dht-listen", empty_host="")))
     if config.metrics.port:
         addresses.append(("--metrics-port", config.metrics.listen.strip("[]"), config.metrics.port))
     return addresses

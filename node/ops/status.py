@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 from node.ops.cli_errors import error_line
 from protocol.auth.channels import SwarmAuth
+from protocol.discovery.addresses import split_host_port
 from protocol.swarm.status import NodeStatus, StatusUnavailable, get_status
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
@@ -57,8 +58,8 @@ def address_from_run_dir(run_dir: Path) -> str:
 
 def check_address(address: str) -> str:
     """``host:port`` with a port in 1..65535; ValueError otherwise."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    host_port = split_host_port(address)
+    if host_port is None or not host_port[0] or host_port[1] == 0:
         raise ValueError(f"ADDR must be the node's gRPC HOST:PORT, got {address!r}")
     return address
 

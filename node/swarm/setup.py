@@ -10,31 +10,40 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from node.config import ConfigError, NodeConfig
+from node.config import ConfigError, NetworkConfig, NodeConfig
 from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
 from protocol.auth.key import SwarmKey
-from protocol.discovery.addresses import join_host_port, split_announce
+from protocol.discovery.addresses import join_host_port, parse_host_port, split_announce
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.membership.config import RoundConfig
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
-from protocol.swarm.ports import bind_problem, split_address
+from protocol.swarm.ports import bind_problem
+
+
+def dht_listen(network: NetworkConfig) -> str:
+    """Where the DHT peer listens: ``--dht-listen``, else the ``--listen`` host (every interface for an
+    empty one) at any free port. ValueError if ``--listen`` is not ``HOST:PORT``."""
+    if network.dht_listen:
+        return network.dht_listen
+    listen_host, _ = parse_host_port(network.listen, flag="--listen", empty_host="0.0.0.0")
+    return join_host_port(listen_host, 0)
 
 
 def dht_config(config: NodeConfig) -> DhtConfig:
     """The DHT peer's settings: ``--dht-listen`` (default: the ``--listen`` host, any port), and what others
     dial: ``--dht-announce``, else ``--announce``'s host at the DHT's listen port. ValueError if malformed."""
     network = config.network
-    listen_host = network.listen.rpartition(":")[0] or "0.0.0.0"
-    dht_listen = network.dht_listen or f"{listen_host}:0"
+    listen = dht_listen(network)
     announce = network.dht_announce or None
     if announce is None and network.announce:
         host, _ = split_announce(network.announce)
-        announce = join_host_port(host, int(dht_listen.rpartition(":")[2]))
+        _, listen_port = parse_host_port(listen, flag="--dht-listen", empty_host="")
+        announce = join_host_port(host, listen_port)
     return DhtConfig(
         initial_peers=tuple(address.strip() for address in network.peers.split(",") if address.strip()),
-        listen=dht_listen,
+        listen=listen,
         announce=announce,
         identity_path=config.security.identity_path or None,
         use_relay=network.use_relay,
@@ -102,7 +111,7 @@ LOOPBACK_PREFIXES = ("/ip4/127.", "/ip6/::1/")
 def _taken_port(flag: str, address: str) -> str | None:
     """After a server failed to start: ``flag``'s ``address`` refused as the preflight refuses it
     (node/ops/preflight.py), if it cannot be bound now (taken since the probe), else None."""
-    host, port = split_address(address)
+    host, port = parse_host_port(address, flag=flag, empty_host="")  # "": every interface, as the preflight
     problem = bind_problem(host, port) if port else None
     return None if problem is None else f"{flag}: cannot listen on {host}:{port}: {problem}"
 
@@ -113,9 +122,8 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 def local_address(listen: str, port: int) -> str:
     """``host:port`` at which a process on this machine reaches a server bound to ``listen`` at
     ``port``: the listen host, loopback for a wildcard one."""
-    host = listen.rpartition(":")[0]
-    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    host, _ = parse_host_port(listen, flag="--listen", empty_host="")
+    return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
 
 
 def reachable_first(multiaddrs: list[str]) -> list[str]:

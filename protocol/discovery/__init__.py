@@ -4,25 +4,7 @@
 - ``dht_node``: :class:`DhtNode`, a DHT peer confined to the given addresses, every call with a deadline.
 - ``registry``: :class:`SwarmRegistry`, this peer's :class:`~protocol.membership.records.PeerRecord`
   kept alive by a heartbeat, a tombstone on leave, and the :class:`SwarmView` of everyone's records.
+
+The package imports none of them: ``addresses`` splits ``HOST:PORT`` for the node's configuration and
+the peer records, which must not load hivemind (nor, through ``registry``, import the records back).
 """
-
-from protocol.discovery.dht_node import (
-    DhtCallTimeout,
-    DhtConfig,
-    DhtEntry,
-    DhtNode,
-    DhtNodeClosed,
-    DhtStartupError,
-)
-from protocol.discovery.registry import SwarmRegistry, run_key
-
-__all__ = [
-    "DhtCallTimeout",
-    "DhtConfig",
-    "DhtEntry",
-    "DhtNode",
-    "DhtNodeClosed",
-    "DhtStartupError",
-    "SwarmRegistry",
-    "run_key",
-]

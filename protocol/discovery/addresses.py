@@ -6,6 +6,11 @@ A hivemind DHT peer is reached through its p2p daemon at a *multiaddr* such as
 type ``HOST:PORT`` for the local side and paste multiaddrs printed by a running peer for the
 remote side; these functions turn the former into the latter and reject anything malformed with
 a ``ValueError`` naming the flag, before any process is started.
+
+This module is the one place that splits ``HOST:PORT``: the daemon's flags, the swarm's settings and
+the addresses in peer records all read it here. It imports no networking library (hivemind's
+multiaddr parser is loaded by the two functions that read multiaddrs), so the node's configuration
+and ``dtnode health`` can use it without loading the DHT.
 """
 
 from __future__ import annotations
@@ -13,8 +18,6 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Final
-
-from hivemind.utils.multiaddr import Multiaddr
 
 MAX_PORT: Final = 65535
 MAX_DNS_NAME_CHARS: Final = 253
@@ -24,16 +27,33 @@ _DNS_NAME_RE: Final = re.compile(
 )
 
 
-def parse_host_port(text: str, *, flag: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[V6]:PORT`` for IPv6) into a host and a port in ``[0, 65535]``."""
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) as the host, without brackets (empty for ``:PORT``), and
+    a port in ``[0, 65535]``; None if ``text`` is not one. For callers with a message of their own."""
     host, colon, port = text.rpartition(":")
+    # isdecimal, not isdigit: int() refuses digits such as '²'
+    if not colon or not port.isdecimal() or int(port) > MAX_PORT:
+        return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not colon or not host or not port.isdigit() or int(port) > MAX_PORT:
+    return host, int(port)
+
+
+def parse_host_port(text: str, *, flag: str, empty_host: str | None = None) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[V6]:PORT`` for IPv6) into a host and a port in ``[0, 65535]``.
+
+    An empty host (``:PORT``) is refused, unless ``empty_host`` says what it means: a listen address's
+    empty host is every interface (``0.0.0.0``, or ``""`` where the caller binds it as given).
+    """
+    host_port = split_host_port(text)
+    if host_port is None or (not host_port[0] and empty_host is None):
         raise ValueError(
             f"{flag} must be HOST:PORT (or [IPV6]:PORT) with a port in 0..{MAX_PORT}, got {text!r}"
         )
-    return host, int(port)
+    host, port = host_port
+    if not host and empty_host is not None:
+        host = empty_host
+    return host, port
 
 
 def _ip_multiaddr(host: str, port: int, *, flag: str) -> str | None:
@@ -95,9 +115,14 @@ def split_announce(text: str, *, flag: str = "--announce") -> tuple[str, int | N
     return host, int(port_text)
 
 
+def bracket_host(host: str) -> str:
+    """``host`` as written before ``:PORT``: an IPv6 host in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def join_host_port(host: str, port: int) -> str:
     """``HOST:PORT``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{bracket_host(host)}:{port}"
 
 
 def announce_multiaddr(address: str, *, flag: str = "--dht-announce") -> str:
@@ -110,6 +135,8 @@ def announce_multiaddr(address: str, *, flag: str = "--dht-announce") -> str:
     appends its own peer id.
     """
     if address.startswith("/"):
+        from hivemind.utils.multiaddr import Multiaddr  # imports hivemind: only when reading a multiaddr
+
         try:
             multiaddr = Multiaddr(address)
         except ValueError as error:
@@ -135,6 +162,8 @@ def check_peer_multiaddr(text: str) -> str:
     The peer id is required: the p2p daemon authenticates the remote end against it, and the
     DHT pings the initial peers by id.
     """
+    from hivemind.utils.multiaddr import Multiaddr  # imports hivemind: only when reading a multiaddr
+
     try:
         multiaddr = Multiaddr(text)
     except ValueError as error:

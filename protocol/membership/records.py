@@ -29,6 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Final, Literal, cast
 
+from protocol.discovery.addresses import split_host_port
+
 PeerStatus = Literal["active", "left", "syncing"]
 
 MAX_PEER_ID_CHARS: Final = 128
@@ -115,8 +117,8 @@ def check_param_hash(value: object, name: str = "param_hash") -> str:
 def check_address(value: object, name: str = "grpc_address") -> str:
     """``host:port`` with a port in 1..65535 (``[::1]:port`` for IPv6)."""
     address = check_token(name, value, max_chars=MAX_ADDRESS_CHARS)
-    host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    host_port = split_host_port(address)
+    if host_port is None or not host_port[0] or host_port[1] == 0:
         raise ValueError(f"{name} must be host:port with a port in 1..65535, got {address!r}")
     return address
 

@@ -10,6 +10,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.sparse import check_sparse_aggregation
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
+from protocol.discovery.addresses import bracket_host, parse_host_port, split_host_port
 from protocol.discovery.dht_node import DhtConfig
 from protocol.error_feedback import check_decay
 from protocol.membership.config import RoundConfig
@@ -76,8 +77,7 @@ class SwarmConfig:
 
     def __post_init__(self) -> None:
         check_token("run_name", self.run_name, max_chars=128)
-        _, colon, port = self.listen.rpartition(":")
-        if not colon or not port.isdigit() or int(port) > 65535:
+        if split_host_port(self.listen) is None:
             raise ValueError(f"listen must be HOST:PORT (port 0 = any free port), got {self.listen!r}")
         if self.announce_host is not None:
             check_address(f"{self.announce_host}:1", "announce_host")
@@ -114,11 +114,14 @@ class SwarmConfig:
 
     @property
     def listen_host(self) -> str:
-        return self.listen.rpartition(":")[0] or "0.0.0.0"
+        """The host of ``listen`` as a server binds it before ``:PORT`` (an IPv6 one in brackets);
+        ``0.0.0.0`` for an empty one."""
+        host, _ = parse_host_port(self.listen, flag="listen", empty_host="0.0.0.0")
+        return bracket_host(host)
 
     @property
     def listen_port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return parse_host_port(self.listen, flag="listen", empty_host="0.0.0.0")[1]
 
 
 def routable_host(multiaddrs: list[str]) -> str | None:

@@ -41,6 +41,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.auth import OPEN_SWARM_WARNING
+from protocol.discovery.addresses import join_host_port, parse_host_port
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
 from protocol.error_feedback import ErrorFeedback
@@ -143,8 +144,9 @@ class SwarmNode:
         addresses = tuple(runner.addresses)
         if self.config.announce_host is None and self.config.listen_host in WILDCARD_HOSTS:
             # Bound to every interface: advertise the host others reach our node server on.
-            host = self.grpc_address.rpartition(":")[0]
-            addresses = tuple(f"{host}:{address.rpartition(':')[2]}" for address in addresses)
+            host, _ = parse_host_port(self.grpc_address, flag="grpc_address")
+            ports = (parse_host_port(address, flag="stream address")[1] for address in addresses)
+            addresses = tuple(join_host_port(host, port) for port in ports)
         self.streams, self.stream_addresses = runner, addresses
         logger.info(
             "all-reduce on %d streams: %s", 1 + len(addresses), ", ".join((self.grpc_address, *addresses))

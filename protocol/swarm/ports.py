@@ -22,14 +22,6 @@ from collections.abc import Sequence
 from protocol.swarm.config import WILDCARD_HOSTS
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); ValueError if it is not one."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{address!r} is not HOST:PORT")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
 def bind_problem(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be bound for listening now, as a phrase; None if it can."""
     try:

@@ -32,6 +32,7 @@ from protocol.allreduce.group import Member, split_by_weight
 from protocol.allreduce.peer import AllReducePeer
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
+from protocol.discovery.addresses import join_host_port
 from protocol.error_feedback import ErrorFeedback
 from protocol.loop import BackgroundLoop
 from protocol.membership.messages import MAX_STREAMS, GroupSpec
@@ -134,8 +135,8 @@ class StreamServer:
         except BaseException:
             self._loop.close()
             raise
-        host = announce_host or self._peer.address.rpartition(":")[0]
-        self.address = f"{host}:{self._peer.port}"
+        # The address others dial: the announced host at our port, else the one the peer bound.
+        self.address = join_host_port(announce_host, self._peer.port) if announce_host else self._peer.address
         self._error_feedback: ErrorFeedback | None = None
         self._closed = False
 

@@ -151,6 +151,9 @@ def test_the_config_line_does_not_name_a_preset_a_model_config_replaces(tmp_path
         ({"environ": {"DTNODE_INNER_STEPS": "many"}}, "inner_steps expects int"),
         ({"environ": {"DTNODE_OUTER_OFFLOAD": "maybe"}}, "expects true/false"),
         ({"config_file": "/no/such/node.toml"}, "config file not found"),
+        ({"flags": {"listen": "127.0.0.1"}}, "--listen must be HOST:PORT (port 0 = any free port)"),
+        # '²' is a digit to str.isdigit, not to int(): once a bare ValueError from int()
+        ({"flags": {"dht_listen": "127.0.0.1:²"}}, "--dht-listen must be HOST:PORT"),
     ],
 )
 def test_bad_config_is_a_config_error(kwargs: dict, message: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from protocol.auth.key import SwarmKey
-from protocol.discovery import DhtConfig, DhtNode
+from protocol.discovery.dht_node import DhtConfig, DhtNode
 from tests.node.swarm_cluster import Cluster, fork_node, tail, wait_for
 from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
 

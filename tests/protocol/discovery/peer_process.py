@@ -12,7 +12,8 @@ import json
 import time
 from datetime import timedelta
 
-from protocol.discovery import DhtConfig, DhtNode, SwarmRegistry
+from protocol.discovery.dht_node import DhtConfig, DhtNode
+from protocol.discovery.registry import SwarmRegistry
 from tests.protocol.discovery.support import PROTOCOL_VERSION, make_record
 
 

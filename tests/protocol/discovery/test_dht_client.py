@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from protocol.discovery import DhtConfig, DhtNode
+from protocol.discovery.dht_node import DhtConfig, DhtNode
 from tests.scripts.processes import listening_tcp_sockets
 
 TIMEOUT = timedelta(seconds=10)

@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import pytest
 
-from protocol.discovery import DhtConfig, DhtNode, DhtStartupError
 from protocol.discovery.addresses import announce_multiaddr, listen_multiaddr, parse_host_port
+from protocol.discovery.dht_node import DhtConfig, DhtNode, DhtStartupError
 from tests.protocol.discovery.support import live_processes_in_group, poll
 
 # A well-formed peer id nobody in these tests owns.
@@ -130,7 +130,7 @@ def test_startup_deadline_holds_against_a_peer_that_never_answers() -> None:
 
 HOLDER = """
 import sys, time
-from protocol.discovery import DhtConfig, DhtNode
+from protocol.discovery.dht_node import DhtConfig, DhtNode
 node = DhtNode(DhtConfig(listen="127.0.0.1:0"))
 print(node.pid, flush=True)
 time.sleep(60)  # until the test SIGKILLs us
@@ -176,7 +176,7 @@ SIGNALLED_HOLDER = """
 import signal, sys, threading, time
 from datetime import timedelta
 from hivemind.utils import get_dht_time
-from protocol.discovery import DhtConfig, DhtNode
+from protocol.discovery.dht_node import DhtConfig, DhtNode
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
 node = DhtNode(DhtConfig(listen="127.0.0.1:0"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.discovery import DhtConfig, DhtNode, DhtStartupError
+from protocol.discovery.dht_node import DhtConfig, DhtNode, DhtStartupError
 from protocol.discovery.identity import IdentityFileError, check_identity_path, ensure_identity
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from protocol.discovery import DhtConfig, DhtNode, SwarmRegistry
+from protocol.discovery.dht_node import DhtConfig, DhtNode
+from protocol.discovery.registry import SwarmRegistry
 from protocol.membership.records import SwarmView
 from tests.protocol.discovery.support import PROTOCOL_VERSION, live_processes_in_group, make_record, poll
 
