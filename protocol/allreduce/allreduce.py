@@ -207,6 +207,11 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
                 return _PartOutcome(reduced.producer_index, reduced.contributor_indices)
             if state.parts[part_index].role is PartRole.MOVED:
                 continue
+            if state.stranded(part_index):
+                state.record_failure(
+                    f"part {part_index}: the replica we hold was never committed and its producer is gone"
+                )
+                continue
             state.record_failure(f"part {part_index} was not decided before the deadline")
             return None
         if target in state.failed:
@@ -223,6 +228,7 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
                 state.mark_failed(target, f"push of part {part_index}: {detail}")
                 continue
             if outcome is PushOutcome.MOVED:
+                state.note_not_serving(part_index, target)
                 continue
             if outcome in (PushOutcome.REFUSED, PushOutcome.LATE):
                 state.record_failure(f"our contribution to part {part_index} was left out: {detail}")
@@ -230,7 +236,9 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
         try:
             return await _pull_or_use_replica(state, target, part_index, decode_chunk, output)
         except PeerFailed as error:
-            if not error.moved:
+            if error.moved:
+                state.note_not_serving(part_index, target)
+            else:
                 state.mark_failed(target, f"pull of part {part_index}: {error}")
     state.record_failure(f"no member of part {part_index}'s chain could serve it")
     return None

@@ -8,6 +8,8 @@ protocol and acts exactly there. Points, in the order a round reaches them:
     push_chunk     this peer has just written contribution chunk `chunk`    (during reduce-scatter)
     reduce_done    this owner has reduced its part, replica not yet sent    (between the phases)
     replica_chunk  this owner has just written replica chunk `chunk`        (during the hand-off)
+    votes_done     this owner's replicas are held by a majority, its voters
+                   not yet told the part is committed                       (end of the hand-off)
     serve_chunk    this owner has just served average chunk `chunk`         (during all-gather)
     pull_chunk     this peer has just received average chunk `chunk`        (during all-gather)
     round_done     this peer has its result, before allreduce() returns     (after all-gather)
@@ -28,6 +30,7 @@ FAULT_POINTS = (
     "push_chunk",
     "reduce_done",
     "replica_chunk",
+    "votes_done",
     "serve_chunk",
     "pull_chunk",
     "round_done",

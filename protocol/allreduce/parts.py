@@ -107,6 +107,9 @@ class PartState:
     told_committed: set[int] = field(default_factory=set)  # replica holders we told of the commit
     telling: set[int] = field(default_factory=set)  # members we hand our replica or the commit to
     holders: set[int] = field(default_factory=set)  # members known to hold our decided bytes
+    # Members that answered a push or pull of this part with "it moved on" (ABORTED): they gave their
+    # version up (or released its bytes), so a producer among them will never commit one to us.
+    not_serving: set[int] = field(default_factory=set)
     released: bool = False  # we dropped our decided bytes: every live member has them
     # The replica went straight into our result: `decided` holds no bytes (with fp32, views of the result).
     in_result: bool = False

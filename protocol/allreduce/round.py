@@ -31,9 +31,15 @@ twice; the majority is what keeps survivors bit-identical:
     part is ever committed, hence served or decoded, whatever the failures or one-way partitions.
 
 A version that misses its majority is never used: its producer stops serving the part (MOVED) and its
-replica holders never serve it; if no version of a part commits, every member falls back. The
-replicas also keep survivors bit-identical when a producer dies in the middle of the all-gather: its
-holders serve the same committed bytes. Liveness needs a live, mutually reachable strict majority.
+replica holders never serve it; if no version of a part commits, every member falls back. A replica
+holder waits for the commit notice only while its producer can still send it: once the producer
+failed us or told us the part moved on from it, the replica is *stranded* (`stranded`): it stays our
+vote, is never served or used, and we and our pullers walk on along the chain. A producer lost
+between winning its majority and telling it therefore costs the survivors one failure detection (at
+once for a dead peer, the stall timeout for a frozen one), not the round's deadline; if no voter was
+told, no version of the part can commit any more and every member falls back. The replicas also
+keep survivors bit-identical when a producer dies in the middle of the all-gather: its holders serve
+the same committed bytes. Liveness needs a live, mutually reachable strict majority.
 
 What the servicer asks of the round: take the contributions pushed to us (`open_contribution`), and
 the replicas of decided parts handed to us (`open_replica`: accepting one is our vote for it).
@@ -420,6 +426,7 @@ class RoundState:
         voters = await self._gather_votes(part_index, reduced)
         if voters is None:
             return
+        check_fault(self.fault_plan, "votes_done", self.round_id)
         # A strict majority (we and the voters) holds our version: it is committed, so we serve and
         # use it from now on, and tell the voters, which may then serve and use their copies.
         part.role, part.reducer, part.decided, part.committed = PartRole.DECIDED, None, reduced, True
@@ -533,6 +540,28 @@ class RoundState:
         if part.holders | self.failed >= set(range(self.group.num_members)):
             part.decided, part.released = None, True
 
+    def note_not_serving(self, part_index: int, member: int) -> None:
+        """`member` answered that the part moved on from it: it gave its version up (or released it)."""
+        self.parts[part_index].not_serving.add(member)
+        self.pulse.notify()
+
+    def stranded(self, part_index: int) -> bool:
+        """We hold a replica of the part that was never committed, and its producer will never tell us
+        it is: the producer failed us, or told us the part moved on from it.
+
+        Waiting for the notice would hold us and our pullers until the all-gather deadline. We stop
+        waiting instead, but keep our vote: the replica is neither served nor used, we accept no other
+        version, and we and our pullers walk on along the part's chain. That is safe whether or not the
+        version was committed: were it committed (the producer told some voters before it died), a
+        voter that was told serves it further down the chain, and no other version can win a majority
+        past the votes for it, ours included.
+        """
+        part = self.parts[part_index]
+        if part.role is not PartRole.DECIDED or part.committed or part.decided is None:
+            return False
+        producer = part.decided.producer_index
+        return producer != self.my_index and (producer in self.failed or producer in part.not_serving)
+
     def _move(self, part_index: int, reason: str) -> None:
         part = self.parts[part_index]
         part.role, part.reducer, part.gave_up = PartRole.MOVED, None, True
@@ -542,13 +571,18 @@ class RoundState:
     async def wait_decided(self, part_index: int, deadline: float) -> ReducedPart | None:
         """Our turn in the chain of a part: take it over if we do not hold it, then wait for the decision.
 
-        Returns the decided average, or None if the part moved on or the deadline passed.
+        Returns the decided average, or None if the part moved on, the replica we hold is stranded, or
+        the deadline passed.
         """
         part = self.parts[part_index]
         if part.role is PartRole.IDLE:
             self.take_over(part_index, "its earlier chain members did not serve it")
-        # A replica we hold is only usable once its producer tells us a majority holds it.
-        await self.pulse.wait_for(lambda: part.servable or part.role is PartRole.MOVED, remaining(deadline))
+        # A replica we hold is only usable once its producer tells us a majority holds it, and that
+        # notice is only waited for while the producer may still send it.
+        await self.pulse.wait_for(
+            lambda: part.servable or part.role is PartRole.MOVED or self.stranded(part_index),
+            remaining(deadline),
+        )
         return part.decided if part.servable else None
 
     # --- what the servicer asks: contributions pushed to us, replicas handed to us ---------------------

@@ -401,8 +401,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             # we to die mid-serve before that, the voters would hold bytes nobody may use, and the
             # members we had begun serving would have to fall back. A voter waits here too; it gets
             # the bytes with the commit.
-            if part.role is PartRole.MOVED:
-                return True
+            if part.role is PartRole.MOVED or state.stranded(part_index):
+                return True  # (a stranded replica's commit notice will never come: send the puller on)
             return part.servable and not part.telling
 
         heartbeat = self._config.heartbeat_interval.total_seconds()
@@ -413,7 +413,12 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state.bytes_sent += num_bytes
         # (A replica decoded into our result as it arrived holds no bytes to serve, unless fp32.)
         if not part.servable or part.decided is None or (part.in_result and not part.decided.payloads):
-            reason = "was released here" if part.released or part.in_result else "moved to a backup"
+            if state.stranded(part_index):
+                reason = "is held here in a version its producer is gone without telling us it is committed"
+            elif part.released or part.in_result:
+                reason = "was released here"
+            else:
+                reason = "moved to a backup"
             raise ProtocolError(grpc.StatusCode.ABORTED, f"part {part_index} {reason}")
         return part.decided
 

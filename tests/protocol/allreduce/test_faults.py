@@ -11,10 +11,12 @@ new tensor and in place (into each peer's vector, whose numbers are then no long
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
+from scripts.workers.allreduce_worker import make_vector
 from tests.protocol.allreduce.support import Workers
 
 NUM_PEERS = 4
@@ -142,5 +144,52 @@ def test_last_survivor_returns_on_time_with_its_own_vector(tmp_path: Path, resul
             assert record["fell_back"] is True, record["failures"]
             assert record["contributors"] == [["peer-0"]] * NUM_PEERS
             assert float(record["seconds"]) < DEADLINE_SECONDS  # type: ignore[arg-type]
+    finally:
+        workers.stop()
+
+
+# Five peers: the victim (peer 1) owns part 1, and a majority of the servers besides it is two
+# voters, peers 2 and 3, the members after it in the part's chain.
+UNTOLD_NUM_PEERS = 5
+UNTOLD_DEADLINE_SECONDS = 30.0
+UNTOLD_BOUND_SECONDS = 12.0  # a few 3 s stall timeouts; the deadline would cost 0.95 x 30 s
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("action", ["kill", "stall"])
+def test_an_owner_lost_before_telling_its_voters_costs_no_deadline(tmp_path: Path, action: str) -> None:
+    """The owner dies (or freezes) the moment a majority holds its replicas, before it tells its voters
+    the part is committed: they hold a version no one will tell them they may serve. They must stop
+    waiting for that notice once they see the owner gone, so that every survivor ends the round within
+    a few stall timeouts, not at the round's deadline, all alike (fallen back to exactly their own
+    vectors), and the next round is exact and bit-identical again."""
+    args = COMMON_ARGS + ["--deadline-seconds", str(UNTOLD_DEADLINE_SECONDS)]
+    workers = Workers(tmp_path, UNTOLD_NUM_PEERS, args, forked=True)
+    workers.start({VICTIM: ["--fault", f"votes_done:0:0:{action}"]})
+    try:
+        survivors = [i for i in range(UNTOLD_NUM_PEERS) if i != VICTIM]
+        records = {i: workers.read_records(i, NUM_ROUNDS, timeout=120) for i in survivors}
+        for index, rounds in records.items():
+            assert len(rounds) == NUM_ROUNDS, (
+                f"worker {index} stopped early:\n{workers.stderr(index)[-3000:]}"
+            )
+        if action == "kill":
+            assert workers.wait(VICTIM, timeout=10) == -9  # it really was SIGKILLed at the point
+        first, second = ([rounds[r] for rounds in records.values()] for r in range(NUM_ROUNDS))
+        for index, record in zip(records, first, strict=True):
+            assert float(record["seconds"]) < UNTOLD_BOUND_SECONDS, record["failures"]  # type: ignore[arg-type]
+            if record["fell_back"]:  # exactly its own vector (seed 0, round 0), rebuilt here
+                own = make_vector(0, index, 0, int(record["elements"]))  # type: ignore[call-overload]
+                assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
+            else:
+                assert record["max_abs_error"] == 0.0, record
+        # No voter was told, so no version of part 1 may ever be used: its voters' votes are spent on
+        # the owner's, so no other version can win a majority either. Every survivor falls back.
+        assert all(r["fell_back"] for r in first), [r["failures"] for r in first]
+        for record in second:  # the next round runs without the victim
+            assert record["fell_back"] is False, record["failures"]
+            assert record["max_abs_error"] == 0.0, record
+            assert all(f"peer-{VICTIM}" not in part for part in record["contributors"])  # type: ignore[attr-defined]
+        assert len({r["sha256"] for r in second}) == 1
     finally:
         workers.stop()
