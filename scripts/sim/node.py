@@ -184,9 +184,17 @@ class SimNode:
     """One simulated daemon (see the module docstring)."""
 
     def __init__(
-        self, world: World, *, peer_id: str, speed: float, profile: LinkProfile, heartbeat_offset: float
+        self,
+        world: World,
+        *,
+        peer_id: str,
+        address: str,
+        speed: float,
+        profile: LinkProfile,
+        heartbeat_offset: float,
     ) -> None:
         self.world = world
+        self.address = address
         self.heartbeat_offset = heartbeat_offset  # in [0, 1): when in the period its heartbeat falls
         self.peer_id = peer_id
         self.speed = speed
@@ -253,7 +261,7 @@ class SimNode:
         assert self.lineage is not None
         return PeerRecord(
             peer_id=self.peer_id,
-            grpc_address=f"{self.peer_id}.sim:7000",
+            grpc_address=self.address,
             protocol_version=PROTOCOL_VERSION,
             round=self.lineage.round,
             param_hash=self.lineage.param_hash,

@@ -11,9 +11,11 @@ the state at the end (how many lineages the live nodes hold).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from protocol.membership.lineage import Lineage
@@ -34,8 +36,10 @@ STREAMS = ("speeds", "links", "dht", "faults", "starts")
 class Swarm:
     """The world and its nodes (see the module docstring)."""
 
-    def __init__(self, settings: SimSettings) -> None:
+    def __init__(self, settings: SimSettings, *, progress: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        self.progress = progress  # told when a round's first group averaged (the CLI prints it)
+        self._rounds_seen = 0
         self.config = daemon_swarm_config(settings)
         self.rngs = {name: random.Random(f"{settings.seed}/{name}") for name in STREAMS}
         self.queue = EventQueue()
@@ -85,7 +89,7 @@ class Swarm:
         s = self.settings
         speeds, links = self.rngs["speeds"], self.rngs["links"]
         index = len(self.world.nodes)
-        peer_id = f"n{index:05d}"
+        peer_id = simulated_peer_id(self.settings.seed, index)
         mbit = math.exp(links.uniform(math.log(s.link_mbit_min), math.log(s.link_mbit_max)))
         profile = LinkProfile(
             latency_s=links.uniform(s.latency_ms_min, s.latency_ms_max) / 1000,
@@ -99,12 +103,17 @@ class Swarm:
             speed=speeds.uniform(s.speed_min, s.speed_max),
             profile=profile,
             heartbeat_offset=self.rngs["starts"].random(),
+            address=f"10.{index // 65536}.{index // 256 % 256}.{index % 256}:31337",
         )
         self.world.nodes[peer_id] = node
         return node
 
     def _group_done(self, report: GroupReport) -> None:
         self.recorder.group_done(report)
+        if report.averaged and report.round > self._rounds_seen:
+            self._rounds_seen = report.round
+            if self.progress is not None:
+                self.progress(f"round {report.round} averaged at {self.queue.now:.0f}s simulated")
         if report.averaged and report.round >= self.settings.num_rounds and self._round_done_at is None:
             self._round_done_at = self.queue.now
 
@@ -177,6 +186,21 @@ class Swarm:
                 "membership_messages": self.network.num_messages,
             },
         }
+
+
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def simulated_peer_id(seed: int, index: int) -> str:
+    """A peer id as long as a libp2p Ed25519 one (``12D3KooW`` + 44 base58 characters), so that the
+    messages that list peers (a Proposal, a Begin's group) have their real wire size; ordered at
+    random, as real ids are (the smallest ready id leads a round)."""
+    digest = int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest(), "big")
+    characters = []
+    for _ in range(44):
+        digest, remainder = divmod(digest, 58)
+        characters.append(BASE58[remainder])
+    return "12D3KooW" + "".join(characters)
 
 
 def _plain(value: Any) -> Any:

@@ -141,7 +141,11 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_settings(argv)
     started = time.perf_counter()
-    swarm = Swarm(settings)
+
+    def progress(line: str) -> None:
+        print(f"swarm_sim: {line} ({time.perf_counter() - started:.0f}s wall)", file=sys.stderr, flush=True)
+
+    swarm = Swarm(settings, progress=progress)
     result = swarm.run()
     wall = time.perf_counter() - started
     for figures in result["rounds"]:
