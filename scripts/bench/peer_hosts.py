@@ -3,7 +3,8 @@
 ``PeerHosts`` places peer i in the i-th network namespace of a ``WanEmulator`` (uplinks capped at the
 given rate) or on this machine's loopback, and stops every peer with its children on the way out.
 ``run_peers`` runs one process per peer until all exit, one fails (the others then get
-``FAILURE_GRACE``) or the timeout passes, and returns their output as a ``PeerRun``.
+``FAILURE_GRACE``) or the timeout passes, and returns their output as a ``PeerRun``; a peer meant to
+kill itself (``killed``) must end by SIGKILL, and its death is no failure.
 """
 
 from __future__ import annotations
@@ -89,9 +90,17 @@ class PeerHosts:
 
 
 def run_peers(
-    hosts: PeerHosts, argvs: list[list[str]], log_dir: Path, timeout: datetime.timedelta
+    hosts: PeerHosts,
+    argvs: list[list[str]],
+    log_dir: Path,
+    timeout: datetime.timedelta,
+    *,
+    killed: int | None = None,
 ) -> PeerRun:
-    """Run one process per peer until all exit, one fails (then the others get FAILURE_GRACE) or timeout."""
+    """Run one process per peer until all exit, one fails (then the others get FAILURE_GRACE) or timeout.
+
+    Peer `killed` (if any) is to SIGKILL itself at a fault point: that exit is expected, any other
+    (or none by the timeout) is its failure."""
     log_dir.mkdir(parents=True)
     tx_before = hosts.tx_bytes()
     processes, files = [], []
@@ -102,8 +111,13 @@ def run_peers(
             files += [stdout, stderr]
             processes.append(hosts.popen(index, argv, stdout, stderr))
         deadline = time.monotonic() + timeout.total_seconds()
+
+        def failed(index: int, process: subprocess.Popen) -> bool:
+            expected = -signal.SIGKILL if index == killed else 0
+            return process.poll() not in (None, expected)
+
         while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            if any(p.poll() not in (None, 0) for p in processes):
+            if any(failed(i, p) for i, p in enumerate(processes)):
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE.total_seconds())
             time.sleep(0.2)
         timed_out = [i for i, p in enumerate(processes) if p.poll() is None]
@@ -114,9 +128,11 @@ def run_peers(
     tx_after = hosts.tx_bytes()
     error = None
     for index, process in enumerate(processes):
-        if index in timed_out or process.returncode != 0:
+        if index in timed_out or process.returncode != (-signal.SIGKILL if index == killed else 0):
             tail = (log_dir / f"peer-{index}.err").read_text().strip().splitlines()[-3:]
             status = "did not finish in time" if index in timed_out else f"exited {process.returncode}"
+            if index == killed and index not in timed_out:
+                status += " (it was to be SIGKILLed at its fault point)"
             error = f"peer {index} {status}: {' / '.join(tail)[-400:]}"
             break
     return PeerRun(

@@ -56,10 +56,11 @@ from protocol.allreduce import (
 )
 from protocol.allreduce.memory import release_free_memory
 from protocol.allreduce.sparse import is_sparse
-from protocol.codecs import CODEC_NAMES, Codec, get_codec
+from protocol.codecs import CODEC_NAMES, DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
 from protocol.error_feedback import ErrorFeedback
 
 GENERATION_BLOCK = 1 << 20
+LIVENESS_PERIOD_SECONDS = 0.25
 logger = logging.getLogger("allreduce_worker")
 
 
@@ -79,7 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--elements", type=int, default=1_000_000, help="numbers in the vector")
     parser.add_argument("--codec", choices=CODEC_NAMES, default="int8", help="wire codec")
     parser.add_argument(
-        "--block-size", type=int, default=None, help="int8/int4 block size (default: codec's)"
+        "--block-size", type=int, default=None, help="int8/int4/topk block size (default: codec's)"
+    )
+    parser.add_argument(
+        "--topk-density",
+        type=float,
+        default=None,
+        help=f"topk: fraction of each block's numbers sent (default {DEFAULT_TOPK_DENSITY})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the vectors")
     parser.add_argument("--rounds", type=int, default=1, help="number of rounds")
@@ -121,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.num_peers:
         parser.error("--index must be in [0, --num-peers)")
+    if args.topk_density is not None and not takes_density(args.codec):
+        parser.error(f"--topk-density applies only to a top-k codec, not {args.codec!r}")
     return args
 
 
@@ -139,12 +148,20 @@ def vector_block(seed: int, index: int, round_id: int, block: int, num_elements:
 
 def make_vector(seed: int, index: int, round_id: int, num_elements: int) -> torch.Tensor:
     """Peer `index`'s whole vector (E,), deterministic in (seed, index, round_id)."""
-    vector = torch.empty(num_elements)
-    for block in range((num_elements + GENERATION_BLOCK - 1) // GENERATION_BLOCK):
+    return vector_slice(seed, index, round_id, 0, num_elements, num_elements)
+
+
+def vector_slice(
+    seed: int, index: int, round_id: int, low: int, high: int, num_elements: int
+) -> torch.Tensor:
+    """make_vector(...)[low:high] (high - low,), built from the blocks it overlaps only."""
+    piece = torch.empty(high - low)
+    for block in range(low // GENERATION_BLOCK, (high + GENERATION_BLOCK - 1) // GENERATION_BLOCK):
         start = block * GENERATION_BLOCK
-        piece = vector_block(seed, index, round_id, block, num_elements)
-        vector[start : start + piece.numel()] = piece
-    return vector
+        values = vector_block(seed, index, round_id, block, num_elements)
+        overlap_low, overlap_high = max(low, start), min(high, start + values.numel())
+        piece[overlap_low - low : overlap_high - low] = values[overlap_low - start : overlap_high - start]
+    return piece
 
 
 def peer_weight(index: int, weighted: bool) -> float:
@@ -159,25 +176,26 @@ def sparse_mean_error(
     A member's payload for a part is its numbers there encoded chunk by chunk (chunks of
     --chunk-elements from the part's start; no error feedback); the mean sums them in member order
     in float32 and divides by the float32 sum of the weights, as protocol/allreduce/sparse.py says.
+    One part at a time, one contributor's slice at a time: about two parts of memory, not N vectors.
     """
     peer_index = {m.peer_id: i for i, m in enumerate(group.members)}
-    vectors = {
-        i: make_vector(args.seed, i, vector_round, group.num_elements) for i in range(group.num_members)
-    }
     worst = 0.0
     for part_index, contributors in enumerate(result.contributors):
         start, stop = group.part_bounds[part_index], group.part_bounds[part_index + 1]
-        for low in range(start, stop, args.chunk_elements):
-            high = min(stop, low + args.chunk_elements)
-            total = torch.zeros(high - low)
-            weight_sum = torch.zeros(())
-            for i in sorted(peer_index[p] for p in contributors):
-                weight = peer_weight(i, args.weighted)
-                decoded = codec.decode(codec.encode(vectors[i][low:high]), high - low)
-                total += decoded * weight
-                weight_sum += weight
-            error = (result.averaged[low:high] - total / weight_sum).abs().max()
-            worst = max(worst, float(error))
+        if start == stop or not contributors:
+            continue
+        total = torch.zeros(stop - start)  # (part,)
+        weight_sum = torch.zeros(())
+        for i in sorted(peer_index[p] for p in contributors):
+            weight = peer_weight(i, args.weighted)
+            values = vector_slice(args.seed, i, vector_round, start, stop, group.num_elements)
+            for low in range(0, stop - start, args.chunk_elements):
+                high = min(stop - start, low + args.chunk_elements)
+                decoded = codec.decode(codec.encode(values[low:high]), high - low)
+                total[low:high] += decoded * weight
+            weight_sum += weight
+        error = (result.averaged[start:stop] - total / weight_sum).abs().max()
+        worst = max(worst, float(error))
     return worst
 
 
@@ -286,21 +304,25 @@ def is_listening(address: str) -> bool:
         return False
 
 
-def barrier(args: argparse.Namespace, name: str) -> bool:
-    """Wait (bounded by the round deadline) until every peer reached `name`; False if one never did.
+def barrier(args: argparse.Namespace, name: str, peers: list[dict[str, object]]) -> bool:
+    """Wait (bounded by the round deadline) until every live peer reached `name`; False if one never did.
 
     With --lockstep the benchmark times the all-reduce alone: no peer is still generating its vector
     or checking the previous result (CPU-heavy work of the benchmark, not of the all-reduce) while
-    the others run the round on the same cores.
+    the others run the round on the same cores. A peer killed mid-round (--fault) never arrives: once
+    it refuses connections (checked every LIVENESS_PERIOD_SECONDS) it is no longer waited for.
     """
     (args.rendezvous / f"{name}-{args.index}").touch()
     give_up = time.monotonic() + args.deadline_seconds
-    paths = [args.rendezvous / f"{name}-{i}" for i in range(args.num_peers)]
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > give_up:
-            logging.warning(
-                "barrier %s: gave up waiting for %s", name, [p.name for p in paths if not p.exists()]
-            )
+    waiting = {int(p["index"]): str(p["address"]) for p in peers}  # type: ignore[call-overload]
+    next_liveness_check = time.monotonic() + LIVENESS_PERIOD_SECONDS
+    while waiting:
+        waiting = {i: a for i, a in waiting.items() if not (args.rendezvous / f"{name}-{i}").exists()}
+        if waiting and time.monotonic() > next_liveness_check:
+            waiting = {i: a for i, a in waiting.items() if is_listening(a)}
+            next_liveness_check = time.monotonic() + LIVENESS_PERIOD_SECONDS
+        if waiting and time.monotonic() > give_up:
+            logging.warning("barrier %s: gave up waiting for peers %s", name, sorted(waiting))
             return False
         time.sleep(0.002)
     return True
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_payloads=args.keep_payloads,
     )
     fault_plan = FaultPlan.parse(args.fault) if args.fault else None
-    codec = get_codec(args.codec, args.block_size)
+    codec = get_codec(args.codec, args.block_size, args.topk_density)
     error_feedback = ErrorFeedback(args.elements) if args.error_feedback else None
     peer = SyncAllReducePeer(host=args.host, port=args.port, config=config, fault_plan=fault_plan)
     try:
@@ -348,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 round_id=round_id, members=members, num_elements=args.elements, bandwidths=bandwidths
             )
             if args.lockstep:
-                barrier(args, f"start-r{round_id}")
+                barrier(args, f"start-r{round_id}", peers)
             cpu_start = time.process_time()
             result = peer.allreduce(
                 vector,
@@ -362,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             cpu_seconds = time.process_time() - cpu_start
             if args.lockstep:
-                barrier(args, f"end-r{round_id}")
+                barrier(args, f"end-r{round_id}", peers)
             peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             round_peak_rss_bytes = peak_rss_since_reset() if round_hwm_reset else peak_rss_bytes
             if args.save_dir is not None:
