@@ -21,11 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.config import flat_defaults, resolve_run_dir
 from protocol.auth.channels import SwarmAuth, operator_channel
-from protocol.discovery.addresses import join_host_port, parse_host_port
+from protocol.discovery.addresses import local_dial_address, parse_host_port
 
 EXIT_SERVING = 0
 EXIT_UNHEALTHY = 1
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def check_health(
@@ -106,5 +105,5 @@ def local_address(listen: str, run_dir: Path) -> str:
     if listen:
         host, port = parse_host_port(listen, flag="--listen", empty_host="")
         if port:
-            return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
+            return local_dial_address(host, port)
     return address_from_run_dir(run_dir)

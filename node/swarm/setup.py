@@ -14,7 +14,7 @@ from node.config import ConfigError, NetworkConfig, NodeConfig
 from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
 from protocol.auth.key import SwarmKey
-from protocol.discovery.addresses import join_host_port, parse_host_port, split_announce
+from protocol.discovery.addresses import join_host_port, local_dial_address, parse_host_port, split_announce
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.membership.config import RoundConfig
 from protocol.swarm.config import SwarmConfig
@@ -116,14 +116,11 @@ def _taken_port(flag: str, address: str) -> str | None:
     return None if problem is None else f"{flag}: cannot listen on {host}:{port}: {problem}"
 
 
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
-
-
 def local_address(listen: str, port: int) -> str:
     """``host:port`` at which a process on this machine reaches a server bound to ``listen`` at
     ``port``: the listen host, loopback for a wildcard one."""
     host, _ = parse_host_port(listen, flag="--listen", empty_host="")
-    return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
+    return local_dial_address(host, port)
 
 
 def reachable_first(multiaddrs: list[str]) -> list[str]:

@@ -42,11 +42,11 @@ from protocol.allreduce.round import RoundState
 from protocol.allreduce.servicer import AllReduceServicer, add_servicer_to_server
 from protocol.auth.channels import SwarmAuth, add_port, new_server
 from protocol.codecs import Codec
+from protocol.discovery.addresses import local_dial_address
 from protocol.error_feedback import ErrorFeedback
 
 logger = logging.getLogger(__name__)
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 SERVICE_NAME = "dtnode.v1.AllReduce"
 FINISH_ROUND_TIMEOUT = timedelta(seconds=5)
 
@@ -115,8 +115,7 @@ class AllReducePeer:
     @property
     def address(self) -> str:
         """host:port other members should dial (loopback if we bound a wildcard host)."""
-        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
-        return f"{host}:{self.port}"
+        return local_dial_address(self.host, self.port)
 
     async def allreduce(
         self,

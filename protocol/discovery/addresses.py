@@ -116,13 +116,23 @@ def split_announce(text: str, *, flag: str = "--announce") -> tuple[str, int | N
 
 
 def bracket_host(host: str) -> str:
-    """``host`` as written before ``:PORT``: an IPv6 host in brackets."""
-    return f"[{host}]" if ":" in host else host
+    """``host`` as written before ``:PORT``: an IPv6 host in brackets (once)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def join_host_port(host: str, port: int) -> str:
     """``HOST:PORT``, with an IPv6 host in brackets."""
     return f"{bracket_host(host)}:{port}"
+
+
+WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
+"""Listen hosts that bind every interface (the empty host too): no one dials them as such."""
+
+
+def local_dial_address(host: str, port: int) -> str:
+    """``HOST:PORT`` at which a process on this machine reaches a server bound to ``host``: the host
+    itself, or loopback for a wildcard one."""
+    return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
 
 
 def announce_multiaddr(address: str, *, flag: str = "--dht-announce") -> str:

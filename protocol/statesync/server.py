@@ -18,13 +18,12 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from protocol.discovery.addresses import local_dial_address
 from protocol.statesync.config import StateSyncConfig
 from protocol.statesync.faults import ServeFaultPlan
 from protocol.statesync.provider import SERVICE_NAME, StateProvider, add_state_sync_to_server
 
 logger = logging.getLogger(__name__)
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
 class StateSyncServer:
@@ -65,8 +64,7 @@ class StateSyncServer:
     @property
     def address(self) -> str:
         """host:port fetchers should dial (loopback if we bound a wildcard host)."""
-        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
-        return f"{host}:{self.port}"
+        return local_dial_address(self.host, self.port)
 
     async def stop(self, grace: timedelta | None = None) -> None:
         """Graceful stop: refuse new RPCs, let in-flight transfers finish for `grace`, then cancel them."""

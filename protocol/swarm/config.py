@@ -10,7 +10,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.sparse import check_sparse_aggregation
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import DEFAULT_TOPK_DENSITY, Codec, get_codec, takes_density
-from protocol.discovery.addresses import bracket_host, parse_host_port, split_host_port
+from protocol.discovery.addresses import WILDCARD_HOSTS, bracket_host, parse_host_port, split_host_port
 from protocol.discovery.dht_node import DhtConfig
 from protocol.error_feedback import check_decay
 from protocol.membership.config import RoundConfig
@@ -21,8 +21,6 @@ PROTOCOL_VERSION: Final = 2
 """The membership / all-reduce / state-sync protocol this code speaks; peers of other versions are ignored.
 2: a group's members are in the member order (by rank, then peer id), no longer by peer id alone, and
 records carry the node's identity digest (issue 31)."""
-
-WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.auth import OPEN_SWARM_WARNING
-from protocol.discovery.addresses import join_host_port, parse_host_port
+from protocol.discovery.addresses import WILDCARD_HOSTS, join_host_port, parse_host_port
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
 from protocol.error_feedback import ErrorFeedback
@@ -55,7 +55,7 @@ from protocol.statesync.fetch import FetchReport, fetch_state_with_report
 from protocol.statesync.progress import FetchEstimate
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.collect import collect_messages
-from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig, routable_host
+from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig, routable_host
 from protocol.swarm.driver import RoundDriver, watch_swarm
 from protocol.swarm.result import GroupAveraged, RoundResult, not_averaged
 from protocol.swarm.server import NodeServer

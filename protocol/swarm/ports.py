@@ -19,7 +19,7 @@ import errno
 import socket
 from collections.abc import Sequence
 
-from protocol.swarm.config import WILDCARD_HOSTS
+from protocol.discovery.addresses import WILDCARD_HOSTS
 
 
 def bind_problem(host: str, port: int) -> str | None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protocol.allreduce.peer import SERVICE_NAME as ALLREDUCE_SERVICE
 from protocol.allreduce.peer import AllReducePeer
 from protocol.auth.channels import add_port, new_server
+from protocol.discovery.addresses import local_dial_address
 from protocol.membership.messages import Message
 from protocol.membership.outbox import Outbox
 from protocol.membership.records import CLIENT_ADDRESS
@@ -27,7 +28,7 @@ from protocol.membership.transport import SERVICE_NAME as MEMBERSHIP_SERVICE
 from protocol.membership.transport import MembershipServicer, add_membership_to_server
 from protocol.statesync.provider import SERVICE_NAME as STATESYNC_SERVICE
 from protocol.statesync.provider import StateProvider, add_state_sync_to_server
-from protocol.swarm.config import PROTOCOL_VERSION, WILDCARD_HOSTS, SwarmConfig
+from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
 from protocol.swarm.status import SERVICE_NAME as STATUS_SERVICE
 from protocol.swarm.status import NodeStatus, StatusServicer, add_status_to_server
 
@@ -128,10 +129,7 @@ class NodeServer:
         if self.config.client_mode:
             return CLIENT_ADDRESS
         host = self.config.announce_host or self.config.listen_host
-        if host in WILDCARD_HOSTS:
-            host = "127.0.0.1"
-        port = self.config.announce_port or self.port
-        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        return local_dial_address(host, self.config.announce_port or self.port)
 
     async def stop(self, grace: timedelta) -> None:
         """Say NOT_SERVING, let in-flight calls finish for ``grace``, then close every service (a

@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from protocol.discovery.addresses import bracket_host, join_host_port, parse_host_port, split_host_port
+from protocol.discovery.addresses import (
+    bracket_host,
+    join_host_port,
+    local_dial_address,
+    parse_host_port,
+    split_host_port,
+)
 
 
 @pytest.mark.timeout(10)
@@ -53,6 +59,15 @@ def test_a_split_address_joins_back_to_itself() -> None:
         assert host_port is not None
         assert join_host_port(*host_port) == text
     assert bracket_host("::1") == "[::1]" and bracket_host("10.0.0.2") == "10.0.0.2"
+    assert bracket_host("[::1]") == "[::1]"  # already bracketed (a listen host as written)
+
+
+@pytest.mark.timeout(10)
+def test_a_wildcard_listen_host_is_dialled_on_loopback() -> None:
+    for wildcard in ("", "0.0.0.0", "::", "[::]"):
+        assert local_dial_address(wildcard, 7000) == "127.0.0.1:7000"
+    assert local_dial_address("10.0.0.2", 7000) == "10.0.0.2:7000"
+    assert local_dial_address("::1", 7000) == local_dial_address("[::1]", 7000) == "[::1]:7000"
 
 
 @pytest.mark.timeout(60)
