@@ -5,7 +5,10 @@ Model (the distributions are drawn in ``swarm.py`` and documented in ``settings.
 has one access link to a core that never congests, with a one-way latency and an uplink and a
 downlink rate. A message from A to B takes ``latency(A) + latency(B)`` plus its wire size over A's
 uplink, and A's uplink sends one message at a time (first in, first out): a leader that sends a
-Begin to a thousand members waits for each. The size is the product's own encoding of the message
+Begin to a thousand members waits for each, and a message not sent within the driver's
+``message_timeout`` (3 s) of its send is lost, as the daemon's send is cancelled at that deadline
+(the daemon's sends run concurrently and share the uplink, which delivers no more of them: this
+first-in-first-out model is the kinder one). The size is the product's own encoding of the message
 (``protocol.membership.wire.to_envelope``'s protobuf size), so a Begin that lists a thousand members
 costs what it costs on the wire. Receivers' downlinks are not modelled for messages (they are small
 next to the all-reduce, which ``allreduce_cost.py`` models both ways). A message to a node that is
@@ -40,6 +43,7 @@ class Network:
         self._uplink_free_at: dict[str, float] = {}
         self._sizes: dict[int, tuple[object, int]] = {}  # id(message or group) -> (it, wire bytes)
         self.num_messages = 0
+        self.num_messages_expired = 0  # not sent by their deadline (message_timeout)
         self.bytes_sent: dict[str, int] = {}  # membership bytes per sender
 
     def add(self, peer_id: str, profile: LinkProfile) -> None:
@@ -64,14 +68,28 @@ class Network:
         self._sizes[id(key_object)] = (key_object, size)
         return size
 
-    def send_time(self, sender: str, receiver: str, message: Message, now: float) -> float:
-        """When ``message`` arrives at ``receiver`` (it queues behind the sender's earlier sends)."""
+    def send_time(
+        self, sender: str, receiver: str, message: Message, now: float, deadline: float
+    ) -> float | None:
+        """When ``message`` arrives at ``receiver``, or None if it is not sent by ``deadline`` (the
+        driver's send has ``message_timeout``): it queues behind the sender's earlier sends, and one
+        cut at its deadline holds the uplink until then."""
         size = self.wire_bytes(sender, message)
         self.num_messages += 1
-        self.bytes_sent[sender] = self.bytes_sent.get(sender, 0) + size
         start = max(now, self._uplink_free_at.get(sender, 0.0))
+        if start >= deadline:
+            self.num_messages_expired += 1
+            return None
         done = start + size / self.profiles[sender].up_bytes_per_s
+        if done > deadline:
+            self.num_messages_expired += 1
+            self._uplink_free_at[sender] = deadline
+            self.bytes_sent[sender] = self.bytes_sent.get(sender, 0) + round(
+                (deadline - start) * self.profiles[sender].up_bytes_per_s
+            )
+            return None
         self._uplink_free_at[sender] = done
+        self.bytes_sent[sender] = self.bytes_sent.get(sender, 0) + size
         return done + self.latency(sender, receiver)
 
     def transfer_seconds(self, num_bytes: int, receiver: str, sources: list[str]) -> float:

@@ -510,8 +510,9 @@ class SimNode:
     def _send(self, to: str, message: Message) -> None:
         network = self.world.network
         target = self.world.nodes.get(to)
-        arrival = network.send_time(self.peer_id, to, message, self.now)
-        if target is None or not network.reachable(self.peer_id, to):
+        deadline = self.now + self.config.message_timeout.total_seconds()
+        arrival = network.send_time(self.peer_id, to, message, self.now, deadline)
+        if arrival is None or target is None or not network.reachable(self.peer_id, to):
             return
         sender = self.peer_id
 

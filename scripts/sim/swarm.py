@@ -184,6 +184,7 @@ class Swarm:
                 "dht_stores": self.world.dht.num_stores,
                 "dht_lost": self.world.dht.num_lost,
                 "membership_messages": self.network.num_messages,
+                "membership_messages_expired": self.network.num_messages_expired,
             },
         }
 
