@@ -99,6 +99,7 @@ class GroupReport:
     leader_id: str
     parent: Lineage
     num_listed: int
+    num_locked: int
     contributors: tuple[str, ...]
     averaged: bool
     first_lock: float
@@ -181,6 +182,7 @@ class AllReduces:
                 leader_id=group.leader_id,
                 parent=parent,
                 num_listed=len(group.members),
+                num_locked=len(run.locked),
                 contributors=contributors,
                 averaged=bool(contributors),
                 first_lock=run.first_lock,

@@ -14,6 +14,7 @@ Per round r (the r-th outer round of a lineage):
 - ``bytes_sent``: the byte formula's bytes per contributing node (``allreduce_cost.py``);
 - ``compute_utilization``: training seconds over wall seconds, summed over the nodes whose round r
   ended (averaged, fell back, adopted), each from its previous round's end;
+- ``fell_back``: groups whose all-reduce had no live strict majority (members listed, members locked);
 - ``leader``: the biggest group's leader: membership messages it received and bytes it sent while
   forming, and how long its Begins took to reach the last member (``last_lock - first_lock``).
 
@@ -155,6 +156,7 @@ class RunRecorder:
             "groups": len(ran),
             "group_sizes": [len(g.contributors) for g in ran],
             "groups_fell_back": len(groups) - len(ran),
+            "fell_back": [{"listed": g.num_listed, "locked": g.num_locked} for g in groups if not g.averaged],
             "split_groups": len(ran) - len({g.parent for g in ran}),
             "other_lineage_groups": len({g.parent for g in ran}) - 1 if ran else 0,
             "live_nodes": len(live),
