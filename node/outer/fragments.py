@@ -9,7 +9,8 @@ momentum, pseudo-gradient and error feedback. A fragment's round may overlap the
 model's copy of the fragment is *mixed* with them::
 
     θ_global,f ← OuterSGD(θ_global,f, Δ̄_f)                 (Δ_f = θ_global,f − θ_local,f at the round)
-    θ_local,f  ← α·θ_local,f + (1 − α)·θ_global,f          (α = ``mix``; the paper's best: 0.5)
+    θ_local,f  ← α·θ_local,f + (1 − α)·θ_global,f          (α = ``mix``; the paper's best: 0.5,
+                                                             ours 0: BENCHMARKS.md, issue 32)
 
 With F = 1, τ = 0 and α = 0 this is plain DiLoCo, bit for bit (``tests/node/outer/test_fragments.py``).
 

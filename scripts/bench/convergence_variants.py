@@ -225,7 +225,9 @@ VARIANT_SYNTAX = (
     "ddp[:INNER_LR], KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B] with KIND diloco or overlap, "
     "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY for topk only (default 0.015)"
 )
-DEFAULT_FRAGMENT_MIX = 0.5  # Streaming DiLoCo's α (Douillard et al. 2025)
+DEFAULT_FRAGMENT_MIX = (
+    0.0  # α: 0 measured best (--quick, H=30, F=4); the paper's 0.5 was +0.9% (BENCHMARKS.md)
+)
 DEFAULT_OVERLAP_STEPS = 0
 
 

@@ -402,9 +402,11 @@ def test_fragments_verdict_compares_each_streaming_run_with_diloco_of_the_same_h
     one = record("f1", "streaming", 1, 30, 3.0)  # F = 1: not a fragments run
     other_h = record("f4-h10", "streaming", 4, 10, 1.0)  # no diloco at H=10: not compared
     met, text = bench.fragments_verdict([whole, close, one, other_h])
-    assert met is True and text == "fragments target MET: f4 +0.40% vs diloco"
+    assert met is True and text == "fragments target MET by f4: f4 +0.40% vs diloco"
     met, text = bench.fragments_verdict([whole, close, far])
-    assert met is False and "f2 +1.00% vs diloco" in text
+    assert met is True and text.startswith("fragments target MET by f4:") and "f2 +1.00% vs diloco" in text
+    met, text = bench.fragments_verdict([whole, far])
+    assert met is False and text == "fragments target NOT MET: f2 +1.00% vs diloco"
     assert bench.fragments_verdict([whole, one])[0] is None
 
 
