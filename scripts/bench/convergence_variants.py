@@ -505,13 +505,23 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             else "rounds * 2*(N-1)/N * payload"
         )
         + ", payload = sum over parts and chunks of codec.encoded_num_bytes (scales included)",
+        **_simulated_fields(variant, own, hashes, start, what="the swarm all-reduce's"),
+    }
+
+
+def _simulated_fields(
+    variant: Variant, own: BenchSettings, hashes: list[str], start: float, *, what: str
+) -> dict[str, Any]:
+    """The fields every in-process DiLoCo kind records beside its own: its outer settings, the
+    workers' final hashes, how its bytes were counted, and its cost."""
+    return {
         "density": variant.density,
         "outer_momentum": own.outer_momentum,
         "error_feedback_decay": own.error_feedback_decay if variant.error_feedback else None,
         "param_hashes": hashes,
         "simulated": True,
-        "accounting": "in-process simulation of the swarm all-reduce's arithmetic (real codecs, error "
-        "feedback and PartReducer) and of its wire payload bytes; no sockets, framing not counted",
+        "accounting": f"in-process simulation of {what} arithmetic (real codecs, error feedback and "
+        "PartReducer) and of its wire payload bytes; no sockets, framing not counted",
         "wall_seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time(),
     }
@@ -627,15 +637,7 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         "bytes_sent_per_worker": bytes_per_worker(),
         "bytes_sent_per_worker_formula": formula,
         "bytes_formula": "sum over fragments of its rounds * sends per payload * its payload",
-        "density": variant.density,
-        "outer_momentum": own.outer_momentum,
-        "error_feedback_decay": own.error_feedback_decay if variant.error_feedback else None,
-        "param_hashes": hashes,
-        "simulated": True,
-        "accounting": "in-process simulation of each fragment's all-reduce arithmetic (real codecs, error "
-        "feedback and PartReducer) and of its wire payload bytes; no sockets, framing not counted",
-        "wall_seconds": time.perf_counter() - start,
-        "cpu_seconds": time.process_time(),
+        **_simulated_fields(variant, own, hashes, start, what="each fragment's all-reduce"),
     }
 
 
