@@ -585,8 +585,9 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     def bytes_per_worker() -> float:
         return sum(sum(a.bytes_sent) for a in allreduces) / num_workers
 
+    schedule = schedule_of(settings)
     for step in range(1, settings.steps + 1):
-        lr = schedule_of(settings).lr(step - 1)
+        lr = schedule.lr(step - 1)
         for worker in workers:
             inner_step(worker, settings, lr)
         for fragment, (due, mean) in list(in_flight.items()):

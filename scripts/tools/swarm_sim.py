@@ -33,32 +33,78 @@ from scripts.sim.swarm import Swarm  # noqa: E402
 def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--nodes", type=int, default=8, help="nodes at the start")
-    add("--rounds", type=int, default=5, help="stop once a group of this round averaged")
-    add("--seed", type=int, default=0, help="every random draw comes from this")
-    add("--params", type=int, default=100_000_000, help="numbers in the pseudo-gradient (fp32)")
-    add("--codec", default="int8", help="wire codec, as --codec of dtnode")
-    add("--phase-seconds", type=float, default=120.0, help="an inner phase (H steps) at speed 1x")
-    add("--speed-max", type=float, default=4.0, help="compute speeds are uniform in [1, this]")
-    add("--link-mbit", type=float, nargs=2, default=(10.0, 1000.0), metavar=("MIN", "MAX"),
+    sim, faults = SimSettings(), FaultRates()  # the defaults live in the settings, not here
+    add("--nodes", type=int, default=sim.num_nodes, help="nodes at the start")
+    add("--rounds", type=int, default=sim.num_rounds, help="stop once a group of this round averaged")
+    add("--seed", type=int, default=sim.seed, help="every random draw comes from this")
+    add("--params", type=int, default=sim.num_params, help="numbers in the pseudo-gradient (fp32)")
+    add("--codec", default=sim.codec, help="wire codec, as --codec of dtnode")
+    add("--phase-seconds", type=float, default=sim.phase_seconds, help="an inner phase (H steps) at speed 1x")
+    add("--speed-max", type=float, default=sim.speed_max, help="compute speeds are uniform in [1, this]")
+    add("--link-mbit", type=float, nargs=2, default=(sim.link_mbit_min, sim.link_mbit_max), metavar=("MIN", "MAX"),
         help="uplink = downlink, log-uniform in [MIN, MAX] Mbit/s")  # fmt: skip
-    add("--latency-ms", type=float, nargs=2, default=(5.0, 50.0), metavar=("MIN", "MAX"),
+    add("--latency-ms", type=float, nargs=2, default=(sim.latency_ms_min, sim.latency_ms_max), metavar=("MIN", "MAX"),
         help="one-way latency to the core, uniform in [MIN, MAX] ms")  # fmt: skip
-    add("--dht-delay", type=float, nargs=2, default=(0.2, 1.5), metavar=("MIN", "MAX"),
+    add("--dht-delay", type=float, nargs=2, default=(sim.dht_delay_min, sim.dht_delay_max), metavar=("MIN", "MAX"),
         help="seconds before a stored record is visible, uniform")  # fmt: skip
-    add("--dht-loss", type=float, default=0.02, help="probability that a DHT store is lost")
-    add("--join-window", type=float, default=15.0, help="--join-window of the daemon")
-    add("--max-wait", type=float, default=120.0, help="--max-wait of the daemon")
-    add("--crash-rate", type=float, default=0.0, help="fraction of live nodes crashing per nominal round")
-    add("--restart-after", type=float, default=0.0, help="seconds until a crashed node restarts (0: never)")
-    add("--freeze-rate", type=float, default=0.0, help="fraction of live nodes freezing per nominal round")
-    add("--freeze-seconds", type=float, default=30.0, help="how long a freeze lasts")
-    add("--leave-rate", type=float, default=0.0, help="fraction of live nodes leaving per nominal round")
-    add("--join-rate", type=float, default=0.0, help="new nodes per nominal round, fraction of --nodes")
-    add("--partition-at", type=float, default=0.0, help="simulated second of a partition (0: none)")
-    add("--partition-seconds", type=float, default=120.0, help="how long the partition lasts")
-    add("--partition-fraction", type=float, default=0.3, help="share of nodes on the smaller side")
-    add("--max-seconds", type=float, default=0.0, help="stop after this many simulated seconds (0: auto)")
+    add("--dht-loss", type=float, default=sim.dht_loss, help="probability that a DHT store is lost")
+    add("--join-window", type=float, default=sim.join_window, help="--join-window of the daemon")
+    add("--max-wait", type=float, default=sim.max_wait, help="--max-wait of the daemon")
+    add(
+        "--crash-rate",
+        type=float,
+        default=faults.crash,
+        help="fraction of live nodes crashing per nominal round",
+    )
+    add(
+        "--restart-after",
+        type=float,
+        default=faults.restart_after,
+        help="seconds until a crashed node restarts (0: never)",
+    )
+    add(
+        "--freeze-rate",
+        type=float,
+        default=faults.freeze,
+        help="fraction of live nodes freezing per nominal round",
+    )
+    add("--freeze-seconds", type=float, default=faults.freeze_seconds, help="how long a freeze lasts")
+    add(
+        "--leave-rate",
+        type=float,
+        default=faults.leave,
+        help="fraction of live nodes leaving per nominal round",
+    )
+    add(
+        "--join-rate",
+        type=float,
+        default=faults.join,
+        help="new nodes per nominal round, fraction of --nodes",
+    )
+    add(
+        "--partition-at",
+        type=float,
+        default=faults.partition_at,
+        help="simulated second of a partition (0: none)",
+    )
+    add(
+        "--partition-seconds",
+        type=float,
+        default=faults.partition_seconds,
+        help="how long the partition lasts",
+    )
+    add(
+        "--partition-fraction",
+        type=float,
+        default=faults.partition_fraction,
+        help="share of nodes on the smaller side",
+    )
+    add(
+        "--max-seconds",
+        type=float,
+        default=sim.max_seconds,
+        help="stop after this many simulated seconds (0: auto)",
+    )
     add("--json", type=Path, default=None, help="write the run's figures here")
     add("--plot", type=Path, default=None, help="write per-round plots here (PNG; needs matplotlib)")
     args = parser.parse_args(argv)
