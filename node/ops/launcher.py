@@ -25,8 +25,9 @@ The N nodes are separate processes, as on N machines; the launcher never talks t
    themselves, the run did its job (``swarm_report.run_problems`` on every round record of the
    run, a resumed node's earlier launches included: one final ``param_hash``, no round split, some
    round averaged two or more nodes); else 1, with the reason in one line. A run
-   stopped by Ctrl-C is reported the same way but judged by its nodes' exit codes only (its nodes
-   may stop a round apart).
+   stopped by Ctrl-C is reported the same way and judged by its nodes' exit codes and by the rounds
+   before each node's last (``swarm_report.interrupted_run_problems``: its nodes may stop a round
+   apart, but a round all of them recorded before that must have one ``param_hash``).
 
 The per-node settings the launcher picks and each node's command: ``node/ops/launch_config.py``.
 """
@@ -52,6 +53,7 @@ from node.ops.metrics import read_metrics, run_utilization
 from node.ops.swarm_report import (
     MetricsTail,
     hash_agreement,
+    interrupted_run_problems,
     node_participation,
     report_markdown,
     round_line,
@@ -158,7 +160,10 @@ class SwarmLauncher:
         summaries = [node_summary(node) for node in self.nodes]
         # The verdict is on the whole run: a resumed node's rounds of earlier launches count too.
         history = [read_metrics(node.run_dir / "metrics.jsonl", kind="round") for node in self.nodes]
-        problems = run_problems([node.name for node in self.nodes], history)
+        if self._stopped_by == "signal":
+            problems = interrupted_run_problems(history)
+        else:
+            problems = run_problems([node.name for node in self.nodes], history)
         report: dict[str, Any] = {
             "num_nodes": config.num_nodes,
             "run_dir": str(config.root),
@@ -182,7 +187,7 @@ class SwarmLauncher:
         print(f"dtnode swarm: done in {report['wall_seconds']:.0f} s | exit codes {exit_codes} | "
               f"param_hash {hashes} | participation {averaged} | {config.root / 'report.md'}", flush=True)  # fmt: skip
         ok = len(self.nodes) == config.num_nodes and all(code == 0 for code in exit_codes)
-        if ok and problems and self._stopped_by == "finished":
+        if ok and problems and self._stopped_by in ("finished", "signal"):
             print(f"dtnode swarm: FAILED: {'; '.join(problems)}", flush=True)
             return 1
         return 0 if ok else 1

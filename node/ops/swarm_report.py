@@ -159,6 +159,22 @@ def run_problems(names: Sequence[str], rounds_per_node: Sequence[Sequence[Mappin
     return problems
 
 
+def interrupted_run_problems(rounds_per_node: Sequence[Sequence[Mapping[str, Any]]]) -> list[str]:
+    """What a run stopped by a signal got wrong before the stop; empty if nothing.
+
+    A stopped run has not finished its job, so :func:`run_problems`' "no round averaged" and "final
+    param_hash differs" do not apply (its nodes may stop a round apart, and a node whose peers left
+    first may fall back alone in its last round). A split does: a round every node recorded, other
+    than any node's last, that ended on different ``param_hash``.
+    """
+    settled = []
+    for rounds in rounds_per_node:
+        last = max((int(r["round"]) for r in rounds), default=None)
+        settled.append([r for r in rounds if int(r["round"]) != last])
+    disagreeing = hash_agreement(settled)["disagreeing_rounds"] if all(settled) else []
+    return [f"param_hash differs in common round(s) {disagreeing} before the stop"] if disagreeing else []
+
+
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from node.ops.swarm_report import (
+    interrupted_run_problems,
     is_averaged,
     node_participation,
     report_markdown,
@@ -95,6 +96,20 @@ def test_common_round_disagreement_is_a_problem_even_when_the_nodes_end_together
     node_1 = [record(1), record(2, param_hash="y"), record(3)]
     assert run_problems(["node-0", "node-1"], [node_0, node_1]) == [
         "param_hash differs in common round(s) [2]"
+    ]
+
+
+def test_a_stopped_run_is_judged_on_the_rounds_before_each_nodes_last():
+    # Stopped a round apart, the last node alone on its own Δ: not a problem of a stopped run.
+    node_0 = [record(1), record(2), record(3, peers=1, fell_back=True, param_hash="own")]
+    node_1 = [record(1), record(2)]
+    assert interrupted_run_problems([node_0, node_1]) == []
+    # Stopped before any round averaged: nothing to judge.
+    assert interrupted_run_problems([[record(1, peers=1)], []]) == []
+    # A split before the stop is a failure of the run however it was stopped.
+    node_1 = [record(1), record(2, param_hash="other"), record(3)]
+    assert interrupted_run_problems([node_0, node_1]) == [
+        "param_hash differs in common round(s) [2] before the stop"
     ]
 
 
