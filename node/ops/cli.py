@@ -161,13 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
         "health",
         help="exit 0 if the node at ADDR serves (gRPC health SERVING), else 1",
         description="Ask a node's gRPC port (HOST:PORT) for its grpc.health.v1 status and print it; exit 0 "
-        "when SERVING, 1 otherwise or without an answer within --timeout (see node/ops/health.py).",
+        "when SERVING, 1 otherwise or without an answer within --timeout (see node/ops/health.py). A "
+        "--client-mode node has no port: its run dir's liveness.json answers (records within the "
+        "round's stall bound, rounds with peers).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     health.add_argument(
         "address", nargs="?", default=None, metavar="ADDR",
-        help="the node's gRPC HOST:PORT (None: 127.0.0.1 and the --listen port of the settings, as "
-        "DTNODE_LISTEN gives it in the image; with port 0 the address in RUN_DIR/node.json)",
+        help="the node's gRPC HOST:PORT (None: the local address in RUN_DIR/node.json, else 127.0.0.1 "
+        "and the --listen port of the settings, as DTNODE_LISTEN gives it in the image; for a "
+        "--client-mode node, which listens on nothing, RUN_DIR/liveness.json: see node/ops/liveness.py)",
     )  # fmt: skip
     health.add_argument("--service", default="", help="one service's health ('': the whole server)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
@@ -346,7 +349,7 @@ def run_health(args: argparse.Namespace) -> int:
     from datetime import timedelta
     from pathlib import Path
 
-    from node.ops.health import health_settings, local_address
+    from node.ops.health import health_settings, local_address, recorded_client_mode, run_liveness_health
     from node.ops.health import run_health as check
     from node.ops.status import check_address
     from protocol.auth.channels import SwarmAuth
@@ -358,6 +361,8 @@ def run_health(args: argparse.Namespace) -> int:
     settings = health_settings(layered_values(config_file=args.config_file, flags=flags))
     if settings.tls and not settings.swarm_key_file:
         raise ConfigError("--tls needs --swarm-key-file (the TLS certificates are derived from the key)")
+    if args.address is None and recorded_client_mode(settings.run_dir):  # no port to ask: its liveness file
+        return run_liveness_health(settings.run_dir)
     try:
         address = check_address(args.address or local_address(settings.listen, settings.run_dir))
         key = SwarmKey.from_file(Path(settings.swarm_key_file)) if settings.swarm_key_file else None

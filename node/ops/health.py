@@ -6,11 +6,16 @@ NOT_SERVING once it leaves. This is the check a container orchestrator runs (``d
 HEALTHCHECK): exit 0 when the answer is SERVING, 1 for any other answer, an unreachable node or no
 answer within the timeout. Health needs no swarm-key token; a node started with ``--tls`` answers
 only over mutual TLS, so ``auth`` brings the swarm's certificate then.
+
+A ``--client-mode`` node listens on no port, so there is nothing to ask: without ADDR, when the run
+dir's ``node.json`` says client mode, the answer is its ``liveness.json`` instead (``node/ops/liveness.py``:
+healthy while its training loop writes records within the round's stall bound and it rounds with peers).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.config import flat_defaults, resolve_run_dir
+from node.ops.liveness import LIVENESS_FILE, liveness_verdict, read_liveness
 from protocol.auth.channels import SwarmAuth, operator_channel
 from protocol.discovery.addresses import local_dial_address, parse_host_port
 
@@ -81,14 +87,33 @@ def health_settings(values: dict[str, Any]) -> HealthSettings:
     )
 
 
+def run_liveness_health(run_dir: Path, *, now: float | None = None) -> int:
+    """A node with no port to ask (``--client-mode``): print one line (``RUN_DIR/liveness.json: why``)
+    and return the exit code from its liveness record: 0 healthy, 1 otherwise."""
+    healthy, why = liveness_verdict(read_liveness(run_dir), time.time() if now is None else now)
+    print(f"{run_dir / LIVENESS_FILE}: {why}", flush=True)
+    return EXIT_SERVING if healthy else EXIT_UNHEALTHY
+
+
+def _recorded_identity(run_dir: Path) -> dict[str, Any]:
+    """``run_dir/node.json`` as the node wrote it; empty if there is none (the node is starting) or it
+    was caught mid-write."""
+    try:
+        identity = json.loads((run_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return identity if isinstance(identity, dict) else {}
+
+
+def recorded_client_mode(run_dir: Path) -> bool:
+    """Whether the node of ``run_dir`` recorded that it runs in client mode (it listens on no port)."""
+    return _recorded_identity(run_dir).get("client_mode") is True
+
+
 def recorded_local_address(run_dir: Path) -> str | None:
     """The ``local_address`` the node recorded in ``run_dir/node.json`` (where a process on its own
     machine reaches its gRPC server: the port it bound), None if there is no such record."""
-    try:
-        identity = json.loads((run_dir / "node.json").read_text())
-    except (OSError, ValueError):  # none yet (the node is starting), or caught mid-write
-        return None
-    address = identity.get("local_address") if isinstance(identity, dict) else None
+    address = _recorded_identity(run_dir).get("local_address")
     return address if isinstance(address, str) and address else None
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from node.model.efficiency import eval_interval
 from node.model.export import export_model, tokenizer_info
 from node.model.hf import init_state, node_model
 from node.model.replica import build_replica, pick_device
+from node.ops.liveness import LIVENESS_FILE, LivenessBounds, LivenessSink
 from node.ops.metrics import MetricsSink, MetricsWriter
 from node.ops.progress import progress_sink
 from node.ops.prometheus import PrometheusExporter
@@ -49,6 +51,7 @@ from node.train.checkpoint_writer import CheckpointWriter
 from node.train.held_out import background_eval
 from node.train.round_end import RoundEnd
 from node.train.schedule import LRSchedule
+from protocol.allreduce.config import AllReduceConfig
 
 log = logging.getLogger("dtnode")
 
@@ -154,10 +157,19 @@ class Trainer:
         return self.round.progress
 
     def _metrics_sinks(self) -> list[MetricsSink]:
-        """The progress display, and the Prometheus endpoint (on --metrics-listen: loopback unless
-        asked otherwise, as it has no authentication) if --metrics-port."""
+        """The progress display, the liveness file of a swarm node (``dtnode health`` of a node with
+        no port to ask: node/ops/liveness.py), and the Prometheus endpoint (on --metrics-listen:
+        loopback unless asked otherwise, as it has no authentication) if --metrics-port."""
         config = self.config
         sinks: list[MetricsSink] = [progress_sink(config)]
+        if self.swarm is not None:
+            bounds = LivenessBounds(
+                inner_steps=config.inner.steps, round_seconds=config.rounds.seconds,
+                join_window=timedelta(seconds=config.rounds.join_window),
+                stall_timeout=AllReduceConfig.stall_timeout,  # the swarm's (node/swarm/setup.py keeps the default)
+                sync_deadline=timedelta(seconds=config.rounds.sync_deadline),
+            )  # fmt: skip
+            sinks.append(LivenessSink(self.run_dir / LIVENESS_FILE, bounds))
         if config.metrics.port:
             exporter = PrometheusExporter()
             host = config.metrics.listen.strip("[]")  # an IPv6 host may come bracketed

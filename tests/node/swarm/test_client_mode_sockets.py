@@ -1,22 +1,27 @@
 """A ``--client-mode`` node accepts no connections, so it listens on nothing: none of its processes
 (the node, its DHT process, their p2p daemon) holds a TCP socket in LISTEN state, from its start to
 its rounds, while the ordinary node it joined listens on its gRPC and DHT ports (the check sees
-sockets where there are some). Listening sockets are read from /proc: each process's socket fds
+sockets where there are some); `dtnode health` answers for it from its run dir's liveness file. Listening sockets are read from /proc: each process's socket fds
 matched against its network namespace's TCP tables (``tests/scripts/processes.py``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from node.ops.cli import main
+from node.ops.liveness import LIVENESS_FILE
 from node.ops.status import address_from_run_dir
 from tests.node.swarm_cluster import Cluster, tail, wait_for
 from tests.scripts.processes import listening_tcp_sockets, processes_in_groups
 
 
 @pytest.mark.timeout(150)
-def test_a_client_mode_node_listens_on_no_port(tmp_path: Path) -> None:
+def test_a_client_mode_node_listens_on_no_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     with Cluster(tmp_path, forked=True) as cluster:
         flags = ["--max-rounds", "2", "--inner-steps", "3", "--start-peers", "2"]
         server = cluster.start([*flags, "--listen", "127.0.0.1:0", "--dht-listen", "127.0.0.1:0"])
@@ -38,8 +43,18 @@ def test_a_client_mode_node_listens_on_no_port(tmp_path: Path) -> None:
 
         wait_for(lambda: len(client.records()) >= 1, 90, "the client's first round", client)
         assert listening(client.process.pid) == [], tail(client)
+        # `dtnode health` without ADDR (the image's HEALTHCHECK): no port to ask, so its liveness file
+        # answers; its first round was with its peer (a moment ago) and its second one is not over.
+        monkeypatch.setenv("DTNODE_RUN_DIR", str(client.run_dir))
+        assert main(["health"]) == 0, capsys.readouterr().out + tail(client)
+        healthy = capsys.readouterr().out
+        assert re.search(
+            r": training at round \d+ step \d+; .* round with a peer \d+ s ago$", healthy.strip()
+        ), healthy
         codes = cluster.wait_all(90)
     assert codes == [0, 0], tail(client)
+    assert main(["health"]) == 1  # the node stopped
+    assert capsys.readouterr().out.strip() == f"{client.run_dir / LIVENESS_FILE}: stopped at round 2 step 6"
     rounds = [record for record in client.records()]
     assert [record["round"] for record in rounds] == [1, 2]
     assert all(record["peers"] == 2 for record in rounds), rounds
