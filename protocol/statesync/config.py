@@ -13,14 +13,38 @@ MAX_MANIFEST_BYTES = 8 * MiB
 """The largest manifest a fetcher accepts (32 bytes of hash per block: ~2M blocks, 8 TB at 4 MiB)."""
 DEFAULT_BLOCK_BYTES = 4 * MiB
 """Snapshots hash their tensors in blocks of this many bytes unless told otherwise."""
-DEFAULT_CHUNK_BYTES = 4 * MiB
-"""A fetcher asks for chunks of this many bytes unless told otherwise."""
 DEFAULT_RANGE_BYTES = 32 * MiB
 """A fetcher asks one source for this many bytes per FetchRange unless told otherwise."""
 DEFAULT_FETCH_STALL_TIMEOUT = timedelta(seconds=15)
 """A fetcher drops a source that sends nothing for this long unless told otherwise."""
 MAX_CHUNK_BYTES = 64 * MiB
 """The largest chunk a fetcher may ask for (it sizes the channel's receive limit)."""
+MAX_CHUNKS_PER_RANGE = 4096
+"""A provider refuses a FetchRange that would take more chunks than this (tiny chunks cost a gRPC
+message each); a fetcher sizes its ranges to stay within it."""
+
+# How big a chunk may be. A stream shows progress only when a whole chunk has arrived (gRPC hands
+# over whole messages), so both sides' stall windows count chunks: a live source on a slow link
+# must deliver one well inside the window, or every source looks stalled and no fetch can finish
+# (found on 1 Mbit/s links with 4 MiB chunks: 33.6 s each against a 15 s window). The rule:
+#
+#   max_parallel streams x chunk bytes / SLOWEST_LINK_BYTES_PER_SECOND  <=  stall window / STALL_MARGIN
+#
+# (a fetcher's streams to one source share its uplink, so each stream's next chunk can wait for a
+# chunk of every other). With 4 streams, 64 KiB chunks and 1 Mbit/s that is 2.1 s against 15 s / 4.
+# Smaller chunks cost a message each; what that costs a fast link (loopback): BENCHMARKS.md, "A joiner
+# whose state fetch outlasts a round, on 1 Mbit/s links".
+SLOWEST_LINK_BYTES_PER_SECOND = 1_000_000 / 8
+"""The slowest uplink state sync is sized for: 1 Mbit/s."""
+STALL_MARGIN = 4
+"""A chunk round of every stream crosses the slowest link within a quarter of the stall window: room
+for other traffic on the uplink (an all-reduce, a second fetcher) and TCP's slow start."""
+DEFAULT_CHUNK_BYTES = 64 * 1024
+"""A fetcher asks for chunks of this many bytes unless told otherwise (the rule above)."""
+DEFAULT_SERVED_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+"""A provider sends chunks of at most this many bytes unless told otherwise: the rule above holds
+for fetchers that ask for larger chunks too (a provider drops a fetcher that read nothing for its own
+stall window, so a chunk that crawls would cost the transfer at both ends)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +54,8 @@ class FetchOptions:
     max_parallel: int = 4
     """FetchRange streams open at once, over all sources."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """The largest streamed message asked for (sources may cap it lower)."""
+    """The largest streamed message asked for (sources may cap it lower). Progress is seen chunk by
+    chunk: keep `max_parallel` chunks crossing the slowest link well inside `stall_timeout`."""
     range_bytes: int = DEFAULT_RANGE_BYTES
     """Bytes asked of one source per FetchRange (rounded down to whole blocks, capped by every
     source's max_range_bytes); smaller ranges spread the work finer."""
@@ -52,8 +77,8 @@ class FetchOptions:
 class StateSyncConfig:
     """How a provider serves snapshots. Every field has a default that suits WAN links."""
 
-    max_chunk_bytes: int = 4 * MiB
-    """The longest chunk this provider sends, whatever a fetcher asks for."""
+    max_chunk_bytes: int = DEFAULT_SERVED_CHUNK_BYTES
+    """The longest chunk this provider sends, whatever a fetcher asks for (advertised in the manifest)."""
     max_range_bytes: int = 256 * MiB
     """The most bytes one FetchRange may ask for; more gets RESOURCE_EXHAUSTED (advertised in the manifest)."""
     max_message_bytes: int = 16 * MiB
@@ -71,6 +96,11 @@ class StateSyncConfig:
     def __post_init__(self) -> None:
         if self.max_chunk_bytes <= 0 or self.max_range_bytes <= 0:
             raise ValueError("max_chunk_bytes and max_range_bytes must be positive")
+        if self.max_range_bytes > self.max_chunk_bytes * MAX_CHUNKS_PER_RANGE:
+            raise ValueError(
+                f"max_range_bytes={self.max_range_bytes} in chunks of max_chunk_bytes={self.max_chunk_bytes} "
+                f"takes more than {MAX_CHUNKS_PER_RANGE} chunks; lower it or raise max_chunk_bytes"
+            )
         if self.max_message_bytes < self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES:
             raise ValueError(
                 f"max_message_bytes={self.max_message_bytes} cannot hold a chunk of {self.max_chunk_bytes} "

@@ -2,7 +2,7 @@
 
     snapshot = await fetch_state(["10.0.0.2:7000", "10.0.0.3:7000"], expected_state_id=param_hash,
                                  deadline=timedelta(minutes=10),
-                                 options=FetchOptions(max_parallel=4, chunk_bytes=4 << 20))
+                                 options=FetchOptions(max_parallel=4, chunk_bytes=64 << 10))
 
 Step 1, manifests (sources.py): ask every source which snapshot it serves; keep those that agree on
         the one we want (`expected_state_id`, or the newest offered when None).

@@ -32,7 +32,7 @@ from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.lenient import Malformed, lenient
-from protocol.statesync.config import MESSAGE_OVERHEAD_BYTES, StateSyncConfig
+from protocol.statesync.config import MAX_CHUNKS_PER_RANGE, MESSAGE_OVERHEAD_BYTES, StateSyncConfig
 from protocol.statesync.faults import ServeFaultPlan, flip_first_byte
 from protocol.statesync.manifest import to_manifest
 from protocol.statesync.snapshot import Snapshot, byte_view
@@ -43,8 +43,6 @@ SERVICE_NAME = "dtnode.v1.StateSync"
 # Refusals that are normal traffic (a fetcher will just ask someone else or retry); the rest mean a
 # fetcher misbehaved.
 _ROUTINE_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-MAX_CHUNKS_PER_RANGE = 4096
-"""A FetchRange whose range would take more chunks than this (its max_chunk_bytes is tiny) is refused."""
 
 
 class StateProvider(pb_grpc.StateSyncServicer):

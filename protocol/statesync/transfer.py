@@ -31,6 +31,7 @@ import grpc.aio
 
 from protocol.gen.dtnode.v1 import statesync_pb2 as pb
 from protocol.statesync.assembly import Assembly, ByteRange, range_bytes_for, split_ranges
+from protocol.statesync.config import MAX_CHUNKS_PER_RANGE
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.manifest import Manifest
 from protocol.statesync.sources import Source, describe_exclusions
@@ -67,7 +68,13 @@ class RangeTransfer:
         """Called on the loop with (bytes verified, bytes in all) each time a block is verified."""
         self.sources = sources
         self.assembly = Assembly(manifest)
-        max_range_bytes = min(source.manifest.max_range_bytes for source in sources if source.manifest)
+        # Ranges every source serves, in no more chunks than a provider accepts (the smallest chunks
+        # any source sends make the most).
+        served = [source.manifest for source in sources if source.manifest]
+        smallest_chunk = min(min(chunk_bytes, manifest.max_chunk_bytes) for manifest in served)
+        max_range_bytes = min(
+            smallest_chunk * MAX_CHUNKS_PER_RANGE, *(manifest.max_range_bytes for manifest in served)
+        )
         range_bytes = range_bytes_for(
             range_bytes, block_bytes=manifest.block_bytes, max_range_bytes=max_range_bytes
         )

@@ -17,7 +17,8 @@ import torch
 from protocol.gen.dtnode.v1 import membership_pb2 as membership_pb
 from protocol.gen.dtnode.v1 import statesync_pb2 as statesync_pb
 from protocol.membership.transport import MembershipServicer, add_membership_to_server
-from protocol.statesync.provider import MAX_CHUNKS_PER_RANGE, StateProvider, add_state_sync_to_server
+from protocol.statesync.config import MAX_CHUNKS_PER_RANGE
+from protocol.statesync.provider import StateProvider, add_state_sync_to_server
 from protocol.statesync.snapshot import Snapshot
 from tests.machine_load import load_factor
 from tests.scripts.script_loader import load_script

@@ -6,6 +6,7 @@ one JSON line per configuration with the best and median of --repeats fetches, a
 the fetcher process spent (all its threads: gRPC, copies, hashing).
 
     python -m tests.protocol.statesync.bench_throughput --megabytes 100 --providers 1 3
+    python -m tests.protocol.statesync.bench_throughput --chunk-kib 4096   # the chunks before 2026-11-28
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from protocol.statesync import (
     StateSyncServer,
     fetch_state_with_report,
 )
+from protocol.statesync.config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_RANGE_BYTES,
+    MAX_CHUNKS_PER_RANGE,
+    MESSAGE_OVERHEAD_BYTES,
+)
 
 MiB = 1 << 20
 
@@ -48,11 +55,17 @@ def build_snapshot(megabytes: int) -> Snapshot:
     )
 
 
-def serve(megabytes: int, pipe: Connection) -> None:
-    """A provider process: serve the snapshot until the parent sends anything on the pipe."""
+def serve(megabytes: int, chunk_bytes: int, pipe: Connection) -> None:
+    """A provider process: serve the snapshot, in chunks of up to `chunk_bytes`, until the parent
+    sends anything on the pipe."""
+    config = StateSyncConfig(
+        max_chunk_bytes=chunk_bytes,
+        max_range_bytes=min(256 * MiB, chunk_bytes * MAX_CHUNKS_PER_RANGE),
+        max_message_bytes=max(16 * MiB, chunk_bytes + MESSAGE_OVERHEAD_BYTES),
+    )
 
     async def main() -> None:
-        server = await StateSyncServer.start(host="127.0.0.1", port=0, config=StateSyncConfig())
+        server = await StateSyncServer.start(host="127.0.0.1", port=0, config=config)
         server.provider.publish(build_snapshot(megabytes))
         pipe.send(server.address)
         while not pipe.poll():
@@ -76,15 +89,22 @@ def main() -> None:
     parser.add_argument("--providers", type=int, nargs="+", default=[1, 3], help="provider counts to compare")
     parser.add_argument("--repeats", type=int, default=3, help="fetches per configuration")
     parser.add_argument("--max-parallel", type=int, default=4, help="fetch_state max_parallel")
-    parser.add_argument("--chunk-mib", type=int, default=4, help="chunk size in MiB")
-    parser.add_argument("--range-mib", type=int, default=16, help="range size in MiB")
+    parser.add_argument(
+        "--chunk-kib",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES // 1024,
+        help="chunk size in KiB (asked and served)",
+    )
+    parser.add_argument("--range-mib", type=int, default=DEFAULT_RANGE_BYTES // MiB, help="range size in MiB")
     args = parser.parse_args()
 
     context = multiprocessing.get_context("spawn")
     processes, pipes, addresses = [], [], []
     for _ in range(max(args.providers)):
         parent, child = context.Pipe()
-        process = context.Process(target=serve, args=(args.megabytes, child), daemon=True)
+        process = context.Process(
+            target=serve, args=(args.megabytes, args.chunk_kib * 1024, child), daemon=True
+        )
         process.start()
         processes.append(process)
         pipes.append(parent)
@@ -105,7 +125,7 @@ def main() -> None:
                         deadline=timedelta(minutes=5),
                         options=FetchOptions(
                             max_parallel=args.max_parallel,
-                            chunk_bytes=args.chunk_mib * MiB,
+                            chunk_bytes=args.chunk_kib * 1024,
                             range_bytes=args.range_mib * MiB,
                         ),
                     )
@@ -119,6 +139,8 @@ def main() -> None:
                 json.dumps(
                     {
                         "providers": num_providers,
+                        "chunk_kib": args.chunk_kib,
+                        "range_mib": args.range_mib,
                         "megabytes": round(megabytes, 1),
                         "best_seconds": round(min(seconds), 3),
                         "median_seconds": round(statistics.median(seconds), 3),

@@ -17,10 +17,12 @@ from protocol.statesync import (
     FetchOptions,
     FetchReport,
     ServeFaultPlan,
+    StateSyncConfig,
     StateSyncError,
     fetch_state,
     fetch_state_with_report,
 )
+from protocol.statesync.config import MAX_CHUNKS_PER_RANGE
 from tests.machine_load import stretched
 from tests.protocol.statesync.support import (
     FETCH_OPTIONS,
@@ -256,6 +258,34 @@ def test_a_busy_provider_is_retried_not_dropped() -> None:
     assert report.excluded == {}
     assert num_busy > 0  # four streams asked of a provider that serves one at a time
     assert ranges_served == len(range(0, 16 * MiB, 2 * MiB)) + len(range(0, 4 * MiB, 2 * MiB)) + 1
+
+
+@pytest.mark.timeout(30)
+def test_ranges_are_cut_to_the_chunk_bound_a_provider_enforces() -> None:
+    # Small chunks asked, large ranges allowed: 4 MiB in 512-byte chunks would take 8192 chunks, more
+    # than a provider serves per FetchRange (INVALID_ARGUMENT); the fetcher cuts 2 MiB ranges instead.
+    small = make_snapshot(num_params=MiB)  # 4 MiB of params, 1 MiB of momentum
+    config = StateSyncConfig(
+        max_chunk_bytes=1024, max_range_bytes=4 * MiB, stall_timeout=timedelta(seconds=5)
+    )
+
+    async def scenario() -> tuple[FetchReport, int]:
+        async with providers(1, small, config=config) as [server]:
+            report = await _fetch(
+                [server.address], expected=small.state_id, chunk_bytes=512, range_bytes=4 * MiB
+            )
+            return report, server.provider.num_refusals["INVALID_ARGUMENT"]
+
+    report, num_refused = uvloop.run(scenario())
+    assert_identical(report.snapshot, small)
+    assert report.excluded == {} and num_refused == 0
+    assert 512 * MAX_CHUNKS_PER_RANGE == 2 * MiB
+
+
+def test_a_provider_whose_own_ranges_take_too_many_chunks_is_a_config_error() -> None:
+    # It would refuse, as "tiny chunks", a range it advertises in the chunks it caps.
+    with pytest.raises(ValueError, match="max_range_bytes"):
+        StateSyncConfig(max_chunk_bytes=1024, max_range_bytes=1024 * MAX_CHUNKS_PER_RANGE + 1)
 
 
 @pytest.mark.timeout(10)

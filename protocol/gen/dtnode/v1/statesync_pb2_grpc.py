@@ -30,8 +30,8 @@ class StateSyncStub:
     a stream whose fetcher stops reading for the provider's stall timeout, and a fetcher drops a source
     that sends nothing for its own stall timeout. Statuses a provider ends a call with:
     NOT_FOUND          "I keep no snapshot with that id (any more, or yet): ask someone else."
-    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, or a range past the
-    tensor's end."
+    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, a range past the
+    tensor's end, or chunks so small the range takes more than 4096 of them."
     RESOURCE_EXHAUSTED "I am serving as many transfers as I can (try again shortly), or you asked for
     more bytes than my max_range_bytes."
     DEADLINE_EXCEEDED  "You stopped reading my chunks for too long."
@@ -61,8 +61,8 @@ class StateSyncServicer:
     a stream whose fetcher stops reading for the provider's stall timeout, and a fetcher drops a source
     that sends nothing for its own stall timeout. Statuses a provider ends a call with:
     NOT_FOUND          "I keep no snapshot with that id (any more, or yet): ask someone else."
-    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, or a range past the
-    tensor's end."
+    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, a range past the
+    tensor's end, or chunks so small the range takes more than 4096 of them."
     RESOURCE_EXHAUSTED "I am serving as many transfers as I can (try again shortly), or you asked for
     more bytes than my max_range_bytes."
     DEADLINE_EXCEEDED  "You stopped reading my chunks for too long."
@@ -109,8 +109,8 @@ class StateSync:
     a stream whose fetcher stops reading for the provider's stall timeout, and a fetcher drops a source
     that sends nothing for its own stall timeout. Statuses a provider ends a call with:
     NOT_FOUND          "I keep no snapshot with that id (any more, or yet): ask someone else."
-    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, or a range past the
-    tensor's end."
+    INVALID_ARGUMENT   "Your request is malformed: unknown tensor, empty range, a range past the
+    tensor's end, or chunks so small the range takes more than 4096 of them."
     RESOURCE_EXHAUSTED "I am serving as many transfers as I can (try again shortly), or you asked for
     more bytes than my max_range_bytes."
     DEADLINE_EXCEEDED  "You stopped reading my chunks for too long."
