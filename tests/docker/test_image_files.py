@@ -1,8 +1,8 @@
 """The image and compose files agree with the CLI, checked without a Docker engine: the HEALTHCHECK
 is a ``dtnode`` command the parser accepts, the node runs as a non-root user with its run dir in a
 volume, the ports the image sets are the ones it exposes, compose workers wait for a healthy
-bootstrap and take stable run dirs, every node holds the swarm-key secret, and compose's
-Prometheus scrapes every node service at the metrics port."""
+bootstrap and take stable run dirs, every node holds the swarm-key secret, compose's Prometheus
+scrapes every node service at the metrics port, and README's multi-host Prometheus every host's node."""
 
 from __future__ import annotations
 
@@ -104,3 +104,31 @@ def test_compose_prometheus_scrapes_every_node_service() -> None:
     (rules,) = config["rule_files"]
     assert (DOCKER / mounted[rules]).is_file()
     assert "--config.file=/etc/prometheus/dtnode.yml" in services["prometheus"]["command"]
+
+
+def test_the_multi_host_recipe_scrapes_each_host_its_node_serves_metrics_on() -> None:
+    """README's "Several hosts": Prometheus' targets (docker/prometheus-hosts.yml) are the addresses
+    the `docker run` of each node that can be dialled gives DTNODE_METRICS_LISTEN, at the image's
+    metrics port; the client-mode node keeps its metrics on loopback; the rule file is mounted."""
+    readme = (DOCKER.parent / "README.md").read_text()
+    recipe = readme[readme.index("**Several hosts:") : readme.index("`pytest tests/docker` starts")]
+    runs = [block for block in re.findall(r"```bash\n(.*?)```", recipe, re.S) if "dtnode:cpu" in block]
+    listens = {
+        re.search(r"--announce (\S+)", run).group(1) if "--client-mode" not in run else "client": (
+            re.search(r"DTNODE_METRICS_LISTEN=(\S+)", run).group(1)
+        )
+        for run in runs
+    }  # fmt: skip
+    assert listens["client"] == "127.0.0.1" and len(listens) == 3, listens
+    port = image_env()["DTNODE_METRICS_PORT"]
+    config = yaml.safe_load((DOCKER / "prometheus-hosts.yml").read_text())
+    (job,) = config["scrape_configs"]
+    targets = [target for group in job["static_configs"] for target in group["targets"]]
+    assert targets == [f"{listens[host]}:{port}" for host in listens if host != "client"]
+    (prometheus_run,) = [
+        block for block in re.findall(r"```bash\n(.*?)```", recipe, re.S) if "dtnode-prometheus" in block
+    ]
+    mounts = dict(re.findall(r"-v \$PWD/docker/(\S+):(\S+):ro", prometheus_run))
+    assert mounts["prometheus-hosts.yml"] == "/etc/prometheus/dtnode.yml"
+    (rules,) = config["rule_files"]
+    assert mounts["prometheus-alerts.yml"] == rules and (DOCKER / "prometheus-alerts.yml").is_file()
