@@ -117,6 +117,11 @@ class _UserData:
     def reshard(self, shard_index: int, num_shards: int) -> None:
         self.shard = (shard_index, num_shards)
 
+    def read_spare(self, lane: int, *, steps: int) -> None:
+        """Joined the round after it began: ``(count + lane, count)`` until the next round, data no
+        member's shard reads (the user's data decides what that index reads)."""
+        self.shard = (self.shard[1] + lane, self.shard[1])
+
 
 class SwarmTrainer:
     """DiLoCo around a user's module and loop; see the module docstring.
@@ -217,7 +222,9 @@ class SwarmTrainer:
 
     @property
     def shard(self) -> tuple[int, int]:
-        """(index, count): the data shard the swarm's last round assigned this node."""
+        """(index, count): the data shard the swarm's last round assigned this node; ``index >= count``
+        until the first round of a node that joined mid-phase: a spare lane, other data than the
+        ``count`` members' shards (``node/data/batches.py``, "Spare lanes")."""
         return self._data.shard
 
     def param_hash(self) -> str:

@@ -36,10 +36,28 @@ membership and everything from ``position`` on is split among the new one, so no
 read the same window from the reshard to the end of the epoch. The daemon must reshard every peer
 at the same global position, e.g. at an outer-round boundary; a joining peer first copies a live
 peer's ``state_dict()`` (``load_state_dict``) and then calls ``reshard`` with its own index.
+
+Spare lanes
+-----------
+A node that starts reading after its round began (it adopted the lineage's state mid-phase: a late
+joiner, or a starter past the start barrier's assignment) holds no shard of the round: shards
+``0 .. n-1`` are the members'. It reads *spare lane* ``j`` (``read_spare``; lane ``n + j`` of the
+round) until the next reshard. A round that starts at ``(epoch, P)`` with phases of ``H`` steps has
+its members read positions ``P .. P + H*n*B - 1`` of that epoch; spare lane ``j`` reads the ``H*B``
+positions just behind them, ``P - (j+1)*H*B .. P - j*H*B - 1`` (modulo the epoch's windows, so at
+an epoch's start they are its last ones), ``B`` at a time in order, wrapping within them if the
+lane is read for more than ``H`` steps. These are positions the lineage consumed earlier in the
+epoch (or reaches last): no member reads them again this epoch, so the spare lane never duplicates
+a live member's window, in this round or a later one of the epoch, as long as ``(n + j + 1)*H*B``
+positions fit in the epoch; lanes ``j`` are distinct per node (the swarm's records say which are
+held: ``protocol/membership/shards.py``). The position still advances by ``n*B`` per step, in
+lockstep with the members, so at the round's end the node reshards at the same position as they.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -55,14 +73,18 @@ __all__ = [
     "PAD",
     "RESERVED",
     "VOCAB_SIZE",
+    "NODE_LANE_KEYS",
     "Corpus",
     "ShardedBatches",
+    "SpareLane",
     "decode",
     "encode",
     "eval_batches",
     "load_corpus",
     "window_permutation",
 ]
+
+log = logging.getLogger(__name__)
 
 _UINT64_MAX: Final = (1 << 64) - 1
 _GOLDEN_GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)  # odd, so i -> base + i * gamma is injective
@@ -103,6 +125,23 @@ def _gather_windows(
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
 
 
+_SPARE_KEYS: Final = ("spare_lane", "spare_steps", "spare_epoch", "spare_anchor", "spare_reads")
+NODE_LANE_KEYS: Final = frozenset({"shard_index", *_SPARE_KEYS})
+"""The ``state_dict`` keys that are this node's lane, not the lineage's data position: a served state
+leaves them out (every member serves the same metadata; ``node/swarm/state.py``)."""
+
+
+@dataclass
+class SpareLane:
+    """Spare lane ``lane`` of the round that started at ``(epoch, anchor)`` (module docstring)."""
+
+    lane: int  # j: lane num_shards + j of the round
+    steps: int  # H: the lane holds steps * batch_size positions
+    epoch: int  # the epoch and position the round started from
+    anchor: int
+    reads: int = 0  # batches read on the lane so far
+
+
 class ShardedBatches:
     """Shard ``shard_index`` of ``num_shards``'s batches over ``tokens`` (see the module docstring)."""
 
@@ -130,9 +169,9 @@ class ShardedBatches:
         self.position = 0
         self.shard_index = 0
         self.num_shards = 1
+        self.spare: SpareLane | None = None  # a spare lane until the next reshard (module docstring)
         self.reshard(shard_index, num_shards)
-        self._permutation = window_permutation(self.num_windows, seed=seed, epoch=0)
-        self._permutation_epoch = 0
+        self._permutations: dict[int, npt.NDArray[np.int64]] = {}  # by epoch: the last two used
 
     @property
     def windows_per_round(self) -> int:
@@ -155,6 +194,35 @@ class ShardedBatches:
             )
         self.shard_index = shard_index
         self.num_shards = num_shards
+        self.spare = None
+
+    def read_spare(self, lane: int, *, steps: int) -> None:
+        """Read spare lane ``lane`` of the round that starts at the current position, whose phases are
+        ``steps`` inner steps long, until the next :meth:`reshard` (module docstring). On a spare
+        lane already: move to lane ``lane`` of the same round (another node reads ours), at the
+        same step of it."""
+        if lane < 0 or steps < 1:
+            raise ValueError(f"need lane >= 0 and steps >= 1, got lane {lane} and steps {steps}")
+        if self.spare is not None:
+            self.spare.lane = lane
+        else:
+            epoch, position = self.epoch, self.position
+            if position + self.windows_per_round > self.num_windows:  # the round's first step wraps
+                epoch, position = epoch + 1, 0
+            self.spare = SpareLane(lane=lane, steps=steps, epoch=epoch, anchor=position)
+        needed = (self.num_shards + lane + 1) * self.spare.steps * self.batch_size
+        if needed > self.num_windows:
+            log.warning("spare data lane %d: the round's %d shards and %d spare lane(s) of %d steps need %d "
+                        "windows, the epoch has %d: it may read windows a shard reads",
+                        lane, self.num_shards, lane + 1, self.spare.steps, needed, self.num_windows)  # fmt: skip
+
+    @property
+    def lane(self) -> tuple[int, int]:
+        """(index, count) of what this loader reads: shard ``index`` of ``count``, or with
+        ``index >= count`` spare lane ``index - count`` beside the ``count`` shards."""
+        if self.spare is not None:
+            return self.num_shards + self.spare.lane, self.num_shards
+        return self.shard_index, self.num_shards
 
     def window_indices(self, epoch: int) -> npt.NDArray[np.int64]:
         """Windows this shard reads in ``epoch`` if it starts at position 0 with no reshard: (batches, B)."""
@@ -169,14 +237,33 @@ class ShardedBatches:
         if self.position + self.windows_per_round > self.num_windows:
             self.epoch += 1
             self.position = 0
-        if self._permutation_epoch != self.epoch:
-            self._permutation = window_permutation(self.num_windows, seed=self.seed, epoch=self.epoch)
-            self._permutation_epoch = self.epoch
-        block = self._permutation[self.position : self.position + self.windows_per_round]  # (n * B,)
-        windows = block[self.shard_index :: self.num_shards]  # (B,)
+        if self.spare is None:
+            block = self._permutation_of(self.epoch)[self.position : self.position + self.windows_per_round]
+            windows = block[self.shard_index :: self.num_shards]  # (B,)
+        else:
+            windows = self._spare_windows(self.spare)  # (B,)
         assert windows.shape == (self.batch_size,)
-        self.position += self.windows_per_round
+        self.position += self.windows_per_round  # in lockstep with the shards, spare lane or not
         return _gather_windows(self.tokens, windows, self.seq_len)
+
+    def _spare_windows(self, spare: SpareLane) -> npt.NDArray[np.int64]:
+        """The spare lane's next batch: ``B`` positions of the ``H*B`` just behind its round's."""
+        region = spare.anchor - (spare.lane + 1) * spare.steps * self.batch_size
+        start = region + (spare.reads % spare.steps) * self.batch_size
+        positions = (start + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows  # (B,)
+        spare.reads += 1
+        return self._permutation_of(spare.epoch)[positions]
+
+    def _permutation_of(self, epoch: int) -> npt.NDArray[np.int64]:
+        """Epoch ``epoch``'s window order, built once (a spare lane may read the epoch before the
+        shards' for a round that crosses an epoch's end: two are kept)."""
+        permutation = self._permutations.get(epoch)
+        if permutation is None:
+            permutation = window_permutation(self.num_windows, seed=self.seed, epoch=epoch)
+            kept = (epoch - 1, epoch + 1)
+            self._permutations = {e: p for e, p in self._permutations.items() if e in kept}
+            self._permutations[epoch] = permutation
+        return permutation
 
     def skip(self, num_steps: int) -> None:
         """Advance the position as ``num_steps`` calls of ``next_batch`` would, reading nothing.
@@ -191,8 +278,9 @@ class ShardedBatches:
             self.position += self.windows_per_round
 
     def state_dict(self) -> dict[str, int]:
-        """Everything needed to continue exactly where this loader stands."""
-        return {
+        """Everything needed to continue exactly where this loader stands (the spare lane's keys only
+        while it reads one)."""
+        state = {
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
@@ -200,6 +288,11 @@ class ShardedBatches:
             "num_shards": self.num_shards,
             "seq_len": self.seq_len,
         }
+        spare = self.spare
+        if spare is not None:
+            values = (spare.lane, spare.steps, spare.epoch, spare.anchor, spare.reads)
+            state.update(zip(_SPARE_KEYS, values, strict=True))
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (taken from this or a peer's loader over the same tokens)."""
@@ -214,7 +307,12 @@ class ShardedBatches:
         self.seed = state["seed"]
         self.epoch = state["epoch"]
         self.position = state["position"]
-        self._permutation_epoch = -1  # the seed may have changed: rebuild the permutation lazily
+        self._permutations = {}  # the seed may have changed: rebuild the permutations lazily
+        if "spare_lane" in state:
+            lane, steps, epoch, anchor, reads = (int(state[key]) for key in _SPARE_KEYS)
+            if lane < 0 or steps < 1 or epoch < 0 or not 0 <= anchor <= self.num_windows or reads < 0:
+                raise ValueError(f"bad spare lane {[state[key] for key in _SPARE_KEYS]}")
+            self.spare = SpareLane(lane=lane, steps=steps, epoch=epoch, anchor=anchor, reads=reads)
 
 
 def eval_batches(

@@ -93,6 +93,8 @@ class DataCursor(Protocol):
 
     def reshard(self, shard_index: int, num_shards: int) -> None: ...
 
+    def read_spare(self, lane: int, *, steps: int) -> None: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoundSettings:
@@ -251,6 +253,7 @@ class OuterRound:
         )
         if answer.adopt is not None:
             self._adopt(answer.adopt)
+            self._read_spare(answer.spare_lane)
         if answer.serve:
             self._serve()
         start = swarm.await_start_peers()
@@ -259,6 +262,7 @@ class OuterRound:
             self._serve()
         if start.shard is not None:  # the barrier's nodes read disjoint data from the first step
             self.data.reshard(*start.shard)
+            self._read_spare(start.spare_lane)  # beside the shards of the nodes past the barrier, if any
         if swarm_state and not swarm.num_adoptions:
             swarm.load_state_dict(swarm_state)
 
@@ -291,6 +295,8 @@ class OuterRound:
     def at_step_boundary(self) -> RoundApplied | None:
         """Between two inner steps: end the phase if it is over (see the module docstring) and return
         the round applied then, if any."""
+        if self.swarm is not None:
+            self._read_spare(self.swarm.moved_spare_lane())  # another node reads our spare lane: move
         if self._phase_due():
             return self._end_phase()
         landed = self._landed()
@@ -515,7 +521,7 @@ class OuterRound:
                 self._adopt(state)
                 param_hash, boundary = state.param_hash, None
                 if swarm is not None:
-                    swarm.after_adopt(state)
+                    self._read_spare(swarm.after_adopt(state))
             case Averaged() | FellBack():
                 self.progress.round = landed.request.round_index
                 if (
@@ -547,14 +553,21 @@ class OuterRound:
         self.diloco.load_global_state(state.global_params, state.outer_momentum)
         if self.diloco.param_hash() != state.param_hash:
             raise RuntimeError("the adopted params do not match their param_hash")
-        # The swarm's data position; our shard stays the first until the next round assigns ours (a
-        # bounded duplicate read, never a gap: protocol/membership/shards.py).
+        # The swarm's data position (the served state names no shard: the first until the next round
+        # assigns ours; the swarm side names a spare lane to read meanwhile, _read_spare).
         self.data.load_state_dict({"shard_index": 0, **state.metadata["data"]})
         progress = self.progress
         progress.step, progress.round = int(state.metadata["step"]), state.round
         progress.round_tokens, progress.round_compute_seconds = 0, 0.0
         self._phase_started = self._phase_start_step = None  # the next phase starts from the swarm's step
         log.info("now at round %d, step %d, param_hash %s", state.round, progress.step, state.param_hash[:12])
+
+    def _read_spare(self, lane: int | None) -> None:
+        """Until the next round, read spare data lane ``lane`` (if any): this node begins its phase
+        after the lineage's members began theirs, and they read the round's shards
+        (``node/data/batches.py``, "Spare lanes")."""
+        if lane is not None:
+            self.data.read_spare(lane, steps=self.settings.inner_steps)
 
     def _serve(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
         """Serve the global state now (after ``round``, default the rounds applied), unless it is the

@@ -15,10 +15,13 @@ the round calls             with                                     the swarm a
 ``average(Δ, round=...)``   the lineage Δ was trained from, weight,   one :class:`RoundOutcome`
                             throughput (:class:`RoundRequest`)
 ``after_step(members)``     the round's group, once stepped through   the data shard to train next
-``after_adopt(state)``      the swarm's state, once loaded            —
+``after_adopt(state)``      the swarm's state, once loaded            the spare data lane to read
+                                                                     until the next round
 ``publish(snapshot)``       the global state to serve now             —
 ``advertise_rate(tok/s)``   the phase's throughput so far (every 1 s) —
 ``phase_should_end()``                                                a catching-up node's phase ends
+``moved_spare_lane()``                                                another spare lane: another node
+                                                                     reads ours (we chose at once)
 ``lineage_peer_due()``                                                a node is fetching our state
 ==========================  ====================================================================
 
@@ -186,20 +189,25 @@ class JoinAnswer:
     """How a node starts: on its own state (``adopt`` None), or on the swarm's, which it serves once
     loaded. ``serve`` False: serve nothing yet (an older state of the swarm's that only brings it
     closer, or our own state while we still fetch the swarm's: a record of it would count for a
-    lineage the swarm is not on)."""
+    lineage the swarm is not on). ``spare_lane``: with ``adopt``, the spare data lane to read until
+    the next round (``node/data/batches.py``: the lineage's members read the round's shards)."""
 
     adopt: AdoptedState | None = None
     serve: bool = True
+    spare_lane: int | None = None
 
 
 @dataclass(frozen=True)
 class StartAnswer:
     """What the start barrier settled before the first inner step: the swarm's round-0 state to take
     (``adopt``: our round-0 params differ from the lineage the barrier's nodes follow), and the data
-    shard (index, count) to read from step 1 (None: keep the configured one)."""
+    shard (index, count) to read from step 1 (None: keep the configured one), or beside whose
+    ``count`` shards to read spare lane ``spare_lane`` (nodes past the barrier read another
+    assignment than this node's view gives: ``protocol/membership/shards.py``)."""
 
     adopt: AdoptedState | None = None
     shard: tuple[int, int] | None = None
+    spare_lane: int | None = None
 
 
 class Averager(Protocol):
@@ -226,7 +234,9 @@ class SwarmSide(Averager, Protocol):
 
     def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None: ...
 
-    def after_adopt(self, state: AdoptedState) -> None: ...
+    def after_adopt(self, state: AdoptedState) -> int | None: ...
+
+    def moved_spare_lane(self) -> int | None: ...
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
 

@@ -59,7 +59,7 @@ from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import TopKCodec
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision, decide_lineage
-from protocol.membership.shards import assign_shard, start_shards
+from protocol.membership.shards import assign_shard, spare_lane, spare_lane_to_move_to, start_lane
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
@@ -139,6 +139,7 @@ class SwarmSession:
         # Rounds our state went through alone (solo, fell back, stepped on our own Δ) since the last
         # one we shared with a group: what adopting another state would discard (a WARNING says so).
         self._rounds_alone: list[int] = []
+        self._data_lane: tuple[int, int] | None = None  # what our records say we read (_say_lane)
 
     # --- lifecycle ---
 
@@ -208,7 +209,7 @@ class SwarmSession:
                 return JoinAnswer(behind, serve=False)
             return JoinAnswer(serve=False)  # our own state, not the swarm's: not served (see above)
         self._adopted(state)
-        return JoinAnswer(state)
+        return JoinAnswer(state, spare_lane=self._spare_lane(state))
 
     def await_start_peers(self) -> StartAnswer:
         """The start barrier (``protocol/swarm/participation.py``): wait until ``start_peers`` nodes
@@ -218,8 +219,10 @@ class SwarmSession:
         inner step, from the live records the barrier passed on, so every node that saw the same
         nodes settles them alike: the lineage (nodes started on different inits take the one the
         lineage rule names, with a WARNING: nothing was trained yet), and the data shards (the nodes
-        in the member order: by rank, then peer id; ``protocol/membership/shards.py``). A node that
-        joins a run past round 0 reads its source's shard until its first round (as at any join)."""
+        in the member order: by rank, then peer id; ``protocol/membership/shards.py``), unless nodes
+        past the barrier already read another assignment (they saw other nodes): then a spare lane
+        beside their shards. A node that joins a run past round 0 reads a spare lane until its first
+        round (as at any join: :meth:`_spare_lane`)."""
         if self.start_peers <= 1:
             return StartAnswer()
         view = await_start_peers(
@@ -239,10 +242,16 @@ class SwarmSession:
             if adopt is None:  # (logged) the first round's lineage check sends us to re-sync
                 return StartAnswer()
             self._adopted(adopt)
-        shard = start_shards(records)[self.swarm.peer_id]
-        log.info("start barrier: %d node(s) on one lineage; reading data shard %d of %d from the first step",
-                 len(records), shard.shard_index, shard.num_shards)  # fmt: skip
-        return StartAnswer(adopt=adopt, shard=(shard.shard_index, shard.num_shards))
+        shard, lane = start_lane(records, self.swarm.peer_id)
+        if lane is None:
+            log.info("start barrier: %d node(s) on one lineage; reading data shard %d of %d from the first step",
+                     len(records), shard.shard_index, shard.num_shards)  # fmt: skip
+            self._say_lane((shard.shard_index, shard.num_shards), store_now=True)
+        else:
+            log.info("start barrier: the nodes past it read %d data shard(s) without us; reading spare lane %d "
+                     "beside them from the first step", shard.num_shards, lane)  # fmt: skip
+            self._say_lane((shard.num_shards + lane, shard.num_shards), store_now=True)
+        return StartAnswer(adopt=adopt, shard=(shard.shard_index, shard.num_shards), spare_lane=lane)
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         """Advertise and serve ``snapshot``, the loop's global state now, with the round's mean beside
@@ -456,6 +465,7 @@ class SwarmSession:
         self.catching_up = False
         if members and self.swarm.peer_id in members:
             shard = assign_shard(members, self.swarm.peer_id)
+            self._say_lane((shard.shard_index, shard.num_shards))  # in the record the loop serves next
             return shard.shard_index, shard.num_shards
         return None
 
@@ -574,9 +584,45 @@ class SwarmSession:
         num_streams = 1 + len(self.swarm.stream_addresses)
         return stream_bounds(self.identity.num_elements, num_streams)[1]
 
-    def after_adopt(self, state: AdoptedState) -> None:
-        """The loop loaded ``state``, the swarm's (a round's Adopt)."""
+    def after_adopt(self, state: AdoptedState) -> int | None:
+        """The loop loaded ``state``, the swarm's (a round's Adopt): the spare data lane to read until
+        our next round."""
         self._adopted(state)
+        return self._spare_lane(state)
+
+    def moved_spare_lane(self) -> int | None:
+        """At a step boundary, on a spare data lane: the one to move to if a node earlier in the member
+        order reads ours too (we chose at once: ``shards.spare_lane_to_move_to``), said at once;
+        else None. From the view in memory: nothing blocks."""
+        lane, held = self._data_lane, self._held
+        if lane is None or lane[0] < lane[1] or held is None:
+            return None
+        moved = spare_lane_to_move_to(
+            self.swarm.driver.view.peers, lineage=held[0], peer_id=self.swarm.peer_id, rank=self.identity.rank,
+            lane=lane,
+        )  # fmt: skip
+        if moved is None:
+            return None
+        log.info("another node reads our spare data lane %d too: moving to spare lane %d",
+                 lane[0] - lane[1], moved)  # fmt: skip
+        self._say_lane((lane[1] + moved, lane[1]), store_now=True)
+        return moved
+
+    def _say_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:
+        """Our records say we read ``lane`` (``PeerRecord.data_lane``): from the next publish, or now."""
+        self._data_lane = lane
+        self.swarm.set_data_lane(lane, store_now=store_now)
+
+    def _spare_lane(self, state: AdoptedState) -> int:
+        """We adopted ``state`` while its lineage's members are in their phase: the spare data lane
+        no live member of that lineage reads (``protocol/membership/shards.py``), said in the record
+        the loop serves next (the lineage's, from a fresh view: other joiners' lanes are in it)."""
+        view = self.swarm.view_or_last("choosing a spare data lane")
+        lane = spare_lane(view.peers, lineage=state.lineage, peer_id=self.swarm.peer_id)
+        count = int(state.metadata.get("data", {}).get("num_shards", 1))
+        self._say_lane((count + lane, count))
+        log.info("reading spare data lane %d beside the round's %d shard(s) until our next round", lane, count)  # fmt: skip
+        return lane
 
     def _adopted(self, state: AdoptedState) -> None:
         """The loop loads ``state``, the swarm's: fresh error-feedback residuals (ours are of other

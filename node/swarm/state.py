@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from node.data.batches import NODE_LANE_KEYS
 from node.outer.seam import AdoptedState, OuterStepper, Stepped
 from node.outer.state import tensor_hash
 from protocol.allreduce.allreduce import EncodedChunk
@@ -60,9 +61,9 @@ def state_snapshot(
         "model": model,
         "num_elements": tensors[GLOBAL_PARAMS].numel(),
         "corpus_sha256": corpus_sha256,
-        # The lineage's shared data position, without this node's shard: every member of a round
-        # serves byte-identical metadata, so a joiner can fetch from all of them at once.
-        "data": {k: v for k, v in data.items() if k != "shard_index"},
+        # The lineage's shared data position, without this node's shard or spare lane: every member
+        # of a round serves byte-identical metadata, so a joiner can fetch from all of them at once.
+        "data": {k: v for k, v in data.items() if k not in NODE_LANE_KEYS},
     }
     return Snapshot(
         round_id=round,

@@ -45,7 +45,7 @@ CLIENT_ADDRESS: Final = "client.invalid:1"
 (the ``.invalid`` top-level domain never resolves, RFC 6761: a peer that dialled it anyway fails at once)."""
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
-_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client", "rank", "identity"})
+_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client", "rank", "identity", "data_lane"})
 MAX_RANK: Final = 2**31 - 1
 MAX_IDENTITY_CHARS: Final = 128
 
@@ -96,6 +96,15 @@ def check_peer_id(value: object, name: str = "peer_id") -> str:
 def check_rank(value: object, name: str = "rank") -> int | None:
     """None (unranked) or an int in ``[0, MAX_RANK]``."""
     return None if value is None else check_int(name, value, maximum=MAX_RANK)
+
+
+def check_data_lane(value: object, name: str = "data_lane") -> tuple[int, int]:
+    """``(index, count)`` (a list from the wire) with ``count >= 1`` and ``index >= 0``."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"{name} must be [index, count], got {value!r}"[:200])
+    index = check_int(f"{name} index", value[0], maximum=MAX_RANK)
+    count = check_int(f"{name} count", value[1], minimum=1, maximum=MAX_RANK)
+    return index, count
 
 
 def member_order(rank: int | None, peer_id: str) -> tuple[bool, int, str]:
@@ -166,6 +175,12 @@ class PeerRecord:
     the view (``SwarmView.of_identity``). Empty: unknown (a peer that has not said yet). Optional in a
     stored record (absent = "")."""
 
+    data_lane: tuple[int, int] | None = None
+    """``(index, count)``: the data the peer reads in its inner phase under way. ``index < count``:
+    shard ``index`` of ``count``; ``index >= count``: spare lane ``index - count`` beside the round's
+    ``count`` shards (it began reading after its round began; ``shards.py``). None: it has not said.
+    Optional in a stored record (absent = None)."""
+
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
         check_address(self.grpc_address)
@@ -195,6 +210,8 @@ class PeerRecord:
         if not isinstance(self.client, bool):
             raise ValueError(f"client must be a bool, got {type(self.client).__name__}")
         check_rank(self.rank)
+        if self.data_lane is not None:
+            object.__setattr__(self, "data_lane", check_data_lane(self.data_lane))
         if self.identity != "":
             check_token("identity", self.identity, max_chars=MAX_IDENTITY_CHARS)
 

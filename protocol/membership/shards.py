@@ -11,8 +11,32 @@ Two moments assign shards:
 - *the start barrier* (``--start-peers N``): once N nodes of a fresh run (round 0, one lineage) are
   live, each orders the live records it sees (:func:`start_shards`) and reads its shard from the
   first inner step on. Nodes that see the same live set (the barrier waits for exactly the N it was
-  told of) get the same disjoint assignment;
+  told of) get the same disjoint assignment (:func:`start_lane`: unless a node past the barrier
+  already reads another one, below);
 - *every round*, with the round's group (below).
+
+A node that begins reading after its round began holds none of the round's shards: it reads a
+*spare lane* (``node/data/batches.py``: positions behind the round's, which no member reads in the
+round) until the next round assigns it a shard. Each node's record says what it reads
+(``PeerRecord.data_lane``: ``(index, count)``, a spare lane as ``index >= count``), so two nodes
+never pick one spare lane knowingly:
+
+- *a late joiner* (it adopted a running lineage's state mid-phase, at its join or after a missed
+  round) takes the lowest spare lane that no live record of that lineage holds
+  (:func:`spare_lane`);
+- *a starter beyond the barrier's set*: a node whose barrier view does not give the live records'
+  own start shards (they passed the barrier seeing another set of nodes, e.g. more than N nodes
+  started and it was not among the ones they saw) takes a spare lane beside their shards
+  (:func:`start_lane`): never a shard that another node reads, never another count of shards (the
+  data position advances by ``count * batch_size`` per step on every node of the lineage).
+
+Two nodes that choose at once (neither sees the other's record yet) may choose alike. Two late
+joiners of one round on one spare lane part as soon as they see each other's records: the later
+in the member order moves to a free spare lane of the same round (:func:`spare_lane_to_move_to`,
+checked at every step boundary), so they share at most the batches read until then. What is left:
+starters that pass the barrier at the same moment on different views may take different shard
+counts for round 1, and then stand at different positions (a reshard keeps each node's position;
+only an adoption copies the lineage's).
 
 Data-layer contract (``node/data/batches.py``, :class:`node.data.batches.ShardedBatches`)
 -------------------------------------------------------------------------
@@ -29,9 +53,9 @@ same global position with the same member list. The daemon therefore:
    that every member holds identically (``rounds.py``), then calls
    ``loader.reshard(a.shard_index, a.num_shards)`` before the next inner phase;
 2. lets a peer that (re)joins in the middle of an inner phase copy its sync source's loader
-   ``state_dict()`` (epoch, position *and* the source's shard) with the global params, so it
-   stays in lockstep; until the next boundary it reads the same windows as its source (a bounded
-   duplicate, never a gap in the others' shards), and at the boundary it gets its own shard;
+   ``state_dict()`` (epoch and position; the served state carries no shard) with the global params,
+   so it stays in lockstep; until the next boundary it reads a spare lane (above: no window a
+   member reads in the round), and at the boundary it gets its own shard;
 3. accepts that a member lost during an inner phase leaves its shard unread for that phase; the
    next boundary reassigns the data among the survivors.
 
@@ -71,6 +95,79 @@ def start_shards(records: Iterable[PeerRecord]) -> dict[str, ShardAssignment]:
     """The start barrier's shards: the live ``records`` (ourselves included) in the member order."""
     ordered = sorted(records, key=lambda record: member_order(record.rank, record.peer_id))
     return shard_assignments(record.peer_id for record in ordered)
+
+
+def start_lane(records: Iterable[PeerRecord], peer_id: str) -> tuple[ShardAssignment, int | None]:
+    """The start barrier's data for ``peer_id``, from the live round-0 ``records`` it passed on (ours
+    included): ``(shard, None)``, its shard of :func:`start_shards`, when every other record that
+    says what it reads (``data_lane``) reads its shard of that same assignment; else ``(ShardAssignment
+    (0, count), lane)``: spare lane ``lane`` beside the ``count`` shards that those nodes read (the
+    first of them in the member order says ``count``), the lowest spare lane none of them holds."""
+    records = list(records)
+    ours = start_shards(records)
+    said = sorted(
+        (record for record in records if record.peer_id != peer_id and record.data_lane is not None),
+        key=lambda record: member_order(record.rank, record.peer_id),
+    )
+    if all(record.data_lane == _lane(ours[record.peer_id]) for record in said):
+        return ours[peer_id], None
+    lane = said[0].data_lane
+    assert lane is not None
+    count = lane[1]
+    return ShardAssignment(0, count), _lowest_free_spare(said, count)
+
+
+def spare_lane(records: Iterable[PeerRecord], *, lineage: tuple[int, str], peer_id: str) -> int:
+    """The spare lane ``peer_id`` reads after adopting ``lineage``'s state (round, param_hash) mid-phase:
+    the lowest that no live record of that lineage holds (``data_lane``), ours left out."""
+    held = [
+        record
+        for record in records
+        if record.peer_id != peer_id and (record.round, record.param_hash) == tuple(lineage)
+    ]
+    return _lowest_free_spare(held, None)
+
+
+def spare_lane_to_move_to(
+    records: Iterable[PeerRecord],
+    *,
+    lineage: tuple[int, str],
+    peer_id: str,
+    rank: int | None,
+    lane: tuple[int, int],
+) -> int | None:
+    """We read spare lane ``lane`` (``(index, count)``, ``index >= count``) on ``lineage``: the spare
+    lane to move to if a live record of the lineage earlier in the member order holds it too (two
+    nodes chose at once, neither seeing the other's record), the lowest that none holds; else None.
+    The earlier node keeps it, so of any two that chose alike exactly one moves, once each sees the
+    other's record."""
+    ours = member_order(rank, peer_id)
+    held = [
+        record
+        for record in records
+        if record.peer_id != peer_id and (record.round, record.param_hash) == tuple(lineage)
+    ]
+    if not any(
+        record.data_lane == lane and member_order(record.rank, record.peer_id) < ours for record in held
+    ):
+        return None
+    return _lowest_free_spare(held, None)
+
+
+def _lowest_free_spare(records: Iterable[PeerRecord], count: int | None) -> int:
+    """The lowest spare lane no record holds (of ``count`` shards; None: of any count)."""
+    held = {
+        index - lane_count
+        for record in records
+        if record.data_lane is not None
+        for index, lane_count in (record.data_lane,)
+        if index >= lane_count and (count is None or lane_count == count)
+    }
+    return next(lane for lane in range(len(held) + 1) if lane not in held)
+
+
+def _lane(shard: ShardAssignment) -> tuple[int, int]:
+    return shard.shard_index, shard.num_shards
 
 
 def assign_shard(member_ids: Iterable[str], peer_id: str) -> ShardAssignment:

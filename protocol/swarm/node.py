@@ -97,6 +97,7 @@ class SwarmNode:
         self.streams: StreamRunner | None = None  # streams 1..S-1 of our rounds (attach_streams)
         self.stream_addresses: tuple[str, ...] = ()
         self.rank: int | None = None  # our place in the member order (set_identity)
+        self.data_lane: tuple[int, int] | None = None  # what we read now, our records say (set_data_lane)
         try:
             self.peer_id = self.dht.peer_id
             self.registry = SwarmRegistry(
@@ -161,6 +162,16 @@ class SwarmNode:
         view (a WARNING once per peer), so we never share a lineage, a round or a state with them."""
         self.rank = rank
         self.driver.identity = identity
+
+    def set_data_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:
+        """Say which data we read in our inner phase under way (``PeerRecord.data_lane``): our records
+        carry it from the next :meth:`publish` on, or (``store_now``) from now, in the record that names
+        the state we hold: others choose their spare lane or start shard by it. Never blocks on the
+        network."""
+        self.data_lane = lane
+        record = self.driver.record
+        if store_now and record is not None and record.status == "active":
+            self.driver.publish(dataclasses.replace(record, data_lane=lane))
 
     def multiaddrs(self) -> list[str]:
         """What others pass to ``dtnode join --peers`` (each ends in ``/p2p/<peer id>``)."""
@@ -486,6 +497,7 @@ class SwarmNode:
             client=self.config.client_mode,
             rank=self.rank,
             identity=self.driver.identity,
+            data_lane=self.data_lane,
         )
 
     def _run(self, coroutine: Coroutine[Any, Any, T], deadline: timedelta) -> T:

@@ -191,3 +191,80 @@ def test_eval_batches_on_a_short_stream() -> None:
     assert only[0].shape == (2, SEQ_LEN)
     with pytest.raises(ValueError, match="seq_len"):
         eval_batches(np.arange(SEQ_LEN, dtype=np.uint16), SEQ_LEN, 4, 5)
+
+
+def _by_hand(permutation: np.ndarray, positions: range | list[int]) -> list[int]:
+    return [int(permutation[p % NUM_WINDOWS]) for p in positions]
+
+
+@pytest.mark.timeout(30)
+def test_a_spare_lane_reads_the_positions_behind_its_round_in_lockstep() -> None:
+    """Spare lane j of a round starting at position P (phases of H steps, n shards of B) reads the
+    H*B positions P - (j+1)*H*B .. P - j*H*B - 1, B at a time, while its position advances by n*B."""
+    tokens = _counting_stream(NUM_WINDOWS)
+    num_shards, steps = 2, 2  # a round reads 2 * 2 * 3 = 12 positions, a spare lane 6
+    members = [_loader(tokens, shard_index=index, num_shards=num_shards) for index in range(num_shards)]
+    spares = [_loader(tokens, shard_index=0, num_shards=num_shards) for _ in range(2)]
+    for loader in (*members, *spares):
+        loader.skip(2)  # the round starts at position 12
+    for lane, spare in enumerate(spares):
+        spare.read_spare(lane, steps=steps)
+        assert spare.lane == (num_shards + lane, num_shards)
+    permutation = window_permutation(NUM_WINDOWS, seed=7, epoch=0)
+    read = {name: [] for name in ("member-0", "member-1", "spare-0", "spare-1")}
+    for _ in range(steps):
+        for index, member in enumerate(members):
+            read[f"member-{index}"] += _windows_of(member.next_batch()[0])
+        for lane, spare in enumerate(spares):
+            read[f"spare-{lane}"] += _windows_of(spare.next_batch()[0])
+    assert read["member-0"] + read["member-1"] == _by_hand(
+        permutation, [*range(12, 24, 2), *range(13, 24, 2)]
+    )
+    assert read["spare-0"] == _by_hand(permutation, range(6, 12))  # just behind the round
+    assert read["spare-1"] == _by_hand(permutation, range(0, 6))  # behind lane 0's
+    for first, second in itertools.combinations(read.values(), 2):
+        assert not set(first) & set(second)
+    assert {loader.position for loader in (*members, *spares)} == {24}  # in lockstep
+    # At the round's end every node reshards at the same position: the spare lane is over.
+    spares[0].reshard(2, 3)
+    assert spares[0].spare is None and spares[0].lane == (2, 3)
+    assert "spare_lane" not in spares[0].state_dict()
+
+
+@pytest.mark.timeout(30)
+def test_a_spare_lane_at_an_epochs_start_reads_its_last_positions_and_resumes() -> None:
+    tokens = _counting_stream(NUM_WINDOWS)
+    spare = _loader(tokens, shard_index=0, num_shards=2)
+    spare.read_spare(0, steps=3)  # a round from position 0 of epoch 0: lane 0 holds 9 positions
+    permutation = window_permutation(NUM_WINDOWS, seed=7, epoch=0)
+    first = _windows_of(spare.next_batch()[0])
+    assert first == _by_hand(permutation, range(NUM_WINDOWS - 9, NUM_WINDOWS - 6))
+    state = spare.state_dict()  # a checkpoint mid-lane: the lane comes along
+    assert {k: state[k] for k in ("spare_lane", "spare_steps", "spare_epoch", "spare_anchor", "spare_reads")} == {
+        "spare_lane": 0, "spare_steps": 3, "spare_epoch": 0, "spare_anchor": 0, "spare_reads": 1,
+    }  # fmt: skip
+    resumed = _loader(tokens)
+    resumed.load_state_dict(state)
+    rest = [_windows_of(loader.next_batch()[0]) for loader in (spare, resumed) for _ in range(3)]
+    assert rest[:3] == rest[3:]
+    # Steps 2 and 3 finish the lane; a fourth wraps within it (only this node reads it).
+    assert rest[:3] == [
+        _by_hand(permutation, range(NUM_WINDOWS - 6, NUM_WINDOWS - 3)),
+        _by_hand(permutation, range(NUM_WINDOWS - 3, NUM_WINDOWS)),
+        first,
+    ]
+    with pytest.raises(ValueError, match="lane >= 0"):
+        spare.read_spare(-1, steps=3)
+
+
+@pytest.mark.timeout(30)
+def test_moving_to_another_spare_lane_keeps_the_rounds_start_and_step() -> None:
+    tokens = _counting_stream(NUM_WINDOWS)
+    spare = _loader(tokens, shard_index=0, num_shards=2)
+    spare.skip(5)  # a round from position 30
+    spare.read_spare(0, steps=2)
+    permutation = window_permutation(NUM_WINDOWS, seed=7, epoch=0)
+    assert _windows_of(spare.next_batch()[0]) == _by_hand(permutation, range(24, 27))  # lane 0, step 1
+    spare.read_spare(1, steps=2)  # another node reads lane 0 too: move to lane 1 of the same round
+    assert _windows_of(spare.next_batch()[0]) == _by_hand(permutation, range(21, 24))  # lane 1, step 2
+    assert spare.lane == (3, 2) and spare.position == 30 + 2 * 2 * BATCH_SIZE

@@ -42,6 +42,8 @@ class ScriptedSwarm:
     """What ``after_step`` answers: the data shard of the round's group (None: it stays)."""
     start_answer: StartAnswer = field(default_factory=StartAnswer)
     """What the start barrier answers (``await_start_peers``)."""
+    spare_lane: int | None = None
+    """What ``after_adopt`` answers: the spare data lane to read until the next round (None: none)."""
     end_phase: bool = False
     peer_due: bool = False
     num_adoptions: int = 0
@@ -98,9 +100,13 @@ class ScriptedSwarm:
         self._enter("after_step")
         return self.shard
 
-    def after_adopt(self, state: AdoptedState) -> None:
+    def after_adopt(self, state: AdoptedState) -> int | None:
         self._enter("after_adopt")
         self.num_adoptions += 1
+        return self.spare_lane
+
+    def moved_spare_lane(self) -> int | None:
+        return None  # nobody else reads a lane here
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self._enter("publish")

@@ -38,8 +38,10 @@ from node.swarm.state import GLOBAL_PARAMS, round_mean_id, state_snapshot
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import get_codec
 from protocol.membership.lineage import Lineage, LineageDecision
+from protocol.membership.records import SwarmView
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
+from protocol.swarm.config import PROTOCOL_VERSION
 from protocol.swarm.result import GroupAveraged, LineageResync, RoundNotFormed
 from tests.node.outer.scripted_swarm import ScriptedSwarm
 
@@ -295,6 +297,7 @@ class FakeNode:
         self.published: list[tuple[int, str, int]] = []
         self.fetched: list[str] = []
         self.closely: list[bool] = []
+        self.lanes: list[tuple[int, int]] = []
 
     def run_round(self, vector: torch.Tensor, **kwargs: Any) -> Any:
         result = self.results.pop(0)
@@ -327,6 +330,12 @@ class FakeNode:
 
     def set_identity(self, identity: str, *, rank: int | None) -> None:
         self.identity = (identity, rank)  # what the session says it trains (SwarmNode.set_identity)
+
+    def set_data_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:
+        self.lanes.append(lane)  # what our records say we read (SwarmNode.set_data_lane)
+
+    def view_or_last(self, why: str) -> SwarmView:
+        return SwarmView.build([], now=0.0, protocol_version=PROTOCOL_VERSION)  # nobody else reads a lane
 
     def lineage(self, *, round: int, param_hash: str) -> LineageDecision:
         raise AssertionError("not reached in these scripts")
@@ -409,7 +418,7 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision(caplog: pytest
         "recv_all_gather": 8,
     }
     assert stats.seconds_allreduce == 0.5 and stats.codec_error is not None
-    assert session.after_step(stats.members) == (0, 2)
+    assert session.after_step(stats.members) == (0, 2) and node.lanes == [(0, 2)]  # in our next record
     # fell back inside the all-reduce, no group formed, the swarm's loop out of time: our own Δ.
     assert [type(d) for d in decisions[1:4]] == [FellBack, FellBack, FellBack]
     assert [o.stats.failures_by_kind for o in outcomes[1:4]] == [
@@ -435,7 +444,8 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision(caplog: pytest
     ]
     assert len(discarded) == 1 and "discards 3 round(s)" in discarded[0] and "round(s) 2-4" in discarded[0]
     residual = session.error_feedback
-    session.after_adopt(adopt.state)
+    # Adopted mid-phase: the lineage's members read the round's shards; we read spare lane 0 beside them.
+    assert session.after_adopt(adopt.state) == 0 and node.lanes[-1][0] >= node.lanes[-1][1]
     assert session.num_adoptions == 1 and session.error_feedback is not residual  # fresh residual
     assert session.catching_up and node.closely == [True]
 

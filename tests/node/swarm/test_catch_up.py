@@ -189,6 +189,9 @@ class SwarmOfOne:
     def advertise_rate(self, tokens_per_s: float) -> None:
         pass  # nobody reads a swarm of one's record
 
+    def set_data_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:
+        pass  # nobody reads a swarm of one's record
+
     def run_round(
         self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
     ) -> RoundResult:

@@ -218,6 +218,19 @@ def test_rank_and_identity_round_trip_and_are_optional() -> None:
             PeerRecord.from_dict({**plain, field: value})
 
 
+def test_the_data_lane_round_trips_as_a_list_and_is_optional() -> None:
+    record = replace(make_record("p", expires_at=9.0), data_lane=(3, 2))  # spare lane 1 beside 2 shards
+    data = record.to_dict()
+    assert data["data_lane"] == (3, 2)
+    wire = {**data, "data_lane": [3, 2]}  # msgpack and JSON give a list back
+    assert PeerRecord.from_dict(wire) == record and PeerRecord.from_dict(wire).data_lane == (3, 2)
+    plain = make_record("p", expires_at=9.0).to_dict()
+    assert "data_lane" not in plain and PeerRecord.from_dict(plain).data_lane is None
+    for value in ([0, 0], [-1, 2], [1], [1, 2, 3], "0,1", [True, 2], [0.5, 2]):
+        with pytest.raises(ValueError, match="data_lane"):
+            PeerRecord.from_dict({**plain, "data_lane": value})
+
+
 def test_a_view_of_one_identity_leaves_the_others_out() -> None:
     """Peers that train something else (another identity digest) are set apart, active or syncing;
     a peer that has not said (empty identity) is kept, and an empty identity of ours keeps everyone."""

@@ -7,7 +7,15 @@ import pytest
 
 from node.data.batches import ShardedBatches
 from protocol.membership.records import PeerRecord
-from protocol.membership.shards import ShardAssignment, assign_shard, shard_assignments, start_shards
+from protocol.membership.shards import (
+    ShardAssignment,
+    assign_shard,
+    shard_assignments,
+    spare_lane,
+    spare_lane_to_move_to,
+    start_lane,
+    start_shards,
+)
 
 SEQ_LEN = 4
 BATCH_SIZE = 2
@@ -25,11 +33,18 @@ def test_position_in_the_member_order() -> None:
     assert assign_shard(["solo"], "solo") == ShardAssignment(0, 1)
 
 
-def _record(peer_id: str, rank: int | None) -> PeerRecord:
+def _record(
+    peer_id: str,
+    rank: int | None,
+    *,
+    lane: tuple[int, int] | None = None,
+    round: int = 0,
+    param_hash: str = "0" * 64,
+) -> PeerRecord:
     return PeerRecord(
-        peer_id=peer_id, grpc_address="127.0.0.1:1", protocol_version=1, round=0, param_hash="0" * 64,
+        peer_id=peer_id, grpc_address="127.0.0.1:1", protocol_version=1, round=round, param_hash=param_hash,
         ready_for_round=None, tokens_per_s=0.0, bandwidth_bytes_per_s=1.0, status="active", expires_at=1.0,
-        rank=rank,
+        rank=rank, data_lane=lane,
     )  # fmt: skip
 
 
@@ -110,3 +125,84 @@ def test_membership_change_at_a_round_boundary_keeps_shards_disjoint() -> None:
     all3 = [w for ws in phase3.values() for w in ws]
     assert len(all3) == len(set(all3)) == 3 * inner_steps * BATCH_SIZE
     assert not set(all3) & (set(all1) | set(all2))
+
+
+def test_start_lane_takes_the_views_shard_unless_nodes_past_the_barrier_read_another() -> None:
+    # Nobody said yet, or everyone said what our view gives them: our shard of the view.
+    view = [_record("peer-a", None), _record("peer-b", None), _record("peer-c", None)]
+    assert start_lane(view, "peer-a") == (ShardAssignment(0, 3), None)
+    agreed = [
+        _record("peer-a", None),
+        _record("peer-b", None, lane=(1, 3)),
+        _record("peer-c", None, lane=(2, 3)),
+    ]
+    assert start_lane(agreed, "peer-a") == (ShardAssignment(0, 3), None)
+    # --start-peers 2: peer-b and peer-c passed the barrier seeing each other only and read shards 0
+    # and 1 of 2; peer-a, seeing all three, would take shard 0 of 3 (position 0, which peer-b reads,
+    # and a position that moves by 3 batches a step, theirs by 2): it reads spare lane 0 beside them.
+    past = [
+        _record("peer-a", None),
+        _record("peer-b", None, lane=(0, 2)),
+        _record("peer-c", None, lane=(1, 2)),
+    ]
+    assert start_lane(past, "peer-a") == (ShardAssignment(0, 2), 0)
+    # A fourth starter after that: the next spare lane.
+    later = [*past[1:], _record("peer-a", None, lane=(2, 2)), _record("peer-0", None)]
+    assert start_lane(later, "peer-0") == (ShardAssignment(0, 2), 1)
+    # One node past the barrier saw another set: whatever else we see, we take none of its count's shards.
+    partial = [_record("peer-a", None), _record("peer-b", None, lane=(1, 2)), _record("peer-c", None)]
+    assert start_lane(partial, "peer-c") == (ShardAssignment(0, 2), 0)
+
+
+def test_spare_lane_is_the_lowest_no_live_node_of_the_lineage_holds() -> None:
+    lineage = (4, "4" * 64)
+    members = [
+        _record("peer-a", None, lane=(0, 2), round=4, param_hash="4" * 64),
+        _record("peer-b", None, lane=(1, 2), round=4, param_hash="4" * 64),
+    ]
+    assert spare_lane(members, lineage=lineage, peer_id="peer-j") == 0
+    joiners = [
+        _record("peer-j0", None, lane=(2, 2), round=4, param_hash="4" * 64),  # spare lane 0
+        _record("peer-j2", None, lane=(4, 2), round=4, param_hash="4" * 64),  # spare lane 2
+        _record("peer-x", None, lane=(3, 2), round=3, param_hash="3" * 64),  # another lineage's lane 1
+        _record("peer-j", None, lane=(3, 2), round=4, param_hash="4" * 64),  # our own, stale record
+    ]
+    assert spare_lane([*members, *joiners], lineage=lineage, peer_id="peer-j") == 1
+
+
+def test_of_two_nodes_on_one_spare_lane_the_later_in_the_member_order_moves() -> None:
+    lineage, hash_4 = (4, "4" * 64), "4" * 64
+    view = [
+        _record("peer-a", None, lane=(0, 2), round=4, param_hash=hash_4),
+        _record("peer-b", None, lane=(1, 2), round=4, param_hash=hash_4),
+        _record("peer-j", None, lane=(2, 2), round=4, param_hash=hash_4),  # spare lane 0
+        _record("peer-k", None, lane=(3, 2), round=4, param_hash=hash_4),  # spare lane 1
+    ]
+    # peer-x took spare lane 0 too and orders after peer-j: it moves to the lowest free, lane 2.
+    assert spare_lane_to_move_to(view, lineage=lineage, peer_id="peer-x", rank=None, lane=(2, 2)) == 2
+    # peer-j orders before peer-x: it keeps its lane (peer-x's record in its view changes nothing).
+    with_x = [*view, _record("peer-x", None, lane=(2, 2), round=4, param_hash=hash_4)]
+    assert spare_lane_to_move_to(with_x, lineage=lineage, peer_id="peer-j", rank=None, lane=(2, 2)) is None
+    # A ranked node orders before every unranked one; a lane of another lineage is no conflict.
+    assert spare_lane_to_move_to(view, lineage=lineage, peer_id="peer-z", rank=0, lane=(2, 2)) is None
+    other = [_record("peer-j", None, lane=(2, 2), round=3, param_hash="3" * 64)]
+    assert spare_lane_to_move_to(other, lineage=lineage, peer_id="peer-x", rank=None, lane=(2, 2)) is None
+
+
+def test_spare_lanes_and_shards_read_disjoint_windows_of_a_round() -> None:
+    """The contract with the data layer: shards 0..n-1 and spare lanes 0.. of one round, in lockstep."""
+    tokens = np.arange(200 * SEQ_LEN + 1, dtype=np.uint16)
+    loaders = []
+    for index in range(5):  # 2 shards and spare lanes 0, 1, 2
+        loader = ShardedBatches(tokens, seq_len=SEQ_LEN, batch_size=BATCH_SIZE, seed=3, num_shards=2)
+        loader.skip(7)  # a round starting at position 28
+        if index < 2:
+            loader.reshard(index, 2)
+        else:
+            loader.read_spare(index - 2, steps=5)
+        loaders.append(loader)
+    windows = [
+        [int(w) for _ in range(5) for w in loader.next_batch()[0][:, 0] // SEQ_LEN] for loader in loaders
+    ]
+    assert sum(len(w) for w in windows) == len(set().union(*map(set, windows))) == 5 * 5 * BATCH_SIZE
+    assert len({loader.position for loader in loaders}) == 1
