@@ -94,6 +94,8 @@ def api_config(config: NodeConfig | None = None, **options: Any) -> NodeConfig:
     resolved = replace(config or NodeConfig(), **options)
     if resolved.outer.overlap:
         raise ConfigError("overlap=True is not supported by the Python API (use dtnode join --overlap)")
+    if resolved.outer.fragments > 1:
+        raise ConfigError("fragments > 1 is not supported by the Python API (use dtnode join --fragments)")
     if resolved.rounds.streams > 1:
         raise ConfigError("swarm_streams > 1 needs the daemon's local ranks; the Python API runs one stream")
     return resolved

@@ -288,6 +288,29 @@ class OuterConfig:
             "is applied one round late (Streaming DiLoCo)."
         ),
     )
+    fragments: int = field(
+        default=1,
+        metadata=_help(
+            "F: synchronise the model a fragment at a time (Streaming DiLoCo): the parameters in F "
+            "fragments (blocks strided), each with its own round every --inner-steps at offset f*H/F, its "
+            "own all-reduce and outer momentum; a round is then one fragment's (F rounds per H steps). "
+            "1 = the whole model at once."
+        ),
+    )
+    fragment_mix: float = field(
+        default=0.0,
+        metadata=_help(
+            "With --fragments: alpha, the share of a fragment's local params kept when its round lands "
+            "(local <- alpha*local + (1-alpha)*global; 0 = restart the fragment from the global params)."
+        ),
+    )
+    overlap_steps: int = field(
+        default=0,
+        metadata=_help(
+            "With --fragments: tau, inner steps a fragment's round overlaps before it lands (0 = "
+            "synchronous; at most --inner-steps / --fragments)."
+        ),
+    )
     offload: bool = field(
         default=False,
         metadata=_help("Keep the outer state (global params, momentum) on CPU instead of the device."),
@@ -305,6 +328,16 @@ class OuterConfig:
         _check_positive(self, "lr")
         _check_fraction(self, "momentum", "[0, 1)")
         _check_choices(self, "sharding")
+        _check_at_least(self, 1, "fragments")
+        _check_at_least(self, 0, "overlap_steps")
+        _check_fraction(self, "fragment_mix", "[0, 1)")
+        if self.fragments > 1 and self.overlap:
+            raise ConfigError(
+                "overlap overlaps whole-model rounds; with fragments > 1 overlap a fragment's round by "
+                "overlap_steps instead"
+            )
+        if self.fragments == 1 and (self.overlap_steps or self.fragment_mix):
+            raise ConfigError("overlap_steps and fragment_mix apply to fragments > 1 (fragments is 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -695,7 +728,15 @@ class NodeConfig:
             return self.inner.total_steps
         if self.run.max_steps:
             return self.run.max_steps
-        return self.run.max_rounds * self.inner.steps
+        return self.rounds_end_step
+
+    @property
+    def rounds_end_step(self) -> int:
+        """The inner step after which round ``max_rounds`` is due (0: no limit): R x H, or with F
+        fragments, whose rounds come F per H steps, ⌊R/F⌋·H + ⌊(R mod F)·H/F⌋
+        (``node.outer.fragments.FragmentSchedule.round_step``)."""
+        rounds, steps, fragments = self.run.max_rounds, self.inner.steps, self.outer.fragments
+        return rounds // fragments * steps + rounds % fragments * steps // fragments
 
     def describe(self) -> str:
         """Every setting on one line, ``section.field=value`` (the resolved config ``join`` logs); a
@@ -761,6 +802,9 @@ FLAT_NAMES: Mapping[str, str] = {
     "outer_momentum": "outer.momentum",
     "outer_nesterov": "outer.nesterov",
     "overlap": "outer.overlap",
+    "fragments": "outer.fragments",
+    "fragment_mix": "outer.fragment_mix",
+    "overlap_steps": "outer.overlap_steps",
     "outer_offload": "outer.offload",
     "outer_sharding": "outer.sharding",
     "local_workers": "parallel.local_workers",

@@ -47,6 +47,9 @@ Contract (read by ``dtnode report``, benchmarks and tests):
     the wire codec lost of this round's contribution and of the parts it broadcast) relative to the
     pseudo-gradient; 0 with the lossless codec ``none``, null when nothing was encoded (a swarm of
     one, a failed or missed round).
+  - ``fragment``: with ``--fragments``, the fragment the round synchronised (round r: r mod F), and
+    ``fragment_hash`` the SHA-256 of that fragment's global params after it (null after an adoption);
+    ``param_hash`` stays the whole model's. Both null without fragments.
   - ``failures_by_kind``: ``{kind: count}`` of what went wrong in the round (``node/swarm/session.py``):
     ``peer`` (one per peer lost, contribution left out, part moved or refused in the round's
     all-reduce), ``fell_back`` (the all-reduce could not finish: own Δ), ``round_failed`` (no group
@@ -220,6 +223,8 @@ def round_record(
         "blocked_share": (blocked / wall) if compute_seconds > 0 and wall > 0 else None,
         "overlap": overlap,
         "param_hash": applied.param_hash,
+        "fragment": applied.fragment,
+        "fragment_hash": applied.fragment_hash or None,
         "pseudo_gradient_norm": applied.pseudo_gradient_norm,
         "tokens": progress.tokens,
         "fell_back": applied.kind == "fell_back",

@@ -52,9 +52,9 @@ they agree (``seq_len``, ``rope_theta`` … change no parameter, so a run may re
 
 
 def run_length_steps(config: NodeConfig) -> int:
-    """Inner steps the run ends at (``--max-steps``, ``--max-rounds`` x ``--inner-steps``, the
-    smaller of the two when both are set); 0 when the run has no end."""
-    limits = [limit for limit in (config.run.max_steps, config.run.max_rounds * config.inner.steps) if limit]
+    """Inner steps the run ends at (``--max-steps``, ``--max-rounds`` x ``--inner-steps`` or its
+    fragments' step, the smaller of the two when both are set); 0 when the run has no end."""
+    limits = [limit for limit in (config.run.max_steps, config.rounds_end_step) if limit]
     return min(limits) if limits else 0
 
 
@@ -76,6 +76,7 @@ def check_before_sockets(config: NodeConfig) -> tuple[Tokenizer, Corpus]:
     # Imported here: the layout pulls in torch, the swarm side hivemind (slow; --help stays instant).
     from node.data.node_corpus import load_node_corpus, node_tokenizer
     from node.model.gpt import model_config
+    from node.outer.fragments import fragment_schedule
     from node.parallel.layout import resolve_layout
     from node.train.checkpoint import checkpoint_meta, latest_checkpoint
     from node.train.trainer import pick_device
@@ -89,6 +90,7 @@ def check_before_sockets(config: NodeConfig) -> tuple[Tokenizer, Corpus]:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     resolve_layout(config, model)  # raises ConfigError naming the flags
+    fragment_schedule(config)  # --fragments with the settings it cannot run with
     if config.network.enabled:
         check_swarm_settings(config)
     check_listen_addresses(config)

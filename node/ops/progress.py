@@ -9,7 +9,9 @@ to ``metrics.jsonl``:
       round 3 | step 120 (20/50) | loss 2.3456 | lr 1.00e-03 | 12,345 tok/s
       round 3 done | eval_loss 2.4000 | peers 2 | compute 40.0s comm 1.20s (blocked 1.20s) | sent 1.52 MB recv 1.49 MB at density 1.51% | all-reduce 3% of the round | param_hash 0a1b2c3d4e5f
 
-  (the bytes, density and all-reduce parts only for a round whose all-reduce ran)
+  (the bytes, density and all-reduce parts only for a round whose all-reduce ran; with
+  ``--fragments`` the line names the round's fragment and that fragment's hash before the whole
+  model's: ``| fragment 2 3f9a0c1d2e4b | param_hash …``)
 
 - :class:`LiveProgress` (``--log-format text`` on a terminal): a rich display redrawn in place::
 
@@ -61,6 +63,7 @@ class PlainProgress:
             )  # fmt: skip
         elif record["kind"] == "round":
             wire = "".join(f" | {part}" for part in wire_text(record, received=True))
+            wire += fragment_text(record)
             log.info(
                 "round %d done | eval_loss %s | peers %d | compute %.1fs comm %.2fs (blocked %.2fs)%s | param_hash %s",
                 record["round"], eval_text(record), record["peers"], record["seconds_compute"],
@@ -69,6 +72,14 @@ class PlainProgress:
 
     def close(self) -> None:
         """Nothing to release: every line was logged as its record came."""
+
+
+def fragment_text(record: dict[str, Any]) -> str:
+    """`` | fragment f <its hash>`` for a fragment's round (``--fragments``), else nothing."""
+    fragment = record.get("fragment")
+    if fragment is None:
+        return ""
+    return f" | fragment {fragment} {(record.get('fragment_hash') or '-')[:12]}"
 
 
 def eval_text(record: dict[str, Any]) -> str:
@@ -80,6 +91,7 @@ def eval_text(record: dict[str, Any]) -> str:
 def round_status(record: dict[str, Any]) -> str:
     """The live display's summary of a round record."""
     parts = [
+        *([f"fragment {record['fragment']}"] if record.get("fragment") is not None else []),
         f"eval_loss {eval_text(record)}",
         f"peers {record['peers']}",
         f"comm {record['seconds_comm']:.2f}s",

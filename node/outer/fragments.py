@@ -25,20 +25,24 @@ Which parameters form a fragment (:func:`fragment_plan`), so each fragment spans
 - a model with no integer component in any name is treated as one block per parameter;
 - F may not exceed the number of blocks (a fragment would be empty).
 
-This module knows nothing of the swarm: whoever averages Δ_f (the swarm's all-reduce, or the
-convergence benchmark's simulated one) calls :meth:`FragmentedDiLoCo.pseudo_gradient` and
-:meth:`FragmentedDiLoCo.land`.
+The state (:class:`FragmentedOuterState`) is an ``OuterState`` whose whole-model view is the
+fragments' vectors in canonical order: a checkpoint, a served snapshot and the param_hash read as an
+unfragmented node's. This module knows nothing of the swarm: the daemon's ``OuterRound`` drives the
+state through the swarm's rounds on a :class:`FragmentSchedule` (``node/outer/round.py``), the
+convergence benchmark drives :class:`FragmentedDiLoCo` with a simulated all-reduce.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from node.config import ConfigError, NodeConfig
 from node.outer.diloco import DiLoCo, ModuleParams
+from node.outer.state import FlatOuterState, outer_sgd_settings, tensor_hash
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,214 @@ def due_fragments(step: int, *, inner_steps: int, num_fragments: int) -> list[in
     ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class FragmentSchedule:
+    """When the daemon's fragment rounds come, as one sequence of swarm rounds.
+
+    With H ≥ F the offsets ``o_f`` are distinct, so at most one fragment is due after any step and
+    the fragments' rounds form one sequence: round r (1-based, counted over the run) is fragment
+    ``r mod F``'s, after inner step ``s_r = ⌊r/F⌋·H + o_{r mod F}`` (fragment 1 first, at ⌊H/F⌋; fragment
+    0 at H). A round overlaps the next τ = ``overlap_steps`` inner steps and lands (its mean applied,
+    the fragment mixed) after step ``s_r + τ``; τ ≤ ⌊H/F⌋, the shortest gap between two rounds, so a
+    round lands before (or as) the next one goes: at most one round is in flight, and every node
+    applies the rounds in the same order (ARCHITECTURE.md, "Streamed fragments")."""
+
+    inner_steps: int  # H
+    num_fragments: int  # F
+    overlap_steps: int = 0  # τ
+
+    def __post_init__(self) -> None:
+        if self.num_fragments < 1:
+            raise ValueError(f"the number of fragments must be >= 1, got {self.num_fragments}")
+        if self.inner_steps < self.num_fragments:
+            raise ValueError(
+                f"{self.num_fragments} fragments need at least as many inner steps per round (H = {self.inner_steps}): "
+                "each fragment's round comes at its own step"
+            )
+        gap = self.inner_steps // self.num_fragments
+        if not 0 <= self.overlap_steps <= gap:
+            raise ValueError(
+                f"the overlap must be in [0, H/F] = [0, {gap}] steps (a round lands before the next fragment's), "
+                f"got {self.overlap_steps}"
+            )
+
+    def offset(self, fragment: int) -> int:
+        return fragment_offset(fragment, inner_steps=self.inner_steps, num_fragments=self.num_fragments)
+
+    def fragment_of_round(self, round_index: int) -> int:
+        """The fragment round ``round_index`` (1-based) synchronises."""
+        return round_index % self.num_fragments
+
+    def round_step(self, round_index: int) -> int:
+        """``s_r``: the inner step after which round ``round_index`` (1-based) is due."""
+        cycles, fragment = divmod(round_index, self.num_fragments)
+        return cycles * self.inner_steps + self.offset(fragment)
+
+    def is_due(self, step: int) -> bool:
+        return bool(due_fragments(step, inner_steps=self.inner_steps, num_fragments=self.num_fragments))
+
+    def previous_round_step(self, step: int) -> int:
+        """The last step ≤ ``step`` after which a round is due (0: none yet)."""
+        while step > 0 and not self.is_due(step):
+            step -= 1
+        return step
+
+    def next_round_step(self, step: int) -> int:
+        """The first step > ``step`` after which a round is due."""
+        step += 1
+        while not self.is_due(step):
+            step += 1
+        return step
+
+
+def fragment_schedule(config: NodeConfig) -> FragmentSchedule | None:
+    """The daemon's fragment schedule (None: whole-model rounds, ``--fragments 1``); ConfigError, naming
+    the flags, for settings fragments cannot run with."""
+    outer = config.outer
+    if outer.fragments == 1:
+        return None
+    if config.rounds.seconds:
+        raise ConfigError("--fragments runs each fragment's round at its own step: drop --round-seconds")
+    if config.rounds.streams > 1:
+        raise ConfigError("--fragments sends each fragment on one stream: drop --swarm-streams")
+    try:
+        return FragmentSchedule(
+            inner_steps=config.inner.steps, num_fragments=outer.fragments, overlap_steps=outer.overlap_steps
+        )
+    except ValueError as error:
+        raise ConfigError(f"--fragments {outer.fragments}, --inner-steps {config.inner.steps}, "
+                          f"--overlap-steps {outer.overlap_steps}: {error}") from None  # fmt: skip
+
+
+class FragmentedOuterState:
+    """DiLoCo's outer state (``node.outer.state.OuterState``) as F fragments, each its own flat state:
+    its θ_global,f, its outer momentum and its SGD step, over its own parameters of the model.
+
+    The whole model's view (``params``, ``momentum``, ``hash``, ``load``) is the fragments' vectors put
+    back in the canonical parameter order, so a whole state (a checkpoint, a served snapshot, the
+    param_hash) reads exactly as an unfragmented node's: the same SHA-256 over the same flat vector.
+    With F > 1 every fragment's momentum starts at zero instead of absent (one SGD step from a zero
+    buffer is the step from none), so a whole momentum vector always says every fragment's, and a
+    state loaded from it steps on bit for bit."""
+
+    def __init__(
+        self, params: list[nn.Parameter], plan: FragmentPlan, *, device: torch.device, **settings: Any
+    ) -> None:
+        if len(params) != len(plan.names):
+            raise ValueError(f"the plan covers {len(plan.names)} parameters, the model has {len(params)}")
+        self.plan = plan
+        self.device = device
+        self.parts = [
+            FlatOuterState(ModuleParams([params[i] for i in members]), device=device, **settings)
+            for members in plan.fragments
+        ]
+        # Per parameter in canonical order: (fragment, its start in the fragment, its start in the
+        # whole vector, its numbers).
+        fragment_of = {i: f for f, members in enumerate(plan.fragments) for i in members}
+        starts_in_fragment = [0] * len(self.parts)
+        self._layout: list[tuple[int, int, int, int]] = []
+        whole = 0
+        for index, param in enumerate(params):
+            fragment, size = fragment_of[index], param.numel()
+            self._layout.append((fragment, starts_in_fragment[fragment], whole, size))
+            starts_in_fragment[fragment] += size
+            whole += size
+        self.num_elements = whole
+        if len(self.parts) > 1 and settings.get("momentum", 0) > 0:
+            for part in self.parts:
+                part.optimizer.state[part.global_params]["momentum_buffer"] = torch.zeros_like(
+                    part.global_params
+                )
+        self._hash: tuple[tuple[int, ...], str] | None = None
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.parts)
+
+    def fragment(self, fragment: int) -> FlatOuterState:
+        """Fragment ``fragment``'s own outer state (its Δ, its step, its hash)."""
+        return self.parts[fragment]
+
+    def fragment_sizes(self) -> tuple[int, ...]:
+        return tuple(part.num_elements for part in self.parts)
+
+    @torch.no_grad()
+    def mix(self, fragment: int, mix: float) -> None:
+        """After fragment ``fragment``'s round landed: θ_local,f ← α·θ_local,f + (1 − α)·θ_global,f
+        (α = ``mix``; 0: θ_local,f ← θ_global,f exactly)."""
+        if not 0.0 <= mix < 1.0:
+            raise ValueError(f"mix must be in [0, 1), got {mix}")
+        part = self.parts[fragment]
+        if mix == 0.0:
+            part.write_to_model()
+        else:
+            local = part.local.read_params(self.device)
+            part.local.write_params(torch.lerp(part.global_params, local, mix))
+
+    # --- the whole model's view (OuterState) ---
+
+    def _whole(self, pieces: list[Tensor]) -> Tensor:
+        return torch.cat([pieces[f][a : a + n] for f, a, _, n in self._layout])
+
+    def _pieces(self, whole: Tensor) -> list[Tensor]:
+        if whole.shape != (self.num_elements,):
+            raise ValueError(f"got {whole.numel()} numbers, the fragments hold {self.num_elements}")
+        by_fragment: list[list[Tensor]] = [[] for _ in self.parts]
+        for fragment, _, start, size in self._layout:
+            by_fragment[fragment].append(whole[start : start + size])
+        return [torch.cat(pieces) for pieces in by_fragment]
+
+    def params(self) -> Tensor:
+        """θ_global of the whole model (a copy put together from the fragments)."""
+        return self._whole([part.global_params for part in self.parts])
+
+    def momentum(self) -> Tensor | None:
+        momenta = [part.momentum() for part in self.parts]
+        if all(m is None for m in momenta):
+            return None
+        return self._whole(
+            [
+                m if m is not None else torch.zeros_like(p.global_params)
+                for m, p in zip(momenta, self.parts, strict=True)
+            ]
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return self.parts[0].settings()
+
+    def delta(self) -> Tensor:
+        return self._whole([part.delta() for part in self.parts])
+
+    def step(self, averaged: Tensor) -> None:
+        """Every fragment's outer step at once (a whole-model mean)."""
+        for part, piece in zip(self.parts, self._pieces(averaged), strict=True):
+            part.step(piece)
+
+    def write_to_model(self) -> None:
+        for part in self.parts:
+            part.write_to_model()
+
+    def load(self, params: Tensor, momentum: Tensor | None) -> None:
+        momenta = self._pieces(momentum) if momentum is not None else [None] * len(self.parts)
+        for part, piece, buffer in zip(self.parts, self._pieces(params), momenta, strict=True):
+            part.load(piece, buffer)
+
+    def set_settings(self, settings: dict[str, Any]) -> None:
+        for part in self.parts:
+            part.set_settings(settings)
+
+    def hash(self) -> str:
+        """``tensor_hash`` of the whole θ_global (as an unfragmented node's), once per version."""
+        versions = tuple(part.global_params._version for part in self.parts)
+        if self._hash is None or self._hash[0] != versions:
+            self._hash = (versions, tensor_hash(self.params()))
+        return self._hash[1]
+
+
 class FragmentedDiLoCo:
-    """One DiLoCo per fragment over the same model (see the module docstring)."""
+    """One DiLoCo per fragment over the same model (see the module docstring): a DiLoCo whose outer
+    state is a :class:`FragmentedOuterState`, and the per-fragment steps the convergence benchmark
+    drives (the daemon's ``OuterRound`` drives the same state through the swarm)."""
 
     def __init__(
         self,
@@ -126,31 +336,22 @@ class FragmentedDiLoCo:
         nesterov: bool = True,
     ) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
-        if len(params) != len(plan.names):
-            raise ValueError(f"the plan covers {len(plan.names)} parameters, the model has {len(params)}")
         self.plan = plan
-        self.params = params
-        self.fragments = [
-            DiLoCo(
-                model,
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
-                nesterov=nesterov,
-                local=ModuleParams([params[i] for i in members]),
-            )
-            for members in plan.fragments
-        ]
+        self.outer = FragmentedOuterState(
+            params, plan, device=params[0].device, **outer_sgd_settings(outer_lr, outer_momentum, nesterov)
+        )
+        self.diloco = DiLoCo(model, outer=self.outer)
 
     @property
     def num_fragments(self) -> int:
-        return len(self.fragments)
+        return self.outer.num_fragments
 
     def num_elements(self, fragment: int) -> int:
-        return self.fragments[fragment].num_elements
+        return self.outer.fragment(fragment).num_elements
 
     def pseudo_gradient(self, fragment: int) -> torch.Tensor:
         """Δ_f = θ_global,f − θ_local,f (flat fp32, the fragment's parameters in canonical order)."""
-        return self.fragments[fragment].pseudo_gradient()
+        return self.outer.fragment(fragment).delta()
 
     @torch.no_grad()
     def land(self, fragment: int, mean: torch.Tensor, *, mix: float) -> float:
@@ -159,34 +360,23 @@ class FragmentedDiLoCo:
         Returns ‖Δ̄_f‖."""
         if not 0.0 <= mix < 1.0:
             raise ValueError(f"mix must be in [0, 1), got {mix}")
-        diloco = self.fragments[fragment]
-        norm = diloco.apply_mean(mean)
-        if mix == 0.0:
-            diloco.load_global_into_model()  # θ_local ← θ_global exactly (plain DiLoCo)
-        else:
-            local = diloco.local.read_params(diloco.outer_device)
-            diloco.local.write_params(torch.lerp(diloco.global_params, local, mix))
-        return norm
+        part = self.outer.fragment(fragment)
+        averaged = mean.to(self.outer.device, torch.float32)
+        if averaged.shape != (part.num_elements,):
+            raise RuntimeError(f"the mean has shape {tuple(averaged.shape)}, expected ({part.num_elements},)")
+        with self.diloco.consistent():
+            part.step(averaged)
+        self.outer.mix(fragment, mix)
+        return float(averaged.norm())
 
     def global_params(self) -> torch.Tensor:
         """θ_global of the whole model, flat fp32 in canonical order (the fragments' put back in place)."""
-        sizes = [p.numel() for p in self.params]
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + size)
-        flat = torch.empty(starts[-1], dtype=torch.float32)
-        for members, diloco in zip(self.plan.fragments, self.fragments, strict=True):
-            fragment = diloco.global_params.to("cpu")
-            offset = 0
-            for i in members:
-                flat[starts[i] : starts[i + 1]] = fragment[offset : offset + sizes[i]]
-                offset += sizes[i]
-        return flat
+        return self.outer.params().to("cpu")
+
+    def fragment_hash(self, fragment: int) -> str:
+        """SHA-256 of fragment ``fragment``'s global params."""
+        return self.outer.fragment(fragment).hash()
 
     def param_hash(self) -> str:
-        """SHA-256 over the fragments' hashes in order: equal on two nodes iff every fragment's global
-        params are."""
-        digest = hashlib.sha256()
-        for diloco in self.fragments:
-            digest.update(bytes.fromhex(diloco.param_hash()))
-        return digest.hexdigest()
+        """SHA-256 of the whole model's global params, as an unfragmented DiLoCo's."""
+        return self.diloco.param_hash()

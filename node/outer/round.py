@@ -20,6 +20,11 @@ Both loops, the daemon's (``node/train/trainer.py``) and the Python API's (``nod
       │                       the model trains on from θ_global − Δ_k meanwhile
       └─ else (overlap): the round in flight landed: serve its state now, not a phase later
 
+With ``--fragments F`` (``_fragment_boundary``) each round synchronises one fragment, on the
+schedule of ``node/outer/fragments.py``: Δ_f of the fragment due goes to the swarm as its own round,
+lands τ steps later (the same ``_act_on``), and the fragment's local params are mixed with its new
+global ones; ARCHITECTURE.md, "Streamed fragments", is the swarm's contract.
+
 The swarm never calls back into here: every call into :class:`~node.outer.seam.SwarmSide` passes
 what it needs (``node/outer/seam.py``), and the round in flight is a future polled at step
 boundaries. Counters are global over the run: ``step`` = inner steps done, ``round`` = outer rounds
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from node.outer.fragments import FragmentedOuterState, FragmentSchedule
 from node.outer.host_copy import HostCopies
 from node.outer.seam import (
     MAX_DUE_WAIT,
@@ -107,6 +113,8 @@ class RoundSettings:
     corpus_sha256: str  # the data identity a joiner is checked against
     rank: int | None = None  # this node's place in the swarm's member order, fixed by its run
     architecture: str = ""  # the model's shapes as text (its config, or the module's parameters): identity
+    fragments: FragmentSchedule | None = None  # --fragments F > 1: one fragment per round, on this schedule
+    fragment_mix: float = 0.0  # α: the share of a landed fragment's local params kept
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +131,8 @@ class RoundApplied:
     compute_seconds: float  # inner compute of the phases no earlier record counted
     weight: float  # tokens (or samples) this node contributed
     model_is_global: bool  # the model holds θ_global now (a synchronous round, or an adoption)
+    fragment: int | None = None  # the fragment this round synchronised (--fragments; None: the whole model)
+    fragment_hash: str = ""  # SHA-256 of that fragment's global params after the round ("" after Adopt)
 
     @property
     def kind(self) -> RoundKind:
@@ -198,6 +208,16 @@ class OuterRound:
         self.on_applied = on_applied
         self.open_streams = open_streams
         self.progress = RoundProgress()
+        # --fragments: the outer state is the fragments' (node/outer/fragments.py), one per round.
+        self.fragments: FragmentedOuterState | None = None
+        if settings.fragments is not None:
+            outer = diloco.outer
+            if (
+                not isinstance(outer, FragmentedOuterState)
+                or outer.num_fragments != settings.fragments.num_fragments
+            ):
+                raise ValueError("a fragment schedule needs DiLoCo's outer state in as many fragments")
+            self.fragments = outer
         self.host = HostCopies(diloco)  # the one host copy of θ_global per version (node/outer/host_copy.py)
         # The phase under way: its monotonic start (None: the first of this process), its first step,
         # and since when it runs past its end because a node is fetching our state.
@@ -208,22 +228,42 @@ class OuterRound:
         self._rate_advertised = 0.0  # when the phase's throughput last went to the swarm side
         # Overlap: the round in flight on the averaging thread, and the (step, data position) at the
         # end of its phase (what its served state carries).
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="outer-averaging") if settings.overlap else None
+        overlapped = settings.overlap or (
+            settings.fragments is not None and settings.fragments.overlap_steps > 0
         )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="outer-averaging") if overlapped else None
         self._in_flight: Future[_Landed] | None = None
         self._submitted_boundary: Boundary | None = None
+        # Fragments: the step after which the round in flight lands, and a landed round's mix that is
+        # still due (fragment, step): the run ended with it in flight (finish), so its checkpoint
+        # holds the mix to do, as an uninterrupted run does it.
+        self._land_step: int | None = None
+        self._pending_mix: tuple[int, int] | None = None
         self._unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
         self._served: tuple[int, str] | None = None  # the lineage this node serves now
         self._last_rate = 0.0  # tokens (or samples) per second of the last phase that ended
 
     # --- lifecycle ---
 
-    def restore(self, progress: RoundProgress, *, phase_start_step: int | None = None) -> None:
+    def restore(
+        self,
+        progress: RoundProgress,
+        *,
+        phase_start_step: int | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
         """Continue from a checkpoint's counters (before :meth:`start`); ``phase_start_step``: the first
-        step of the phase under way, if the checkpoint kept it (else the last multiple of H)."""
+        step of the phase under way, if the checkpoint kept it (else the last round's step);
+        ``state``: :meth:`state_dict` as the checkpoint kept it."""
         self.progress = progress
         self._phase_start_step = phase_start_step
+        pending = (state or {}).get("pending_mix")
+        self._pending_mix = (int(pending[0]), int(pending[1])) if pending is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the round carries past a checkpoint besides the counters: a landed fragment's mix
+        still due (``{"pending_mix": [fragment, step]}``); empty otherwise (always without fragments)."""
+        return {"pending_mix": list(self._pending_mix)} if self._pending_mix is not None else {}
 
     def start(self, swarm_state: dict[str, torch.Tensor] | None = None) -> None:
         """Join the swarm: adopt its state if ours is not its own (the one adoption path), serve the
@@ -234,6 +274,10 @@ class OuterRound:
         swarm = self.swarm
         if swarm is None:
             return
+        fragments = self.fragments
+        architecture = self.settings.architecture
+        if fragments is not None:  # nodes of other F average other vectors: another run
+            architecture += f" fragments={fragments.num_fragments}"
         answer = swarm.join(
             JoinRequest(
                 num_elements=self.diloco.num_elements,
@@ -244,11 +288,12 @@ class OuterRound:
                 open_streams=self.open_streams,
                 identity=run_identity(
                     model=self.settings.model,
-                    architecture=self.settings.architecture,
+                    architecture=architecture,
                     num_elements=self.diloco.num_elements,
                     corpus_sha256=self.settings.corpus_sha256,
                 ),
                 rank=self.settings.rank,
+                fragment_sizes=fragments.fragment_sizes() if fragments is not None else (),
             )
         )
         if answer.adopt is not None:
@@ -297,6 +342,8 @@ class OuterRound:
         the round applied then, if any."""
         if self.swarm is not None:
             self._read_spare(self.swarm.moved_spare_lane())  # another node reads our spare lane: move
+        if self.fragments is not None:
+            return self._fragment_boundary()
         if self._phase_due():
             return self._end_phase()
         landed = self._landed()
@@ -312,7 +359,7 @@ class OuterRound:
             # past our state, let the round's lineage check catch us up; on the swarm's step count
             # and data position (if the round sends us to adopt again, the adopted state sets both).
             done = self.progress.step - self._start_step()
-            missing = 0 if self.settings.round_seconds else max(self.settings.inner_steps - done, 0)
+            missing = 0 if self.settings.round_seconds else max(self._phase_length() - done, 0)
             log.info("ending the phase %d steps early to join the swarm's round", missing)
             self.data.skip(missing)
             self.progress.step += missing
@@ -326,7 +373,14 @@ class OuterRound:
 
     def finish(self) -> RoundApplied | None:
         """The run ends (overlap): apply the round still in flight, so the run ends on the swarm's
-        latest params, with the model holding them."""
+        latest params, with the model holding them (with fragments: its mix stays due at its step,
+        kept by :meth:`state_dict`, so a resumed run mixes where an uninterrupted one does)."""
+        if self.fragments is not None:
+            applied = None
+            if self._in_flight is not None:
+                applied = self._land_fragment(mix_now=False)
+            self.close()
+            return applied
         landed = self._wait_in_flight()
         applied = None
         if landed is not None:
@@ -385,9 +439,19 @@ class OuterRound:
 
     def _start_step(self) -> int:
         if self._phase_start_step is None:
-            step = self.progress.step
-            self._phase_start_step = step - step % self.settings.inner_steps
+            step, schedule = self.progress.step, self.settings.fragments
+            self._phase_start_step = (
+                step - step % self.settings.inner_steps
+                if schedule is None
+                else schedule.previous_round_step(step)
+            )
         return self._phase_start_step
+
+    def _phase_length(self) -> int:
+        """Inner steps from the phase's first step to its round: H, or with fragments to the next
+        step a fragment's round is due after."""
+        schedule, start = self.settings.fragments, self._start_step()
+        return self.settings.inner_steps if schedule is None else schedule.next_round_step(start) - start
 
     def _phase_due(self) -> bool:
         """Whether the inner phase is over: after H steps, or after ``--round-seconds``; in either case
@@ -408,7 +472,7 @@ class OuterRound:
                 return False
             if self._in_flight is not None and not self._in_flight.done():
                 return False  # overlap: train on until the round in flight lands
-        elif progress.step - self._start_step() < settings.inner_steps:
+        elif progress.step - self._start_step() < self._phase_length():
             return False
         if self.swarm is None or not self.swarm.lineage_peer_due():
             return True
@@ -466,14 +530,119 @@ class OuterRound:
         return applied
 
     def _request(self, weight: float, rate: float) -> RoundRequest:
-        """The next round's request: round ``rounds applied + 1``, from the global params now."""
-        round_index = self.progress.round + 1
+        """The next round's request: round ``rounds applied + 1``, from the global params now (with
+        fragments: of the fragment that round synchronises)."""
+        round_index, schedule = self.progress.round + 1, self.settings.fragments
         return RoundRequest(
             round_index=round_index,
             weight=weight,
             lineage=(round_index - 1, self.diloco.param_hash()),
             tokens_per_s=rate,
+            fragment=schedule.fragment_of_round(round_index) if schedule is not None else None,
         )
+
+    # --- fragments (--fragments F > 1): one fragment per round, each landing τ steps after it went ---
+    #
+    # Round r synchronises fragment r mod F after inner step s_r (FragmentSchedule): Δ_f goes to the
+    # swarm as that round's own vector; with τ = 0 its mean is applied at once, else on the averaging
+    # thread while the loop trains τ more steps (every fragment's local params train on; none of them
+    # is touched by the round). It *lands* after step s_r + τ: the round is acted on (_act_on: counted,
+    # or the swarm's state adopted), then the fragment's local params are mixed with its new global
+    # ones. τ ≤ H/F, so the round in flight lands before or as the next one is due: the swarm's rounds
+    # stay one sequence, and after each every member holds the same whole θ_global (its param_hash is
+    # the lineage, as without fragments; ARCHITECTURE.md, "Streamed fragments").
+
+    def _fragment_boundary(self) -> RoundApplied | None:
+        """``at_step_boundary`` with fragments: a mix left due by a resumed checkpoint, the phase's
+        round (after landing the one in flight), the round in flight landing, or a catch-up."""
+        fragments, step = self.fragments, self.progress.step
+        assert fragments is not None
+        if self._pending_mix is not None and step >= self._pending_mix[1]:
+            fragments.mix(self._pending_mix[0], self.settings.fragment_mix)
+            self._pending_mix = None
+        if self._phase_due():
+            return self._end_fragment_phase()
+        if self._in_flight is not None and self._land_step is not None and step >= self._land_step:
+            return self._land_fragment()
+        if self.swarm is not None and self._in_flight is None and self.swarm.phase_should_end():
+            # Catching up after adopting the swarm's state (as without fragments, at_step_boundary).
+            missing = max(self._phase_length() - (step - self._start_step()), 0)
+            log.info("ending the phase %d steps early to join the swarm's round", missing)
+            self.data.skip(missing)
+            self.progress.step += missing
+            return self._end_fragment_phase()
+        return None
+
+    def _end_fragment_phase(self) -> RoundApplied | None:
+        """The due fragment's round: land the one in flight first (τ = H/F), then average Δ_f now (τ = 0:
+        the round applied is returned) or hand it to the averaging thread until step s_r + τ."""
+        fragments, schedule, progress = self.fragments, self.settings.fragments, self.progress
+        assert fragments is not None and schedule is not None
+        rate = self._last_rate = self.tokens_per_s
+        self._unrecorded_compute += progress.round_compute_seconds
+        weight, progress.round_tokens, progress.round_compute_seconds = float(progress.round_tokens), 0, 0.0
+        applied = None
+        if self._in_flight is not None:  # (τ > 0: the round applied now is this one)
+            applied = self._land_fragment()
+            if isinstance(applied.decision, Adopt):
+                return applied  # the adopted state's step starts the next phase (_adopt)
+        request = self._request(weight, rate)
+        assert request.fragment is not None
+        delta = fragments.fragment(request.fragment).delta()  # Δ_f, a vector of its own
+        if self._executor is None:
+            now = self._average_and_apply(delta, request)
+            applied = self._apply_fragment(now, boundary=None, seconds_waited=now.seconds_comm)
+        else:
+            self._submitted_boundary = (progress.step, self.data.state_dict())
+            self._land_step = progress.step + schedule.overlap_steps
+            self._in_flight = self._executor.submit(self._average_and_apply, delta, request)
+        self._restart_phase()
+        return applied
+
+    def _land_fragment(self, *, mix_now: bool = True) -> RoundApplied:
+        """The round in flight lands: wait for it (it is due), act on it, mix its fragment."""
+        waited_from = time.perf_counter()
+        landed = self._wait_in_flight()
+        assert landed is not None
+        seconds_waited = time.perf_counter() - waited_from
+        applied = self._apply_fragment(
+            landed, boundary=self._submitted_boundary, seconds_waited=seconds_waited, mix_now=mix_now
+        )
+        self._land_step = None
+        return applied
+
+    def _apply_fragment(
+        self, landed: _Landed, *, boundary: Boundary | None, seconds_waited: float, mix_now: bool = True
+    ) -> RoundApplied:
+        """A fragment's round acted on (the one ``match``, ``_act_on``), its fragment mixed (now, or
+        at its land step after a resume: ``mix_now`` False), then ``on_applied``."""
+        assert self.fragments is not None and landed.request.fragment is not None
+        adopted = isinstance(landed.outcome.decision, Adopt)
+        applied = self._act_on(
+            landed, boundary=boundary, model_is_global=adopted, seconds_waited=seconds_waited
+        )
+        if not adopted:
+            if mix_now:
+                self.fragments.mix(landed.request.fragment, self.settings.fragment_mix)
+            else:
+                assert self._land_step is not None
+                self._pending_mix = (landed.request.fragment, self._land_step)
+        if self.on_applied is not None:
+            self.on_applied(applied)  # before the next round is in flight: a consistent checkpoint
+        return applied
+
+    @torch.no_grad()
+    def _step_fragment(self, fragment: int, mean: torch.Tensor) -> float:
+        """The outer step of fragment ``fragment`` with its round's mean (on the averaging thread with
+        τ > 0: the loop reads no global params meanwhile); returns ‖Δ̄_f‖."""
+        assert self.fragments is not None
+        part = self.fragments.fragment(fragment)
+        averaged = mean.to(part.device, torch.float32)
+        if averaged.shape != (part.num_elements,):
+            raise RuntimeError(f"the mean has shape {tuple(averaged.shape)}, expected ({part.num_elements},)")
+        with self.diloco.consistent():
+            part.step(averaged)
+        return float(averaged.norm())
 
     def _average_and_apply(self, delta: torch.Tensor, request: RoundRequest) -> _Landed:
         """Phase 2: the swarm's answer for ``delta``, its mean applied to θ_global (on the averaging
@@ -484,7 +653,10 @@ class OuterRound:
         norm = 0.0
         match outcome.decision:
             case Averaged(mean=mean) | FellBack(own=mean):
-                norm = self.diloco.apply_mean(mean)
+                if request.fragment is None:
+                    norm = self.diloco.apply_mean(mean)
+                else:
+                    norm = self._step_fragment(request.fragment, mean)
             case Adopt():
                 pass  # loaded by the training thread (_act_on)
         return _Landed(request, outcome, seconds_comm, norm, self.diloco.param_hash())
@@ -532,6 +704,10 @@ class OuterRound:
         if swarm is not None:
             self._serve(boundary=boundary)
         compute_seconds, self._unrecorded_compute = self._unrecorded_compute, 0.0
+        fragment = landed.request.fragment
+        fragment_hash = ""
+        if fragment is not None and self.fragments is not None and not isinstance(decision, Adopt):
+            fragment_hash = self.fragments.fragment(fragment).hash()
         return RoundApplied(
             round_index=landed.request.round_index,
             decision=decision,
@@ -543,6 +719,8 @@ class OuterRound:
             compute_seconds=compute_seconds,
             weight=landed.request.weight,
             model_is_global=model_is_global,
+            fragment=fragment,
+            fragment_hash=fragment_hash,
         )
 
     def _adopt(self, state: AdoptedState) -> None:
@@ -560,6 +738,7 @@ class OuterRound:
         progress.step, progress.round = int(state.metadata["step"]), state.round
         progress.round_tokens, progress.round_compute_seconds = 0, 0.0
         self._phase_started = self._phase_start_step = None  # the next phase starts from the swarm's step
+        self._pending_mix = None  # the model holds the swarm's global params: nothing left to mix
         log.info("now at round %d, step %d, param_hash %s", state.round, progress.step, state.param_hash[:12])
 
     def _read_spare(self, lane: int | None) -> None:

@@ -159,6 +159,9 @@ class RoundRequest:
     weight: float  # tokens (or samples) this node trained for it: its Δ's weight in the mean
     lineage: Lineage  # (round, param_hash) of the global params Δ was trained from
     tokens_per_s: float  # this node's throughput in the phase (advertised in its record)
+    fragment: int | None = None
+    """With ``--fragments``: the fragment whose Δ_f this round averages (its own vector, payload and
+    error feedback); None: the whole model's Δ."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +185,9 @@ class JoinRequest:
     of one identity share rounds and states."""
     rank: int | None = None
     """This node's place in the swarm's member order, fixed by its run (None: ordered by peer id)."""
+    fragment_sizes: tuple[int, ...] = ()
+    """With ``--fragments``: the numbers of each fragment's vector (a round averages one of them, and
+    keeps its own error feedback); empty: every round averages the whole model's vector."""
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,8 @@ class SwarmSession:
         self.join_timeout = join_timeout
         self.on_round = on_round
         self.error_feedback: ErrorFeedback | None = None
+        # --fragments: each fragment's own residual (its rounds average its own vector); empty without.
+        self.fragment_feedback: list[ErrorFeedback] = []
         self.streams: StreamRunner | None = None  # all-reduce streams 1..S-1 (--swarm-streams)
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
@@ -160,9 +162,7 @@ class SwarmSession:
             self.streams = request.open_streams()
             self.swarm.attach_streams(self.streams)
         if self.swarm.codec.name != "none":
-            self.error_feedback = ErrorFeedback(
-                self._feedback_elements(), decay=self.swarm.config.error_feedback_decay
-            )
+            self._new_feedback()
         if not self.joining:
             return JoinAnswer()
         # A joiner serves the state it holds only once it is the swarm's: a record of any other would
@@ -278,6 +278,8 @@ class SwarmSession:
         """What one round carries into the next, for the checkpoint: the codec's error-feedback
         residual (a copy). Without it a resumed node's next round encodes another vector than an
         uninterrupted node's, and the runs part from there."""
+        if self.fragment_feedback:  # one residual per fragment
+            return {f"error_feedback.{f}": ef.residual.clone() for f, ef in enumerate(self.fragment_feedback)}
         if self.error_feedback is None:
             return {}
         return {"error_feedback": self.error_feedback.residual.clone()}
@@ -286,14 +288,18 @@ class SwarmSession:
         """Restore :meth:`state_dict` (after :meth:`join`; not after adopting the swarm's state,
         whose residual would be of other params). A residual of another size (another codec or
         streams setting) is dropped with a warning: it only delays what error feedback adds."""
-        residual = state.get("error_feedback")
-        if residual is None or self.error_feedback is None:
-            return
-        if residual.shape != self.error_feedback.residual.shape:
-            log.warning("the checkpoint's error-feedback residual (%d numbers) does not fit this node's (%d); "
-                        "starting from zero", residual.numel(), self.error_feedback.num_elements)  # fmt: skip
-            return
-        self.error_feedback.residual.copy_(residual)
+        feedbacks = {f"error_feedback.{f}": ef for f, ef in enumerate(self.fragment_feedback)}
+        if self.error_feedback is not None:
+            feedbacks["error_feedback"] = self.error_feedback
+        for key, feedback in feedbacks.items():
+            residual = state.get(key)
+            if residual is None:
+                continue
+            if residual.shape != feedback.residual.shape:
+                log.warning("the checkpoint's error-feedback residual %s (%d numbers) does not fit this node's (%d); "
+                            "starting from zero", key, residual.numel(), feedback.num_elements)  # fmt: skip
+                continue
+            feedback.residual.copy_(residual)
 
     def serve_stragglers(self) -> int:
         """At the end of a run, serve our last state while a node is behind it (``protocol/swarm/
@@ -325,7 +331,8 @@ class SwarmSession:
         """The round's outcome (:meth:`_average`) with its metrics: codec error, state-sync bytes and
         failures since the previous round."""
         self.catching_up = False  # we take part in a round (with overlap, in the background)
-        decision, stats = self._average(vector, request)
+        feedback = self._feedback(request)
+        decision, stats = self._average(vector, request, feedback)
         failures = Counter(stats.failures_by_kind)
         if self._state_sync_failures:
             failures["state_sync"] += self._state_sync_failures
@@ -335,9 +342,9 @@ class SwarmSession:
             # The residual is what the codec failed to deliver of this round's Δ (plus the carry);
             # the lossless codec "none" runs without one.
             codec_error = 0.0
-            if self.error_feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
-                delta_norm = float(torch.linalg.vector_norm(vector[: self.error_feedback.num_elements]))
-                codec_error = self.error_feedback.norm() / delta_norm if delta_norm > 0 else 0.0
+            if feedback is not None:  # (with streams: stream 0's shard, a sample of the rest)
+                delta_norm = float(torch.linalg.vector_norm(vector[: feedback.num_elements]))
+                codec_error = feedback.norm() / delta_norm if delta_norm > 0 else 0.0
         stats = dataclasses.replace(
             stats,
             failures_by_kind=dict(failures),
@@ -355,7 +362,15 @@ class SwarmSession:
             self._rounds_alone.append(request.round_index)
         return RoundOutcome(decision, stats)
 
-    def _average(self, vector: torch.Tensor, request: RoundRequest) -> tuple[RoundDecision, RoundStats]:
+    def _feedback(self, request: RoundRequest) -> ErrorFeedback | None:
+        """The error-feedback residual of the vector this round averages: its fragment's, or the whole's."""
+        if request.fragment is not None and self.fragment_feedback:
+            return self.fragment_feedback[request.fragment]
+        return self.error_feedback
+
+    def _average(
+        self, vector: torch.Tensor, request: RoundRequest, feedback: ErrorFeedback | None
+    ) -> tuple[RoundDecision, RoundStats]:
         round_index, previous = request.round_index, request.lineage
         self._round_mean = None
         self._stepping_alone = False  # this round steps on our own Δ (_own_delta; _stepped_alone after it)
@@ -367,7 +382,7 @@ class SwarmSession:
                 param_hash=previous[1],
                 num_tokens=int(request.weight),
                 tokens_per_s=request.tokens_per_s,
-                error_feedback=self.error_feedback,
+                error_feedback=feedback,
             )
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
             log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)
@@ -403,7 +418,7 @@ class SwarmSession:
         """A group ran its all-reduce: its mean, or our own Δ if it fell back."""
         if outcome.fell_back:
             log.warning("round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3]))
-        else:
+        elif not self._fragmented:  # (a fragment's mean is not served: catch-up fetches whole)
             # With overlap too: the round steps θ_global from `previous` (the averaging thread
             # starts only after the round before was applied), just a phase later.
             codec = self.swarm.codec
@@ -501,6 +516,7 @@ class SwarmSession:
         if (
             held is not None
             and not self._stepped_alone
+            and not self._fragmented  # fragments: the whole state, with every fragment's version
             and 0 < canonical.round - held[0][0] <= MAX_CATCH_UP_ROUNDS
         ):
             caught_up = self._catch_up(decision, held, why=why)
@@ -578,6 +594,20 @@ class SwarmSession:
             return False
         return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
 
+    @property
+    def _fragmented(self) -> bool:
+        """The node's rounds average one fragment each (``--fragments``)."""
+        return self._join is not None and bool(self._join.fragment_sizes)
+
+    def _new_feedback(self) -> None:
+        """Fresh error-feedback residuals: one per fragment with ``--fragments``, else the whole vector's."""
+        decay = self.swarm.config.error_feedback_decay
+        sizes = self.identity.fragment_sizes
+        if sizes:
+            self.fragment_feedback = [ErrorFeedback(size, decay=decay) for size in sizes]
+        else:
+            self.error_feedback = ErrorFeedback(self._feedback_elements(), decay=decay)
+
     def _feedback_elements(self) -> int:
         """The numbers our own residual covers: the whole vector, or with streams stream 0's shard
         (each other stream keeps its shard's residual where it runs)."""
@@ -631,10 +661,8 @@ class SwarmSession:
         self._rounds_alone = []
         self._adopted_lineage = state.lineage
         self._held = (state.lineage, (state.global_params, state.outer_momentum))
-        if self.error_feedback is not None:  # residuals of other params
-            self.error_feedback = ErrorFeedback(
-                self._feedback_elements(), decay=self.swarm.config.error_feedback_decay
-            )
+        if self.error_feedback is not None or self.fragment_feedback:  # residuals of other params
+            self._new_feedback()
             if self.streams is not None:
                 self.streams.reset_error_feedback()
         self.num_adoptions += 1

@@ -48,9 +48,13 @@ class RoundEnd:
         background: HeldOutEval | None,
         host: HostCopies,
         overlap: bool,
+        keeps_local: bool = False,
     ) -> None:
         self.diloco = diloco
         self.overlap = overlap
+        # --fragments: the model's local params train on past the round (no restart from θ_global),
+        # so an inline eval puts them back after evaluating θ_global.
+        self.keeps_local = keeps_local
         self.replica = replica
         self.eval_set = eval_set
         self.metrics = metrics
@@ -68,11 +72,17 @@ class RoundEnd:
 
     def evaluate_inline(self, *, model_is_global: bool) -> float:
         """The held-out loss of θ_global on the training thread (loaded into the model first unless it
-        holds it already: with overlap the model holds the phase's own params, which are replaced next)."""
-        if not model_is_global:
-            with self.diloco.consistent():
-                self.replica.write_params(self.diloco.global_params)
-        return self.replica.eval_loss(self.eval_set)
+        holds it already: with overlap the model holds the phase's own params, which are replaced next;
+        with fragments they are trained on, and are put back after the eval)."""
+        if model_is_global:
+            return self.replica.eval_loss(self.eval_set)
+        local = self.replica.read_params("cpu") if self.keeps_local else None
+        with self.diloco.consistent():
+            self.replica.write_params(self.diloco.global_params)
+        loss = self.replica.eval_loss(self.eval_set)
+        if local is not None:
+            self.replica.write_params(local)
+        return loss
 
     def record(
         self, applied: RoundApplied, *, progress: Any, shard: tuple[int, int], final: bool

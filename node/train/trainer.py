@@ -36,12 +36,13 @@ from node.data.tokenizer import Tokenizer
 from node.model.efficiency import eval_interval
 from node.model.export import export_model, tokenizer_info
 from node.model.hf import init_state, node_model
-from node.model.replica import build_replica, pick_device
+from node.model.replica import SingleReplica, build_replica, pick_device
 from node.ops.liveness import LIVENESS_FILE, LivenessBounds, LivenessSink
 from node.ops.metrics import MetricsSink, MetricsWriter
 from node.ops.progress import progress_sink
 from node.ops.prometheus import PrometheusExporter
 from node.outer.diloco import DiLoCo
+from node.outer.fragments import FragmentedOuterState, fragment_plan, fragment_schedule
 from node.outer.round import OuterRound, RoundApplied, RoundProgress, RoundSettings
 from node.outer.seam import Averager, SoloAverager, SwarmSide
 from node.outer.state import outer_sgd_settings
@@ -109,6 +110,22 @@ class Trainer:
             batch_size=config.inner.batch_size,
             num_batches=config.eval.batches,
         )
+        outer_settings = outer_sgd_settings(config.outer.lr, config.outer.momentum, config.outer.nesterov)
+        # --fragments F > 1: one fragment per round, the outer state in fragments (node/outer/fragments.py)
+        fragments = fragment_schedule(config)
+        if fragments is None:
+            outer = self.replica.outer_state(offload=config.outer.offload, **outer_settings)
+        else:
+            if not isinstance(self.replica, SingleReplica):
+                raise ConfigError("--fragments needs the model in this process: --local-workers 1")
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+            device = torch.device("cpu") if config.outer.offload else params[0].device
+            outer = FragmentedOuterState(params, fragment_plan(names, fragments.num_fragments), device=device,
+                                         **outer_settings)  # fmt: skip
+            log.info("fragments (%d, a round each; H=%d, overlap %d steps, mix %g):\n%s", fragments.num_fragments,
+                     fragments.inner_steps, fragments.overlap_steps, config.outer.fragment_mix,
+                     outer.plan.describe())  # fmt: skip
         self.diloco = DiLoCo(
             self.model,
             outer_lr=config.outer.lr,
@@ -116,10 +133,7 @@ class Trainer:
             nesterov=config.outer.nesterov,
             offload=config.outer.offload,
             local=self.replica,
-            outer=self.replica.outer_state(
-                offload=config.outer.offload,
-                **outer_sgd_settings(config.outer.lr, config.outer.momentum, config.outer.nesterov),
-            ),
+            outer=outer,
         )
         # The outer round: phase clock, the swarm's round, adoption, overlap (node/outer/round.py).
         self.round = OuterRound(
@@ -130,6 +144,7 @@ class Trainer:
                 inner_steps=config.inner.steps, round_seconds=config.rounds.seconds, overlap=config.outer.overlap,
                 model=config.architecture.preset, corpus_sha256=self.corpus.sha256,
                 rank=config.corpus.rank, architecture=self.model_config.architecture(),
+                fragments=fragments, fragment_mix=config.outer.fragment_mix,
             ),
             data=self.batches,
             stop_requested=self._stop.is_set,
@@ -149,6 +164,7 @@ class Trainer:
             eval_every=eval_interval(config),  # rounds between held-out evals (the final one always)
             background=background_eval(config, self.replica, self.model_config, self.device, self.eval_set),
             host=self.round.host, overlap=config.outer.overlap,
+            keeps_local=fragments is not None,  # the model's other fragments train on after the eval
         )  # fmt: skip
 
     @property
@@ -223,6 +239,8 @@ class Trainer:
             "time": time.time(),
             "model_config": dataclasses.asdict(self.model_config),  # a resume checks its shapes first
         }  # + param_hash, of the snapshot's global params, by the writer
+        if outer_round := self.round.state_dict():  # a fragment's mix still due (node/outer/round.py)
+            meta["outer_round"] = outer_round
         state, owned = self._checkpoint_state(model_is_global)
         self.checkpoints.submit(f"step-{progress.step:010d}", state, meta, owned=owned)
         self._saved_step = progress.step
@@ -238,7 +256,8 @@ class Trainer:
                 round=meta["round"],
                 tokens=meta["tokens"],
                 round_tokens=meta["round_tokens"],
-            )
+            ),
+            state=meta.get("outer_round"),
         )
         self.resumed_from = path
         self._saved_step = self.progress.step

@@ -579,7 +579,7 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     def land(fragment: int, mean: torch.Tensor) -> None:
         for o in outer:  # each member's own copy of the mean, as each node gets one
             o.land(fragment, mean.clone(), mix=mix)
-        hashes = {o.fragments[fragment].param_hash() for o in outer}
+        hashes = {o.fragment_hash(fragment) for o in outer}
         assert len(hashes) == 1, f"the workers' global params of fragment {fragment} diverged"
 
     def bytes_per_worker() -> float:

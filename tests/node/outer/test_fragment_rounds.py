@@ -1,0 +1,109 @@
+"""The outer round driving streamed fragments (node/outer/round.py with --fragments), against the
+convergence benchmark's loop of the same algorithm (scripts/bench/convergence_variants.py,
+run_streaming): at every step due, fragment f's Δ_f averaged as its own vector; τ steps later its mean
+applied to θ_global,f and its local params mixed. The reference drives ``FragmentedDiLoCo`` (whose
+outer step tests/node/outer/test_fragments.py checks by hand) with no round, thread or schedule
+object of the daemon's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from node.model.gpt import GPT, model_config
+from node.outer.diloco import DiLoCo, flatten_params
+from node.outer.fragments import (
+    FragmentedDiLoCo,
+    FragmentedOuterState,
+    FragmentSchedule,
+    due_fragments,
+    fragment_plan,
+)
+from node.outer.round import OuterRound, RoundSettings
+from node.outer.seam import Averaged, RoundOutcome, RoundRequest, RoundStats
+from tests.node.outer.test_diloco import NoData
+
+H, F, MIX, LR, MOMENTUM = 8, 4, 0.5, 0.7, 0.9
+
+
+class HalvingAverager:
+    """The 'swarm mean' is half of our Δ; records each round's index, fragment, size and thread."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, int | None, int]] = []
+        self.threads: set[str] = set()
+
+    def average(self, vector: torch.Tensor, request: RoundRequest) -> RoundOutcome:
+        self.rounds.append((request.round_index, request.fragment, vector.numel()))
+        self.threads.add(threading.current_thread().name)
+        return RoundOutcome(Averaged(0.5 * vector), RoundStats(num_peers=2))
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(model_config("nano", vocab_size=64, seq_len=16))
+
+
+@torch.no_grad()
+def _inner_steps(model: GPT, generator: torch.Generator) -> None:
+    """A stand-in for an inner step: every parameter moves by a seeded random amount."""
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tau", [0, 1, 2])  # 2 = H/F: a round lands as the next one goes
+def test_fragment_rounds_follow_the_schedule_and_match_the_benchmarks_loop(tau: int) -> None:
+    model, reference_model = _gpt(), _gpt()
+    names = [name for name, _ in model.named_parameters()]
+    plan = fragment_plan(names, F)
+    outer = FragmentedOuterState(
+        list(model.parameters()), plan, device=torch.device("cpu"), lr=LR, momentum=MOMENTUM, nesterov=True
+    )
+    diloco = DiLoCo(model, outer=outer)
+    averager = HalvingAverager()
+    settings = RoundSettings(
+        inner_steps=H, model="test", corpus_sha256="none", fragment_mix=MIX,
+        fragments=FragmentSchedule(inner_steps=H, num_fragments=F, overlap_steps=tau),
+    )  # fmt: skip
+    rounds = OuterRound(
+        diloco, averager=averager, swarm=None, settings=settings, data=NoData(), stop_requested=lambda: False
+    )
+    reference = FragmentedDiLoCo(reference_model, plan, outer_lr=LR, outer_momentum=MOMENTUM)
+    in_flight: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (the step it lands after, mean)
+    generator, reference_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    applied_at = []
+    for step in range(1, 3 * H + 1):
+        _inner_steps(model, generator)
+        rounds.count_step(1, 1.0)
+        applied = rounds.at_step_boundary()
+        if applied is not None:
+            applied_at.append((step, applied.round_index, applied.fragment))
+        # The reference, in the benchmark's order: land what is due, then start the rounds due.
+        _inner_steps(reference_model, reference_generator)
+        for fragment, (due, mean) in list(in_flight.items()):
+            if due == step:
+                reference.land(fragment, mean, mix=MIX)
+                del in_flight[fragment]
+        for fragment in due_fragments(step, inner_steps=H, num_fragments=F):
+            mean = 0.5 * reference.pseudo_gradient(fragment)
+            if tau == 0:
+                reference.land(fragment, mean, mix=MIX)
+            else:
+                in_flight[fragment] = (step + tau, mean)
+        assert torch.equal(flatten_params(list(model.parameters()), device="cpu"),
+                           flatten_params(list(reference_model.parameters()), device="cpu")), step  # fmt: skip
+        if not rounds.in_flight:
+            assert torch.equal(diloco.global_params, reference.global_params()), step
+            assert diloco.param_hash() == reference.param_hash()
+    rounds.finish()
+
+    sizes = outer.fragment_sizes()
+    expected = [(r, r % F, sizes[r % F]) for r in range(1, 3 * F + 1)]
+    assert averager.rounds == expected  # one sequence of rounds, each its fragment's own vector
+    # Round r goes after step s_r = 2r (offsets 0, 2, 4, 6 of H = 8) and is applied τ steps later.
+    assert applied_at == [(2 * r + tau, r, r % F) for r in range(1, 3 * F + (tau == 0))]
+    assert (averager.threads == {"MainThread"}) == (tau == 0)  # τ > 0: on the averaging thread
+    assert sum(sizes) == diloco.num_elements
