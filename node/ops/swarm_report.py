@@ -50,14 +50,18 @@ class MetricsTail:
 
 def round_line(name: str, record: Mapping[str, Any]) -> str:
     """``node-1 round 3 | eval_loss 2.71 | peers 3 | sent 1.52 MB at density 1.51% | all-reduce 3% |
-    param_hash 0cefb6a965`` (``sent 0 B`` for a round without an all-reduce)."""
+    param_hash 0cefb6a965`` (``sent 0 B`` for a round without an all-reduce; ``| fragment 3
+    7a1c0e9b2d`` before the param_hash for a fragment's round, ``--fragments``)."""
     eval_loss = record.get("eval_loss")
     loss_text = "-" if eval_loss is None else f"{eval_loss:.4f}"  # not evaluated this round (--eval-every)
     wire = wire_text(record, received=False) or [f"sent {byte_text(record.get('bytes_sent') or 0)}"]
     line = (
         f"{name} round {record['round']} | eval_loss {loss_text} | peers {record['peers']} | "
-        f"{' | '.join(wire)} | param_hash {record['param_hash'][:10]}"
+        f"{' | '.join(wire)} | "
     )
+    if record.get("fragment") is not None:
+        line += f"fragment {record['fragment']} {(record.get('fragment_hash') or '-')[:10]} | "
+    line += f"param_hash {record['param_hash'][:10]}"
     if record.get("fell_back"):
         line += " | fell back (own Δ)"
     if record.get("adopted"):

@@ -187,3 +187,16 @@ def test_a_round_without_eval_shows_a_dash(caplog: pytest.LogCaptureFixture) -> 
         "round 2 done | eval_loss - | peers 2 | compute 40.0s comm 1.20s (blocked 1.50s) | param_hash 0123456789ab"
     ]
     assert round_status(round_record(2, eval_loss=None)).startswith("eval_loss - | peers 2")
+
+
+@pytest.mark.timeout(60)
+def test_a_fragment_round_names_its_fragment_and_hash(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dtnode")
+    record = round_record(5, eval_loss=None, fragment=1, fragment_hash="fedcba987654321")  # --fragments
+    PlainProgress(inner_steps=8, log_every=2).write(record)
+    assert messages(caplog) == [
+        "round 5 done | eval_loss - | peers 2 | compute 40.0s comm 1.20s (blocked 1.50s) | fragment 1 fedcba987654 "
+        "| param_hash 0123456789ab"
+    ]
+    assert round_status(record).startswith("fragment 1 | eval_loss - | peers 2")
+    assert "fragment" not in round_status(round_record(5))  # whole-model rounds: as before

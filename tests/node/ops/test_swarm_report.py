@@ -173,3 +173,12 @@ def test_the_launchers_round_line_shows_bytes_density_and_the_all_reduce_share()
     assert round_line("node-0", alone) == (
         "node-0 round 1 | eval_loss - | peers 1 | sent 0 B | param_hash ababababab | adopted the swarm's state"
     )
+
+
+def test_the_launchers_round_line_names_a_fragment_round_and_its_hash():
+    record = {"round": 6, "eval_loss": None, "peers": 2, "bytes_sent": 289_500, "density": 1.0,
+              "fragment": 2, "fragment_hash": "7a1c0e9b2d44", "param_hash": "0cefb6a965aa"}  # fmt: skip
+    assert round_line("node-0", record) == (
+        "node-0 round 6 | eval_loss - | peers 2 | sent 289.5 kB at density 100% | fragment 2 7a1c0e9b2d "
+        "| param_hash 0cefb6a965"
+    )
