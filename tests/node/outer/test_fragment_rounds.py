@@ -21,8 +21,18 @@ from node.outer.fragments import (
     due_fragments,
     fragment_plan,
 )
-from node.outer.round import OuterRound, RoundSettings
-from node.outer.seam import Averaged, RoundOutcome, RoundRequest, RoundStats
+from node.outer.round import OuterRound, RoundApplied, RoundSettings
+from node.outer.seam import (
+    AdoptedState,
+    Averaged,
+    FellBack,
+    RoundDecision,
+    RoundOutcome,
+    RoundRequest,
+    RoundStats,
+)
+from node.outer.state import tensor_hash
+from tests.node.outer.scripted_swarm import ScriptedSwarm
 from tests.node.outer.test_diloco import NoData
 
 H, F, MIX, LR, MOMENTUM = 8, 4, 0.5, 0.7, 0.9
@@ -107,3 +117,68 @@ def test_fragment_rounds_follow_the_schedule_and_match_the_benchmarks_loop(tau: 
     assert applied_at == [(2 * r + tau, r, r % F) for r in range(1, 3 * F + (tau == 0))]
     assert (averager.threads == {"MainThread"}) == (tau == 0)  # τ > 0: on the averaging thread
     assert sum(sizes) == diloco.num_elements
+
+
+@pytest.mark.timeout(60)
+def test_a_fragment_round_that_falls_back_or_sends_the_node_to_adopt_is_one_round_of_the_sequence() -> None:
+    model = _gpt()
+    plan = fragment_plan([name for name, _ in model.named_parameters()], F)
+    outer = FragmentedOuterState(
+        list(model.parameters()), plan, device=torch.device("cpu"), lr=LR, momentum=MOMENTUM, nesterov=True
+    )
+    diloco = DiLoCo(model, outer=outer)
+    own: dict[int, torch.Tensor] = {}
+
+    def decide(delta: torch.Tensor, request: RoundRequest) -> RoundDecision:
+        if request.round_index == 2:  # fragment 2's all-reduce failed (a member died in it): our own Δ_2
+            own[2] = delta.clone()
+            return FellBack(delta, "peer lost")
+        return Averaged(0.5 * delta)
+
+    swarm = ScriptedSwarm(decide=decide)
+    applied: list[RoundApplied] = []
+    settings = RoundSettings(
+        inner_steps=H, model="test", corpus_sha256="none", fragment_mix=MIX,
+        fragments=FragmentSchedule(inner_steps=H, num_fragments=F, overlap_steps=1),
+    )  # fmt: skip
+    rounds = OuterRound(
+        diloco, averager=swarm, swarm=swarm, settings=settings, data=NoData(),
+        stop_requested=lambda: False, on_applied=applied.append,
+    )  # fmt: skip
+    rounds.start()
+    generator = torch.Generator().manual_seed(3)
+
+    def step() -> None:
+        _inner_steps(model, generator)
+        rounds.count_step(1, 1.0)
+        rounds.at_step_boundary()
+
+    for _ in range(4):  # round 1 (fragment 1) after step 2, landed after 3; round 2 goes after step 4
+        step()
+    before = outer.fragment(2).global_params.clone()
+    step()  # round 2 lands: fragment 2 stepped on our own Δ_2 (Nesterov from a zero buffer, by hand)
+    torch.testing.assert_close(
+        outer.fragment(2).global_params, before - LR * (1 + MOMENTUM) * own[2], rtol=0, atol=1e-6
+    )
+    # The swarm's whole state at round 3 (every fragment's version), which round 3 sends us to adopt.
+    theirs = diloco.global_params + 0.01
+    state = AdoptedState(round=3, param_hash=tensor_hash(theirs), global_params=theirs,
+                         outer_momentum=torch.full_like(theirs, 0.5), metadata={"step": 6, "data": {}})  # fmt: skip
+    step()  # round 3 goes after step 6 ...
+    swarm.hand(state)  # ... and was formed without us
+    step()  # it lands after step 7: we adopt
+    assert [(a.round_index, a.fragment, a.kind) for a in applied] == [
+        (1, 1, "averaged"), (2, 2, "fell_back"), (3, 3, "adopted"),
+    ]  # fmt: skip
+    assert (applied[2].param_hash, applied[2].fragment_hash) == (state.param_hash, "")
+    assert (rounds.progress.round, rounds.progress.step) == (3, 6)  # the swarm's counters
+    assert torch.equal(diloco.global_params, theirs) and torch.equal(
+        diloco.momentum_buffer(), state.outer_momentum
+    )
+    assert torch.equal(flatten_params(list(model.parameters()), device="cpu"), theirs)  # no mix left to do
+    for _ in range(3):  # round 4 goes after step 8 (the swarm's step 6 + 2): fragment 0's, from round 3
+        step()
+    rounds.finish()
+    assert [(r.round_index, r.fragment, r.lineage) for r in swarm.requests[3:]] == [
+        (4, 0, (3, state.param_hash))
+    ]
