@@ -153,10 +153,11 @@ def test_a_fragment_round_that_falls_back_or_sends_the_node_to_adopt_is_one_roun
         rounds.count_step(1, 1.0)
         rounds.at_step_boundary()
 
-    for _ in range(4):  # round 1 (fragment 1) after step 2, landed after 3; round 2 goes after step 4
+    for _ in range(3):  # round 1 (fragment 1) after step 2, landed after 3
         step()
-    before = outer.fragment(2).global_params.clone()
-    step()  # round 2 lands: fragment 2 stepped on our own Δ_2 (Nesterov from a zero buffer, by hand)
+    before = outer.fragment(2).global_params.clone()  # (read before round 2's thread may step it)
+    step()  # round 2 goes after step 4, on the averaging thread
+    step()  # it lands: fragment 2 stepped on our own Δ_2 (Nesterov from a zero buffer, by hand)
     torch.testing.assert_close(
         outer.fragment(2).global_params, before - LR * (1 + MOMENTUM) * own[2], rtol=0, atol=1e-6
     )
