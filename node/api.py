@@ -119,6 +119,14 @@ class _UserData:
     def reshard(self, shard_index: int, num_shards: int) -> None:
         self.shard = (shard_index, num_shards)
 
+    def end_round(
+        self, shard: tuple[int, int] | None, *, phase_shards: int | None = None, phase_tokens: int = 0
+    ) -> None:
+        """The round's group agreed on the shard (None: no group, it stays); where the user's data
+        stands is theirs to say."""
+        if shard is not None:
+            self.shard = shard
+
     def read_spare(self, lane: int, *, steps: int) -> None:
         """Joined the round after it began: ``(count + lane, count)`` until the next round, data no
         member's shard reads (the user's data decides what that index reads)."""

@@ -34,8 +34,9 @@ Reshard rule: ``reshard(shard_index, num_shards)`` keeps ``epoch`` and ``positio
 how the next rounds are divided. Everything before ``position`` was consumed under the old
 membership and everything from ``position`` on is split among the new one, so no two live peers
 read the same window from the reshard to the end of the epoch. The daemon must reshard every peer
-at the same global position, e.g. at an outer-round boundary; a joining peer first copies a live
-peer's ``state_dict()`` (``load_state_dict``) and then calls ``reshard`` with its own index.
+at the same global position: at an outer-round boundary, :meth:`ShardedBatches.end_round` puts
+every member of the round's group there first (below); a joining peer first copies a live peer's
+``state_dict()`` (``load_state_dict``) and reads a spare lane until that boundary.
 
 Spare lanes
 -----------
@@ -52,6 +53,38 @@ a live member's window, in this round or a later one of the epoch, as long as ``
 positions fit in the epoch; lanes ``j`` are distinct per node (the swarm's records say which are
 held: ``protocol/membership/shards.py``). The position still advances by ``n*B`` per step, in
 lockstep with the members, so at the round's end the node reshards at the same position as they.
+
+With rounds due by time (``--round-seconds``) a phase has no fixed length, so a lane's length is not
+bounded by ``H``: ``read_spare(lane, steps=0)`` reads lane ``j``'s ``k``-th batch at the ``B``
+positions ``P - (b+1)*B .. P - b*B - 1`` with ``b = 2**j * (2k + 1) - 1`` (lane 0 takes every other
+batch behind ``P``, lane 1 every fourth from the second, ...): every lane is endless and no two
+lanes share a position, so a joiner that trains more steps than ``H`` never re-reads its own lane
+nor reads another's (a WARNING says when the lane reaches back past the epoch's start into the
+windows the members read this round).
+
+One agreed position at a round's end
+------------------------------------
+Each node's ``position`` moves by ``n*B`` per batch it reads, with its own ``n`` and its own number
+of batches; nodes that read a phase with different shard counts (starters that passed the start
+barrier at one moment on different views) or different numbers of steps (``--round-seconds``, where
+a fast node trains more steps than a slow one) end it at different positions. So the round's end
+does not keep each node's own position: :meth:`end_round` puts every member at one position
+computed from what the round's group agreed on. The loader remembers where its phase started
+(``(epoch, P)``, set by every reshard and load: the lineage's position at the previous round's end,
+the same on every member by induction) and moves from there as :meth:`skip` would by
+``max(reads, ceil(T_max / (B*seq_len)))`` batches of ``m`` shards, where ``T_max`` is the most tokens
+any member of the group trained in the phase (each member's token count is in the group's spec,
+the same on every member), ``reads`` the batches this loader read or skipped in the phase (a floor
+for a node that skipped its phase's rest, never above the others' in an agreed round), and ``m`` the
+shard count the phase was read as: the lineage's (the count the previous round's group assigned,
+the same on every member), or in a run's first round, whose phase the start barrier assigned
+(possibly from different views), the round's group size. Every member's reads of the phase lie
+below that position (each read at most ``T_max`` tokens' batches, interleaved by ``m``), so the
+next phase re-reads none of them. In a run where every member reads the same phase (``H`` steps
+of the same count) the position is the one each reached on its own: the same data, the same
+param_hash as before. A node that read a phase with another count than the agreed one (a first
+round's race) may have read positions past the agreed one: the next phase may read those again,
+once, in another round; never two live nodes the same position in one round.
 """
 
 from __future__ import annotations
@@ -126,9 +159,10 @@ def _gather_windows(
 
 
 _SPARE_KEYS: Final = ("spare_lane", "spare_steps", "spare_epoch", "spare_anchor", "spare_reads")
-NODE_LANE_KEYS: Final = frozenset({"shard_index", *_SPARE_KEYS})
-"""The ``state_dict`` keys that are this node's lane, not the lineage's data position: a served state
-leaves them out (every member serves the same metadata; ``node/swarm/state.py``)."""
+_PHASE_KEYS: Final = ("phase_epoch", "phase_position", "phase_reads")
+NODE_LANE_KEYS: Final = frozenset({"shard_index", *_SPARE_KEYS, *_PHASE_KEYS})
+"""The ``state_dict`` keys that are this node's lane or phase, not the lineage's data position: a
+served state leaves them out (every member serves the same metadata; ``node/swarm/state.py``)."""
 
 
 @dataclass
@@ -136,10 +170,11 @@ class SpareLane:
     """Spare lane ``lane`` of the round that started at ``(epoch, anchor)`` (module docstring)."""
 
     lane: int  # j: lane num_shards + j of the round
-    steps: int  # H: the lane holds steps * batch_size positions
+    steps: int  # H: the lane holds steps * batch_size positions (0: endless, --round-seconds)
     epoch: int  # the epoch and position the round started from
     anchor: int
     reads: int = 0  # batches read on the lane so far
+    warned: bool = False  # an endless lane said it reached the members' windows (read_spare, steps 0)
 
 
 class ShardedBatches:
@@ -170,6 +205,10 @@ class ShardedBatches:
         self.shard_index = 0
         self.num_shards = 1
         self.spare: SpareLane | None = None  # a spare lane until the next reshard (module docstring)
+        # Where the phase under way started and how many batches it read or skipped since: what
+        # end_round moves the agreed distance from (module docstring, "One agreed position").
+        self.phase_start = (0, 0)
+        self.phase_reads = 0
         self.reshard(shard_index, num_shards)
         self._permutations: dict[int, npt.NDArray[np.int64]] = {}  # by epoch: the last two used
 
@@ -195,14 +234,38 @@ class ShardedBatches:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.spare = None
+        self.phase_start, self.phase_reads = (self.epoch, self.position), 0
+
+    def end_round(
+        self, shard: tuple[int, int] | None, *, phase_shards: int | None = None, phase_tokens: int = 0
+    ) -> None:
+        """A round ended (module docstring, "One agreed position at a round's end"). Its group agreed
+        (``shard``: ours among them, (index, count)): move to the position the phase's start advances
+        to by the group's reads of it, then read that shard. ``phase_shards``: the count the phase
+        counts as read with (None: this loader's, the lineage's since the previous round);
+        ``phase_tokens``: the most tokens a member of the group trained in the phase. ``shard``
+        None (no group: a swarm of one, a round without one): our own position goes on, and the next
+        phase starts from it."""
+        if shard is None:
+            self.phase_start, self.phase_reads = (self.epoch, self.position), 0
+            return
+        tokens_per_batch = self.batch_size * self.seq_len
+        reads = max(self.phase_reads, -(-phase_tokens // tokens_per_batch))
+        count = self.num_shards if phase_shards is None else phase_shards
+        if count < 1:
+            raise ValueError(f"phase_shards must be >= 1, got {phase_shards}")
+        self.epoch, self.position = self.phase_start
+        self.num_shards = count  # (skip moves by this count's blocks; reshard below sets the next)
+        self.skip(reads)
+        self.reshard(*shard)
 
     def read_spare(self, lane: int, *, steps: int) -> None:
         """Read spare lane ``lane`` of the round that starts at the current position, whose phases are
         ``steps`` inner steps long, until the next :meth:`reshard` (module docstring). On a spare
         lane already: move to lane ``lane`` of the same round (another node reads ours), at the
         same step of it."""
-        if lane < 0 or steps < 1:
-            raise ValueError(f"need lane >= 0 and steps >= 1, got lane {lane} and steps {steps}")
+        if lane < 0 or steps < 0:
+            raise ValueError(f"need lane >= 0 and steps >= 0, got lane {lane} and steps {steps}")
         if self.spare is not None:
             self.spare.lane = lane
         else:
@@ -211,7 +274,7 @@ class ShardedBatches:
                 epoch, position = epoch + 1, 0
             self.spare = SpareLane(lane=lane, steps=steps, epoch=epoch, anchor=position)
         needed = (self.num_shards + lane + 1) * self.spare.steps * self.batch_size
-        if needed > self.num_windows:
+        if self.spare.steps and needed > self.num_windows:
             log.warning("spare data lane %d: the round's %d shards and %d spare lane(s) of %d steps need %d "
                         "windows, the epoch has %d: it may read windows a shard reads",
                         lane, self.num_shards, lane + 1, self.spare.steps, needed, self.num_windows)  # fmt: skip
@@ -244,12 +307,24 @@ class ShardedBatches:
             windows = self._spare_windows(self.spare)  # (B,)
         assert windows.shape == (self.batch_size,)
         self.position += self.windows_per_round  # in lockstep with the shards, spare lane or not
+        self.phase_reads += 1
         return _gather_windows(self.tokens, windows, self.seq_len)
 
     def _spare_windows(self, spare: SpareLane) -> npt.NDArray[np.int64]:
-        """The spare lane's next batch: ``B`` positions of the ``H*B`` just behind its round's."""
-        region = spare.anchor - (spare.lane + 1) * spare.steps * self.batch_size
-        start = region + (spare.reads % spare.steps) * self.batch_size
+        """The spare lane's next batch: ``B`` positions of the ``H*B`` just behind its round's, or with
+        an endless lane (``steps`` 0) of batch ``2**lane * (2*reads + 1) - 1`` behind them."""
+        if spare.steps:
+            region = spare.anchor - (spare.lane + 1) * spare.steps * self.batch_size
+            start = region + (spare.reads % spare.steps) * self.batch_size
+        else:
+            behind = (2**spare.lane * (2 * spare.reads + 1) - 1) * self.batch_size
+            start = spare.anchor - behind - self.batch_size
+            read_ahead = self.phase_reads * self.windows_per_round  # the members' reads this round so far
+            if behind + self.batch_size + read_ahead > self.num_windows and not spare.warned:
+                spare.warned = True
+                log.warning("spare data lane %d reaches back past the epoch's start into the windows the round's "
+                            "members read (%d windows in the epoch): it may read windows a shard reads",
+                            spare.lane, self.num_windows)  # fmt: skip
         positions = (start + np.arange(self.batch_size, dtype=np.int64)) % self.num_windows  # (B,)
         spare.reads += 1
         return self._permutation_of(spare.epoch)[positions]
@@ -276,6 +351,7 @@ class ShardedBatches:
                 self.epoch += 1
                 self.position = 0
             self.position += self.windows_per_round
+        self.phase_reads += num_steps
 
     def state_dict(self) -> dict[str, int]:
         """Everything needed to continue exactly where this loader stands (the spare lane's keys only
@@ -292,6 +368,9 @@ class ShardedBatches:
         if spare is not None:
             values = (spare.lane, spare.steps, spare.epoch, spare.anchor, spare.reads)
             state.update(zip(_SPARE_KEYS, values, strict=True))
+        if self.phase_reads:  # mid-phase: where it started (at a round's end it is the position itself)
+            phase = (*self.phase_start, self.phase_reads)
+            state.update(zip(_PHASE_KEYS, phase, strict=True))
         return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -310,9 +389,15 @@ class ShardedBatches:
         self._permutations = {}  # the seed may have changed: rebuild the permutations lazily
         if "spare_lane" in state:
             lane, steps, epoch, anchor, reads = (int(state[key]) for key in _SPARE_KEYS)
-            if lane < 0 or steps < 1 or epoch < 0 or not 0 <= anchor <= self.num_windows or reads < 0:
+            if lane < 0 or steps < 0 or epoch < 0 or not 0 <= anchor <= self.num_windows or reads < 0:
                 raise ValueError(f"bad spare lane {[state[key] for key in _SPARE_KEYS]}")
             self.spare = SpareLane(lane=lane, steps=steps, epoch=epoch, anchor=anchor, reads=reads)
+        self.phase_start, self.phase_reads = (self.epoch, self.position), 0
+        if "phase_reads" in state:
+            epoch, position, reads = (int(state[key]) for key in _PHASE_KEYS)
+            if epoch < 0 or not 0 <= position <= self.num_windows or reads < 0:
+                raise ValueError(f"bad phase start {[state[key] for key in _PHASE_KEYS]}")
+            self.phase_start, self.phase_reads = (epoch, position), reads
 
 
 def eval_batches(

@@ -14,7 +14,8 @@ Both loops, the daemon's (``node/train/trainer.py``) and the Python API's (``nod
       │                       awaited from the round in flight; Δ̄ applied to θ_global (DiLoCo)
       │              Phase 3: the one ``match`` on its decision: Averaged/FellBack count the round,
       │                       Adopt loads the swarm's state (the one adoption path, also at join)
-      │              Phase 4: the swarm reshards our data, the new state is served; ``on_applied``
+      │              Phase 4: our data moves to the group's agreed position and shard
+      │                       (``NextShard``), the new state is served; ``on_applied``
       │                       (the daemon records the round and checkpoints, before phase 5)
       │              Phase 5 (overlap): hand this phase's Δ_k to the swarm on the averaging thread;
       │                       the model trains on from θ_global − Δ_k meanwhile
@@ -98,6 +99,10 @@ class DataCursor(Protocol):
     def skip(self, num_steps: int) -> None: ...
 
     def reshard(self, shard_index: int, num_shards: int) -> None: ...
+
+    def end_round(
+        self, shard: tuple[int, int] | None, *, phase_shards: int | None = None, phase_tokens: int = 0
+    ) -> None: ...
 
     def read_spare(self, lane: int, *, steps: int) -> None: ...
 
@@ -696,11 +701,15 @@ class OuterRound:
                     self._read_spare(swarm.after_adopt(state))
             case Averaged() | FellBack():
                 self.progress.round = landed.request.round_index
-                if (
-                    swarm is not None
-                    and (shard := swarm.after_step(landed.outcome.stats.members)) is not None
-                ):
-                    self.data.reshard(*shard)
+                agreed = swarm.after_step(landed.outcome.stats.members) if swarm is not None else None
+                if agreed is None:  # no group: our own data position goes on
+                    self.data.end_round(None)
+                else:  # one data position for the whole group, whatever each member read the phase with
+                    self.data.end_round(
+                        (agreed.shard_index, agreed.num_shards),
+                        phase_shards=agreed.phase_shards,
+                        phase_tokens=agreed.phase_tokens,
+                    )
         if swarm is not None:
             self._serve(boundary=boundary)
         compute_seconds, self._unrecorded_compute = self._unrecorded_compute, 0.0
@@ -746,7 +755,9 @@ class OuterRound:
         after the lineage's members began theirs, and they read the round's shards
         (``node/data/batches.py``, "Spare lanes")."""
         if lane is not None:
-            self.data.read_spare(lane, steps=self.settings.inner_steps)
+            # Rounds due by time have no fixed phase length: an endless lane (batches.py, "Spare lanes").
+            steps = 0 if self.settings.round_seconds else self.settings.inner_steps
+            self.data.read_spare(lane, steps=steps)
 
     def _serve(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
         """Serve the global state now (after ``round``, default the rounds applied), unless it is the

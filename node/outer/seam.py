@@ -15,6 +15,8 @@ the round calls             with                                     the swarm a
 ``average(Δ, round=...)``   the lineage Δ was trained from, weight,   one :class:`RoundOutcome`
                             throughput (:class:`RoundRequest`)
 ``after_step(members)``     the round's group, once stepped through   the data shard to train next
+                                                                     and where the group's phase
+                                                                     ended (:class:`NextShard`)
 ``after_adopt(state)``      the swarm's state, once loaded            the spare data lane to read
                                                                      until the next round
 ``publish(snapshot)``       the global state to serve now             —
@@ -203,6 +205,24 @@ class JoinAnswer:
     spare_lane: int | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class NextShard:
+    """What a round's group agreed about the data (``after_step``): every member moves to one data
+    position and reads its shard from there (``node/data/batches.py``, "One agreed position at a
+    round's end"), whatever shard count or number of steps it read the phase with."""
+
+    shard_index: int
+    num_shards: int
+    """The shard (index, count) to read from the next phase on: its place among the group's members."""
+    phase_shards: int | None
+    """The shard count the phase that just ended counts as read with: None for the lineage's (the
+    count the previous round's group assigned, the same on every member), else the group's size (a
+    run's first round, whose shards the start barrier assigned from each node's own view)."""
+    phase_tokens: int
+    """The most tokens any member of the group trained in the phase (the group's spec says each
+    member's): how far the phase read, with ``--round-seconds`` where members train uneven steps."""
+
+
 @dataclass(frozen=True)
 class StartAnswer:
     """What the start barrier settled before the first inner step: the swarm's round-0 state to take
@@ -238,7 +258,7 @@ class SwarmSide(Averager, Protocol):
 
     def await_start_peers(self) -> StartAnswer: ...
 
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None: ...
+    def after_step(self, members: tuple[str, ...]) -> NextShard | None: ...
 
     def after_adopt(self, state: AdoptedState) -> int | None: ...
 

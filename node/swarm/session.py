@@ -9,7 +9,8 @@ to serve, the model's identity) and acts on what it answers. Each round's answer
 ========================  ===========================  ===========================================
 swarm's answer            decision                     what follows
 ========================  ===========================  ===========================================
-averaged                  Averaged(mean)               outer step; reshard the data among the group
+averaged                  Averaged(mean)               outer step; the group's agreed data position,
+                                                       resharded among the group
 averaged, fell back       FellBack(own Δ)              outer step on our own Δ; the next round's
 failed (too few peers)                                 lineage check sends us to re-sync
 missed (group without us) Adopt(state)                 the group's new state, stepped to with the
@@ -45,6 +46,7 @@ from node.outer.seam import (
     JoinAnswer,
     JoinRequest,
     Lineage,
+    NextShard,
     RoundDecision,
     RoundOutcome,
     RoundRequest,
@@ -59,6 +61,7 @@ from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import TopKCodec
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import LineageDecision, decide_lineage
+from protocol.membership.messages import GroupSpec
 from protocol.membership.shards import assign_shard, spare_lane, spare_lane_to_move_to, start_lane
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.fetch import FetchReport
@@ -142,6 +145,7 @@ class SwarmSession:
         # one we shared with a group: what adopting another state would discard (a WARNING says so).
         self._rounds_alone: list[int] = []
         self._data_lane: tuple[int, int] | None = None  # what our records say we read (_say_lane)
+        self._group: GroupSpec | None = None  # the last round's group, if one formed with us
 
     # --- lifecycle ---
 
@@ -373,6 +377,7 @@ class SwarmSession:
     ) -> tuple[RoundDecision, RoundStats]:
         round_index, previous = request.round_index, request.lineage
         self._round_mean = None
+        self._group = None
         self._stepping_alone = False  # this round steps on our own Δ (_own_delta; _stepped_alone after it)
         result: RoundResult
         try:
@@ -395,6 +400,7 @@ class SwarmSession:
             self.on_round(result)
         match result:
             case GroupAveraged(group=group, allreduce=outcome):
+                self._group = group  # what the members agreed on: the data's next position (after_step)
                 return self._averaged(vector, round_index, previous, group.member_ids, outcome)
             case RoundNotFormed(reason=reason):
                 log.warning("round %d: %s; stepping on our own Δ", round_index, reason)
@@ -474,15 +480,23 @@ class SwarmSession:
         log.warning("round %d %s but no canonical state to adopt; stepping on our own Δ", round_index, why)
         return self._own_delta(vector, why, failure_kind)
 
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+    def after_step(self, members: tuple[str, ...]) -> NextShard | None:
         """The loop stepped through a round (Averaged or FellBack): the data shard (index, count) to
-        train on next, if the round's group assigned one."""
+        train on next, if the round's group assigned one, and what the group agreed on about the
+        phase it read (``NextShard``: every member moves to one data position from it)."""
         self.catching_up = False
-        if members and self.swarm.peer_id in members:
-            shard = assign_shard(members, self.swarm.peer_id)
-            self._say_lane((shard.shard_index, shard.num_shards))  # in the record the loop serves next
-            return shard.shard_index, shard.num_shards
-        return None
+        if not members or self.swarm.peer_id not in members:
+            return None
+        shard = assign_shard(members, self.swarm.peer_id)
+        self._say_lane((shard.shard_index, shard.num_shards))  # in the record the loop serves next
+        group = self._group if self._group is not None and self._group.member_ids == members else None
+        return NextShard(
+            shard_index=shard.shard_index,
+            num_shards=shard.num_shards,
+            # A run's first phase was read as the start barrier assigned it, from each node's view.
+            phase_shards=len(members) if group is not None and group.round == 1 else None,
+            phase_tokens=max((member.num_tokens for member in group.members), default=0) if group else 0,
+        )
 
     # --- adopting the canonical state ---
 

@@ -33,10 +33,10 @@ never pick one spare lane knowingly:
 Two nodes that choose at once (neither sees the other's record yet) may choose alike. Two late
 joiners of one round on one spare lane part as soon as they see each other's records: the later
 in the member order moves to a free spare lane of the same round (:func:`spare_lane_to_move_to`,
-checked at every step boundary), so they share at most the batches read until then. What is left:
-starters that pass the barrier at the same moment on different views may take different shard
-counts for round 1, and then stand at different positions (a reshard keeps each node's position;
-only an adoption copies the lineage's).
+checked at every step boundary), so they share at most the batches read until then. Starters that
+pass the barrier at the same moment on different views may take different shard counts for round
+1: they read overlapping windows in round 1 only, since a round's end puts every member of its
+group at one data position (below).
 
 Data-layer contract (``node/data/batches.py``, :class:`node.data.batches.ShardedBatches`)
 -------------------------------------------------------------------------
@@ -51,7 +51,10 @@ same global position with the same member list. The daemon therefore:
 1. reshards at outer-round boundaries only, with the member list of the round that just formed:
    ``assign_shard(group.member_ids, my_id)`` on the :class:`~protocol.membership.messages.GroupSpec`
    that every member holds identically (``rounds.py``), then calls
-   ``loader.reshard(a.shard_index, a.num_shards)`` before the next inner phase;
+   ``loader.end_round(a.shard_index, a.num_shards, ...)`` before the next inner phase: every
+   member moves to one position, its phase's start (the lineage's) advanced by the group's most
+   batches (from the spec's ``num_tokens``) of the lineage's shard count, whatever count or number
+   of steps it read the phase with (``node/data/batches.py``, "One agreed position at a round's end");
 2. lets a peer that (re)joins in the middle of an inner phase copy its sync source's loader
    ``state_dict()`` (epoch and position; the served state carries no shard) with the global params,
    so it stays in lockstep; until the next boundary it reads a spare lane (above: no window a
@@ -60,8 +63,9 @@ same global position with the same member list. The daemon therefore:
    next boundary reassigns the data among the survivors.
 
 Because ``position`` advances by ``num_shards * batch_size`` per step, peers that shared an
-assignment during a phase still share ``position`` at its end: the data position is part of the
-lineage's state just like the global params.
+assignment and a number of steps during a phase still share ``position`` at its end, and ``end_round``
+makes the group share it whatever they read: the data position is part of the lineage's state just
+like the global params.
 """
 
 from __future__ import annotations

@@ -125,7 +125,10 @@ def test_resume_from_state_yields_the_uninterrupted_batches() -> None:
     for _ in range(7):  # crosses the epoch boundary after 5 batches
         uninterrupted.next_batch()
     state = uninterrupted.state_dict()
-    assert state == {"epoch": 1, "position": 24, "seed": 5, "shard_index": 2, "num_shards": 4, "seq_len": 8}
+    assert state == {
+        "epoch": 1, "position": 24, "seed": 5, "shard_index": 2, "num_shards": 4, "seq_len": 8,
+        "phase_epoch": 0, "phase_position": 0, "phase_reads": 7,  # where its phase started (end_round)
+    }  # fmt: skip
 
     resumed = _loader(tokens, seed=999, shard_index=0, num_shards=1)  # everything comes from the state
     resumed.load_state_dict(dict(state))
@@ -268,3 +271,45 @@ def test_moving_to_another_spare_lane_keeps_the_rounds_start_and_step() -> None:
     spare.read_spare(1, steps=2)  # another node reads lane 0 too: move to lane 1 of the same round
     assert _windows_of(spare.next_batch()[0]) == _by_hand(permutation, range(21, 24))  # lane 1, step 2
     assert spare.lane == (3, 2) and spare.position == 30 + 2 * 2 * BATCH_SIZE
+
+
+@pytest.mark.timeout(30)
+def test_end_round_moves_members_of_any_count_and_steps_to_one_position_from_the_phase_start() -> None:
+    """By hand: the agreed position is the phase's start moved by the group's most batches of the
+    agreed shard count, with the epoch's wrap as reading would do it; a checkpoint mid-phase keeps
+    where the phase started."""
+    tokens = _counting_stream(NUM_WINDOWS)
+    per_batch = BATCH_SIZE * SEQ_LEN
+    fast, slow = _loader(tokens, num_shards=2), _loader(tokens, shard_index=1, num_shards=2)
+    for loader in (fast, slow):
+        loader.skip(3)  # the phase starts at position 18 of epoch 0 (the lineage's, the same on both)
+        loader.reshard(loader.shard_index, 2)
+    other_count = _loader(tokens, shard_index=2, num_shards=3)  # read the phase as 3 shards (a race)
+    other_count.load_state_dict({**fast.state_dict(), "shard_index": 2, "num_shards": 3})
+    for _ in range(4):
+        fast.next_batch()
+    slow.next_batch()
+    other_count.next_batch()
+    other_count.next_batch()
+    assert {fast.position, slow.position, other_count.position} == {18 + 4 * 6, 18 + 6, 18 + 2 * 9}
+    resumed = _loader(tokens)
+    resumed.load_state_dict(slow.state_dict())  # a checkpoint mid-phase, resumed
+    # The group: the fast member read 4 batches (its tokens say so), the phase counts as 2 shards.
+    for loader, index in ((fast, 0), (slow, 1), (other_count, 2), (resumed, 1)):
+        loader.end_round((index, 3), phase_shards=2, phase_tokens=4 * per_batch)
+    # 18 + 4 * 6 = 42, and 42 + 6 > 60 is not reached: no wrap.
+    assert {(loader.epoch, loader.position) for loader in (fast, slow, other_count, resumed)} == {(0, 42)}
+    assert [loader.lane for loader in (fast, slow, other_count)] == [(0, 3), (1, 3), (2, 3)]
+    # A phase that runs past the epoch's end wraps as reading does: 42 + 6 = 48, 54, 60, then epoch 1.
+    fast.reshard(0, 2)  # (reshard: the phase starts here)
+    fast.end_round((0, 2), phase_shards=None, phase_tokens=5 * per_batch)
+    assert (fast.epoch, fast.position) == (1, 2 * 6)
+    # Its own reads are a floor: a node that skipped its phase's rest.
+    slow.skip(2)
+    slow.end_round((1, 3), phase_shards=None, phase_tokens=1)
+    assert slow.position == 42 + 2 * 9
+    # A round without a group: our own position goes on, and the next phase starts from it.
+    slow.next_batch()  # (60 + 9 > 60 windows: into epoch 1)
+    assert "phase_reads" in slow.state_dict()
+    slow.end_round(None)
+    assert (slow.epoch, slow.position, slow.lane) == (1, 9, (1, 3)) and "phase_reads" not in slow.state_dict()

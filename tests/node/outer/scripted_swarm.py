@@ -19,6 +19,7 @@ from node.outer.seam import (
     Averaged,
     JoinAnswer,
     JoinRequest,
+    NextShard,
     RoundDecision,
     RoundOutcome,
     RoundRequest,
@@ -96,9 +97,14 @@ class ScriptedSwarm:
             decision, RoundStats(num_peers=0 if isinstance(decision, Adopt) else 2, members=("a", "b"))
         )
 
-    def after_step(self, members: tuple[str, ...]) -> tuple[int, int] | None:
+    def after_step(self, members: tuple[str, ...]) -> NextShard | None:
         self._enter("after_step")
-        return self.shard
+        if self.shard is None:
+            return None
+        # The phase counts as read as each read it (its count, its batches): the position each reached.
+        return NextShard(
+            shard_index=self.shard[0], num_shards=self.shard[1], phase_shards=None, phase_tokens=0
+        )
 
     def after_adopt(self, state: AdoptedState) -> int | None:
         self._enter("after_adopt")

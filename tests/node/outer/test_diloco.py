@@ -40,6 +40,10 @@ class NoData:
 
     def reshard(self, shard_index: int, num_shards: int) -> None: ...
 
+    def end_round(
+        self, shard: tuple[int, int] | None, *, phase_shards: int | None = None, phase_tokens: int = 0
+    ) -> None: ...
+
 
 def one_step_rounds(diloco: DiLoCo, averager: Any) -> OuterRound:
     """An outer round due after every inner step (H = 1), alone."""

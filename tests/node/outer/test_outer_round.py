@@ -80,6 +80,12 @@ class Data:
     def reshard(self, shard_index: int, num_shards: int) -> None:
         self.shard = (shard_index, num_shards)
 
+    def end_round(
+        self, shard: tuple[int, int] | None, *, phase_shards: int | None = None, phase_tokens: int = 0
+    ) -> None:
+        if shard is not None:
+            self.reshard(*shard)
+
 
 def make_round(
     swarm: ScriptedSwarm, *, inner_steps: int = H, overlap: bool = False
@@ -418,7 +424,9 @@ def test_the_swarm_side_turns_each_round_result_into_one_decision(caplog: pytest
         "recv_all_gather": 8,
     }
     assert stats.seconds_allreduce == 0.5 and stats.codec_error is not None
-    assert session.after_step(stats.members) == (0, 2) and node.lanes == [(0, 2)]  # in our next record
+    agreed = session.after_step(stats.members)
+    assert agreed is not None and (agreed.shard_index, agreed.num_shards) == (0, 2)
+    assert node.lanes == [(0, 2)]  # in our next record
     # fell back inside the all-reduce, no group formed, the swarm's loop out of time: our own Δ.
     assert [type(d) for d in decisions[1:4]] == [FellBack, FellBack, FellBack]
     assert [o.stats.failures_by_kind for o in outcomes[1:4]] == [

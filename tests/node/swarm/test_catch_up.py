@@ -193,8 +193,9 @@ class SwarmOfOne:
         pass  # nobody reads a swarm of one's record
 
     def run_round(
-        self, vector: torch.Tensor, *, round: int, error_feedback: ErrorFeedback | None, **_: Any
-    ) -> RoundResult:
+        self, vector: torch.Tensor, *, round: int, num_tokens: int, error_feedback: ErrorFeedback | None,
+        **_: Any,
+    ) -> RoundResult:  # fmt: skip
         assert error_feedback is not None
         mean, chunks = torch.empty_like(vector), []
         for offset in range(0, vector.numel(), self.CHUNK):
@@ -207,7 +208,8 @@ class SwarmOfOne:
             failures=[], bytes_sent=0, bytes_recv=0, bytes_sent_by_phase={}, bytes_recv_by_phase={},
             seconds=0.0, payloads=tuple(chunks),
         )  # fmt: skip
-        group = SimpleNamespace(member_ids=(self.peer_id,), num_streams=1)
+        member = SimpleNamespace(num_tokens=num_tokens)  # what the group's spec says we trained
+        group = SimpleNamespace(round=round + 1, member_ids=(self.peer_id,), members=(member,), num_streams=1)
         return GroupAveraged(round=round + 1, group=group, allreduce=allreduce)  # type: ignore[arg-type]
 
     def leave(self) -> None:

@@ -1,18 +1,23 @@
-"""No two live nodes read the same windows within a round, for a node that starts reading after its
-round began (issue 31, item 2): a late joiner, and a starter beyond the start barrier's N.
+"""No two live nodes read the same windows within a round (issue 31, item 2): for a node that starts
+reading after its round began (a late joiner, a starter beyond the start barrier's N), and for the
+members of a round, who leave it at one agreed data position (starters that read round 1 with
+different shard counts, members of uneven speed with ``--round-seconds``).
 
 The real loop (``Trainer``: ``OuterRound`` over ``ShardedBatches``) and the real swarm side
 (``SwarmSession``: join, start barrier, the records' data lanes) run over a fake ``SwarmNode`` that
 holds a scripted DHT view: the live members' records, each saying which data it reads
 (``data_lane``). The windows a node reads are caught where the loader gathers them; the members'
 are written by hand from the window permutation: shard ``i`` of ``n`` reads the permutation's
-positions ``P + s*n*B + i + n*k`` at step ``s`` of a round that starts at position ``P``.
+positions ``P + s*n*B + i + n*k`` at step ``s`` of a round that starts at position ``P``. For whole
+rounds the fake node forms scripted groups (``GroupedSwarmNode``: the members and each one's tokens,
+as a group's spec carries them), and the nodes train their phases in turn.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,18 +28,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import node.data.batches as batches_module
+import node.outer.round as outer_round_module
 from node.config import NodeConfig
 from node.data.batches import window_permutation
 from node.swarm.session import SwarmSession
 from node.swarm.state import adopted_state
 from node.train.trainer import Trainer
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.codecs import NoneCodec
 from protocol.membership.lineage import LineageDecision, decide_lineage
+from protocol.membership.messages import GroupMember, GroupSpec
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.statesync.fetch import FetchReport
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import PROTOCOL_VERSION
+from protocol.swarm.result import GroupAveraged
 
 SEQ_LEN, BATCH_SIZE, INNER_STEPS = 32, 4, 2
 NOW = 100.0
@@ -56,13 +67,15 @@ def small_config(corpus_file: Path, run_dir: Path, **overrides: object) -> NodeC
     return NodeConfig.from_flat(**settings)
 
 
-def record(peer_id: str, *, round: int, param_hash: str, lane: tuple[int, int]) -> PeerRecord:
-    """A live member's record as the DHT gives it (``data_lane`` a list, as msgpack returns it)."""
+def record(peer_id: str, *, round: int, param_hash: str, lane: tuple[int, int] | None) -> PeerRecord:
+    """A live member's record as the DHT gives it (``data_lane`` a list, as msgpack returns it; None:
+    a node that has not said yet)."""
+    said = {"data_lane": list(lane)} if lane is not None else {}
     return PeerRecord.from_dict(
         {
             "peer_id": peer_id, "grpc_address": "10.0.0.1:5000", "protocol_version": PROTOCOL_VERSION,
             "round": round, "param_hash": param_hash, "ready_for_round": None, "tokens_per_s": 1000.0,
-            "bandwidth_bytes_per_s": 1e6, "status": "active", "expires_at": NOW + 60, "data_lane": list(lane),
+            "bandwidth_bytes_per_s": 1e6, "status": "active", "expires_at": NOW + 60, **said,
         }
     )  # fmt: skip
 
@@ -318,5 +331,220 @@ def test_two_joiners_that_chose_one_spare_lane_part_at_the_next_step_boundary(
             "member 1": shard_windows(permutation, start, (1, 2), INNER_STEPS),
             "peer-j0": lane_0,
             "us, after moving": steps[1],
+        }
+    )
+
+
+# --- One agreed data position at a round's end -----------------------------------------------------
+#
+# Each member's own position moves by n*B per batch with its own n and its own number of steps; the
+# round's end moves every member of the group to one position computed from what the group agreed on
+# (node/data/batches.py, "One agreed position at a round's end"). Three batches of B = 3 windows: an
+# odd H*B, so positions that drifted by H*B put two members of one shard count on one residue.
+
+
+@dataclass
+class GroupedSwarmNode(FakeSwarmNode):
+    """A fake node whose rounds form the scripted groups: ``groups[r]`` is round r's members and the
+    tokens each trained in its phase, as the leader put them in the group's spec (from each member's
+    Accept); every member steps on its own Δ as the mean (the data is what is tested here)."""
+
+    groups: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.driver.clock = lambda: NOW
+        self.server = SimpleNamespace(state_provider=SimpleNamespace(served_lately=lambda seconds: False))
+        self.config.rounds = SimpleNamespace(join_window=timedelta(seconds=15))
+        self.codec = NoneCodec()
+
+    def run_round(self, vector: torch.Tensor, *, round: int, param_hash: str, num_tokens: int,
+                  tokens_per_s: float, error_feedback: object = None) -> GroupAveraged:  # fmt: skip
+        tokens = self.groups[round + 1]
+        assert tokens[self.peer_id] == num_tokens  # the script says what this member trained
+        members = tuple(
+            GroupMember(
+                peer_id=peer, grpc_address="10.0.0.1:5000", num_tokens=count, bandwidth_bytes_per_s=1e6
+            )
+            for peer, count in sorted(tokens.items())
+        )
+        length = vector.numel()
+        group = GroupSpec(
+            round=round + 1, group_id=f"group-{round + 1}", leader_id=members[0].peer_id, param_hash=param_hash,
+            vector_length=length, members=members, part_boundaries=(0, *[length] * len(members)),
+        )  # fmt: skip
+        outcome = AllReduceResult(
+            averaged=vector.clone(), contributors=[list(group.member_ids)], producers=[members[0].peer_id],
+            fell_back=False, failures=[], bytes_sent=0, bytes_recv=0, bytes_sent_by_phase={},
+            bytes_recv_by_phase={}, seconds=0.0,
+        )  # fmt: skip
+        return GroupAveraged(round=round + 1, group=group, allreduce=outcome)
+
+
+class PhaseClock:
+    """The outer rounds' clock (``--round-seconds``), one per node (they train in turn here): still
+    while a node's phase trains, past the phase's end at the boundary where the test ends it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        self.nodes: dict[int, float] = {}
+        monkeypatch.setattr(
+            outer_round_module,
+            "time",
+            SimpleNamespace(monotonic=lambda: self.now, perf_counter=time.perf_counter),
+        )
+
+    def at(self, trainer: Trainer, *, phase_over: bool) -> None:
+        """The clock as ``trainer`` reads it now: its phase's start, or once it lasted long enough."""
+        if phase_over:
+            self.nodes[id(trainer)] = self.nodes.get(id(trainer), 0.0) + 100.0
+        self.now = self.nodes.get(id(trainer), 0.0)
+
+
+def train_phase(trainer: Trainer, steps: int, spy: WindowSpy, clock: PhaseClock | None = None) -> list[int]:
+    """``steps`` inner steps and the round at the last boundary (by steps, or by the clock): the
+    windows read."""
+    before = len(spy.windows)
+    for step in range(steps):
+        with spy.reading():
+            trainer.inner_step()
+        if clock is not None:
+            clock.at(trainer, phase_over=step == steps - 1)  # the phase has lasted --round-seconds
+        applied = trainer.round.at_step_boundary()
+        assert (applied is not None) == (step == steps - 1), f"step {step}: {applied}"
+    return spy.windows[before:]
+
+
+def starter(corpus_file: Path, run_dir: Path, peer_id: str, sees: list[str], groups: dict[int, dict[str, int]],
+            **overrides: object) -> Trainer:  # fmt: skip
+    """A fresh node started with ``--start-peers 2`` whose barrier view holds the nodes ``sees``."""
+    probe = Trainer(small_config(corpus_file, run_dir / "probe"))
+    round_0 = dict(round=0, param_hash=probe.diloco.param_hash(), lane=None)  # one seed: one init
+    node = GroupedSwarmNode(peer_id, [record(peer, **round_0) for peer in sees], groups=groups)
+    trainer = Trainer(
+        small_config(corpus_file, run_dir / peer_id, start_peers=2, batch_size=3, **overrides),
+        swarm=SwarmSession(node, joining=True, join_timeout=timedelta(seconds=1), start_peers=2),  # type: ignore[arg-type]
+    )
+    trainer.round.start()  # join (one lineage: nothing to adopt), then the start barrier
+    return trainer
+
+
+@pytest.mark.timeout(300)
+def test_starters_on_different_views_read_disjoint_windows_from_round_2_on(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # peer-a passed the barrier seeing three nodes (shard 0 of 3), peer-b at the same moment seeing
+    # two (shard 1 of 2): round 1 reads overlap (the race), and each ends its phase at its own
+    # position (3*H*B vs 2*H*B). peer-c never comes: round 1's group is {a, b}, then rounds 2 and 3.
+    steps, batch = 3, 3
+    tokens = steps * batch * SEQ_LEN
+    groups = {r: {"peer-a": tokens, "peer-b": tokens} for r in (1, 2, 3)}
+    spy = WindowSpy(monkeypatch)
+    a = starter(corpus_file, tmp_path, "peer-a", ["peer-b", "peer-c"], groups, inner_steps=steps)
+    b = starter(corpus_file, tmp_path, "peer-b", ["peer-a"], groups, inner_steps=steps)
+    assert (a.batches.lane, b.batches.lane) == ((0, 3), (1, 2))
+    reads: dict[int, dict[str, list[int]]] = {}
+    for round_index in (1, 2, 3):
+        reads[round_index] = {"peer-a": train_phase(a, steps, spy), "peer-b": train_phase(b, steps, spy)}
+        # One position and one shard count for the whole group after every round.
+        assert (a.batches.epoch, a.batches.position) == (b.batches.epoch, b.batches.position)
+        assert (a.batches.lane, b.batches.lane) == ((0, 2), (1, 2))
+    for round_index in (2, 3):
+        assert_disjoint(reads[round_index])
+        assert all(len(windows) == steps * batch for windows in reads[round_index].values())
+    # From round 2 on, the agreed position is round 1's phase counted as read by 2 shards (the group's
+    # size: each member read it as its own view's count), then H*2*B a round; peer-a is shard 0.
+    permutation = window_permutation(a.batches.num_windows, seed=0, epoch=0)
+    for round_index in (2, 3):
+        start = (round_index - 1) * steps * 2 * batch
+        expected = [
+            int(permutation[start + s * 2 * batch + 2 * k]) for s in range(steps) for k in range(batch)
+        ]
+        assert reads[round_index]["peer-a"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_members_of_uneven_speed_never_read_one_window_in_a_round_with_round_seconds(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --round-seconds: each node trains as many steps as its phase's time allows. Round 1 is all
+    # three (shards of 3 from the barrier); peer-c then leaves: round 2's phase is still read as 3
+    # shards (its shard unread), round 3's as 2. Each node's own position drifts by its own steps:
+    # entering round 3 peer-a's would stand 9 windows (odd) ahead of peer-b's, on one residue of 2.
+    batch, per_step = 3, 3 * SEQ_LEN
+    steps = {
+        1: {"peer-a": 3, "peer-b": 2, "peer-c": 2},
+        2: {"peer-a": 2, "peer-b": 2},
+        3: {"peer-a": 3, "peer-b": 2},
+    }
+    groups = {r: {peer: n * per_step for peer, n in by_peer.items()} for r, by_peer in steps.items()}
+    clock = PhaseClock(monkeypatch)
+    spy = WindowSpy(monkeypatch)
+    nodes = {
+        peer: starter(
+            corpus_file, tmp_path, peer, [p for p in steps[1] if p != peer], groups, round_seconds=10
+        )
+        for peer in steps[1]
+    }
+    assert [node.batches.lane for node in nodes.values()] == [(0, 3), (1, 3), (2, 3)]
+    every: list[int] = []
+    for round_index, by_peer in steps.items():
+        reads = {peer: train_phase(nodes[peer], n, spy, clock) for peer, n in by_peer.items()}
+        assert_disjoint(reads)  # within the round
+        every += [window for windows in reads.values() for window in windows]
+        positions = {(nodes[peer].batches.epoch, nodes[peer].batches.position) for peer in by_peer}
+        assert len(positions) == 1, f"round {round_index}: the members part at {positions}"
+    # Nor across the rounds: each round starts past every window its group read (the fast node's
+    # steps bound the phase), so no window of the epoch is read twice.
+    assert len(every) == len(set(every)) == sum(sum(by_peer.values()) for by_peer in steps.values()) * batch
+    # The group's position: 3 steps of 3 shards, 2 steps of 3 shards, 3 steps of 2 shards.
+    assert nodes["peer-a"].batches.position == (3 * 3 + 2 * 3 + 3 * 2) * batch
+
+
+@pytest.mark.timeout(180)
+def test_a_late_joiner_with_round_seconds_reads_an_endless_spare_lane(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rounds due by time: a joiner's phase lasts until the members' round forms, however many steps
+    # that is. It reads 3*H steps on spare lane 1 (lane 0 is another joiner's): never a window twice,
+    # never one of lane 0's or of the members' (who read 3*H steps too).
+    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=3))
+    source.run()
+    source.batches.reshard(0, 2)
+    snapshot = source.round.snapshot()
+    lineage = dict(round=3, param_hash=snapshot.state_id)
+    start = source.batches.position
+    members = [
+        record("peer-m0", lane=(0, 2), **lineage),
+        record("peer-m1", lane=(1, 2), **lineage),
+        record("peer-j0", lane=(2, 2), **lineage),  # spare lane 0
+    ]
+    node = FakeSwarmNode("peer-new", members, snapshot=snapshot)
+    joiner = Trainer(
+        small_config(corpus_file, tmp_path / "joiner", seed=1, round_seconds=10),
+        swarm=SwarmSession(node, joining=True, join_timeout=timedelta(seconds=1)),  # type: ignore[arg-type]
+    )
+    spy = WindowSpy(monkeypatch)
+    joiner.round.start()
+    assert node.stored[-1].data_lane == (3, 2)  # spare lane 1
+    steps = 3 * INNER_STEPS
+    with spy.reading():
+        for _ in range(steps):
+            joiner.inner_step()
+
+    permutation = window_permutation(joiner.batches.num_windows, seed=0, epoch=0)
+
+    def lane(index: int) -> list[int]:  # by hand: batch 2**j * (2k + 1) - 1 behind the round's start
+        behind = [(2**index * (2 * k + 1) - 1) * BATCH_SIZE for k in range(steps)]
+        return [int(permutation[start - b - BATCH_SIZE + w]) for b in behind for w in range(BATCH_SIZE)]
+
+    assert len(spy.windows) == len(set(spy.windows)) == steps * BATCH_SIZE  # never its own window twice
+    assert spy.windows == lane(1)
+    assert_disjoint(
+        {
+            "member 0": shard_windows(permutation, start, (0, 2), steps),
+            "member 1": shard_windows(permutation, start, (1, 2), steps),
+            "peer-j0 on lane 0": lane(0),
+            "the late joiner": spy.windows,
         }
     )
