@@ -360,9 +360,10 @@ class SwarmSession:
         )
         self._bytes_state_sync = self._state_sync_failures = 0
         self._stepped_alone = self._stepping_alone
-        if isinstance(decision, Averaged) and len(stats.members) > 1:
+        # Our own count of whose Δ is in the round (RoundStats.num_peers): shared, adopted, or alone.
+        if stats.num_peers >= 2:
             self._rounds_alone = []
-        elif not isinstance(decision, Adopt):
+        elif stats.num_peers == 1:
             self._rounds_alone.append(request.round_index)
         return RoundOutcome(decision, stats)
 
