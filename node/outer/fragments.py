@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from node.config import ConfigError, NodeConfig
 from node.outer.diloco import DiLoCo, ModuleParams
-from node.outer.state import FlatOuterState, outer_sgd_settings, tensor_hash
+from node.outer.state import FlatOuterState, outer_sgd_settings, pieces_hash
 
 
 @dataclass(frozen=True)
@@ -314,11 +314,23 @@ class FragmentedOuterState:
             part.set_settings(settings)
 
     def hash(self) -> str:
-        """``tensor_hash`` of the whole θ_global (as an unfragmented node's), once per version."""
+        """``tensor_hash`` of the whole θ_global (as an unfragmented node's), once per version: fed
+        the fragments' slices in canonical order, so no whole copy is put together for it (a round
+        in flight holds only its fragment's extra copies)."""
         versions = tuple(part.global_params._version for part in self.parts)
         if self._hash is None or self._hash[0] != versions:
-            self._hash = (versions, tensor_hash(self.params()))
+            pieces = (self.parts[f].global_params[a : a + n] for f, a, _, n in self._layout)
+            self._hash = (versions, pieces_hash(pieces))
         return self._hash[1]
+
+    def version(self) -> tuple[int, ...]:
+        """Changes whenever any fragment's θ_global or momentum does (``HostCopies`` keys its one host
+        copy of the whole state on it)."""
+        key: list[int] = []
+        for part in self.parts:
+            momentum = part.momentum()
+            key += [part.global_params._version, id(momentum), -1 if momentum is None else momentum._version]
+        return tuple(key)
 
 
 class FragmentedDiLoCo:

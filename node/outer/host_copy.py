@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from node.outer.state import FlatOuterState, sgd_state_dict
+from node.outer.fragments import FragmentedOuterState
+from node.outer.state import FlatOuterState, OuterState, sgd_state_dict
 from node.train.checkpoint_writer import host_copy
 
 if TYPE_CHECKING:
@@ -47,11 +48,12 @@ class HostCopies:
         diloco = self.diloco
         with diloco.consistent():  # params and momentum of the same round (overlap steps them)
             outer = diloco.outer
-            params, momentum = outer.params(), outer.momentum()
-            flat = isinstance(outer, FlatOuterState)  # else params() is a copy gathered from the ranks
-            key = (params._version, id(momentum), -1 if momentum is None else momentum._version)
-            if flat and self._cached is not None and self._cached[0] == key:
+            key = _version_key(outer)
+            if key is not None and self._cached is not None and self._cached[0] == key:
                 return self._cached[1]
+            params, momentum = outer.params(), outer.momentum()
+            # Else params() is a copy gathered from the ranks, or put together from the fragments.
+            flat = isinstance(outer, FlatOuterState)
             tensors = [params] if momentum is None else [params, momentum]
             copies = [host_copy(t) if flat or t.device.type != "cpu" else t.detach() for t in tensors]
             if torch.cuda.is_available():
@@ -62,8 +64,19 @@ class HostCopies:
                 param_hash=diloco.param_hash(),  # once per version (FlatOuterState caches it)
             )
             self.num_copies += 1
-            self._cached = (key, state) if flat else None
+            self._cached = (key, state) if key is not None else None
             return state
+
+
+def _version_key(outer: OuterState) -> tuple[int, ...] | None:
+    """What changes whenever θ_global or the outer momentum does, for the states read in this process
+    (one flat vector, or its fragments); None for a state gathered from local ranks (copied each time)."""
+    if isinstance(outer, FragmentedOuterState):
+        return outer.version()
+    if isinstance(outer, FlatOuterState):
+        momentum = outer.momentum()
+        return (outer.global_params._version, id(momentum), -1 if momentum is None else momentum._version)
+    return None
 
 
 def outer_checkpoint_state(diloco: DiLoCo, host: HostGlobalState) -> dict[str, Any]:

@@ -16,6 +16,7 @@ holds them in the same format (``DiLoCo.state_dict``: the momentum and settings 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -32,8 +33,18 @@ def outer_sgd_settings(lr: float, momentum: float, nesterov: bool) -> dict[str, 
 
 def tensor_hash(flat: Tensor) -> str:
     """SHA-256 of an fp32 vector's little-endian bytes."""
-    data = flat.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return pieces_hash([flat])
+
+
+def pieces_hash(pieces: Iterable[Tensor]) -> str:
+    """``tensor_hash`` of the pieces put end to end, without putting them together: SHA-256 fed each
+    piece's fp32 bytes in place (a CPU fp32 piece is not copied; another is copied one piece at a time),
+    so hashing a whole model in fragments holds no second copy of it."""
+    digest = hashlib.sha256()
+    for piece in pieces:
+        data = piece.detach().to("cpu", torch.float32).contiguous()
+        digest.update(data.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 class LocalParams(Protocol):

@@ -3,6 +3,8 @@ against plain DiLoCo and a hand-computed step."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,8 @@ from torch import nn
 from node.model.gpt import GPT, model_config
 from node.outer.diloco import DiLoCo, flatten_params
 from node.outer.fragments import FragmentedDiLoCo, due_fragments, fragment_offset, fragment_plan
+from node.outer.host_copy import HostCopies
+from node.outer.state import tensor_hash
 
 
 def _gpt() -> GPT:
@@ -110,3 +114,41 @@ def test_a_landed_fragment_steps_its_global_params_and_mixes_only_its_own_local_
     assert torch.equal(now[other], trained[other])  # fragment 0 untouched: its round did not come
     with pytest.raises(ValueError, match="mix"):
         fragmented.land(1, mean, mix=1.0)
+
+
+def test_the_whole_hash_is_fed_the_fragments_in_place_and_equals_a_flat_states() -> None:
+    """The param_hash with fragments is the SHA-256 of the whole canonical vector (hashlib's, over the
+    bytes of the model's flat params), yet no whole vector is put together for it: a round in flight
+    holds only its fragment's extra copies (issue 32, item 3)."""
+    model = _gpt()
+    fragmented = FragmentedDiLoCo(model, fragment_plan([n for n, _ in model.named_parameters()], 4))
+    flat = flatten_params(list(model.parameters()), device="cpu")
+    expected = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    whole_views = fragmented.outer.params
+
+    def no_whole_copy() -> torch.Tensor:
+        raise AssertionError("the hash put the whole vector together")
+
+    fragmented.outer.params = no_whole_copy  # type: ignore[method-assign]
+    assert fragmented.outer.hash() == expected
+    fragmented.land(2, torch.full((fragmented.num_elements(2),), 0.1), mix=0.0)  # a new version of fragment 2
+    fragmented.outer.params = whole_views  # type: ignore[method-assign]
+    stepped = hashlib.sha256(fragmented.global_params().numpy().tobytes()).hexdigest()
+    fragmented.outer.params = no_whole_copy  # type: ignore[method-assign]
+    assert stepped != expected and fragmented.outer.hash() == stepped
+
+
+def test_the_host_copy_of_a_fragmented_state_is_made_once_per_version() -> None:
+    """The served snapshot, the checkpoint and the eval share one host copy of the whole state per
+    version with fragments too (before: a whole copy for each reader, every round)."""
+    model = _gpt()
+    fragmented = FragmentedDiLoCo(model, fragment_plan([n for n, _ in model.named_parameters()], 4))
+    host = HostCopies(fragmented.diloco)
+    first = host.get()
+    assert host.get() is first and host.num_copies == 1
+    assert torch.equal(first.params, fragmented.global_params())
+    fragmented.land(1, torch.full((fragmented.num_elements(1),), 0.1), mix=0.0)
+    second = host.get()
+    assert host.num_copies == 2 and torch.equal(second.params, fragmented.global_params())
+    assert second.param_hash == tensor_hash(fragmented.global_params())
+    assert not torch.equal(second.params, first.params)  # the older copy kept its round's values
