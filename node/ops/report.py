@@ -299,6 +299,31 @@ def _wire_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def fragment_summary(rounds: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per fragment (``--fragments``; empty without): its rounds (records naming it) and the MB they
+    sent and received."""
+    fragments: dict[int, dict[str, float]] = {}
+    for record in rounds:
+        if record.get("fragment") is None:
+            continue
+        row = fragments.setdefault(int(record["fragment"]), {"rounds": 0, "mb_sent": 0.0, "mb_received": 0.0})
+        row["rounds"] += 1
+        row["mb_sent"] += float(record.get("bytes_sent") or 0) / 1e6
+        row["mb_received"] += float(record.get("bytes_recv") or 0) / 1e6
+    return dict(sorted(fragments.items()))
+
+
+def link_busy_share(rounds: Sequence[dict[str, Any]], link_mbit: float | None) -> float:
+    """The share of the run's wall time the node's uplink was busy sending its rounds' bytes:
+    Σ ``bytes_sent`` / (link rate × wall time), the wall time ``run_utilization``'s (first inner step
+    to the last record). NaN where the link rate is not known or no wall time was recorded."""
+    wall = run_utilization(rounds)[1]
+    if link_mbit is None or wall <= 0:
+        return math.nan
+    sent = sum(float(r.get("bytes_sent") or 0) for r in rounds)
+    return sent / (link_mbit * 1e6 / 8 * wall)
+
+
 def _number(value: float, digits: int) -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
@@ -307,8 +332,16 @@ def _percent(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:.3g}%"
 
 
-def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_summary: str | None) -> str:
-    """``report.md``: the launcher's swarm summary if any, one row per node, hash agreement, the plots."""
+def render_report(
+    runs: Sequence[NodeRun],
+    run_dirs: Sequence[Path],
+    *,
+    swarm_summary: str | None,
+    link_mbit: float | None = None,
+) -> str:
+    """``report.md``: the launcher's swarm summary if any, one row per node, the link's busy share
+    (``link_mbit``: each node's uplink rate, the WAN emulator's cap; None: not known), the rounds and
+    bytes per fragment (``--fragments``), hash agreement, the plots."""
     lines = ["# dtnode report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs) + ".", ""]
     if swarm_summary:
         # The launcher's summary, its title turned into a section of this report.
@@ -341,6 +374,41 @@ def render_report(runs: Sequence[NodeRun], run_dirs: Sequence[Path], *, swarm_su
         "time (with --overlap they run beside the inner steps).",
         "",
     ]
+    lines += ["## Link", ""]
+    if link_mbit is None:
+        lines += ["The link's busy share is not reported: the link rate is not known (it is where the "
+                  "swarm ran in the WAN emulator, `dtnode swarm --link-mbit`).", ""]  # fmt: skip
+    else:
+        lines += [
+            f"Each node's uplink: {link_mbit:g} Mbit/s. Busy share: the bytes the node's rounds sent over "
+            "(link rate × the run's wall time, first inner step to last record).",
+            "",
+            "| node | MB sent | wall time (s) | link busy share |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for run in runs:
+            sent = sum(float(r.get("bytes_sent") or 0) for r in run.rounds) / 1e6
+            wall = run_utilization(run.rounds)[1]
+            lines.append(
+                f"| {run.name} | {sent:.2f} | {wall:.1f} | {_percent(link_busy_share(run.rounds, link_mbit))} |"
+            )
+        lines.append("")
+    fragment_rows = [(run.name, f, row) for run in runs for f, row in fragment_summary(run.rounds).items()]
+    if fragment_rows:
+        lines += [
+            "## Fragments",
+            "",
+            "Streamed fragments (`--fragments`): each round synchronises one fragment; per node and fragment, "
+            "its rounds and their bytes.",
+            "",
+            "| node | fragment | rounds | MB sent | MB received |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {name} | {f} | {row['rounds']:.0f} | {row['mb_sent']:.2f} | {row['mb_received']:.2f} |"
+            for name, f, row in fragment_rows
+        ]
+        lines.append("")
     for run_dir in run_dirs:
         group = [run for run in runs if run.run_dir.parent == run_dir]
         if len(group) > 1:
@@ -362,9 +430,9 @@ def write_report(run_dirs: Sequence[Path], *, out: Path | None = None) -> Path:
     plot_peers(runs, out / "peers.png")
     plot_utilization(runs, out / "utilization.png")
     launcher_json = run_dirs[0] / "report.json"
-    swarm_summary = (
-        report_markdown(json.loads(launcher_json.read_text())) if launcher_json.is_file() else None
-    )
+    launcher = json.loads(launcher_json.read_text()) if launcher_json.is_file() else None
+    swarm_summary = report_markdown(launcher) if launcher is not None else None
+    link_mbit = launcher.get("link_mbit") if launcher is not None else None
     path = out / REPORT_FILE
-    path.write_text(render_report(runs, run_dirs, swarm_summary=swarm_summary))
+    path.write_text(render_report(runs, run_dirs, swarm_summary=swarm_summary, link_mbit=link_mbit))
     return path

@@ -211,3 +211,67 @@ def test_flat_series_get_axes_from_zero_and_counts_whole_ticks(tmp_path: Path) -
     assert plot_peers(runs, tmp_path / "peers.png").axes[0].get_ylim() == (0.0, 8.0)
     cumulative, _ = plot_bytes(runs, tmp_path / "bytes.png").axes
     assert cumulative.get_ylim() == pytest.approx((0.0, 4.2))
+
+
+def section_rows(report: str, title: str) -> list[list[str]]:
+    """The table rows (cells) of section ``## title``, its header and rule left out."""
+    section = report.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+@pytest.mark.timeout(60)
+def test_report_shows_rounds_and_bytes_per_fragment_and_the_links_busy_share(tmp_path: Path) -> None:
+    """Two nodes, F = 2: round r synchronises fragment r mod 2; node i sends 1.5 (i + 1) MB a round
+    and each round lasts 4 s of wall time, on 8 Mbit/s (1 MB/s) uplinks."""
+    for index in range(2):
+        records = [step_record(1, 1000.0, 5.0)]
+        records += [
+            round_record(
+                r,
+                1000.0 + 4 * r,
+                sent=1_500_000 * (index + 1),
+                param_hash=f"h{r}",
+                fragment=r % 2,
+                fragment_hash=f"f{r}",
+                seconds_wall=4.0,
+            )  # fmt: skip
+            for r in range(1, 6)
+        ]
+        (tmp_path / f"node-{index}").mkdir()
+        (tmp_path / f"node-{index}" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
+    node = {"name": "node-0", "exit_code": 0, "num_rounds": 5, "eval_losses": [3.0] * 5, "bytes_sent": 1,
+            "bytes_recv": 1, "fell_back_rounds": [], "adopted_rounds": []}  # fmt: skip
+    launcher_report = {
+        "num_nodes": 2, "link_mbit": 8.0, "stopped_by": "finished", "wall_seconds": 30.0,
+        "param_hash": {"common_rounds": [1, 2, 3, 4, 5], "disagreeing_rounds": [], "all_agree": True},
+        "nodes": [node, {**node, "name": "node-1"}],
+    }  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(launcher_report))
+    write_plots_report(tmp_path)
+    report = (tmp_path / REPORT_FILE).read_text()
+    # Fragment 0: rounds 2 and 4; fragment 1: rounds 1, 3 and 5. Node 1 sends 3 MB a round, receives 1 kB more.
+    assert section_rows(report, "Fragments") == [
+        ["node-0", "0", "2", "3.00", "3.00"],
+        ["node-0", "1", "3", "4.50", "4.50"],
+        ["node-1", "0", "2", "6.00", "6.00"],
+        ["node-1", "1", "3", "9.00", "9.00"],
+    ]
+    # Busy share: 5 x 1.5 MB over (1 MB/s x 5 x 4 s) = 37.5%; node 1 sends twice as much: 75%.
+    assert section_rows(report, "Link") == [
+        ["node-0", "7.50", "20.0", "37.5%"],
+        ["node-1", "15.00", "20.0", "75%"],
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_report_says_when_the_link_rate_is_not_known_and_has_no_fragments_without_them(
+    tmp_path: Path,
+) -> None:
+    write_swarm(tmp_path, [["aaaa", "bbbb"], ["aaaa", "bbbb"]], seconds_wall=4.0)
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / REPORT_FILE).read_text()
+    assert "the link rate is not known" in report and section_rows(report, "Link") == []
+    assert "## Fragments" not in report
