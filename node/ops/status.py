@@ -106,6 +106,8 @@ def summary_lines(status: NodeStatus) -> list[str]:
     phase = f"phase: {status.phase}"
     if status.phase_round:
         phase += f" toward round {status.phase_round}"
+    if status.round_vector:  # the part of the state that round carries (--fragments: its fragment)
+        phase += f" ({status.round_vector} in flight)"
     lines.append(f"{phase}, for {status.seconds_in_phase:.1f} s")
     if status.published:
         lines.append(f"params: round {status.round}, param_hash {status.param_hash}")

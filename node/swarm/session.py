@@ -389,6 +389,7 @@ class SwarmSession:
                 num_tokens=int(request.weight),
                 tokens_per_s=request.tokens_per_s,
                 error_feedback=feedback,
+                vector_name=f"fragment {request.fragment}" if request.fragment is not None else "",
             )
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
             log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)

@@ -94,6 +94,7 @@ class SwarmNode:
         self._last_group: GroupSpec | None = None  # the group of our last round
         self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
         self._phase = PhaseState(NodePhase.STARTING, 0, time.monotonic())
+        self._round_vector = ""  # what part of our state the round under way carries (run_round)
         self.streams: StreamRunner | None = None  # streams 1..S-1 of our rounds (attach_streams)
         self.stream_addresses: tuple[str, ...] = ()
         self.rank: int | None = None  # our place in the member order (set_identity)
@@ -248,6 +249,7 @@ class SwarmNode:
             record_ttl=config.record_ttl,
             now=get_dht_time(),
             monotonic_now=time.monotonic(),
+            round_vector=self._round_vector,
         )
 
     def view(self) -> SwarmView:
@@ -348,12 +350,15 @@ class SwarmNode:
     # --- rounds ---
 
     @contextlib.contextmanager
-    def _round_phase(self, round: int) -> Iterator[None]:
-        """FORMING round ``round`` (ALLREDUCE once its group runs), then back to TRAINING."""
+    def _round_phase(self, round: int, vector_name: str) -> Iterator[None]:
+        """FORMING round ``round`` (ALLREDUCE once its group runs) of ``vector_name``, then back to
+        TRAINING."""
+        self._round_vector = vector_name
         forming = self.set_phase(NodePhase.FORMING, round=round)
         try:
             yield
         finally:
+            self._round_vector = ""
             # Back to training, unless a phase this round did not set (a fetch) replaced ours meanwhile.
             if self._phase is forming or self._phase.phase is NodePhase.ALLREDUCE:
                 self.set_phase(NodePhase.TRAINING)
@@ -367,13 +372,15 @@ class SwarmNode:
         num_tokens: int,
         tokens_per_s: float,
         error_feedback: ErrorFeedback | None,
+        vector_name: str = "",
     ) -> RoundResult:
         """Form round ``round + 1`` with the ready peers of lineage ``(round, param_hash)`` and average
-        ``vector`` (fp32, flat) with them, weighted by ``num_tokens``.
+        ``vector`` (fp32, flat) with them, weighted by ``num_tokens``. ``vector_name``: what part of
+        the node's state ``vector`` is, as the caller names it (``dtnode status`` says it); "" the whole.
 
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
-        with self._round_phase(round + 1):
+        with self._round_phase(round + 1, vector_name):
             registry = self.server.allreduce.registry
             if round + 1 <= registry.highest_opened:
                 # We moved to a lineage whose rounds are numbered lower (we adopted an older state):

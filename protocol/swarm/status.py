@@ -134,6 +134,7 @@ class NodeStatus:
     view_age_seconds: float
     record_ttl_seconds: float
     syncing_peers: tuple[SyncingPeer, ...] = ()
+    round_vector: str = ""
 
 
 def build_status(
@@ -151,12 +152,15 @@ def build_status(
     record_ttl: timedelta,
     now: float,
     monotonic_now: float,
+    round_vector: str = "",
 ) -> NodeStatus:
     """The node's status from its in-memory state.
 
     ``now`` is on the DHT clock (that of ``view.now``, ``last_seen`` and the records' ``expires_at``),
     ``monotonic_now`` on ``time.monotonic`` (that of ``phase.since``). ``local`` is the record the
-    node last published (None before the first publish).
+    node last published (None before the first publish). ``round_vector``: what part of its state
+    the round under way carries (``SwarmNode.run_round``'s ``vector_name``), said while it forms or
+    averages that round.
     """
     ttl = record_ttl.total_seconds()
     members = frozenset(group.member_ids) if group is not None else frozenset()
@@ -223,6 +227,7 @@ def build_status(
         view_age_seconds=max(now - view.now, 0.0),
         record_ttl_seconds=ttl,
         syncing_peers=syncing,
+        round_vector=round_vector if phase.phase in (NodePhase.FORMING, NodePhase.ALLREDUCE) else "",
     )
 
 
@@ -246,6 +251,7 @@ def _phase_from_proto(value: int) -> NodePhase:
 _SCALAR_FIELDS = (
     "run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash",
     "phase_round", "seconds_in_phase", "rounds_formed", "view_age_seconds", "record_ttl_seconds",
+    "round_vector",
 )  # fmt: skip
 _PEER_SCALAR_FIELDS = (
     "peer_id", "grpc_address", "round", "param_hash", "tokens_per_s", "bandwidth_bytes_per_s",

@@ -180,7 +180,7 @@ def test_json_and_text_of_a_served_status(capsys: pytest.CaptureFixture[str]) ->
         text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[0] == "node me (run 'demo', gRPC 10.0.0.2:7000)"
-    assert "phase: allreduce toward round 4, for 7.5 s" in lines
+    assert "phase: allreduce toward round 4 (fragment 2 in flight), for 7.5 s" in lines
     assert f"params: round 3, param_hash {'a' * 64}" in lines
     assert "syncing to join: new to round 3, due in 4 s, newer to round 3" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("PEER"))

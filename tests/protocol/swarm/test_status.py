@@ -109,6 +109,7 @@ def sample_status() -> NodeStatus:
         record_ttl=TTL,
         now=NOW,
         monotonic_now=107.5,
+        round_vector="fragment 2",  # the round averages one fragment of the model (--fragments)
     )
 
 
@@ -156,6 +157,16 @@ def test_build_status_before_publishing_and_while_training() -> None:
     joining = replace(local, status="syncing", ready_at=NOW + 3)
     syncing = build_status(local=joining, phase=PhaseState(NodePhase.SYNCING, 7, 1.0), **common)  # type: ignore[arg-type]
     assert (syncing.published, syncing.round, syncing.param_hash, syncing.phase_round) == (False, 0, "", 7)
+    # The part of the state a round carries is said while the round forms or averages, not after.
+    for phase, said in (
+        (NodePhase.FORMING, "fragment 1"),
+        (NodePhase.ALLREDUCE, "fragment 1"),
+        (NodePhase.TRAINING, ""),
+    ):
+        status = build_status(
+            local=local, phase=PhaseState(phase, 8, 1.0), round_vector="fragment 1", **common
+        )  # type: ignore[arg-type]
+        assert status.round_vector == said, phase
 
 
 def test_proto_round_trip_keeps_every_field() -> None:
@@ -297,26 +308,28 @@ def test_swarm_node_serves_its_phase_and_view() -> None:
 
         # A solo round (min_peers 1). The phase inside the formation and inside the all-reduce is
         # read there, on the loop, by wrapping both; afterwards the node trains with a group of one.
-        seen: list[tuple[NodePhase, int]] = []
+        seen: list[tuple[NodePhase, int, str]] = []
         form, allreduce = node.driver.form, node.server.allreduce.allreduce
 
         async def observed_form(*args: Any, **kwargs: Any) -> Any:
-            seen.append((node.status().phase, node.status().phase_round))
+            seen.append((node.status().phase, node.status().phase_round, node.status().round_vector))
             return await form(*args, **kwargs)
 
         async def observed_allreduce(*args: Any, **kwargs: Any) -> Any:
-            seen.append((node.status().phase, node.status().phase_round))
+            seen.append((node.status().phase, node.status().phase_round, node.status().round_vector))
             return await allreduce(*args, **kwargs)
 
         node.driver.form = observed_form  # type: ignore[method-assign]
         node.server.allreduce.allreduce = observed_allreduce  # type: ignore[method-assign]
         result = node.run_round(
-            torch.ones(10), round=5, param_hash=HASH_B, num_tokens=10, tokens_per_s=1.0, error_feedback=None
-        )
+            torch.ones(10), round=5, param_hash=HASH_B, num_tokens=10, tokens_per_s=1.0, error_feedback=None,
+            vector_name="fragment 3",
+        )  # fmt: skip
         assert isinstance(result, GroupAveraged), result
-        assert seen == [(NodePhase.FORMING, 6), (NodePhase.ALLREDUCE, 6)]
+        assert seen == [(NodePhase.FORMING, 6, "fragment 3"), (NodePhase.ALLREDUCE, 6, "fragment 3")]
         status = get_status(node.grpc_address, timeout=timedelta(seconds=5))
         assert (status.phase, status.phase_round, status.rounds_formed) == (NodePhase.TRAINING, 6, 1)
+        assert status.round_vector == ""  # the round landed: nothing in flight
         assert status.group is not None and (status.group.round, status.group.member_ids) == (
             6,
             (node.peer_id,),

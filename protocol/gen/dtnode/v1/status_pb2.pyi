@@ -89,7 +89,7 @@ class GroupStatus(_message.Message):
     def __init__(self, round: _Optional[int] = ..., group_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., member_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash", "phase", "phase_round", "seconds_in_phase", "rounds_formed", "group", "peers", "lost_peers", "view_age_seconds", "record_ttl_seconds", "syncing_peers")
+    __slots__ = ("run_name", "protocol_version", "peer_id", "grpc_address", "published", "round", "param_hash", "phase", "phase_round", "seconds_in_phase", "rounds_formed", "group", "peers", "lost_peers", "view_age_seconds", "record_ttl_seconds", "syncing_peers", "round_vector")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class NodeStatus(_message.Message):
     VIEW_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SYNCING_PEERS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VECTOR_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     protocol_version: int
     peer_id: str
@@ -124,4 +125,5 @@ class NodeStatus(_message.Message):
     view_age_seconds: float
     record_ttl_seconds: float
     syncing_peers: _containers.RepeatedCompositeFieldContainer[SyncingPeer]
-    def __init__(self, run_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., published: _Optional[bool] = ..., round: _Optional[int] = ..., param_hash: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., phase_round: _Optional[int] = ..., seconds_in_phase: _Optional[float] = ..., rounds_formed: _Optional[int] = ..., group: _Optional[_Union[GroupStatus, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., lost_peers: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., view_age_seconds: _Optional[float] = ..., record_ttl_seconds: _Optional[float] = ..., syncing_peers: _Optional[_Iterable[_Union[SyncingPeer, _Mapping]]] = ...) -> None: ...
+    round_vector: str
+    def __init__(self, run_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., published: _Optional[bool] = ..., round: _Optional[int] = ..., param_hash: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., phase_round: _Optional[int] = ..., seconds_in_phase: _Optional[float] = ..., rounds_formed: _Optional[int] = ..., group: _Optional[_Union[GroupStatus, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., lost_peers: _Optional[_Iterable[_Union[LostPeer, _Mapping]]] = ..., view_age_seconds: _Optional[float] = ..., record_ttl_seconds: _Optional[float] = ..., syncing_peers: _Optional[_Iterable[_Union[SyncingPeer, _Mapping]]] = ..., round_vector: _Optional[str] = ...) -> None: ...
