@@ -34,10 +34,12 @@ STEP_COST_IN_FORWARDS = 3.0  # one training step ≈ forward + backward (≈ 2 f
 
 
 def eval_interval(config: NodeConfig) -> int:
-    """Rounds between held-out evals: ``--eval-every``, or with 0 the auto rule of the module docstring."""
+    """Rounds between held-out evals: ``--eval-every``, or with 0 the auto rule of the module docstring
+    (with ``--fragments F`` a round comes every H/F inner steps on average: the rule counts those)."""
     if config.eval.every > 0:
         return config.eval.every
-    step_forwards = STEP_COST_IN_FORWARDS * config.inner.steps * config.inner.grad_accumulation
+    steps_per_round = config.inner.steps / config.outer.fragments
+    step_forwards = STEP_COST_IN_FORWARDS * steps_per_round * config.inner.grad_accumulation
     return max(1, math.ceil(config.eval.batches / (step_forwards * EVAL_BUDGET)))
 
 

@@ -84,6 +84,9 @@ def test_eval_every_auto_keeps_eval_within_its_budget() -> None:
     assert eval_interval(replace(defaults, eval_every=2)) == 2
     assert eval_interval(replace(defaults, inner_steps=1000)) == 1
     assert eval_interval(replace(defaults, eval_batches=1, inner_steps=10)) == math.ceil(1 / 0.3)
+    # --fragments 4: a round every H/4 = 12.5 steps, so 4 x as many rounds between evals give the
+    # budget's share of compute again (8 / (3 x 12.5 x 22) <= 1% < 8 / (3 x 12.5 x 21)).
+    assert eval_interval(replace(defaults, fragments=4)) == 22
 
 
 def test_inner_adamw_is_fused_only_on_cuda() -> None:
