@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from node.outer.seam import AdoptedState, Lineage, OuterStepper, Stepped
 from node.swarm.state import caught_up_state, round_mean_id, round_mean_link
 from protocol.membership.lineage import LineageDecision
-from protocol.membership.records import PeerRecord
+from protocol.membership.records import PeerRecord, SwarmView
 from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
@@ -66,8 +66,18 @@ def catch_up_with_means(
 def rejoin_due(view: Iterable[PeerRecord], my_peer_id: str, adopted: tuple[int, str]) -> bool:
     """Whether a node that adopted the state ``adopted`` = (round, param_hash) should end its inner
     phase now: a peer of that lineage is ready for the next round (join it with the steps done so
-    far), or a peer is past the adopted round (the round's lineage check then catches us up)."""
+    far), or a peer is past the adopted round (the round's lineage check then catches us up).
+    On a ``SwarmView`` it reads the view's index of its lineages (built once per view): the node asks
+    every view refresh while it catches up, and a scan of every peer each time adds up in a large swarm."""
     round, param_hash = adopted
+    if isinstance(view, SwarmView):
+        mine = view.get(my_peer_id)
+        held_by_me = (mine.round, mine.param_hash) if mine is not None else None
+        # past the adopted round: a lineage of a later round held by a peer other than us
+        past = any(
+            held[0] > round and size > (held == held_by_me) for held, size in view.lineage_sizes().items()
+        )
+        return past or not view.of_lineage(round, param_hash).ready_set <= {my_peer_id}
     for peer in view:
         if peer.peer_id == my_peer_id:
             continue

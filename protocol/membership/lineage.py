@@ -60,7 +60,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from protocol.membership.records import PeerRecord
+from protocol.membership.records import PeerRecord, SwarmView
 
 
 @dataclass(frozen=True, order=True)
@@ -92,14 +92,49 @@ def lineage_sizes(records: Iterable[PeerRecord]) -> Counter[Lineage]:
     return Counter(Lineage.of(record) for record in records)
 
 
+def _rule_order(lineage: Lineage, num_peers: int) -> tuple[int, int, str]:
+    """Most peers first, then the higher round, then the smaller hash: a total order, so one winner."""
+    return (-num_peers, -lineage.round, lineage.param_hash)
+
+
 def canonical_lineage(records: Iterable[PeerRecord]) -> tuple[Lineage, int]:
     """The canonical lineage of ``records`` and its number of peers (see the module docstring)."""
     sizes = lineage_sizes(records)
     if not sizes:
         raise ValueError("no records: an empty swarm has no lineage")
-    # Most peers first, then the higher round, then the smaller hash: a total order, so one winner.
-    best = min(sizes, key=lambda lineage: (-sizes[lineage], -lineage.round, lineage.param_hash))
+    best = min(sizes, key=lambda lineage: _rule_order(lineage, sizes[lineage]))
     return best, sizes[best]
+
+
+def _ranked(view: SwarmView) -> tuple[tuple[int, str], ...]:
+    """The view's lineages, as ``(round, param_hash)``, in the rule's order (once per view)."""
+    sizes = view.lineage_sizes()
+    return tuple(sorted(sizes, key=lambda held: (-sizes[held], -held[0], held[1])))
+
+
+def _canonical_in_view(view: SwarmView, local: PeerRecord, *, defer: bool) -> tuple[Lineage, int]:
+    """:func:`canonical_lineage` of the view's peers with ``local`` in place of the view's copy of
+    it (left out if ``defer`` and there are others), without counting every peer again: that
+    changes the view's sizes of at most two lineages (the copy's, one fewer; ``local``'s, one more),
+    so the winner is one of those two or the best of the view's ranking that is neither."""
+    sizes, ranking = view.lineage_sizes(), view.memo(_ranked)
+    changed: dict[tuple[int, str], int] = {}
+    own = view.get(local.peer_id)
+    if own is not None:
+        changed[(own.round, own.param_hash)] = -1
+    num_others = len(view) - (own is not None)
+    if not (defer and num_others):
+        held = (local.round, local.param_hash)
+        changed[held] = changed.get(held, 0) + 1
+    candidates = [(held, sizes.get(held, 0) + delta) for held, delta in changed.items()]
+    unchanged = next((held for held in ranking if held not in changed), None)
+    if unchanged is not None:
+        candidates.append((unchanged, sizes[unchanged]))
+    (round, param_hash), num_peers = min(
+        ((held, num_peers) for held, num_peers in candidates if num_peers > 0),
+        key=lambda candidate: (-candidate[1], -candidate[0][0], candidate[0][1]),  # _rule_order
+    )
+    return Lineage(round, param_hash), num_peers
 
 
 def _rendezvous_rank(local_id: str, source_id: str) -> bytes:
@@ -107,32 +142,46 @@ def _rendezvous_rank(local_id: str, source_id: str) -> bytes:
 
 
 def decide_lineage(
-    records: Iterable[PeerRecord], local: PeerRecord, *, defer: bool = False
+    records: Iterable[PeerRecord] | SwarmView, local: PeerRecord, *, defer: bool = False
 ) -> LineageDecision:
     """Decide the canonical lineage over ``records`` (the live peers) plus ``local``.
 
     ``local`` replaces the local peer's own record if ``records`` holds one: a peer knows its
     state better than the DHT's copy. The result is a pure function of the records, so peers with
-    the same view decide the same.
+    the same view decide the same. Given a ``SwarmView`` (the same decision as on its ``peers``),
+    the lineages' sizes are counted once per view, not on every call.
 
     ``defer``: the local peer does not count (unless it is alone): a fresh node joining a swarm
     follows the swarm's lineage, even where its own init would win the rule's tie-break (two nodes
     at round 0 on different inits); the swarm's nodes, whose records were there first, never adopt
     a newcomer's init.
     """
-    peers = {record.peer_id: record for record in records}
-    peers[local.peer_id] = local
-    others = [record for record in peers.values() if record.peer_id != local.peer_id]
-    canonical, num_peers = canonical_lineage(others if defer and others else peers.values())
+    if isinstance(records, SwarmView):
+        view = records
+        canonical, num_peers = _canonical_in_view(view, local, defer=defer)
+
+        def canonical_peers() -> Iterable[PeerRecord]:
+            return view.of_lineage(canonical.round, canonical.param_hash).records
+
+    else:
+        by_id = {record.peer_id: record for record in records}
+        by_id[local.peer_id] = local
+        others = [record for record in by_id.values() if record.peer_id != local.peer_id]
+        canonical, num_peers = canonical_lineage(others if defer and others else by_id.values())
+
+        def canonical_peers() -> Iterable[PeerRecord]:
+            return (record for record in by_id.values() if Lineage.of(record) == canonical)
+
     local_lineage = Lineage.of(local)
     in_canonical = local_lineage == canonical
     sources: tuple[str, ...] = ()
     if not in_canonical:
-        # (a client-mode peer serves no state: it accepts no connections)
+        # (a client-mode peer serves no state: it accepts no connections; ``local`` is not canonical,
+        # and the view's copy of it, which may be, does not count)
         canonical_ids = [
-            peer_id
-            for peer_id, record in peers.items()
-            if Lineage.of(record) == canonical and not record.client
+            record.peer_id
+            for record in canonical_peers()
+            if record.peer_id != local.peer_id and not record.client
         ]
         canonical_ids.sort(key=lambda peer_id: (_rendezvous_rank(local.peer_id, peer_id), peer_id))
         sources = tuple(canonical_ids)

@@ -235,10 +235,16 @@ class GroupSpec:
         return None
 
     def has_expected_parts(self) -> bool:
-        """Whether the parts are what ``parts.part_boundaries`` gives for these members."""
-        bandwidths = [member.bandwidth_bytes_per_s for member in self.members]
-        clients = [member.client for member in self.members]
-        return self.part_boundaries == part_boundaries(bandwidths, self.vector_length, clients)
+        """Whether the parts are what ``parts.part_boundaries`` gives for these members (worked out
+        once per group object: it is frozen, and a process that holds one object for many members,
+        as the swarm simulator does, would otherwise redo O(members) work per member)."""
+        known = self.__dict__.get("_has_expected_parts")
+        if known is None:
+            bandwidths = [member.bandwidth_bytes_per_s for member in self.members]
+            clients = [member.client for member in self.members]
+            known = self.part_boundaries == part_boundaries(bandwidths, self.vector_length, clients)
+            object.__setattr__(self, "_has_expected_parts", known)
+        return bool(known)
 
 
 @dataclass(frozen=True, kw_only=True)

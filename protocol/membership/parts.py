@@ -5,7 +5,8 @@ In the reduce-scatter/all-gather all-reduce (hivemind's butterfly all-reduce, Ry
 averages it and sends the mean back. A member's traffic grows with its part, so parts are
 proportional to the members' bandwidths: a fast uplink owns more of the vector.
 
-Algorithm (exact rational arithmetic, so every peer computes the same parts):
+Algorithm (exact rational arithmetic, so every peer computes the same parts; the shares are
+ratios of integers, ``_exact_weights``):
 
 1. Ideal share of member ``i``: ``L * b_i / sum(b)`` (equal shares if every bandwidth is 0).
 2. Every member must own at least one element when ``L >= n``: members whose ideal share is below
@@ -23,10 +24,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fractions import Fraction
 from itertools import accumulate
 
 from protocol.membership.records import check_int, check_rate
+
+
+def _exact_weights(bandwidths: Sequence[float]) -> list[int]:
+    """The bandwidths as integers on one scale, exactly: each float is ``numerator / 2**k``
+    (``float.as_integer_ratio``), so over the largest denominator they are integers in the same
+    ratios. Every share below is then a ratio of integers: the same rationals as with ``Fraction``,
+    without a gcd per addition (a leader's and every member's check of a thousand-member group)."""
+    if (
+        not all(type(b) is float for b in bandwidths)
+        or not 0.0 <= min(bandwidths) <= max(bandwidths) < math.inf
+    ):
+        bandwidths = [check_rate(f"bandwidths[{i}]", b) for i, b in enumerate(bandwidths)]  # says which
+    ratios = [b.as_integer_ratio() for b in bandwidths]
+    shift = max(den for _, den in ratios).bit_length()  # denominators are powers of two
+    return [num << (shift - den.bit_length()) for num, den in ratios]
 
 
 def part_sizes(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ...]:
@@ -34,8 +49,7 @@ def part_sizes(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ..
     if len(bandwidths) == 0:
         raise ValueError("need at least one member")
     check_int("vector_length", vector_length)
-    # Fraction(float) is exact: no rounding differences between peers or platforms.
-    weights = [Fraction(check_rate(f"bandwidths[{i}]", b)) for i, b in enumerate(bandwidths)]
+    weights = _exact_weights(bandwidths)  # exact: no rounding differences between peers or platforms
     num_members = len(weights)
 
     if vector_length < num_members:
@@ -46,28 +60,31 @@ def part_sizes(bandwidths: Sequence[float], vector_length: int) -> tuple[int, ..
             sizes[i] = 1
         return tuple(sizes)
 
-    fixed = [False] * num_members
+    # The free members' ideal shares are scaled[k] / total: ratios of integers, compared exactly.
+    free = list(range(num_members))
     while True:
-        free = [i for i in range(num_members) if not fixed[i]]
         remaining = vector_length - (num_members - len(free))
-        total = sum((weights[i] for i in free), Fraction(0))
-        if total > 0:
-            ideal = {i: remaining * weights[i] / total for i in free}
-        else:
-            ideal = {i: Fraction(remaining, len(free)) for i in free}
-        below_one = [i for i in free if ideal[i] < 1]
-        if not below_one:
+        free_weights = [weights[i] for i in free]
+        total = sum(free_weights)
+        if total == 0:  # every bandwidth is 0: equal shares
+            free_weights, total = [1] * len(free), len(free)
+        scaled = [remaining * weight for weight in free_weights]
+        still_free = [i for i, share in zip(free, scaled, strict=True) if share >= total]
+        if len(still_free) == len(free):
             break
         # remaining >= len(free), so the fastest free member's share is >= 1: `free` never empties.
-        for i in below_one:
-            fixed[i] = True
+        free = still_free  # the others are fixed at one element
 
-    sizes = [1 if fixed[i] else math.floor(ideal[i]) for i in range(num_members)]
-    leftover = remaining - sum(sizes[i] for i in free)
+    sizes = [1] * num_members
+    floors = [share // total for share in scaled]
+    for i, floor in zip(free, floors, strict=True):
+        sizes[i] = floor
+    leftover = remaining - sum(floors)
     assert 0 <= leftover < len(free)
-    by_remainder = sorted(free, key=lambda i: (-(ideal[i] - sizes[i]), i))
-    for i in by_remainder[:leftover]:
-        sizes[i] += 1
+    # Share k's fractional part is (scaled[k] mod total) / total: largest first, ties to the lower index.
+    by_remainder = sorted(range(len(free)), key=lambda k: (-(scaled[k] % total), free[k]))
+    for k in by_remainder[:leftover]:
+        sizes[free[k]] += 1
     assert sum(sizes) == vector_length
     return tuple(sizes)
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Final, Literal, cast
+from operator import attrgetter
+from typing import Final, Literal, TypeVar, cast
 
 from protocol.discovery.addresses import split_host_port
 
@@ -84,7 +86,8 @@ def check_token(name: str, value: object, *, max_chars: int) -> str:
         raise ValueError(f"{name} must be a string, got {type(value).__name__}")
     if not 1 <= len(value) <= max_chars:
         raise ValueError(f"{name} must have 1..{max_chars} characters, got {len(value)}")
-    if not all("!" <= char <= "~" for char in value):
+    # '!'..'~' only: printable ASCII is ' '..'~' (str.isprintable), less the space
+    if not (value.isascii() and value.isprintable() and " " not in value):
         raise ValueError(f"{name} must be printable ASCII without spaces, got {value!r}")
     return value
 
@@ -261,6 +264,94 @@ def newest_per_peer(records: Iterable[PeerRecord]) -> dict[str, PeerRecord]:
     return newest
 
 
+Derived = TypeVar("Derived")
+
+
+@dataclass(frozen=True)
+class SyncingPeers:
+    """A view's syncing peers that fetch one ``(round, param_hash)`` and said by when they expect to
+    hold it (``ready_at``), in that order."""
+
+    records: tuple[PeerRecord, ...]
+    ready_ats: tuple[float, ...]
+    """Their ``ready_at``, ascending (for ``bisect``)."""
+
+    def due(self, after: float, until: float) -> tuple[PeerRecord, ...]:
+        """Those whose ``ready_at`` lies in ``(after, until]``."""
+        return self.records[bisect_right(self.ready_ats, after) : bisect_right(self.ready_ats, until)]
+
+
+@dataclass(frozen=True)
+class LineagePeers:
+    """The live peers of a view that hold one ``(round, param_hash)``, each tuple sorted by peer id."""
+
+    records: tuple[PeerRecord, ...]
+    ready_ids: tuple[str, ...]
+    """Those ready for the next round (``ready_for_round == round + 1``)."""
+    ready_server_ids: tuple[str, ...]
+    """Those ready that accept connections (not ``client``)."""
+    peer_ids: frozenset[str]
+    ready_set: frozenset[str]
+    """``ready_ids`` as a set."""
+
+
+NO_LINEAGE_PEERS: Final = LineagePeers(
+    records=(), ready_ids=(), ready_server_ids=(), peer_ids=frozenset(), ready_set=frozenset()
+)
+
+
+def _records_by_lineage(view: SwarmView) -> dict[tuple[int, str], list[PeerRecord]]:
+    by_lineage: dict[tuple[int, str], list[PeerRecord]] = {}
+    for peer in view.peers:  # sorted by id, so each list is too
+        key = (peer.round, peer.param_hash)
+        if key in by_lineage:
+            by_lineage[key].append(peer)
+        else:
+            by_lineage[key] = [peer]
+    return by_lineage
+
+
+def _lineage_peers(records: list[PeerRecord]) -> LineagePeers:
+    ready_ids = tuple(
+        record.peer_id for record in records if record.ready_for_round is not None
+    )  # = round + 1
+    ready_set = frozenset(ready_ids)
+    return LineagePeers(
+        records=tuple(records),
+        ready_ids=ready_ids,
+        ready_server_ids=tuple(
+            record.peer_id for record in records if record.peer_id in ready_set and not record.client
+        ),
+        peer_ids=frozenset(record.peer_id for record in records),
+        ready_set=ready_set,
+    )
+
+
+def _syncing_by_lineage(view: SwarmView) -> dict[tuple[int, str], SyncingPeers]:
+    by_lineage: dict[tuple[int, str], list[PeerRecord]] = {}
+    for peer in view.syncing:
+        if peer.ready_at is not None:
+            by_lineage.setdefault((peer.round, peer.param_hash), []).append(peer)
+    grouped = {}
+    for key, records in by_lineage.items():
+        records.sort(key=lambda record: (record.ready_at, record.peer_id))
+        grouped[key] = SyncingPeers(
+            records=tuple(records), ready_ats=tuple(r.ready_at or 0.0 for r in records)
+        )
+    return grouped
+
+
+NO_SYNCING_PEERS: Final = SyncingPeers(records=(), ready_ats=())
+
+
+def _lineage_sizes(view: SwarmView) -> dict[tuple[int, str], int]:
+    return {key: len(records) for key, records in view.memo(_records_by_lineage).items()}
+
+
+def _lineage_peers_memo(view: SwarmView) -> dict[tuple[int, str], LineagePeers]:
+    return {}  # filled one lineage at a time by ``SwarmView.of_lineage``
+
+
 @dataclass(frozen=True)
 class SwarmView:
     """The live peers at clock time ``now``, sorted by peer id (the same order on every peer).
@@ -279,32 +370,61 @@ class SwarmView:
     foreign: tuple[PeerRecord, ...] = ()
     """Live or syncing peers left out because they train something else (``of_identity``), by peer id."""
     _by_id: Mapping[str, PeerRecord] = field(init=False, repr=False, compare=False)
+    _memo: dict[Callable[[SwarmView], object], object] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = [peer.peer_id for peer in self.peers]
         if ids != sorted(set(ids)):
             raise ValueError("SwarmView.peers must be sorted by peer_id without duplicates; use build()")
         object.__setattr__(self, "_by_id", {peer.peer_id: peer for peer in self.peers})
+        object.__setattr__(self, "_memo", {})
+
+    def memo(self, compute: Callable[[SwarmView], Derived]) -> Derived:
+        """``compute(self)``, computed once per view and kept with it. A view never changes, and the
+        membership code derives the same things from it on every event of a round (the lineage
+        rule's counts, the ready peers of a lineage): over every peer, which at a thousand peers is
+        most of a round's CPU. ``compute`` must be a pure function of the view, defined once (a
+        module-level function: it is the key)."""
+        memo = self._memo
+        if compute not in memo:
+            memo[compute] = compute(self)
+        return cast(Derived, memo[compute])
+
+    def syncing_of(self, round: int, param_hash: str) -> SyncingPeers:
+        """The syncing peers fetching ``(round, param_hash)`` with a ``ready_at`` (sorted once per view)."""
+        return self.memo(_syncing_by_lineage).get((round, param_hash), NO_SYNCING_PEERS)
+
+    def lineage_sizes(self) -> Mapping[tuple[int, str], int]:
+        """How many of the view's peers hold each ``(round, param_hash)`` (counted once per view)."""
+        return self.memo(_lineage_sizes)
+
+    def of_lineage(self, round: int, param_hash: str) -> LineagePeers:
+        """The view's peers holding ``(round, param_hash)`` (gathered once per view and lineage)."""
+        key = (round, param_hash)
+        known = self.memo(_lineage_peers_memo)
+        if key not in known:
+            records = self.memo(_records_by_lineage).get(key)
+            known[key] = NO_LINEAGE_PEERS if records is None else _lineage_peers(records)
+        return known[key]
 
     @classmethod
     def build(cls, records: Iterable[PeerRecord], *, now: float, protocol_version: int) -> SwarmView:
-        newest = newest_per_peer(records).values()
-        live = [record for record in newest if record.is_live(now, protocol_version)]
-        left = frozenset(
-            record.peer_id for record in newest if record.status == "left" and record.expires_at > now
-        )
-        syncing = [
-            record
-            for record in newest
-            if record.status == "syncing"
-            and record.expires_at > now
-            and record.protocol_version == protocol_version
-        ]
+        live: list[PeerRecord] = []  # is_live: active, unexpired, of our protocol version
+        syncing: list[PeerRecord] = []
+        left: list[str] = []
+        for record in newest_per_peer(records).values():
+            if record.expires_at <= now:
+                continue
+            if record.status == "left":
+                left.append(record.peer_id)
+            elif record.protocol_version == protocol_version:
+                (live if record.status == "active" else syncing).append(record)
+        by_id = attrgetter("peer_id")
         return cls(
             now=now,
-            peers=tuple(sorted(live, key=lambda record: record.peer_id)),
-            left_peer_ids=left,
-            syncing=tuple(sorted(syncing, key=lambda record: record.peer_id)),
+            peers=tuple(sorted(live, key=by_id)),
+            left_peer_ids=frozenset(left),
+            syncing=tuple(sorted(syncing, key=by_id)),
         )
 
     def of_identity(self, identity: str) -> SwarmView:

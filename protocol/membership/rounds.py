@@ -126,7 +126,7 @@ from protocol.membership.messages import (
     check_stream_addresses,
 )
 from protocol.membership.proposals import OpenProposal, solo_group
-from protocol.membership.records import PeerRecord, SwarmView, check_int, check_peer_id
+from protocol.membership.records import LineagePeers, PeerRecord, SwarmView, check_int, check_peer_id
 
 __all__ = ["Phase", "RoundConfig", "RoundFormation", "TooFewPolicy"]
 
@@ -152,6 +152,39 @@ def _seconds(duration: timedelta) -> float:
 _UNAVAILABLE = frozenset(
     {Reason.ALREADY_IN_GROUP, Reason.NOT_AVAILABLE, Reason.LINEAGE_MISMATCH, Reason.WRONG_ROUND}
 )
+
+
+class _Readiness:
+    """The ready peers of our lineage as :meth:`RoundFormation._lineage_peers` lists them (our own
+    record in place of the view's copy, the peers we exclude left out), answered from the view's
+    index of that lineage (``SwarmView.of_lineage``, built once per view) instead of a scan of every
+    peer on every event. A member asks only who leads and how many are ready: that costs the
+    excluded peers, not the swarm."""
+
+    def __init__(self, lineage: LineagePeers, *, local: PeerRecord, excluded: set[str]) -> None:
+        self._lineage = lineage
+        self._local = local
+        self._excluded = excluded  # ourselves included: the view's copy of us does not count
+
+    def first_server(self) -> str | None:
+        """The smallest ready peer id that accepts connections (the would-be leader), or None."""
+        first = next(
+            (peer_id for peer_id in self._lineage.ready_server_ids if peer_id not in self._excluded), None
+        )
+        if self._local.client:
+            return first
+        return self._local.peer_id if first is None else min(first, self._local.peer_id)
+
+    def num_ready(self) -> int:
+        excluded_ready = sum(1 for peer_id in self._excluded if peer_id in self._lineage.ready_set)
+        return len(self._lineage.ready_ids) - excluded_ready + 1
+
+    def ready_ids(self) -> set[str]:
+        return set(self._lineage.ready_set - self._excluded) | {self._local.peer_id}
+
+    def peer_ids(self) -> set[str]:
+        """Every peer of the lineage that may still join us, ready or not, ourselves included."""
+        return set(self._lineage.peer_ids - self._excluded) | {self._local.peer_id}
 
 
 class RoundFormation:
@@ -214,7 +247,7 @@ class RoundFormation:
         assert not self._started, "start() is called once"
         self._started = True
         self._view, self._now = view, now
-        decision = decide_lineage(view.peers, self.local)
+        decision = decide_lineage(view, self.local)
         if not decision.in_canonical:  # never announce readiness with params the swarm discards
             return self._finish(Resync(self.round, decision.canonical, decision.sync_sources))
         return [Publish(self.round), *self._evaluate(now)]
@@ -288,7 +321,7 @@ class RoundFormation:
 
     def _evaluate(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        decision = decide_lineage(self._view.peers, self.local)
+        decision = decide_lineage(self._view, self.local)
         if not decision.in_canonical:
             return self._finish(Resync(self.round, decision.canonical, decision.sync_sources))
         if self._open is not None and (self._open.all_answered() or now >= self._open.deadline):
@@ -322,6 +355,14 @@ class RoundFormation:
             and (peer.peer_id == self.peer_id or peer.peer_id not in excluded)
         ]
 
+    def _readiness(self) -> _Readiness:
+        """Who of :meth:`_lineage_peers` is ready, from the view's index of its lineages."""
+        return _Readiness(
+            self._view.of_lineage(self.local.round, self.local.param_hash),
+            local=self.local,
+            excluded=self._suspected | self._unavailable | {self.peer_id},
+        )
+
     def _choose_role(self, now: float) -> list[Action]:
         actions: list[Action] = []
         # Each pass returns or suspects one more peer, so this ends (we never suspect ourselves).
@@ -329,25 +370,17 @@ class RoundFormation:
             deferred = sorted(leader for leader in self._deferred if leader not in self._suspected)
             if deferred:  # a leader already waits for our answer: joining it is the fastest group
                 return actions + self._accept(deferred[0], self._deferred[deferred[0]], now)
-            lineage_peers = self._lineage_peers()
-            ready = [peer.peer_id for peer in lineage_peers if peer.ready_for_round == self.round]
+            readiness = self._readiness()
             # A client (accepts no connections) never leads: its members could not reach it.
-            ready_servers = [
-                peer.peer_id
-                for peer in lineage_peers
-                if peer.ready_for_round == self.round and not peer.client
-            ]
-            if not ready_servers:
-                return actions + self._await_server(lineage_peers)
-            leader = ready_servers[0]
+            leader = readiness.first_server()
+            if leader is None:
+                return actions + self._await_server(self._lineage_peers())
             if leader == self.peer_id:
                 self.phase = Phase.GATHERING
                 self._watched_leader = None
                 requesters = self._requesters - self._suspected - self._unavailable
-                candidates = sorted(set(ready) | requesters)
-                not_ready = {peer.peer_id for peer in lineage_peers} - set(candidates) | set(
-                    self._joiners_due()
-                )
+                candidates = sorted(readiness.ready_ids() | requesters)
+                not_ready = readiness.peer_ids() - set(candidates) | set(self._joiners_due())
                 if self._may_propose(now, candidates, not_ready):
                     actions += self._propose(now, candidates)
                 return actions
@@ -358,7 +391,7 @@ class RoundFormation:
                 self._asked = leader
                 self._ask_again_at = now + _seconds(self.config.proposal_timeout)
                 actions.append(Send(leader, JoinRequest(round=self.round, param_hash=self.local.param_hash)))
-            if len(ready) < self.config.min_peers:
+            if readiness.num_ready() < self.config.min_peers:
                 self._watched_leader = None  # the leader cannot propose yet; max_wait bounds this
                 return actions
             if leader != self._watched_leader:
@@ -392,13 +425,11 @@ class RoundFormation:
         stuck joiner holds up no round for longer than that."""
         window = _seconds(self.config.join_window)
         excluded = self._suspected | self._unavailable | {self.peer_id}
+        syncing = self._view.syncing_of(self.local.round, self.local.param_hash)
         return {
             peer.peer_id: peer.ready_at
-            for peer in self._view.syncing
-            if (peer.round, peer.param_hash) == (self.local.round, self.local.param_hash)
-            and peer.ready_at is not None
-            and self._now - window < peer.ready_at <= self.started_at + window
-            and peer.peer_id not in excluded
+            for peer in syncing.due(self._now - window, self.started_at + window)
+            if peer.ready_at is not None and peer.peer_id not in excluded
         }
 
     def _may_propose(self, now: float, candidates: list[str], not_ready: set[str]) -> bool:

@@ -134,10 +134,7 @@ def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
         return False
     now = swarm.driver.clock()  # the DHT's clock, which ready_at is on
     window = config.rounds.join_window.total_seconds()
+    syncing = swarm.driver.view.syncing_of(record.round, record.param_hash)  # by ready_at, once per view
     return any(
-        peer.peer_id != swarm.peer_id
-        and peer.ready_at is not None
-        and (peer.round, peer.param_hash) == (record.round, record.param_hash)
-        and now - window < peer.ready_at <= now + max_ahead.total_seconds()
-        for peer in swarm.driver.view.syncing
+        peer.peer_id != swarm.peer_id for peer in syncing.due(now - window, now + max_ahead.total_seconds())
     )

@@ -11,6 +11,7 @@ mean on. When no source serves a mean, it fetches the whole state instead.
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from node.outer.seam import JoinAnswer, JoinRequest
+from node.swarm.catch_up import rejoin_due
 from node.swarm.session import SwarmSession
 from node.swarm.state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
 from node.train.trainer import Trainer
@@ -30,6 +32,7 @@ from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import Lineage, LineageDecision
+from protocol.membership.records import SwarmView
 from protocol.swarm.node import SwarmNode
 from protocol.swarm.result import GroupAveraged, LineageResync, RoundResult
 from tests.node.swarm.test_swarm_session import (
@@ -40,6 +43,7 @@ from tests.node.swarm.test_swarm_session import (
     small_config,
     stepper,
 )
+from tests.protocol.membership.fake_swarm import PROTOCOL_VERSION, fake_hash, make_record
 from tests.protocol.swarm.test_swarm_node import started_nodes, wait_for_lineages
 
 __all__ = ["corpus_file"]  # fixture
@@ -259,3 +263,27 @@ def test_an_overlapped_member_serves_means_that_step_a_member_behind_to_its_stat
         caught_up_state(stepper(behind), served[3]["companions"][0], previous=(1, served[1]["param_hash"]),
                         target=(3, served[3]["param_hash"]), start=round_1_start, num_elements=num_elements,
                         corpus_sha256=corpus_sha256)  # fmt: skip
+
+
+# --- rejoin_due on a SwarmView: the same answer as a pass over its peers ---
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rejoin_due_on_a_view_is_the_scan_of_its_peers(seed: int) -> None:
+    """The reference is ``rejoin_due`` over the view's records as a plain iterable (every peer read)."""
+    rng = random.Random(seed)
+    hashes = [fake_hash("a"), fake_hash("b")]
+    for _ in range(300):
+        records = [
+            make_record(
+                f"p{index:02d}",
+                round=rng.choice((3, 4, 5)),
+                param_hash=rng.choice(hashes),
+                ready=rng.random() < 0.4,
+            )
+            for index in rng.sample(range(30), rng.randrange(0, 8))
+        ]
+        view = SwarmView.build(records, now=0.0, protocol_version=PROTOCOL_VERSION)
+        me = rng.choice([record.peer_id for record in records] + ["p99"])
+        adopted = (rng.choice((3, 4, 5)), rng.choice(hashes))
+        assert rejoin_due(view, me, adopted) == rejoin_due(iter(view.peers), me, adopted)

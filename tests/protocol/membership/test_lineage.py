@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
+from dataclasses import replace
 
 import pytest
 
 from protocol.membership.lineage import Lineage, canonical_lineage, decide_lineage, lineage_sizes
-from protocol.membership.records import PeerRecord
-from tests.protocol.membership.fake_swarm import fake_hash, make_record
+from protocol.membership.records import PeerRecord, SwarmView
+from tests.protocol.membership.fake_swarm import PROTOCOL_VERSION, fake_hash, make_record
 
 HA, HB, HC = fake_hash("A"), fake_hash("B"), fake_hash("C")
 
@@ -182,3 +184,61 @@ def test_a_fresh_joiner_defers_to_the_swarms_init_even_where_its_own_wins_the_ti
     assert deferred.sync_sources == ("swarm",)
     # Alone, a deferring node is its own lineage.
     assert decide_lineage([], joiner, defer=True).in_canonical
+
+
+# --- on a SwarmView: the same decision, the lineages counted once per view ---
+
+
+def _random_view(rng: random.Random, num_peers: int, hashes: list[str]) -> SwarmView:
+    records = []
+    for index in range(num_peers):
+        record = make_record(
+            f"p{rng.randrange(10**6):06d}-{index}",
+            round=rng.choice((3, 4, 5)),
+            param_hash=rng.choice(hashes),
+            ready=rng.random() < 0.5,
+        )
+        records.append(replace(record, client=rng.random() < 0.2))
+    return SwarmView.build(records, now=0.0, protocol_version=PROTOCOL_VERSION)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_views_decision_is_the_rule_on_its_records(seed: int) -> None:
+    """The reference is the rule on the view's records as a plain list (counted on every call)."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        view = _random_view(rng, rng.randrange(0, 12), [HA, HB, HC][: rng.randrange(1, 4)])
+        if view.peers and rng.random() < 0.6:  # we are in the view, maybe under a stale lineage
+            round = rng.choice((3, 4, 5))
+            local = replace(
+                rng.choice(view.peers),
+                round=round,
+                param_hash=rng.choice([HA, HB]),
+                ready_for_round=round + 1,
+            )
+        else:
+            local = make_record("local", round=rng.choice((3, 4, 5)), param_hash=rng.choice([HA, HB, HC]))
+        for defer in (False, True):
+            assert decide_lineage(view, local, defer=defer) == decide_lineage(
+                list(view.peers), local, defer=defer
+            )
+
+
+def test_a_view_counts_its_lineages_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A formation applies the rule on every event: on a view of 1000 peers, each call after the
+    first looks at a few lineages, not at every record again."""
+    view = _random_view(random.Random(9), 1000, [HA, HB])
+    local = make_record("local", round=4, param_hash=HA)
+    first = decide_lineage(view, local)
+    calls = 0
+    original = Lineage.of.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Lineage], record: PeerRecord) -> Lineage:
+        nonlocal calls
+        calls += 1
+        return original(cls, record)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Lineage, "of", classmethod(counted))
+    for _ in range(10):
+        assert decide_lineage(view, local) == first
+    assert calls <= 10 * 3

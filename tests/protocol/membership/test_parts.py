@@ -106,3 +106,44 @@ def test_matches_the_greedy_reference(bandwidths: list[float], vector_length: in
     if not all(vector_length * b / total >= 1 for b in bandwidths):
         return  # the reference does not enforce the one-element minimum
     assert part_sizes(bandwidths, vector_length) == _greedy_reference(bandwidths, vector_length)
+
+
+def _fraction_reference(bandwidths: list[float], vector_length: int) -> tuple[int, ...]:
+    """The algorithm of the module docstring in ``Fraction`` arithmetic, step by step (how parts.py
+    computed it before its shares became ratios of integers)."""
+    weights = [Fraction(b) for b in bandwidths]
+    num_members = len(weights)
+    if vector_length < num_members:
+        fastest_first = sorted(range(num_members), key=lambda i: (-weights[i], i))
+        return tuple(1 if i in fastest_first[:vector_length] else 0 for i in range(num_members))
+    fixed: set[int] = set()
+    while True:
+        free = [i for i in range(num_members) if i not in fixed]
+        remaining = vector_length - len(fixed)
+        total = sum((weights[i] for i in free), Fraction(0))
+        ideal = {i: remaining * weights[i] / total if total else Fraction(remaining, len(free)) for i in free}
+        below_one = {i for i in free if ideal[i] < 1}
+        if not below_one:
+            break
+        fixed |= below_one
+    sizes = [1 if i in fixed else math.floor(ideal[i]) for i in range(num_members)]
+    leftover = remaining - sum(sizes[i] for i in free)
+    for i in sorted(free, key=lambda i: (-(ideal[i] - sizes[i]), i))[:leftover]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    bandwidths=st.lists(
+        st.one_of(
+            st.floats(min_value=0.0, max_value=1e10, allow_nan=False),
+            st.sampled_from([0.0, 1e-300, 5e-324, 0.1, 1.25e6, 1e9]),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    vector_length=st.one_of(st.integers(0, 60), st.integers(10**6, 10**9)),
+)
+def test_integer_shares_are_the_fraction_algorithm(bandwidths: list[float], vector_length: int) -> None:
+    assert part_sizes(bandwidths, vector_length) == _fraction_reference(bandwidths, vector_length)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 from typing import Any
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.membership.records import PeerRecord, SwarmView, newest_per_peer, parse_records
-from tests.protocol.membership.fake_swarm import H0, make_record
+from protocol.membership.records import PeerRecord, SwarmView, check_token, newest_per_peer, parse_records
+from tests.protocol.membership.fake_swarm import H0, PROTOCOL_VERSION, make_record
 
 VERSION = 1
 
@@ -292,3 +293,41 @@ def test_parse_records_keeps_the_good_and_reports_the_bad() -> None:
     assert records == [make_record("a")]
     assert sorted(errors) == ["b", "c", "d"]
     assert "subkey" in errors["c"] and "mapping" in errors["d"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(min_size=1, max_size=20))
+def test_a_token_is_printable_ascii_without_spaces_char_by_char(value: str) -> None:
+    """The reference: every character between '!' and '~' (what the C-level test must equal)."""
+    expected = all("!" <= char <= "~" for char in value)
+    try:
+        check_token("name", value, max_chars=20)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted == expected
+
+
+def test_a_views_syncing_peers_due_in_a_window_are_the_scan_of_its_syncing_records() -> None:
+    """``syncing_of(...).due(after, until)`` against a pass over ``view.syncing``."""
+    rng = random.Random(5)
+    hashes = [H0, "b" * 64]
+    for _ in range(200):
+        records = []
+        for index in rng.sample(range(40), rng.randrange(0, 15)):
+            record = make_record(f"p{index:02d}", round=rng.choice((1, 2)), param_hash=rng.choice(hashes))
+            if rng.random() < 0.7:
+                ready_at = rng.choice([None, float(rng.randrange(0, 20))])
+                record = replace(record, status="syncing", ready_at=ready_at)
+            records.append(record)
+        view = SwarmView.build(records, now=0.0, protocol_version=PROTOCOL_VERSION)
+        round, param_hash = rng.choice((1, 2)), rng.choice(hashes)
+        after, until = sorted((float(rng.randrange(-2, 22)), float(rng.randrange(-2, 22))))
+        scan = {
+            peer.peer_id
+            for peer in view.syncing
+            if (peer.round, peer.param_hash) == (round, param_hash)
+            and peer.ready_at is not None
+            and after < peer.ready_at <= until
+        }
+        assert {peer.peer_id for peer in view.syncing_of(round, param_hash).due(after, until)} == scan

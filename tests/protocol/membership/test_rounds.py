@@ -22,6 +22,7 @@ from protocol.membership.messages import (
     Cancel,
     GroupMember,
     GroupSpec,
+    JoinRequest,
     Proposal,
     Reason,
     Reject,
@@ -539,3 +540,68 @@ def test_config_validation() -> None:
         RoundConfig(proposal_timeout=timedelta(seconds=10), begin_timeout=timedelta(seconds=10))
     with pytest.raises(ValueError, match="max_wait"):
         RoundConfig(join_window=timedelta(minutes=5), max_wait=timedelta(minutes=1))
+
+
+# --- the ready peers of our lineage, from the view's index of its lineages ---
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_readiness_from_the_views_index_is_the_scan_of_every_peer(seed: int) -> None:
+    """Who leads, how many are ready, who may still join: the same as a scan of the view with our
+    record in place of the view's copy and the excluded peers left out (``_lineage_peers``)."""
+    rng = random.Random(seed)
+    hashes = [H0, fake_hash("other")]
+    for _ in range(200):
+        records = [
+            replace(
+                make_record(
+                    f"p{index:02d}",
+                    round=rng.choice((0, 1)),
+                    param_hash=rng.choice(hashes),
+                    ready=rng.random() < 0.6,
+                ),
+                client=rng.random() < 0.3,
+            )
+            for index in rng.sample(range(40), rng.randrange(0, 12))
+        ]
+        view = SwarmView.build(records, now=0.0, protocol_version=PROTOCOL_VERSION)
+        local_id = rng.choice([record.peer_id for record in records] + ["p99"])
+        local = replace(make_record(local_id, round=rng.choice((0, 1))), client=rng.random() < 0.3)
+        machine = RoundFormation(config=CONFIG, local=local, num_tokens=1, vector_length=100, now=0.0)
+        machine._view = view
+        ids = [record.peer_id for record in records]
+        machine._suspected = set(rng.sample(ids, rng.randrange(0, len(ids) + 1)))
+        machine._unavailable = set(rng.sample(ids, rng.randrange(0, len(ids) + 1)))
+        lineage_peers = machine._lineage_peers()  # the reference: a scan of every peer
+        ready = [peer for peer in lineage_peers if peer.ready_for_round == machine.round]
+        servers = [peer.peer_id for peer in ready if not peer.client]
+        readiness = machine._readiness()
+        assert readiness.first_server() == (servers[0] if servers else None)
+        assert readiness.num_ready() == len(ready)
+        assert readiness.ready_ids() == {peer.peer_id for peer in ready}
+        assert readiness.peer_ids() == {peer.peer_id for peer in lineage_peers}
+
+
+def test_a_members_events_do_not_walk_every_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member re-evaluates its round on every view, tick and message: at 1000 peers that must cost
+    the lineage's index (built once per view), not a pass over the view each time."""
+    records = [make_record(f"p{index:04d}", ready=index % 2 == 0) for index in range(1000)]
+    view = SwarmView.build(records, now=0.0, protocol_version=PROTOCOL_VERSION)
+    machine = RoundFormation(
+        config=CONFIG, local=make_record("p0999"), num_tokens=1, vector_length=100, now=0.0
+    )
+    actions = machine.start(view, 0.0)
+    assert [to for to, _ in sends(actions, JoinRequest)] == ["p0000"]  # the smallest ready id leads
+    walks = 0
+    original = SwarmView.with_local
+
+    def counted(self: SwarmView, local: PeerRecord) -> tuple[PeerRecord, ...]:
+        nonlocal walks
+        walks += 1
+        return original(self, local)
+
+    monkeypatch.setattr(SwarmView, "with_local", counted)
+    for second in range(1, 20):
+        machine.on_view(view, float(second))
+        machine.tick(float(second) + 0.5)
+    assert machine.phase is Phase.WAITING and walks == 0
