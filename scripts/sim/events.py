@@ -12,17 +12,17 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 
-@dataclass(order=True)
 class Event:
     """One scheduled callback; ``cancel()`` makes the queue skip it."""
 
-    at: float
-    sequence: int
-    action: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
+    __slots__ = ("action", "at", "cancelled")
+
+    def __init__(self, at: float, action: Callable[[], None]) -> None:
+        self.at = at
+        self.action = action
+        self.cancelled = False
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -33,14 +33,15 @@ class EventQueue:
 
     def __init__(self, start: float = 0.0) -> None:
         self.now = start
-        self._heap: list[Event] = []
+        # (time, sequence, event): tuples compare in C, and the sequence breaks ties in schedule order
+        self._heap: list[tuple[float, int, Event]] = []
         self._sequence = itertools.count()
         self.num_events_run = 0
 
     def at(self, when: float, action: Callable[[], None]) -> Event:
         """Run ``action`` at simulated time ``when`` (now, if ``when`` is in the past)."""
-        event = Event(max(when, self.now), next(self._sequence), action)
-        heapq.heappush(self._heap, event)
+        event = Event(max(when, self.now), action)
+        heapq.heappush(self._heap, (event.at, next(self._sequence), event))
         return event
 
     def after(self, delay: float, action: Callable[[], None]) -> Event:
@@ -48,11 +49,12 @@ class EventQueue:
 
     def run_until(self, end: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Run events in time order until simulated time ``end``, or until ``stop()`` is true."""
-        while self._heap and self._heap[0].at <= end and not stop():
-            event = heapq.heappop(self._heap)
+        heap = self._heap
+        while heap and heap[0][0] <= end and not stop():
+            at, _, event = heapq.heappop(heap)
             if event.cancelled:
                 continue
-            self.now = event.at
+            self.now = at
             self.num_events_run += 1
             event.action()
         if not stop():

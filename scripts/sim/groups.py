@@ -52,6 +52,28 @@ class LineageTree:
     def add(self, lineage: Lineage, origin: Origin) -> None:
         self.origins[lineage] = origin
 
+    def chain(self, lineage: Lineage) -> list[Lineage]:
+        """``lineage`` and its ancestors, newest first (back to the run's init or a joiner's fetch)."""
+        chain = [lineage]
+        while (origin := self.origins.get(chain[-1])) is not None:
+            chain.append(origin.parent)
+        return chain
+
+    def off_chain(self, held: Lineage, chain: set[Lineage]) -> str:
+        """How params ``held`` that are not on ``chain`` (the canonical lineage's ancestry) left it:
+        ``"fork"`` if every round since was averaged by a group (a group formed apart from the
+        swarm: a split group or a partition's side), ``"own_delta"`` if one of them stepped on its
+        node's own Δ (the node re-syncs at its next round's lineage check)."""
+        current = held
+        while current not in chain:
+            origin = self.origins.get(current)
+            if origin is None:
+                return "fork"  # params from outside the run's tree: nothing leads back
+            if not origin.averaged:
+                return "own_delta"
+            current = origin.parent
+        return "fork"
+
     def means_lead_back(self, newest: Lineage, held: Lineage) -> bool:
         """Whether the rounds' means step from ``held`` to ``newest``: every round between was
         averaged by a group (whose members serve its mean), and the chain reaches ``held``."""

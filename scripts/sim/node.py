@@ -32,10 +32,12 @@ fetching, waiting) does not: ``compute utilization`` is their ratio.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -62,7 +64,7 @@ from protocol.membership.rounds import RoundFormation
 from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
 from protocol.swarm.participation import missed_round_wait, peer_due
 from scripts.sim.allreduce_cost import MemberTraffic, part_payload_bytes
-from scripts.sim.dht import SimulatedDht
+from scripts.sim.dht import SimulatedDht, restamped
 from scripts.sim.events import Event, EventQueue
 from scripts.sim.groups import AllReduces, LineageTree, Origin, derived_hash
 from scripts.sim.links import LinkProfile, Network
@@ -75,7 +77,8 @@ STATE_BYTES_PER_NUMBER = 8
 MAX_SYNC_SOURCES = 4
 """Sources a fetch reads from in parallel (the first of the decision's, in its rendezvous order)."""
 TOKENS_PER_PHASE = 1_000_000
-"""Tokens an inner phase trains (fixed H: the same for every node, whatever its speed)."""
+"""Tokens an inner phase of ``phase_seconds`` trains at speed 1x (with a fixed H, what every node's
+phase trains, whatever its speed)."""
 
 
 class NodeState(StrEnum):
@@ -132,6 +135,17 @@ class World:
     codec: Codec
     recorder: Recorder
     nodes: dict[str, SimNode]
+    record_ttl: float = field(init=False)
+    heartbeat: float = field(init=False)
+    view_refresh: float = field(init=False)
+    message_timeout: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The daemon's durations as seconds: read on every event.
+        self.record_ttl = self.config.record_ttl.total_seconds()
+        self.heartbeat = self.config.heartbeat.total_seconds()
+        self.view_refresh = self.config.view_refresh.total_seconds()
+        self.message_timeout = self.config.message_timeout.total_seconds()
 
     @property
     def vector_payload_bytes(self) -> int:
@@ -194,6 +208,7 @@ class SimNode:
         heartbeat_offset: float,
     ) -> None:
         self.world = world
+        self.queue = world.queue
         self.address = address
         self.heartbeat_offset = heartbeat_offset  # in [0, 1): when in the period its heartbeat falls
         self.peer_id = peer_id
@@ -208,8 +223,9 @@ class SimNode:
         self.catching_up = False
         self.adopted = Lineage(0, INIT_HASH)
         self.published: PeerRecord | None = None
+        self._own_record: PeerRecord | None = None  # _record()'s, for the lineage it names
         self.formation: RoundFormation | None = None
-        self.last_group_members: tuple[str, ...] = ()
+        self.last_group_members: frozenset[str] = frozenset()
         self.serving_until = -math.inf
         self.stand_in = DaemonStandIn(self)
         # the phase and the round in progress
@@ -231,7 +247,7 @@ class SimNode:
 
     @property
     def now(self) -> float:
-        return self.world.queue.now
+        return self.queue.now
 
     @property
     def config(self) -> SwarmConfig:
@@ -257,34 +273,45 @@ class SimNode:
     def _view(self) -> SwarmView:
         return self.world.dht.view(self.peer_id, self.now)
 
-    def _record(self, *, status: str = "active", ready_at: float | None = None) -> PeerRecord:
-        assert self.lineage is not None
-        return PeerRecord(
-            peer_id=self.peer_id,
-            grpc_address=self.address,
-            protocol_version=PROTOCOL_VERSION,
-            round=self.lineage.round,
-            param_hash=self.lineage.param_hash,
-            ready_for_round=None,
-            tokens_per_s=TOKENS_PER_PHASE * self.speed / self.world.settings.phase_seconds,
-            bandwidth_bytes_per_s=self.profile.up_bytes_per_s,
-            status=status,  # type: ignore[arg-type]
-            expires_at=self.now + self.config.record_ttl.total_seconds(),
-            ready_at=ready_at,
-        )
+    def _record(self) -> PeerRecord:
+        """Our active record of the params we hold, not ready, expiring a TTL from now. Built once per
+        lineage, then restamped: the record ``PeerRecord(...)`` would make, without validating it
+        again each time a node missed a round polls the lineage rule with it."""
+        lineage = self.lineage
+        assert lineage is not None
+        built = self._own_record
+        if built is None or (built.round, built.param_hash) != (lineage.round, lineage.param_hash):
+            built = self._own_record = PeerRecord(
+                peer_id=self.peer_id,
+                grpc_address=self.address,
+                protocol_version=PROTOCOL_VERSION,
+                round=lineage.round,
+                param_hash=lineage.param_hash,
+                ready_for_round=None,
+                tokens_per_s=TOKENS_PER_PHASE * self.speed / self.world.settings.phase_seconds,
+                bandwidth_bytes_per_s=self.profile.up_bytes_per_s,
+                status="active",
+                expires_at=self.now + self.world.record_ttl,
+            )
+        return restamped(built, self.now + self.world.record_ttl)
 
     def publish(self, record: PeerRecord) -> None:
         """Our record from now on (the heartbeat keeps storing it), stored at once."""
         self.published = record
-        self.world.dht.store(
-            dataclasses.replace(record, expires_at=self.now + self.config.record_ttl.total_seconds()),
-            self.now,
-        )
+        self.world.dht.store(restamped(record, self.now + self.world.record_ttl), self.now)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, incarnation: int) -> None:
+        """Store our record again, every ``heartbeat`` (what ``_after`` does, inlined: of all events,
+        heartbeats are the most, a thousand nodes storing one every two seconds each)."""
+        if self.incarnation != incarnation or not self.alive:
+            return
+        queue = self.queue
+        if queue.now < self.frozen_until:  # frozen: the thread is stopped until it thaws
+            queue.at(self.frozen_until, functools.partial(self._heartbeat, incarnation))
+            return
         if self.published is not None:
-            self.publish(self.published)
-        self._after(self.config.heartbeat.total_seconds(), self._heartbeat)
+            self.world.dht.store(restamped(self.published, queue.now + self.world.record_ttl), queue.now)
+        queue.after(self.world.heartbeat, functools.partial(self._heartbeat, incarnation))
 
     # --- lifecycle (faults.py and swarm.py call these) ---
 
@@ -301,7 +328,9 @@ class SimNode:
         self.world.recorder.up(self.peer_id, self.now)
         if lineage is not None:
             self.publish(self._record())
-        self._after(self.heartbeat_offset * self.config.heartbeat.total_seconds(), self._heartbeat)
+        self.queue.after(
+            self.heartbeat_offset * self.world.heartbeat, functools.partial(self._heartbeat, self.incarnation)
+        )
         self._after(delay, self._join)
 
     def crash(self) -> None:
@@ -315,9 +344,7 @@ class SimNode:
                 self.published, status="left", ready_for_round=None, ready_at=None
             )
             self.world.dht.store(
-                dataclasses.replace(
-                    tombstone, expires_at=self.now + 2 * self.config.record_ttl.total_seconds()
-                ),
+                dataclasses.replace(tombstone, expires_at=self.now + 2 * self.world.record_ttl),
                 self.now,
             )
         self._stop()
@@ -349,18 +376,18 @@ class SimNode:
         view = self._view()
         others = [peer for peer in view if peer.peer_id != self.peer_id]
         if self.lineage is None and not others:
-            self._after(self.config.view_refresh.total_seconds(), self._join)  # wait to see the swarm
+            self._after(self.world.view_refresh, self._join)  # wait to see the swarm
             return
         if self.lineage is None:
             # A fresh node's params are unknown until its model exists: it follows the swarm's lineage.
             local = dataclasses.replace(self._record_for(Lineage(0, INIT_HASH)), param_hash="0" * 64)
-            decision = decide_lineage(view.peers, local)
+            decision = decide_lineage(view, local)
             if decision.canonical.round == 0:
                 self._adopt(decision.canonical, catching_up=False)
                 return
             self._fetch(decision.canonical, decision.sync_sources, why="join")
             return
-        decision = decide_lineage(view.peers, self._record(), defer=True)
+        decision = decide_lineage(view, self._record(), defer=True)
         if decision.in_canonical or not decision.sync_sources:
             self.world.recorder.holds_state(self.peer_id, self.now)
             self._train()
@@ -380,10 +407,10 @@ class SimNode:
         self.state = NodeState.TRAINING
         self._phase_started = self.now
         self._extended_since = None
-        full = self.world.settings.phase_seconds / self.speed
+        full = self.world.settings.phase_seconds_at(self.speed)
         self._phase_end = self._after(full, self._phase_due)
         if self.catching_up:
-            self._after(self.config.view_refresh.total_seconds(), self._check_rejoin)
+            self._after(self.world.view_refresh, self._check_rejoin)
 
     def _check_rejoin(self) -> None:
         """SwarmSession.phase_should_end: an adopter joins the swarm's round as soon as it forms."""
@@ -394,7 +421,7 @@ class SimNode:
                 self._phase_end.cancel()
             self._end_phase()
             return
-        self._after(self.config.view_refresh.total_seconds(), self._check_rejoin)
+        self._after(self.world.view_refresh, self._check_rejoin)
 
     def _phase_due(self) -> None:
         """H steps are done: end the phase, unless a node is fetching our lineage's state (then train
@@ -406,15 +433,18 @@ class SimNode:
             if self._extended_since is None:
                 self._extended_since = self.now
             if self.now - self._extended_since < MAX_DUE_WAIT.total_seconds():
-                self._phase_end = self._after(self.config.view_refresh.total_seconds(), self._phase_due)
+                self._phase_end = self._after(self.world.view_refresh, self._phase_due)
                 return
         self._end_phase()
 
     def _end_phase(self) -> None:
         trained = self.now - self._phase_started
         self._compute += trained
-        full = self.world.settings.phase_seconds / self.speed
-        self._num_tokens = max(1, round(TOKENS_PER_PHASE * min(trained / full, 1.0)))
+        settings = self.world.settings
+        tokens = TOKENS_PER_PHASE * self.speed * trained / settings.phase_seconds
+        if settings.round_seconds == 0:  # H steps: no more tokens for a phase trained on (peer_due)
+            tokens = min(tokens, TOKENS_PER_PHASE)
+        self._num_tokens = max(1, round(tokens))
         self.catching_up = False
         self.state = NodeState.FORMING
         self._published_deadline = self.now + self.config.rounds.join_window.total_seconds()
@@ -425,14 +455,16 @@ class SimNode:
     def _await_group_published(self) -> None:
         """Give the last group's other members time to publish their new params (bounded)."""
         assert self.lineage is not None
-        view = self._view()
-        lagging = [
-            peer_id
-            for peer_id in self.last_group_members
-            if (record := view.get(peer_id)) is not None and record.round < self.lineage.round
-        ]
+        # The members whose record is on an older round (SwarmNode's scan of the members, through
+        # the view's index of its lineages: a group of a thousand, each asking every second).
+        round, view = self.lineage.round, self._view()
+        lagging = any(
+            not view.of_lineage(*held).peer_ids.isdisjoint(self.last_group_members)
+            for held in view.lineage_sizes()
+            if held[0] < round
+        )
         if lagging and self.now < self._published_deadline:
-            self._after(self.config.view_refresh.total_seconds(), self._await_group_published)
+            self._after(self.world.view_refresh, self._await_group_published)
             return
         self._form()
 
@@ -451,7 +483,7 @@ class SimNode:
         )
         self.formation = formation
         self._execute(formation, lambda: formation.start(self._view(), self.now))
-        self._after(self.config.view_refresh.total_seconds(), lambda: self._refresh(formation))
+        self._after(self.world.view_refresh, lambda: self._refresh(formation))
 
     def _refresh(self, formation: RoundFormation) -> None:
         """Every view_refresh while the round forms: a fresh view, then a tick (as the driver)."""
@@ -459,7 +491,7 @@ class SimNode:
             return
         self._execute(formation, lambda: formation.on_view(self._view(), self.now))
         self._execute(formation, lambda: formation.tick(self.now))
-        self._after(self.config.view_refresh.total_seconds(), lambda: self._refresh(formation))
+        self._after(self.world.view_refresh, lambda: self._refresh(formation))
 
     def _on_deadline(self, formation: RoundFormation) -> None:
         self._tick = None
@@ -497,7 +529,7 @@ class SimNode:
             self._on_outcome(formation, formation.outcome)
             return
         deadline = formation.next_deadline()
-        next_refresh = self.now + self.config.view_refresh.total_seconds()
+        next_refresh = self.now + self.world.view_refresh
         if (
             deadline is not None
             and deadline < next_refresh
@@ -510,7 +542,7 @@ class SimNode:
     def _send(self, to: str, message: Message) -> None:
         network = self.world.network
         target = self.world.nodes.get(to)
-        deadline = self.now + self.config.message_timeout.total_seconds()
+        deadline = self.now + self.world.message_timeout
         arrival = network.send_time(self.peer_id, to, message, self.now, deadline)
         if arrival is None or target is None or not network.reachable(self.peer_id, to):
             return
@@ -550,7 +582,7 @@ class SimNode:
             case StartAllReduce(group=group):
                 self._record_formed(formation, "group")
                 self.state = NodeState.ALLREDUCE
-                self.last_group_members = tuple(m for m in group.member_ids if m != self.peer_id)
+                self.last_group_members = frozenset(group.member_ids) - {self.peer_id}
                 self.world.allreduces.lock(self, group)
             case MissedRound():
                 self._record_formed(formation, "missed")
@@ -591,13 +623,13 @@ class SimNode:
         assert self.lineage is not None
         if self.state is not NodeState.MISSED:
             return
-        decision = decide_lineage(self._view().peers, self._record())
+        decision = decide_lineage(self._view(), self._record())
         if not decision.in_canonical and decision.canonical.round > self.lineage.round:
             self._fetch(decision.canonical, decision.sync_sources, why="missed")
         elif self.now >= self._missed_deadline:
             self._own_delta(round, "missed")
         else:
-            self._after(self.config.view_refresh.total_seconds(), lambda: self._await_lineage_past(round))
+            self._after(self.world.view_refresh, lambda: self._await_lineage_past(round))
 
     def _own_delta(self, round: int, how: str) -> None:
         """The round steps on our own Δ: params nobody else holds."""
@@ -620,13 +652,18 @@ class SimNode:
         """Fetch the canonical state (SwarmSession._fetch_canonical): the rounds' means if at most
         MAX_CATCH_UP_ROUNDS behind on a chain of means, else the whole state; announced."""
         network, nodes = self.world.network, self.world.nodes
-        usable = [
-            source
-            for source in sources
-            if source in nodes and nodes[source].is_up() and network.reachable(self.peer_id, source)
-        ][:MAX_SYNC_SOURCES]
+        usable = list(
+            itertools.islice(
+                (
+                    source
+                    for source in sources
+                    if source in nodes and nodes[source].is_up() and network.reachable(self.peer_id, source)
+                ),
+                MAX_SYNC_SOURCES,
+            )
+        )
         if not usable:  # the fetch fails (its sources are gone or cut off); a later check retries
-            retry = self.config.message_timeout.total_seconds()
+            retry = self.world.message_timeout
             if self.lineage is None:
                 self._after(retry, self._join)
             else:

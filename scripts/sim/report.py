@@ -207,6 +207,8 @@ def summary_line(result: dict[str, Any]) -> str:
         f"participation {t['participation']}, split groups {t['split_groups']}, "
         f"groups on other lineages {t['other_lineage_groups']}, "
         f"largest group {max(sizes, default=0)}, formation max {max(formation, default=0.0):.1f}s, "
-        f"utilization {t['compute_utilization_mean']}, lineages at end {result['end']['lineages']}, "
+        f"utilization {t['compute_utilization_mean']}, lineages at end {result['end']['lineages']} "
+        f"(forked {result['end']['forked_lineages']}, nodes on their own Δ {result['end']['own_delta_nodes']}, "
+        f"behind {result['end']['behind_nodes']}), "
         f"simulated {result['end']['simulated_seconds']:.0f}s"
     )

@@ -9,7 +9,8 @@ the same ``RoundConfig``, record TTL, heartbeat, view refresh, codec and stall t
 The world's distributions (each draw from the run's seed, documented where it is made):
 
 - compute speed: uniform in ``[speed_min, speed_max]`` (1x-4x), a node's inner phase lasting
-  ``phase_seconds / speed``;
+  ``phase_seconds / speed`` (a fixed H), or ``round_seconds`` for every node (``--round-seconds``:
+  rounds due by time, each node's tokens in proportion to its speed);
 - access link: uplink = downlink, log-uniform in ``[link_mbit_min, link_mbit_max]`` Mbit/s (10 Mbit/s
   to 1 Gbit/s spans home DSL to a datacenter port evenly in orders of magnitude); one-way latency to
   the core uniform in ``[latency_ms_min, latency_ms_max]``, a pair's latency the sum of both ends';
@@ -75,6 +76,9 @@ class SimSettings:
     """The wire codec (``protocol.codecs``), as ``--codec``."""
     phase_seconds: float = 120.0
     """An inner phase (H steps) at speed 1x."""
+    round_seconds: float = 0.0
+    """``--round-seconds`` of the daemon: every node's phase lasts this long, whatever its speed; 0:
+    H steps, ``phase_seconds / speed``."""
     speed_min: float = 1.0
     speed_max: float = 4.0
     link_mbit_min: float = 10.0
@@ -106,20 +110,28 @@ class SimSettings:
             raise ValueError("need 0 <= dht_delay_min <= dht_delay_max and 0 <= dht_loss < 1")
         if self.phase_seconds <= 0 or self.dht_epoch <= 0:
             raise ValueError("phase_seconds and dht_epoch must be positive")
+        if self.round_seconds < 0:
+            raise ValueError(f"round_seconds must be >= 0, got {self.round_seconds}")
+
+    def phase_seconds_at(self, speed: float) -> float:
+        """How long a node of ``speed`` trains an inner phase."""
+        return self.round_seconds if self.round_seconds > 0 else self.phase_seconds / speed
 
     @property
     def stop_after(self) -> float:
         """Simulated seconds the run may last at most."""
         if self.max_seconds > 0:
             return self.max_seconds
-        slowest = self.phase_seconds / self.speed_min
+        slowest = self.phase_seconds_at(self.speed_min)
         return self.num_rounds * 3 * (slowest + self.max_wait + 300.0) + 600.0
 
 
 def daemon_node_config(settings: SimSettings) -> NodeConfig:
-    """The ``NodeConfig`` of ``dtnode join --codec ... --join-window ... --max-wait ...``."""
+    """The ``NodeConfig`` of ``dtnode join --codec ... --join-window ... --max-wait ...
+    [--round-seconds ...]``."""
+    by_time = {"round_seconds": settings.round_seconds} if settings.round_seconds > 0 else {}
     return NodeConfig.from_flat(
-        codec=settings.codec, join_window=settings.join_window, max_wait=settings.max_wait
+        codec=settings.codec, join_window=settings.join_window, max_wait=settings.max_wait, **by_time
     )
 
 

@@ -47,6 +47,7 @@ class Swarm:
         self.network = Network(PROTOCOL_VERSION)
         self.lineages = LineageTree()
         self._round_done_at: float | None = None
+        self._short: SimNode | None = None  # an up node short of the last round, when last asked
         self.allreduces = AllReduces(
             queue=self.queue,
             network=self.network,
@@ -123,14 +124,18 @@ class Swarm:
         if self._round_done_at is None:
             return False
         settings = self.settings
-        grace = settings.phase_seconds / settings.speed_min + settings.max_wait
+        grace = settings.phase_seconds_at(settings.speed_min) + settings.max_wait
         if self.queue.now >= self._round_done_at + grace:
             return True
-        return all(
-            node.lineage is None or node.lineage.round >= settings.num_rounds
-            for node in self.world.nodes.values()
-            if node.is_up()
-        )
+
+        def short(node: SimNode) -> bool:
+            return node.is_up() and node.lineage is not None and node.lineage.round < settings.num_rounds
+
+        # Asked after every event: the node found short last time most often still is (O(1)).
+        if self._short is not None and short(self._short):
+            return False
+        self._short = next((node for node in self.world.nodes.values() if short(node)), None)
+        return self._short is None
 
     def start(self) -> None:
         """Create the initial nodes on the round-0 params and schedule the faults (once)."""
@@ -157,6 +162,17 @@ class Swarm:
         live = [node for node in self.world.nodes.values() if node.is_up() and node.lineage is not None]
         held = Counter(node.lineage for node in live if node.lineage is not None)
         canonical = held.most_common(1)[0] if held else None
+        # The other lineages: behind on the canonical chain, a node's own Δ, or a fork (see off_chain).
+        chain = set(self.lineages.chain(canonical[0])) if canonical else set()
+        kind_of = {
+            lineage: "behind" if lineage in chain else self.lineages.off_chain(lineage, chain)
+            for lineage in held
+            if canonical is not None and lineage != canonical[0]
+        }
+        kinds = Counter(kind_of.values())
+        nodes_of: Counter[str] = Counter()
+        for lineage, kind in kind_of.items():
+            nodes_of[kind] += held[lineage]
         config = self.config
         return {
             "settings": _plain(dataclasses.asdict(self.settings)),
@@ -181,6 +197,10 @@ class Swarm:
                 "lineages": len(held),
                 "canonical_round": canonical[0].round if canonical else None,
                 "canonical_nodes": canonical[1] if canonical else 0,
+                "forked_lineages": kinds["fork"],
+                "forked_nodes": nodes_of["fork"],
+                "own_delta_nodes": nodes_of["own_delta"],
+                "behind_nodes": nodes_of["behind"],
                 "dht_stores": self.world.dht.num_stores,
                 "dht_lost": self.world.dht.num_lost,
                 "membership_messages": self.network.num_messages,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namesp
     add("--codec", default=sim.codec, help="wire codec, as --codec of dtnode")
     add("--phase-seconds", type=float, default=sim.phase_seconds, help="an inner phase (H steps) at speed 1x")
     add("--speed-max", type=float, default=sim.speed_max, help="compute speeds are uniform in [1, this]")
+    add("--round-seconds", type=float, default=sim.round_seconds,
+        help="--round-seconds of dtnode: every phase lasts this long (0: H steps, --phase-seconds at 1x)")  # fmt: skip
     add("--link-mbit", type=float, nargs=2, default=(sim.link_mbit_min, sim.link_mbit_max), metavar=("MIN", "MAX"),
         help="uplink = downlink, log-uniform in [MIN, MAX] Mbit/s")  # fmt: skip
     add("--latency-ms", type=float, nargs=2, default=(sim.latency_ms_min, sim.latency_ms_max), metavar=("MIN", "MAX"),
@@ -116,6 +119,7 @@ def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namesp
         codec=args.codec,
         phase_seconds=args.phase_seconds,
         speed_max=args.speed_max,
+        round_seconds=args.round_seconds,
         link_mbit_min=args.link_mbit[0],
         link_mbit_max=args.link_mbit[1],
         latency_ms_min=args.latency_ms[0],
@@ -197,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     for figures in result["rounds"]:
         print(round_line(figures))
         print("  " + swarm.recorder.host_line(figures["round"]))
-    print(summary_line(result) + f", wall {wall:.1f}s")
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    print(
+        summary_line(result) + f", wall {wall:.1f}s, CPU {cpu.ru_utime + cpu.ru_stime:.1f}s "
+        f"(the process's, imports included), peak RSS {cpu.ru_maxrss / 1024:.0f} MiB, "
+        f"views built {swarm.world.dht.num_views_built}, events {result['end']['events']}"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.plot is not None and not plot(result, args.plot):
