@@ -189,19 +189,25 @@ def assert_disjoint(reads: dict[str, list[int]]) -> None:
         assert not shared, f"{name_a} and {name_b} both read window(s) {sorted(shared)[:8]} in the round"
 
 
+def lineage_at_round_3(corpus_file: Path, tmp_path: Path) -> tuple[Snapshot, dict[str, Any], int]:
+    """The lineage a joiner adopts: a node's state after 3 rounds, resharded as after a round in a group
+    of two; its snapshot, the record fields naming it (round, param_hash) and its data position."""
+    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=3))
+    source.run()
+    source.batches.reshard(0, 2)
+    start = source.batches.position
+    assert (start, source.batches.epoch) == (3 * INNER_STEPS * BATCH_SIZE, 0)
+    snapshot = source.round.snapshot()
+    return snapshot, dict(round=3, param_hash=snapshot.state_id), start
+
+
 @pytest.mark.timeout(180)
 def test_a_late_joiners_first_partial_round_reads_no_window_a_live_node_reads(
     corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The lineage: 3 rounds of H = 2 steps, alone (1 shard: position 3 * 2 * B = 24), then two
     # members read shards 0 and 1 of 2, and a node that joined before us reads spare lane 0.
-    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=3))
-    source.run()
-    source.batches.reshard(0, 2)  # as after a round in a group of two
-    snapshot = source.round.snapshot()
-    lineage = dict(round=3, param_hash=snapshot.state_id)
-    start = source.batches.position
-    assert (start, source.batches.epoch) == (3 * INNER_STEPS * BATCH_SIZE, 0)
+    snapshot, lineage, start = lineage_at_round_3(corpus_file, tmp_path)
     members = [
         record("peer-m0", lane=(0, 2), **lineage),
         record("peer-m1", lane=(1, 2), **lineage),
@@ -290,12 +296,7 @@ def test_two_joiners_that_chose_one_spare_lane_part_at_the_next_step_boundary(
 ) -> None:
     # Two nodes adopt the lineage's state at once; neither sees the other's record yet, so both take
     # spare lane 0. Once our view shows the other's (it orders before us), we move to lane 1.
-    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=3))
-    source.run()
-    source.batches.reshard(0, 2)
-    snapshot = source.round.snapshot()
-    lineage = dict(round=3, param_hash=snapshot.state_id)
-    start = source.batches.position
+    snapshot, lineage, start = lineage_at_round_3(corpus_file, tmp_path)
     members = [record("peer-m0", lane=(0, 2), **lineage), record("peer-m1", lane=(1, 2), **lineage)]
     node = FakeSwarmNode("peer-new", members, snapshot=snapshot)
     joiner = Trainer(
@@ -508,12 +509,7 @@ def test_a_late_joiner_with_round_seconds_reads_an_endless_spare_lane(
     # Rounds due by time: a joiner's phase lasts until the members' round forms, however many steps
     # that is. It reads 3*H steps on spare lane 1 (lane 0 is another joiner's): never a window twice,
     # never one of lane 0's or of the members' (who read 3*H steps too).
-    source = Trainer(small_config(corpus_file, tmp_path / "source", max_rounds=3))
-    source.run()
-    source.batches.reshard(0, 2)
-    snapshot = source.round.snapshot()
-    lineage = dict(round=3, param_hash=snapshot.state_id)
-    start = source.batches.position
+    snapshot, lineage, start = lineage_at_round_3(corpus_file, tmp_path)
     members = [
         record("peer-m0", lane=(0, 2), **lineage),
         record("peer-m1", lane=(1, 2), **lineage),
