@@ -165,8 +165,8 @@ def test_a_fragment_round_that_falls_back_or_sends_the_node_to_adopt_is_one_roun
     theirs = diloco.global_params + 0.01
     state = AdoptedState(round=3, param_hash=tensor_hash(theirs), global_params=theirs,
                          outer_momentum=torch.full_like(theirs, 0.5), metadata={"step": 6, "data": {}})  # fmt: skip
-    step()  # round 3 goes after step 6 ...
-    swarm.hand(state)  # ... and was formed without us
+    swarm.hand(state)  # round 3 is formed without us (handed before it goes: its thread may ask at once)
+    step()  # round 3 goes after step 6
     step()  # it lands after step 7: we adopt
     assert [(a.round_index, a.fragment, a.kind) for a in applied] == [
         (1, 1, "averaged"), (2, 2, "fell_back"), (3, 3, "adopted"),
