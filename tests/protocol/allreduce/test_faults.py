@@ -183,9 +183,16 @@ def test_an_owner_lost_before_telling_its_voters_costs_no_deadline(tmp_path: Pat
                 assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
             else:
                 assert record["max_abs_error"] == 0.0, record
-        # No voter was told, so no version of part 1 may ever be used: its voters' votes are spent on
-        # the owner's, so no other version can win a majority either. Every survivor falls back.
-        assert all(r["fell_back"] for r in first), [r["failures"] for r in first]
+        # No voter was told, so its voters' votes are spent on the owner's version and no other can win
+        # a majority: survivors fall back. A fall-back is each node's own (its own vector, checked
+        # above); what must never happen is two survivors averaging different means. (An owner suspected
+        # after a 3 s stall that is alive after all may tell its voters late: then some survivors
+        # average, all on one mean, and the others fall back. Reproduced by pausing a starved owner;
+        # a loaded CI clone once ended [stall] with a survivor averaged.)
+        averaged = [r for r in first if not r["fell_back"]]
+        assert len({r["sha256"] for r in averaged}) <= 1, [r["failures"] for r in first]
+        if action == "kill":  # a dead owner tells nobody late: every survivor falls back
+            assert not averaged, [r["failures"] for r in first]
         for record in second:  # the next round runs without the victim
             assert record["fell_back"] is False, record["failures"]
             assert record["max_abs_error"] == 0.0, record
