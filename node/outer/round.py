@@ -6,7 +6,6 @@ Both loops, the daemon's (``node/train/trainer.py``) and the Python API's (``nod
 
     at_step_boundary()
       ├─ the phase is due (H steps, or --round-seconds; trained on while a node fetches our state)
-      ├─ by steps: the swarm's round is due and we are slower than the swarm: end the phase short
       ├─ the round in flight (--overlap) landed and sends us to adopt the swarm's state
       ├─ we adopted mid-phase and the swarm's next round forms now (catch-up): skip to its step
       │        └─> _end_phase():
@@ -66,14 +65,6 @@ from node.swarm.state import run_identity, state_snapshot
 # How often the phase's throughput goes to the swarm side during a phase (the record carries it
 # from the next heartbeat on): often enough for `dtnode status`, rarely enough to cost nothing.
 ADVERTISE_RATE_EVERY_S = 1.0
-
-# A node slower than its swarm ends its phase short of H rather than keep the others waiting, unless
-# it would reach H within this grace of the swarm's round being due: max(GRACE_S, GRACE_SHARE x the
-# phase). Nodes of equal speed finish H: their lag (the start barrier's, jitter) stays under it, even
-# with 4-5 nodes sharing 2 loaded CPU cores, where nodes of one configuration lagged by up to 30% of a
-# phase (BENCHMARKS.md, "Uneven speeds with the defaults"). A node up to 1/3 slower counts as equal.
-SHORT_PHASE_GRACE_S = 1.5
-SHORT_PHASE_GRACE_SHARE = 1 / 3
 
 if TYPE_CHECKING:
     from node.outer.diloco import DiLoCo
@@ -255,13 +246,6 @@ class OuterRound:
         self._pending_mix: tuple[int, int] | None = None
         self._unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
         self._served: tuple[int, str] | None = None  # the lineage this node serves now
-        # Rounds due by steps with uneven speeds (_short_phase_due): whether our last phase ended short
-        # of H (we are slower than the swarm), the swarm's pace then (seconds from the start of that
-        # phase until its round was due; None: not known), and the time the loop waited for the round
-        # to form before the phase ended, which its round record counts as blocked.
-        self._short = False
-        self._pace: float | None = None
-        self._unrecorded_wait = 0.0
         self._last_rate = 0.0  # tokens (or samples) per second of the last phase that ended
 
     # --- lifecycle ---
@@ -366,8 +350,7 @@ class OuterRound:
         if self.fragments is not None:
             return self._fragment_boundary()
         if self._phase_due():
-            self._short = False
-            return self._paced()
+            return self._end_phase()
         landed = self._landed()
         if landed is not None and isinstance(landed.outcome.decision, Adopt):
             # Overlap: the round in flight sent us to adopt the swarm's state; this phase's steps are
@@ -386,17 +369,6 @@ class OuterRound:
             self.data.skip(missing)
             self.progress.step += missing
             return self._end_phase()
-        if self._short_phase_due():
-            # Slower than the swarm: the steps done so far go to the round now (weighted by their
-            # tokens), on the swarm's step count (the LR schedule's, the served state's) and at the
-            # group's agreed data position (Phase 4: from the most tokens a member trained).
-            done = self.progress.step - self._start_step()
-            log.info(
-                "ending the phase after %d of %d steps: the swarm's round is due", done, self._phase_length()
-            )
-            self.progress.step += self._phase_length() - done
-            self._short = True
-            return self._paced()
         if landed is not None and self.swarm is not None and self._submitted_boundary is not None:
             # Overlap: the round in flight was applied (polled at this step boundary): serve it now,
             # not at the phase's end, so the swarm's lineage check sees every member of the round on
@@ -514,62 +486,6 @@ class OuterRound:
             log.info("a node is fetching our lineage's state: training on until it joins")
         return now - self._extended_since >= MAX_DUE_WAIT.total_seconds()
 
-    def _short_phase_due(self) -> bool:
-        """Rounds due by steps (the default): whether to end the phase short of H now, because the
-        swarm's round is due and we are slower than the swarm (ARCHITECTURE.md, "Participation").
-
-        A round is due for the swarm when its first members reach H steps: they say they are ready
-        (``SwarmSide.round_forming``). A node that would reach H later than that by more than the
-        grace (:func:`_grace`) ends its phase at its next step boundary; its Δ is weighted by the
-        tokens it trained, as every Δ is. Having ended a phase short, it knows the swarm's pace
-        (``_pace``: when in that phase the round became due, at the earliest its previous step
-        boundary) and trains the next phase up to the last step boundary before it, waits there for
-        the round to form (``SwarmSide.await_round_forming``; it would wait in the round's formation
-        anyway) and ends the phase then, so the first members find it ready; it is never ready
-        before them, so nobody reads its readiness as the round being due. A node that reaches H
-        within the grace of its last round's pace is not slower: it trains H whoever is ready first;
-        nodes of equal speed never end short. Not with ``--round-seconds`` (rounds due by time
-        already), ``--overlap`` or ``--fragments`` (their rounds land at fixed steps)."""
-        settings, swarm, started = self.settings, self.swarm, self._phase_started
-        if swarm is None or settings.round_seconds or settings.overlap or self.fragments is not None:
-            return False
-        done = self.progress.step - self._start_step()
-        missing = self._phase_length() - done
-        if done < 1 or missing < 1 or started is None:
-            return False
-        elapsed = time.monotonic() - started
-        step_seconds = elapsed / done
-        finish = elapsed + missing * step_seconds  # when H steps would be done at this phase's pace
-        pace = self._pace
-        if pace is not None and finish <= pace + _grace(pace):
-            return False  # not slower than the swarm's last round
-        if swarm.round_forming():  # due since our previous step boundary (or a view refresh) at most
-            if finish - elapsed <= _grace(elapsed):
-                return False
-            self._pace = max(elapsed - step_seconds, 0.0)
-            return True
-        if not self._short or pace is None or elapsed + step_seconds <= pace or finish - pace <= _grace(pace):
-            return False  # another step fits before the swarm's pace
-        # Ready first: wait for the first members here (not in the round's formation, where our
-        # readiness would say the round is due), at most a step and a grace past the pace (a pace
-        # first taken at a step boundary is up to a step early). If they are slower than that, train
-        # on: the round ends our phase when it is due, and the pace is measured again.
-        waited_from = time.monotonic()
-        formed = swarm.await_round_forming(max(pace - elapsed, 0.0) + step_seconds + _grace(pace))
-        self._pace = time.monotonic() - started if formed else None
-        self._unrecorded_wait += time.monotonic() - waited_from
-        return formed
-
-    def _paced(self) -> RoundApplied | None:
-        """:meth:`_end_phase`, keeping the swarm's pace only after a phase that ended short and was
-        averaged with a group (after H steps, a fallback or an adoption it is measured anew)."""
-        applied = self._end_phase()
-        if applied is None or applied.kind != "averaged":
-            self._pace, self._short = None, False
-        elif not self._short:
-            self._pace = None
-        return applied
-
     def _restart_phase(self) -> None:
         self._phase_started, self._phase_start_step = time.monotonic(), self.progress.step
         self._extended_since = None
@@ -588,8 +504,7 @@ class OuterRound:
             landed: _Landed | None = self._average_and_apply(
                 self.diloco.pseudo_gradient(), self._request(weight, rate)
             )
-            seconds_waited = (landed.seconds_comm if landed is not None else 0.0) + self._unrecorded_wait
-            self._unrecorded_wait = 0.0
+            seconds_waited = landed.seconds_comm if landed is not None else 0.0
             if landed is not None and not isinstance(landed.outcome.decision, Adopt):
                 self.diloco.load_global_into_model()  # the model restarts from θ_global
         else:
@@ -833,7 +748,6 @@ class OuterRound:
         progress.round_tokens, progress.round_compute_seconds = 0, 0.0
         self._phase_started = self._phase_start_step = None  # the next phase starts from the swarm's step
         self._pending_mix = None  # the model holds the swarm's global params: nothing left to mix
-        self._pace, self._short = None, False  # measured again from the swarm's next round
         log.info("now at round %d, step %d, param_hash %s", state.round, progress.step, state.param_hash[:12])
 
     def _read_spare(self, lane: int | None) -> None:
@@ -858,9 +772,3 @@ class OuterRound:
         rate = self.tokens_per_s if self.progress.round_tokens else self._last_rate
         self.swarm.publish(self.snapshot(round, boundary), tokens_per_s=rate)
         self._served = lineage
-
-
-def _grace(due: float) -> float:
-    """How much later than the swarm's round is due a node may reach H and still finish it (seconds):
-    SHORT_PHASE_GRACE_S, or SHORT_PHASE_GRACE_SHARE of the phase if that is longer."""
-    return max(SHORT_PHASE_GRACE_S, SHORT_PHASE_GRACE_SHARE * due)

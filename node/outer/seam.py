@@ -25,11 +25,6 @@ the round calls             with                                     the swarm a
 ``moved_spare_lane()``                                                another spare lane: another node
                                                                      reads ours (we chose at once)
 ``lineage_peer_due()``                                                a node is fetching our state
-``round_forming()``                                                   a peer of our lineage is ready
-                                                                     for the next round (its first
-                                                                     members reached H steps)
-``await_round_forming(s)``                                            the same, waited for (at most s
-                                                                     seconds)
 ==========================  ====================================================================
 
 A round's outcome carries one :data:`RoundDecision`, the only thing anyone branches on (in one
@@ -276,10 +271,6 @@ class SwarmSide(Averager, Protocol):
     def phase_should_end(self) -> bool: ...
 
     def lineage_peer_due(self) -> bool: ...
-
-    def round_forming(self) -> bool: ...
-
-    def await_round_forming(self, seconds: float) -> bool: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 

@@ -159,9 +159,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         def phase_should_end(self) -> bool:
             return False
 
-        def round_forming(self) -> bool:
-            return False
-
         def lineage_peer_due(self) -> bool:
             return False
 

@@ -47,8 +47,6 @@ class ScriptedSwarm:
     """What ``after_adopt`` answers: the spare data lane to read until the next round (None: none)."""
     end_phase: bool = False
     peer_due: bool = False
-    forming: Callable[[], bool] = lambda: False
-    """What ``round_forming`` answers, asked at each step boundary: a peer is ready for the next round."""
     num_adoptions: int = 0
     """States adopted, as ``SwarmSession`` counts them: at the join, and at each ``after_adopt``."""
     calls: list[str] = field(default_factory=list)
@@ -130,12 +128,6 @@ class ScriptedSwarm:
 
     def lineage_peer_due(self) -> bool:
         return self.peer_due
-
-    def round_forming(self) -> bool:
-        return self.forming()
-
-    def await_round_forming(self, seconds: float) -> bool:
-        return self.forming()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
