@@ -93,7 +93,7 @@ def test_non_finite_input_is_refused_on_the_fast_path_too() -> None:
 def test_offsets_layout_by_hand() -> None:
     """Block 8, 2 kept: 3-bit offsets (6 bits < an 8-bit bitmap)."""
     codec = TopK2Codec(8, 2)
-    assert not codec.uses_bitmap and codec.offset_bits == 3
+    assert codec.positions == "offsets" and codec.offset_bits == 3
     values = torch.tensor([0.1, -4.0, 0.0, 3.0, 0.2, 0.0, 0.0, 1.0])
     # kept: offset 1 (-4: sign 1, level hi -> code 0b11) and offset 3 (3: sign 0, level lo -> 0b00)
     # offsets 1 = 001, 3 = 011, least significant bit first: bits 1,0,0,1,1,0 -> 0b00011001
@@ -105,12 +105,78 @@ def test_offsets_layout_by_hand() -> None:
 def test_bitmap_layout_by_hand() -> None:
     """Block 8, 4 kept: an 8-bit bitmap (< 4 x 3 bits of offsets)."""
     codec = TopK2Codec(8, 4)
-    assert codec.uses_bitmap
+    assert codec.positions == "bitmap"
     values = torch.tensor([0.5, -2.0, 0.0, 1.0, 0.0, 0.0, -1.5, 0.25])
     # kept 0, 1, 3, 6 -> bitmap 0b01001011; lo 0.5, hi 2: codes 0.5 -> 00, -2 -> 11, 1 -> 00, -1.5 -> 11
     expected = struct.pack("<ff", 0.5, 2.0) + bytes([0b01001011, 0b11_00_11_00])
     assert codec.encode(values).numpy().tobytes() == expected
     assert codec.decode(expected, 8).tolist() == [0.5, -2.0, 0.0, 0.5, 0.0, 0.0, -2.0, 0.0]
+
+
+def bit_string_bytes(fields: list[tuple[int, int]]) -> bytes:
+    """(value, width) fields written least significant bit first, zero-padded to a whole byte."""
+    bits = "".join(format(value, f"0{width}b")[::-1] for value, width in fields)
+    bits += "0" * (-len(bits) % 8)
+    return bytes(int(bits[i : i + 8][::-1], 2) for i in range(0, len(bits), 8))
+
+
+def test_elias_fano_layout_by_hand() -> None:
+    """Block 64, 8 kept: Elias-Fano (L = 3: 8 x 3 low bits + 8 + 64 / 8 high bits = 40) beats 8 x 6 bits
+    of offsets and a 64-bit bitmap."""
+    codec = TopK2Codec(64, 8)
+    assert codec.positions == "elias_fano"
+    kept = [1, 5, 9, 20, 21, 40, 50, 63]
+    values = torch.full((64,), 0.01)
+    for i, offset in enumerate(kept):
+        values[offset] = -2.0 if i % 2 else 2.0
+    # high parts o >> 3: 0 0 1 2 2 5 6 7 -> unary bits h_i + i: 0 1 3 5 6 10 12 14 of 8 + 8 = 16 bits
+    high = [(1 if bit in (0, 1, 3, 5, 6, 10, 12, 14) else 0, 1) for bit in range(16)]
+    low = [(offset & 7, 3) for offset in kept]  # 1 5 1 4 5 0 2 7
+    codes = [((i % 2) << 1, 2) for i in range(8)]  # lo = hi = 2: level 0, the sign in the high bit
+    expected = (
+        struct.pack("<ff", 2.0, 2.0)
+        + bit_string_bytes(high)
+        + bit_string_bytes(low)
+        + bit_string_bytes(codes)
+    )
+    assert codec.encode(values).numpy().tobytes() == expected
+    assert codec.encoded_num_bytes(64) == 8 + 2 + 3 + 2
+    decoded = codec.decode(expected, 64)
+    assert decoded.nonzero().view(-1).tolist() == kept
+    assert decoded[kept].tolist() == [2.0, -2.0] * 4
+
+
+def test_default_layout_is_elias_fano_and_decodes_as_offsets_would() -> None:
+    """The same kept numbers and values whichever position code carries them."""
+    elias_fano, offsets = TopK2Codec(4096, 62), TopK2Codec(4096, 62)
+    offsets.positions = "offsets"
+    for num_elements in (3 * 4096, 2 * 4096 + 1000, 5, 4096 + 63):
+        values = torch.randn(num_elements, generator=torch.Generator().manual_seed(num_elements))
+        payload = elias_fano.encode(values)
+        assert payload.numel() < offsets.encode(values).numel() or num_elements < 100
+        assert torch.equal(
+            elias_fano.decode(payload, num_elements), offsets.decode(offsets.encode(values), num_elements)
+        )
+
+
+def test_elias_fano_high_bits_with_the_wrong_count_are_refused() -> None:
+    codec = TopK2Codec(64, 8)
+    payload = valid_payload(codec, 64)  # scales 8 bytes, then 2 bytes of high bits
+    payload[8] |= 0xFF  # nine or more marks
+    refused(codec, bytes(payload), 64, "high bits")
+    payload[8], payload[9] = 0, 0  # none
+    refused(codec, bytes(payload), 64, "high bits")
+
+
+def test_elias_fano_offset_past_a_short_tail_block_is_refused() -> None:
+    """A tail of 40 numbers keeps 5 with L = 3 and 5 + 40 / 8 = 10 high bits; marks at bits 0-3 and 9 make
+    the fifth high part 9 - 4 = 5, i.e. an offset of at least 5 * 8 = 40, past the tail."""
+    codec = TopK2Codec(64, 8)
+    num_elements = 64 + 40
+    payload = valid_payload(codec, num_elements)
+    tail_high = 16 + 2 + 3  # after the scales (2 blocks) and the full block's high and low pieces
+    payload[tail_high], payload[tail_high + 1] = 0b0000_1111, 0b10
+    refused(codec, bytes(payload), num_elements, "outside its block")
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4, 7, 9, 12, 13, 16, 17])
@@ -127,9 +193,14 @@ def test_bit_streams_match_a_string_of_bits(width: int) -> None:
 def test_payload_size_is_fixed_by_the_element_count() -> None:
     codec = get_codec("topk")
     assert isinstance(codec, TopK2Codec) and codec.kept_per_block == 62  # ceil(0.015 * 4096)
-    # 8 bytes of scales + 62 offsets of 12 bits + 62 codes of 2 bits, per 4096 numbers
-    assert codec.encoded_num_bytes(1 << 18) == 64 * 8 + 64 * 62 * 12 // 8 + 64 * 62 * 2 // 8
-    assert get_codec("int8").encoded_num_bytes(1 << 18) / codec.encoded_num_bytes(1 << 18) > 35
+    # 8 bytes of scales + Elias-Fano positions (62 x 6 low bits + 62 + 64 high bits = 498 bits) + 62 codes
+    # of 2 bits, per 4096 numbers
+    assert codec.positions == "elias_fano"
+    assert (
+        codec.encoded_num_bytes(1 << 18)
+        == 64 * 8 + math.ceil(64 * 126 / 8) + 64 * 62 * 6 // 8 + 64 * 62 * 2 // 8
+    )
+    assert get_codec("int8").encoded_num_bytes(1 << 18) / codec.encoded_num_bytes(1 << 18) > 48
     for seed in range(3):
         values = torch.randn(10_000, generator=torch.Generator().manual_seed(seed)) * 10**seed
         assert codec.encode(values).numel() == codec.encoded_num_bytes(10_000)
@@ -266,7 +337,7 @@ def test_encode_refuses_non_finite_input() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    layout=st.sampled_from([(100, 3), (64, 30), (16, 1), (4096, 62)]),
+    layout=st.sampled_from([(100, 3), (64, 30), (16, 1), (4096, 62), (64, 8), (1024, 16)]),
     num_elements=st.integers(1, 3000),
     edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
 )
