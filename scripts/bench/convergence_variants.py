@@ -139,6 +139,7 @@ class Variant:
     num_fragments: int = 1  # streaming: F, the fragments synchronised in turn
     mix: float | None = None  # streaming: α, the share of the local fragment kept when its round lands
     overlap_steps: int | None = None  # streaming: τ, inner steps a fragment's round overlaps
+    owner_sparsifies: bool = False  # top-k: issue 30's design (b) (``design=owner``), not the relay (a)
 
     @property
     def error_feedback(self) -> bool:
@@ -153,6 +154,7 @@ class Variant:
         momentum = "" if self.outer_momentum is None else f"-m{self.outer_momentum:g}"
         decay = "" if self.error_feedback_decay is None else f"-d{self.error_feedback_decay:g}"
         feedback = "-ef" if self.error_feedback else ""
+        feedback += "-owner" if self.owner_sparsifies else ""
         stream = ""
         if self.kind == "streaming":
             stream = f"-F{self.num_fragments}-mix{self.fragment_mix:g}-tau{self.fragment_overlap_steps}"
@@ -184,6 +186,8 @@ class Variant:
             fields.append(f"mix={self.mix!r}")
         if self.overlap_steps is not None:
             fields.append(f"tau={self.overlap_steps}")
+        if self.owner_sparsifies:
+            fields.append("design=owner")
         return ":".join(fields)
 
     def settings(self, shared: BenchSettings) -> BenchSettings:
@@ -223,7 +227,7 @@ def _fraction(text: str, field: str, spec: str, *, zero_ok: bool) -> float:
 
 VARIANT_SYNTAX = (
     "ddp[:INNER_LR], KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B] with KIND diloco or overlap, "
-    "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY for topk only (default 0.015)"
+    "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY and design=owner|relay for topk only (default 0.015, relay)"
 )
 DEFAULT_FRAGMENT_MIX = (
     0.0  # α: 0 measured best (--quick, H=30, F=4); the paper's 0.5 was +0.9% (BENCHMARKS.md)
@@ -254,6 +258,7 @@ def parse_variant(text: str) -> Variant:
     keywords = dict(field.split("=", 1) for field in fields[3:] if "=" in field)
     positional = [field for field in fields[3:] if "=" not in field]
     names = {"momentum", "decay"} | ({"mix", "tau"} if kind == "streaming" else set())
+    names |= {"design"} if takes_density(codec) else set()
     if set(keywords) - names or len(keywords) != sum("=" in f for f in fields[3:]):
         raise ValueError(f"bad variant {text!r}: the named fields are {', '.join(sorted(names))}=, once each")
     density = None
@@ -271,6 +276,8 @@ def parse_variant(text: str) -> Variant:
     if mix == 1.0:
         raise ValueError(f"bad variant {text!r}: mix must be < 1 (1 would never take the swarm's params)")
     tau = keywords.get("tau")
+    if keywords.get("design", "relay") not in ("relay", "owner"):
+        raise ValueError(f"bad variant {text!r}: design must be relay (issue 30's (a)) or owner ((b))")
     if tau is not None and not (tau.isdigit() and int(tau) < inner_steps):
         raise ValueError(f"bad variant {text!r}: tau must be an integer in [0, H)")
     return Variant(
@@ -280,6 +287,7 @@ def parse_variant(text: str) -> Variant:
         outer_momentum=None if momentum is None else _fraction(momentum, "momentum", text, zero_ok=True),
         error_feedback_decay=None if decay is None else _fraction(decay, "decay", text, zero_ok=True),
         num_fragments=num_fragments, mix=mix, overlap_steps=None if tau is None else int(tau),
+        owner_sparsifies=keywords.get("design") == "owner",
     )  # fmt: skip
 
 
@@ -441,7 +449,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     allreduce = SimulatedAllReduce(
         num_members=num_workers, num_elements=outer[0].num_elements, codec=variant.wire_codec(),
         error_feedback=variant.error_feedback, chunk_num_elements=settings.chunk_num_elements,
-        error_feedback_decay=own.error_feedback_decay,
+        error_feedback_decay=own.error_feedback_decay, owner_sparsifies=variant.owner_sparsifies,
     )  # fmt: skip
     schedule = schedule_of(settings)
     eval_model = copy.deepcopy(workers[0].model) if overlap else workers[0].model
@@ -490,7 +498,7 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         )
     num_rounds = settings.steps // inner_steps
     payload = payload_bytes(allreduce.codec, outer[0].num_elements, num_workers, settings.chunk_num_elements)
-    sends = sends_per_payload(allreduce.codec, num_workers)
+    sends = sends_per_payload(allreduce.codec, num_workers, owner_sparsifies=variant.owner_sparsifies)
     return {
         "num_params": outer[0].num_elements,
         "rounds": num_rounds,
@@ -501,8 +509,13 @@ def run_diloco(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         "bytes_formula": (
             "rounds * (N-1)(N+1)/N * payload (sparse: each member's own top-k bytes to the N-1 other part "
             "owners, then each owner relays its part's N payloads to the N-1 others)"
-            if is_sparse(allreduce.codec)
+            if allreduce.relay
             else "rounds * 2*(N-1)/N * payload"
+            + (
+                " (top-k, design (b): each owner re-sparsifies its part's mean)"
+                if is_sparse(allreduce.codec)
+                else ""
+            )
         )
         + ", payload = sum over parts and chunks of codec.encoded_num_bytes (scales included)",
         **_simulated_fields(variant, own, hashes, start, what="the swarm all-reduce's"),
@@ -561,6 +574,7 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
             error_feedback=variant.error_feedback,
             chunk_num_elements=settings.chunk_num_elements,
             error_feedback_decay=own.error_feedback_decay,
+            owner_sparsifies=variant.owner_sparsifies,
         )  # fmt: skip
         for f in range(num_fragments)
     ]
@@ -619,7 +633,7 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
     _progress(settings.steps, settings.steps, history[-1][2])
     hashes = [o.param_hash() for o in outer]
     assert len(set(hashes)) == 1, "the workers' global params diverged"
-    sends = sends_per_payload(allreduces[0].codec, num_workers)
+    sends = sends_per_payload(allreduces[0].codec, num_workers, owner_sparsifies=variant.owner_sparsifies)
     formula = sum(
         rounds[f] * sends * payload_bytes(allreduces[f].codec, outer[0].num_elements(f), num_workers,
                                           settings.chunk_num_elements)

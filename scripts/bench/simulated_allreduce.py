@@ -35,14 +35,22 @@ def is_sparse(codec: Codec) -> bool:
     return isinstance(codec, TopKCodec)
 
 
-def sends_per_payload(codec: Codec, num_members: int) -> float:
+def relays(codec: Codec, owner_sparsifies: bool) -> bool:
+    """True when a round relays the contributors' own payloads (the sparse round as built, issue 30's
+    design (a)); False when each part's owner encodes its mean (dense codecs, and top-k under design
+    (b): the owner re-sparsifies the mean with its own error feedback)."""
+    return is_sparse(codec) and not owner_sparsifies
+
+
+def sends_per_payload(codec: Codec, num_members: int, *, owner_sparsifies: bool = False) -> float:
     """Bytes a member sends per round, in units of one member's whole encoded vector (``payload_bytes``).
 
-    Dense: 2 (N - 1) / N (its slices of the N - 1 other parts, then its part's mean to the N - 1 others).
-    Sparse: (N - 1) / N + (N - 1) (its slices of the other parts, then the N payloads of its part, one
-    N-th of a vector each, to the N - 1 others) = (N - 1)(N + 1) / N."""
+    Owner encodes the mean (dense, or top-k under design (b)): 2 (N - 1) / N (its slices of the N - 1
+    other parts, then its part's mean to the N - 1 others). Relay (top-k, design (a)): (N - 1) / N +
+    (N - 1) (its slices of the other parts, then the N payloads of its part, one N-th of a vector
+    each, to the N - 1 others) = (N - 1)(N + 1) / N."""
     n = num_members
-    return (n - 1) * (n + 1) / n if is_sparse(codec) else 2 * (n - 1) / n
+    return (n - 1) * (n + 1) / n if relays(codec, owner_sparsifies) else 2 * (n - 1) / n
 
 
 def payload_bytes(codec: Codec, num_elements: int, num_members: int, chunk_num_elements: int) -> int:
@@ -77,11 +85,15 @@ class SimulatedAllReduce:
         chunk_num_elements: int,
         rule: AggregationRule | None = None,
         error_feedback_decay: float = 1.0,
+        owner_sparsifies: bool = False,
     ) -> None:
         """``rule``: the owners' aggregation rule (``protocol.allreduce.robust``; None = the weighted
-        mean; a sparse codec takes the mean only); ``error_feedback_decay``: the residuals' β."""
+        mean; a sparse codec takes the mean only); ``error_feedback_decay``: the residuals' β;
+        ``owner_sparsifies``: a sparse codec's round as issue 30's design (b), the dense round's path
+        (each owner encodes its part's mean with its own error feedback), not the relay as built."""
         if is_sparse(codec) and (rule is not None or not error_feedback):
             raise ValueError("the simulated sparse round runs the weighted mean, with error feedback")
+        self.relay = relays(codec, owner_sparsifies)
         self.num_members = num_members
         self.rule = rule
         self.adjustments: list[str] = []  # every "member m ... clipped / trimmed" the owners reported
@@ -104,8 +116,10 @@ class SimulatedAllReduce:
         """The token-weighted mean of ``vectors`` as every member decodes it: (E,) fp32."""
         if len(vectors) != self.num_members or len(weights) != self.num_members:
             raise ValueError(f"need {self.num_members} vectors and weights")
-        if is_sparse(self.codec):
+        if self.relay:
             return self._reduce_sparse(vectors, weights)
+        if is_sparse(self.codec):
+            return self._reduce_owner_sparsified(vectors, weights)
         averaged = torch.empty_like(vectors[0])  # (E,)
         for part in range(self.num_members):
             low, high = self.bounds[part], self.bounds[part + 1]
@@ -139,6 +153,38 @@ class SimulatedAllReduce:
             offset = low
             for size, payload in zip(reduced.chunk_sizes, reduced.payloads, strict=True):
                 self.codec.decode_into(payload, averaged[offset : offset + size])
+                offset += size
+        return averaged
+
+    def _reduce_owner_sparsified(self, vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """Issue 30's design (b) for a sparse codec: each member sends its top-k (with its error
+        feedback) of every other part's chunks to that part's owner, which sums them with its own fp32
+        slice in member order, divides by the weight sum and sends the top-k of that mean, with its own
+        error feedback (the owner's residual at its part's numbers, which it never encodes as a
+        member), to the N - 1 others. (``PartReducer`` relays sparse payloads; this is its dense path's
+        arithmetic with decoded top-k contributions.)"""
+        assert self.feedback is not None  # checked in __init__
+        weight_sum = torch.zeros((), dtype=torch.float32)
+        for weight in weights:  # float32, in member order, like the sum itself
+            weight_sum += weight
+        scales = [torch.tensor(weight, dtype=torch.float32) for weight in weights]
+        averaged = torch.empty_like(vectors[0])  # (E,)
+        for part in range(self.num_members):
+            low, high = self.bounds[part], self.bounds[part + 1]
+            offset = low
+            for size in chunk_sizes(high - low, self.chunk_num_elements):
+                total = torch.zeros(size, dtype=torch.float32)
+                for member, vector in enumerate(vectors):
+                    values = vector[offset : offset + size]
+                    if member != part:  # phase 1: its top-k of this chunk to the owner
+                        payload = self._encode(member, values, offset)
+                        self.bytes_sent[member] += len(payload)
+                        values = self.codec.decode(payload, size)
+                    total += values * scales[member]
+                # Phase 2: the owner's top-k of the mean, to the N - 1 others; all decode these bytes.
+                mean_payload = self._encode(part, total / weight_sum, offset)
+                self.bytes_sent[part] += (self.num_members - 1) * len(mean_payload)
+                averaged[offset : offset + size] = self.codec.decode(mean_payload, size)
                 offset += size
         return averaged
 

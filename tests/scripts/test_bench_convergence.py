@@ -146,6 +146,46 @@ def test_sparse_round_sums_every_members_top_k_and_keeps_the_rest_in_its_residua
     assert simulated.sends_per_payload(get_codec("int8"), 4) == pytest.approx(2 * 3 / 4)
 
 
+def test_owner_sparsified_round_is_design_b_by_hand() -> None:
+    """Issue 30's design (b): members send their top-k of the other parts to the owners; each owner
+    takes the top-k of the weighted mean (its own slice exact) and keeps what it dropped in its own
+    residual; bytes 2 (N - 1) / N payloads a member, where the relay sends (N - 1)(N + 1) / N."""
+    num_members, num_elements, chunk = 3, 960, 160
+    codec = TopK2Codec(block_size=8, kept_per_block=2)
+    vectors = _sparse_vectors(num_members, num_elements // 8)
+    allreduce = simulated.SimulatedAllReduce(
+        num_members=num_members, num_elements=num_elements, codec=codec, error_feedback=True,
+        chunk_num_elements=chunk, owner_sparsifies=True,
+    )  # fmt: skip
+    weights = [3.0, 1.0, 2.0]
+    averaged = allreduce.reduce(vectors, weights)
+    assert allreduce.feedback is not None
+    expected_mean = torch.empty(num_elements)
+    for part in range(num_members):
+        span = slice(part * 320, (part + 1) * 320)
+        contributions = [v[span] if m == part else _top2_of_8(v[span]) for m, v in enumerate(vectors)]
+        mean = sum(w * c.double() for w, c in zip(weights, contributions, strict=True)) / sum(weights)
+        sent = codec.decode(codec.encode(mean.float()), 320)  # the owner's 2-bit top-2 of 8 of the mean
+        expected_mean[span] = sent
+        torch.testing.assert_close(
+            allreduce.feedback[part].residual[span], mean.float() - sent, rtol=1e-5, atol=1e-6
+        )
+        for member in set(range(num_members)) - {part}:  # what each member's top-k left of this part
+            assert torch.equal(
+                allreduce.feedback[member].residual[span], vectors[member][span] - contributions[member]
+            )
+    torch.testing.assert_close(averaged, expected_mean, rtol=1e-5, atol=1e-6)
+    part = 2 * codec.encoded_num_bytes(chunk)
+    expected = (num_members - 1) * part + (num_members - 1) * part  # its slices out, its part's mean out
+    assert allreduce.bytes_sent == [expected] * num_members
+    assert simulated.sends_per_payload(codec, 4, owner_sparsifies=True) == pytest.approx(2 * 3 / 4)
+    variant = variants.parse_variant("diloco:15:topk:0.03:design=owner")
+    assert variant.owner_sparsifies and variants.parse_variant(variant.spec()) == variant
+    assert not variants.parse_variant("diloco:15:topk:design=relay").owner_sparsifies
+    with pytest.raises(ValueError, match="named fields"):
+        variants.parse_variant("diloco:15:int8:design=owner")  # a dense codec has only one design
+
+
 def test_the_simulated_sparse_round_refuses_what_it_does_not_simulate() -> None:
     codec = TopK2Codec(block_size=8, kept_per_block=2)
     with pytest.raises(ValueError, match="error feedback"):
