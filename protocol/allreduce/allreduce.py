@@ -207,10 +207,8 @@ async def _gather_part(state: RoundState, part_index: int, output: torch.Tensor)
                 return _PartOutcome(reduced.producer_index, reduced.contributor_indices)
             if state.parts[part_index].role is PartRole.MOVED:
                 continue
-            if state.stranded(part_index):
-                state.record_failure(
-                    f"part {part_index}: the replica we hold was never committed and its producer is gone"
-                )
+            if state.stranded(part_index):  # (settled by wait_decided: its late commit is refused)
+                state.record_failure(f"part {part_index}: the version we hold was never committed")
                 continue
             state.record_failure(f"part {part_index} was not decided before the deadline")
             return None

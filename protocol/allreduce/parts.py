@@ -102,7 +102,13 @@ class PartState:
     reducer: PartReducer | None = None
     decided: ReducedPart | None = None
     replica: ReplicaBuffer | None = None
-    committed: bool = False  # a strict majority holds `decided`: it may be served and used
+    # A strict majority holds `decided` and a voter took its producer's commit notice: it may be served
+    # and used.
+    committed: bool = False
+    # We acted on `decided` not being committed (sent a puller on, walked on past it, or, as its
+    # producer, had no voter take our commit notice): it never will be here, and a late commit notice
+    # is refused (RoundState.settle_stranded).
+    never_committed: bool = False
     gave_up: bool = False  # we reduced the part but moved it before our version was committed
     told_committed: set[int] = field(default_factory=set)  # replica holders we told of the commit
     telling: set[int] = field(default_factory=set)  # members we hand our replica or the commit to

@@ -18,15 +18,17 @@ For every part this member is in one role:
 
 Deciding a part (`_decide`): fold contributions until all are resolved or the phase deadline passes,
 encode the average once (a sparse codec: bundle the contributors' payloads instead, `sparse.py`), hand replicas (all at once) to live members after us in the part's backup
-chain until we and the replica holders are a strict majority of the group; the average is then
-committed: we use it and tell those holders, which may then serve and use theirs; we serve it once
-they all know (so our death mid-serve leaves them able to serve it). A
-member that cannot reach the owner takes the part over (`take_over`), so a part may be reduced
+chain until we and the replica holders are a strict majority of the group (no other version of the
+part can win one now), then tell those holders (the voters) it is committed. It is committed once a
+voter takes the notice (at once if we alone are that majority: one server): we use it then, and serve
+it once every voter was told (so our death mid-serve leaves them able to serve it). A member that
+cannot reach the owner takes the part over (`take_over`), so a part may be reduced
 twice; the majority is what keeps survivors bit-identical:
 
     every member accepts (votes for) at most one version of a part: its own, from the moment it starts
     reducing the part, or the first replica it completes; it refuses any other replica (ABORTED);
-    a version is served or used only once it is committed, i.e. held by a strict majority;
+    a version is served or used only once it is committed: held by a strict majority, and a voter
+    took its producer's commit notice (see "stranded" below);
     two strict majorities share a member, and that member voted once, so at most one version of a
     part is ever committed, hence served or decoded, whatever the failures or one-way partitions.
 
@@ -37,7 +39,18 @@ failed us or told us the part moved on from it, the replica is *stranded* (`stra
 vote, is never served or used, and we and our pullers walk on along the chain. A producer lost
 between winning its majority and telling it therefore costs the survivors one failure detection (at
 once for a dead peer, the stall timeout for a frozen one), not the round's deadline; if no voter was
-told, no version of the part can commit any more and every member falls back. The replicas also
+told, no version of the part can commit any more and every member falls back.
+
+A producer we took for gone may only have been frozen or starved, and tell us late. Each voter settles
+the version once (`settle_stranded`): it takes the commit notice, and from then on serves and uses the
+version, or it acts on the version being stranded (sends a puller on, or walks on itself), and from
+then on refuses the notice (ABORTED). The producer uses its version only once a voter took the notice;
+if none did (each refused, or did not answer in time), the version is never committed: the producer
+keeps it as its vote and walks on like a stranded voter. So a puller that found the part nowhere saw
+every voter on its way settle it as stranded, and no member can use it after that; and a voter that
+took the notice never sent anyone on: every puller that asks it gets the same bytes. Without one-way
+partitions, every survivor ends such a part alike: all with the same bytes, or all without the part
+(fallen back). The replicas also
 keep survivors bit-identical when a producer dies in the middle of the all-gather: its holders serve
 the same committed bytes. Liveness needs a live, mutually reachable strict majority.
 
@@ -427,11 +440,22 @@ class RoundState:
         if voters is None:
             return
         check_fault(self.fault_plan, "votes_done", self.round_id)
-        # A strict majority (we and the voters) holds our version: it is committed, so we serve and
-        # use it from now on, and tell the voters, which may then serve and use their copies.
-        part.role, part.reducer, part.decided, part.committed = PartRole.DECIDED, None, reduced, True
+        # A strict majority (we and the voters) holds our version, so no other version of the part can
+        # win one. It is committed once a voter takes our notice (`_tell_committed`); a voter that
+        # already sent a puller on, taking us for gone, refuses it. We alone (one server) are a
+        # majority no one else votes in: committed at once.
+        part.role, part.reducer, part.decided = PartRole.DECIDED, None, reduced
+        part.committed = not voters
         self.pulse.notify()
         await asyncio.gather(*(self._tell_committed(part_index, reduced, voter) for voter in voters))
+        if not part.committed:
+            # Some of the voters may have told pullers the part is not to be had: using it now would
+            # leave those members fallen back and us averaged. It stays our vote, like a stranded replica.
+            part.never_committed = True
+            self.record_failure(
+                f"part {part_index}: no voter took our commit notice, so it is never committed"
+            )
+            self.pulse.notify()
 
     def _sparse_overflow(self, reduced: ReducedPart) -> str:
         """Why a sparse average we decided cannot be decoded (its sum would overflow), or ""."""
@@ -512,13 +536,17 @@ class RoundState:
         return voters
 
     async def _tell_committed(self, part_index: int, reduced: ReducedPart, voter: int) -> None:
-        """Tell a voter our version is committed; its pull waits for this (see `telling`)."""
+        """Tell a voter our version is committed; its pull waits for this (see `telling`). The first
+        voter that takes the notice commits the version: it serves and uses its copy from then on."""
         part = self.parts[part_index]
         try:
             await push_replica(self, voter, reduced, self.all_gather_deadline, committed=True)
             part.told_committed.add(voter)
+            part.committed = True
         except PeerFailed as error:
-            # It can still pull the committed bytes from us; it just may not serve its copy.
+            # A refusal (it already sent a puller on, taking us for gone) or no answer: not a taker.
+            # Were the version committed by another voter, this one can still pull it from us; it
+            # just may not serve its copy.
             self.record_failure(f"member {voter} was not told part {part_index} is committed: {error}")
         finally:
             part.telling.discard(voter)
@@ -546,21 +574,36 @@ class RoundState:
         self.pulse.notify()
 
     def stranded(self, part_index: int) -> bool:
-        """We hold a replica of the part that was never committed, and its producer will never tell us
-        it is: the producer failed us, or told us the part moved on from it.
+        """We hold a version of the part that was never committed here, and we no longer wait for it to
+        be: its producer failed us or told us the part moved on from it, or we settled it as stranded
+        already (`settle_stranded`; as its producer: no voter took our commit notice).
 
         Waiting for the notice would hold us and our pullers until the all-gather deadline. We stop
-        waiting instead, but keep our vote: the replica is neither served nor used, we accept no other
+        waiting instead, but keep our vote: the version is neither served nor used, we accept no other
         version, and we and our pullers walk on along the part's chain. That is safe whether or not the
-        version was committed: were it committed (the producer told some voters before it died), a
-        voter that was told serves it further down the chain, and no other version can win a majority
-        past the votes for it, ours included.
+        version was committed: were it committed (a voter took the notice), that voter serves it further
+        down the chain, and no other version can win a majority past the votes for it, ours included.
         """
         part = self.parts[part_index]
         if part.role is not PartRole.DECIDED or part.committed or part.decided is None:
             return False
+        if part.never_committed:
+            return True
         producer = part.decided.producer_index
         return producer != self.my_index and (producer in self.failed or producer in part.not_serving)
+
+    def settle_stranded(self, part_index: int) -> bool:
+        """Whether the version we hold is stranded; if so it is settled for good, as we are about to act
+        on it (send a puller on, or walk on ourselves): we refuse its producer's late commit notice.
+
+        A producer we took for gone may only have been frozen or starved. Taking its notice after
+        someone walked on past us would let the members that reach us later use the part while those
+        that walked on fall back.
+        """
+        if not self.stranded(part_index):
+            return False
+        self.parts[part_index].never_committed = True
+        return True
 
     def _move(self, part_index: int, reason: str) -> None:
         part = self.parts[part_index]
@@ -571,8 +614,8 @@ class RoundState:
     async def wait_decided(self, part_index: int, deadline: float) -> ReducedPart | None:
         """Our turn in the chain of a part: take it over if we do not hold it, then wait for the decision.
 
-        Returns the decided average, or None if the part moved on, the replica we hold is stranded, or
-        the deadline passed.
+        Returns the decided average, or None if the part moved on, the version we hold is stranded (then
+        settled: we walk on past it), or the deadline passed.
         """
         part = self.parts[part_index]
         if part.role is PartRole.IDLE:
@@ -583,7 +626,10 @@ class RoundState:
             lambda: part.servable or part.role is PartRole.MOVED or self.stranded(part_index),
             remaining(deadline),
         )
-        return part.decided if part.servable else None
+        if part.servable:
+            return part.decided
+        self.settle_stranded(part_index)
+        return None
 
     # --- what the servicer asks: contributions pushed to us, replicas handed to us ---------------------
 
@@ -623,7 +669,8 @@ class RoundState:
 
         Accepting a replica is our vote for the sender's version of the part, so we accept one only
         while we have voted for none (IDLE), or our own version is dead (MOVED: we gave it up before it
-        was committed, and only we could commit it); a member reducing the part votes for its own.
+        was committed, and only we could commit it); a member reducing the part votes for its own. We
+        take a commit notice unless we settled the replica as stranded already (`settle_stranded`).
         """
         part_index = header.part_index
         try:
@@ -642,6 +689,11 @@ class RoundState:
             if not holds_senders:
                 raise ProtocolError(
                     grpc.StatusCode.FAILED_PRECONDITION, f"no replica of yours for part {part_index} here"
+                )
+            if part.never_committed:  # we sent a puller (or ourselves) on: it must not be used now
+                raise ProtocolError(
+                    grpc.StatusCode.ABORTED,
+                    f"part {part_index} was settled here as never committed: you were taken for gone",
                 )
             part.committed = True
             self.pulse.notify()

@@ -402,7 +402,7 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             # members we had begun serving would have to fall back. A voter waits here too; it gets
             # the bytes with the commit.
             if part.role is PartRole.MOVED or state.stranded(part_index):
-                return True  # (a stranded replica's commit notice will never come: send the puller on)
+                return True  # (we no longer wait for a stranded replica's commit notice: send the puller on)
             return part.servable and not part.telling
 
         heartbeat = self._config.heartbeat_interval.total_seconds()
@@ -413,8 +413,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
             state.bytes_sent += num_bytes
         # (A replica decoded into our result as it arrived holds no bytes to serve, unless fp32.)
         if not part.servable or part.decided is None or (part.in_result and not part.decided.payloads):
-            if state.stranded(part_index):
-                reason = "is held here in a version its producer is gone without telling us it is committed"
+            if state.settle_stranded(part_index):  # (from now on we refuse its late commit notice)
+                reason = "is held here in a version that was never committed (its producer is gone)"
             elif part.released or part.in_result:
                 reason = "was released here"
             else:

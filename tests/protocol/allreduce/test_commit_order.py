@@ -5,6 +5,9 @@ Were it to serve a puller first and die mid-serve, the voters would hold a versi
 owner killed after its first served chunk (tests/protocol/allreduce/test_faults.py, serve_chunk) hit
 that window now and then under load. Here the window is made wide on purpose: owner 0's commit tells
 are held back, and no chunk of part 0 may reach anyone before they have all landed.
+
+A voter settles a version once: it takes the commit notice, or it acts on the replica being stranded
+(its producer taken for gone) and then refuses a late notice, which its producer counts as no taker.
 """
 
 from __future__ import annotations
@@ -12,18 +15,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
+import grpc
 import pytest
 import torch
 import uvloop
 
-from protocol.allreduce import GroupSpec
+from protocol.allreduce import GroupSpec, Member
 from protocol.allreduce import allreduce as allreduce_module
 from protocol.allreduce import round as round_module
+from protocol.allreduce.client import PeerClient
+from protocol.allreduce.round import RoundState
 from protocol.codecs import get_codec
+from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
-from tests.protocol.allreduce.support import allreduce_all, exact_mean, local_peers, members_of
+from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, exact_mean, local_peers, members_of
 
 NUM_PEERS = 4
 NUM_ELEMENTS = 40_000
@@ -81,3 +90,62 @@ def test_no_chunk_of_a_part_is_served_before_its_voters_are_told(monkeypatch: py
         assert torch.equal(
             result.averaged, exact_mean(vectors, [1.0] * NUM_PEERS, group, result.contributors)
         )
+
+
+def _voter_of_part_1(num_members: int) -> tuple[RoundState, pb.AverageHeader]:
+    """Member 0 of a group, holding member 1's complete (not yet committed) replica of part 1."""
+    members = [Member(peer_id=f"p{i}", address=f"127.0.0.1:{i + 1}") for i in range(num_members)]
+    group = GroupSpec.build(round_id=0, members=members, num_elements=NUM_ELEMENTS)
+    codec = get_codec("none")
+    state = RoundState(
+        group=group,
+        my_index=0,
+        codec=codec,
+        weight=1.0,
+        vector=torch.zeros(NUM_ELEMENTS),
+        error_feedback=None,
+        config=FAST_CONFIG,
+        deadline=timedelta(seconds=30),
+        executor=ThreadPoolExecutor(max_workers=1),
+        client=PeerClient(FAST_CONFIG.grpc_options(server=False)),
+        fault_plan=None,
+    )
+    size = group.part_num_elements(1)
+    header = pb.AverageHeader(
+        part_index=1, producer_index=1, codec=codec.spec(), num_elements=size,
+        contributor_indices=list(range(num_members)), weight_sum=float(num_members),
+    )  # fmt: skip
+    return state, header
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("walked_on", [False, True])
+def test_a_voter_that_walked_on_past_a_stranded_replica_refuses_its_late_commit(walked_on: bool) -> None:
+    """The producer of part 1 failed us after we took its replica: the replica is stranded. A late
+    commit notice (the producer was only frozen) is taken as long as nobody acted on it; once we walked
+    on past it (our own chain walk, as a puller sent on would), it is refused with ABORTED and the
+    replica is never served or used: the members that walked on may not be the only ones left out."""
+
+    async def scenario() -> tuple[grpc.StatusCode, bool, bool]:
+        state, header = _voter_of_part_1(5)
+        state.open_replica(header, 1, committed=False)
+        payload = get_codec("none").encode(torch.ones(header.num_elements)).numpy().tobytes()
+        await state.add_replica_chunk(1, 0, header.num_elements, payload)
+        state.complete_replica(1)
+        state.mark_failed(1, "stalled")
+        assert state.stranded(1)
+        if walked_on:
+            assert await state.wait_decided(1, time.monotonic() + 5) is None
+        with pytest.raises(ProtocolError) as refusal:
+            state.open_replica(header, 1, committed=True)
+        part = state.parts[1]
+        await state.client.close()
+        return refusal.value.code, part.servable, state.stranded(1)
+
+    code, servable, stranded = uvloop.run(scenario())
+    if walked_on:
+        assert code is grpc.StatusCode.ABORTED  # the producer counts it as no taker
+        assert not servable and stranded
+    else:
+        assert code is grpc.StatusCode.ALREADY_EXISTS  # the notice is taken: it may be served and used
+        assert servable and not stranded

@@ -12,6 +12,9 @@ new tensor and in place (into each peer's vector, whose numbers are then no long
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -185,12 +188,11 @@ def test_an_owner_lost_before_telling_its_voters_costs_no_deadline(tmp_path: Pat
                 assert record["max_abs_error"] == 0.0, record
         # No voter was told, so its voters' votes are spent on the owner's version and no other can win
         # a majority: survivors fall back. A fall-back is each node's own (its own vector, checked
-        # above); what must never happen is two survivors averaging different means. (An owner suspected
-        # after a 3 s stall that is alive after all may tell its voters late: then some survivors
-        # average, all on one mean, and the others fall back. Reproduced by pausing a starved owner;
-        # a loaded CI clone once ended [stall] with a survivor averaged.)
+        # above); what must never happen is two survivors averaging different means, or some averaged
+        # and some fallen back (an owner that tells its voters late: the test below).
         averaged = [r for r in first if not r["fell_back"]]
         assert len({r["sha256"] for r in averaged}) <= 1, [r["failures"] for r in first]
+        assert len({r["fell_back"] for r in first}) == 1, [r["failures"] for r in first]
         if action == "kill":  # a dead owner tells nobody late: every survivor falls back
             assert not averaged, [r["failures"] for r in first]
         for record in second:  # the next round runs without the victim
@@ -198,5 +200,54 @@ def test_an_owner_lost_before_telling_its_voters_costs_no_deadline(tmp_path: Pat
             assert record["max_abs_error"] == 0.0, record
             assert all(f"peer-{VICTIM}" not in part for part in record["contributors"])  # type: ignore[attr-defined]
         assert len({r["sha256"] for r in second}) == 1
+    finally:
+        workers.stop()
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T": stopped), from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return status.split("State:")[1].split()[0]
+
+
+@pytest.mark.timeout(150)
+def test_an_owner_that_tells_its_voters_late_leaves_no_survivor_averaged_alone(tmp_path: Path) -> None:
+    """The owner freezes the moment a majority holds its replicas, before it tells its voters the part
+    is committed; it is resumed only once a survivor has ended the round without the part (its voters
+    sent that survivor on: the replica was stranded). The late commit notice must then not make the
+    part usable: the voters that answered "stranded" refuse it, an owner no voter acknowledged does not
+    use its version, and every member, the resumed owner included, ends the round the same way: all
+    fallen back to their own vectors, or all averaged on one mean. Never some of each."""
+    args = COMMON_ARGS + ["--deadline-seconds", str(UNTOLD_DEADLINE_SECONDS), "--rounds", "1"]
+    workers = Workers(tmp_path, UNTOLD_NUM_PEERS, args, forked=True)
+    workers.start({VICTIM: ["--fault", "votes_done:0:0:stall"]})
+    try:
+        survivors = [i for i in range(UNTOLD_NUM_PEERS) if i != VICTIM]
+        victim_pid = workers.forked_processes[VICTIM].pid
+        assert victim_pid is not None
+        give_up = time.monotonic() + 90
+        finished: dict[int, list[dict[str, object]]] = {}
+        while not finished and time.monotonic() < give_up:
+            time.sleep(0.05)
+            finished = {i: r for i in survivors if (r := workers.read_records(i, 1, timeout=0))}
+        assert finished, [workers.stderr(i)[-2000:] for i in survivors]
+        assert _process_state(victim_pid) == "T", "the owner did not freeze itself at votes_done"
+        for rounds in finished.values():  # nothing of part 1 could be had while its owner was frozen
+            assert rounds[0]["fell_back"] is True, rounds[0]["failures"]
+        os.kill(victim_pid, signal.SIGCONT)  # the owner wakes up and tells its voters late
+        records = {i: workers.read_records(i, 1, timeout=120) for i in range(UNTOLD_NUM_PEERS)}
+        for index, rounds in records.items():
+            assert len(rounds) == 1, f"worker {index} stopped early:\n{workers.stderr(index)[-3000:]}"
+        first = {index: rounds[0] for index, rounds in records.items()}
+        outcomes = {index: (r["fell_back"], r["failures"]) for index, r in first.items()}
+        assert len({r["fell_back"] for r in first.values()}) == 1, outcomes
+        for index, record in first.items():
+            assert float(record["seconds"]) < UNTOLD_DEADLINE_SECONDS, record["failures"]  # type: ignore[arg-type]
+            if record["fell_back"]:  # exactly its own vector (seed 0, round 0), rebuilt here
+                own = make_vector(0, index, 0, int(record["elements"]))  # type: ignore[call-overload]
+                assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
+            else:
+                assert record["max_abs_error"] == 0.0, record
+        assert len({r["sha256"] for r in first.values() if not r["fell_back"]}) <= 1, outcomes
     finally:
         workers.stop()

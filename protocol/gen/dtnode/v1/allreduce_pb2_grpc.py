@@ -80,8 +80,9 @@ class AllReduceServicer:
     def PullAverage(self, request, context):
         """Phase 2: "Send me the average of a part you own or hold a replica of." Statuses as for
         ContributionReply; ABORTED means "this part moved on (or I dropped my copy once everyone had it,
-        or I hold a copy whose producer is gone without telling me it is committed), ask the next
-        member", ALREADY_EXISTS means "you hold the replica of this part yourself", and
+        or I hold a version that was never committed: its producer is gone without telling me it is, or
+        I produced it and no receiver took my commit notice), ask the next member", ALREADY_EXISTS means
+        "you hold the replica of this part yourself", and
         DEADLINE_EXCEEDED "you stopped reading".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
