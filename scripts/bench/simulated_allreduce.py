@@ -11,6 +11,8 @@ derives them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from protocol.allreduce.group import split_by_weight
@@ -156,6 +158,14 @@ class SimulatedAllReduce:
                 offset += size
         return averaged
 
+    def _chunks(self) -> Iterator[tuple[int, int, int]]:
+        """(part, first number, size) of every chunk, part by part."""
+        for part in range(self.num_members):
+            offset = self.bounds[part]
+            for size in chunk_sizes(self.bounds[part + 1] - offset, self.chunk_num_elements):
+                yield part, offset, size
+                offset += size
+
     def _reduce_owner_sparsified(self, vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         """Issue 30's design (b) for a sparse codec: each member sends its top-k (with its error
         feedback) of every other part's chunks to that part's owner, which sums them with its own fp32
@@ -164,28 +174,21 @@ class SimulatedAllReduce:
         member), to the N - 1 others. (``PartReducer`` relays sparse payloads; this is its dense path's
         arithmetic with decoded top-k contributions.)"""
         assert self.feedback is not None  # checked in __init__
-        weight_sum = torch.zeros((), dtype=torch.float32)
-        for weight in weights:  # float32, in member order, like the sum itself
-            weight_sum += weight
-        scales = [torch.tensor(weight, dtype=torch.float32) for weight in weights]
+        weight_sum, scales = _float32_weights(weights)
         averaged = torch.empty_like(vectors[0])  # (E,)
-        for part in range(self.num_members):
-            low, high = self.bounds[part], self.bounds[part + 1]
-            offset = low
-            for size in chunk_sizes(high - low, self.chunk_num_elements):
-                total = torch.zeros(size, dtype=torch.float32)
-                for member, vector in enumerate(vectors):
-                    values = vector[offset : offset + size]
-                    if member != part:  # phase 1: its top-k of this chunk to the owner
-                        payload = self._encode(member, values, offset)
-                        self.bytes_sent[member] += len(payload)
-                        values = self.codec.decode(payload, size)
-                    total += values * scales[member]
-                # Phase 2: the owner's top-k of the mean, to the N - 1 others; all decode these bytes.
-                mean_payload = self._encode(part, total / weight_sum, offset)
-                self.bytes_sent[part] += (self.num_members - 1) * len(mean_payload)
-                averaged[offset : offset + size] = self.codec.decode(mean_payload, size)
-                offset += size
+        for part, offset, size in self._chunks():
+            total = torch.zeros(size, dtype=torch.float32)
+            for member, vector in enumerate(vectors):
+                values = vector[offset : offset + size]
+                if member != part:  # phase 1: its top-k of this chunk to the owner
+                    payload = self._encode(member, values, offset)
+                    self.bytes_sent[member] += len(payload)
+                    values = self.codec.decode(payload, size)
+                total += values * scales[member]
+            # Phase 2: the owner's top-k of the mean, to the N - 1 others; all decode these bytes.
+            mean_payload = self._encode(part, total / weight_sum, offset)
+            self.bytes_sent[part] += (self.num_members - 1) * len(mean_payload)
+            averaged[offset : offset + size] = self.codec.decode(mean_payload, size)
         return averaged
 
     def _reduce_sparse(self, vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -197,26 +200,27 @@ class SimulatedAllReduce:
 
         so nothing is encoded twice and what a member's top-k left out stays in its residual."""
         assert self.feedback is not None  # checked in __init__
-        weight_sum = torch.zeros((), dtype=torch.float32)
-        for weight in weights:  # float32, in member order, like the sum itself
-            weight_sum += weight
-        scales = [torch.tensor(weight, dtype=torch.float32) for weight in weights]
+        weight_sum, scales = _float32_weights(weights)
         averaged = torch.empty_like(vectors[0])  # (E,)
-        for part in range(self.num_members):
-            low, high = self.bounds[part], self.bounds[part + 1]
-            offset = low
-            for size in chunk_sizes(high - low, self.chunk_num_elements):
-                total = torch.zeros(size, dtype=torch.float32)
-                bundle_bytes = 0
-                for member, vector in enumerate(vectors):
-                    # Phase 1: the member's own top-k of this chunk, to the part's owner (itself: free).
-                    payload = self._encode(member, vector[offset : offset + size], offset)
-                    bundle_bytes += len(payload)
-                    if member != part:
-                        self.bytes_sent[member] += len(payload)
-                    total += self.codec.decode(payload, size) * scales[member]
-                # Phase 2: the owner relays the chunk's N payloads to the N - 1 others.
-                self.bytes_sent[part] += (self.num_members - 1) * bundle_bytes
-                averaged[offset : offset + size] = total / weight_sum
-                offset += size
+        for part, offset, size in self._chunks():
+            total = torch.zeros(size, dtype=torch.float32)
+            bundle_bytes = 0
+            for member, vector in enumerate(vectors):
+                # Phase 1: the member's own top-k of this chunk, to the part's owner (itself: free).
+                payload = self._encode(member, vector[offset : offset + size], offset)
+                bundle_bytes += len(payload)
+                if member != part:
+                    self.bytes_sent[member] += len(payload)
+                total += self.codec.decode(payload, size) * scales[member]
+            # Phase 2: the owner relays the chunk's N payloads to the N - 1 others.
+            self.bytes_sent[part] += (self.num_members - 1) * bundle_bytes
+            averaged[offset : offset + size] = total / weight_sum
         return averaged
+
+
+def _float32_weights(weights: list[float]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the weight sum, each weight) in float32; the sum in member order, like the sums it divides."""
+    weight_sum = torch.zeros((), dtype=torch.float32)
+    for weight in weights:
+        weight_sum += weight
+    return weight_sum, [torch.tensor(weight, dtype=torch.float32) for weight in weights]
