@@ -90,6 +90,17 @@ FAULT_POINTS = [
 RESULTS = ["copy", "in-place"]
 
 
+def check_first_round_record(index: int, record: dict[str, object], *, bound: float) -> None:
+    """A round-0 record ended within `bound` seconds: fallen back to exactly its own vector (seed 0,
+    rebuilt here), or averaged with no error against the exact mean."""
+    assert float(record["seconds"]) < bound, record["failures"]  # type: ignore[arg-type]
+    if record["fell_back"]:
+        own = make_vector(0, index, 0, int(record["elements"]))  # type: ignore[call-overload]
+        assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
+    else:
+        assert record["max_abs_error"] == 0.0, record
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("result", RESULTS)
 @pytest.mark.parametrize("plan", FAULT_POINTS)
@@ -180,12 +191,7 @@ def test_an_owner_lost_before_telling_its_voters_costs_no_deadline(tmp_path: Pat
             assert workers.wait(VICTIM, timeout=10) == -9  # it really was SIGKILLed at the point
         first, second = ([rounds[r] for rounds in records.values()] for r in range(NUM_ROUNDS))
         for index, record in zip(records, first, strict=True):
-            assert float(record["seconds"]) < UNTOLD_BOUND_SECONDS, record["failures"]  # type: ignore[arg-type]
-            if record["fell_back"]:  # exactly its own vector (seed 0, round 0), rebuilt here
-                own = make_vector(0, index, 0, int(record["elements"]))  # type: ignore[call-overload]
-                assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
-            else:
-                assert record["max_abs_error"] == 0.0, record
+            check_first_round_record(index, record, bound=UNTOLD_BOUND_SECONDS)
         # No voter was told, so its voters' votes are spent on the owner's version and no other can win
         # a majority: survivors fall back. A fall-back is each node's own (its own vector, checked
         # above); what must never happen is two survivors averaging different means, or some averaged
@@ -242,12 +248,7 @@ def test_an_owner_that_tells_its_voters_late_leaves_no_survivor_averaged_alone(t
         outcomes = {index: (r["fell_back"], r["failures"]) for index, r in first.items()}
         assert len({r["fell_back"] for r in first.values()}) == 1, outcomes
         for index, record in first.items():
-            assert float(record["seconds"]) < UNTOLD_DEADLINE_SECONDS, record["failures"]  # type: ignore[arg-type]
-            if record["fell_back"]:  # exactly its own vector (seed 0, round 0), rebuilt here
-                own = make_vector(0, index, 0, int(record["elements"]))  # type: ignore[call-overload]
-                assert record["sha256"] == hashlib.sha256(own.numpy().data).hexdigest()
-            else:
-                assert record["max_abs_error"] == 0.0, record
+            check_first_round_record(index, record, bound=UNTOLD_DEADLINE_SECONDS)
         assert len({r["sha256"] for r in first.values() if not r["fell_back"]}) <= 1, outcomes
     finally:
         workers.stop()
