@@ -6,5 +6,6 @@ partitions), ``links`` (latency, bandwidth, message timing), ``allreduce_cost`` 
 byte formulas and seconds), ``groups`` (the all-reduces in flight and the params they make),
 ``node`` (one daemon's life, feeding ``RoundFormation`` as ``protocol/swarm/driver.py`` does),
 ``faults`` (crash, freeze, restart, join, leave, partition), ``swarm`` (the world from a seed, the
-run) and ``report`` (per-round figures).
+run), ``report`` (per-round figures) and ``schedule`` (how much of a round the daemon's ``--overlap``
+and fragment schedules hide behind training: ``scripts/bench/bench_sim_utilization.py``).
 """
