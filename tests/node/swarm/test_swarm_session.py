@@ -318,7 +318,7 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
             recorder.codec.encoded_num_bytes(c.num_elements) for c in round_mean.encoded or ()
         )
         assert mean.tensors[ROUND_MEAN_PAYLOAD].numel() == payload_bytes
-        if codec == "topk":  # 123 of 4096 at 2 bits + ~7.9 bits of Elias-Fano position each, 8 bytes of scales
+        if codec == "topk":  # 123 of 4096: 2 bits + ~7.9 of Elias-Fano position each, 8 bytes of scales
             assert mean.num_bytes < state.num_bytes / 100
     else:
         assert set(mean.tensors) == {ROUND_MEAN} and mean.num_bytes * 2 == state.num_bytes
