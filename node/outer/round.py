@@ -182,6 +182,9 @@ class _Landed:
     seconds_comm: float
     norm: float
     param_hash: str
+    # The state to serve after the round (overlap): built on the averaging thread once the step is
+    # applied, so the training thread only publishes it (None: built when served, ``_serve``).
+    served: Snapshot | None = None
 
 
 class OuterRound:
@@ -373,7 +376,7 @@ class OuterRound:
             # Overlap: the round in flight was applied (polled at this step boundary): serve it now,
             # not at the phase's end, so the swarm's lineage check sees every member of the round on
             # its new params at once; every member serves the same step and data position.
-            self._serve(landed.request.round_index, boundary=self._submitted_boundary)
+            self._serve(landed.request.round_index, boundary=self._submitted_boundary, built=landed.served)
         return None
 
     def finish(self) -> RoundApplied | None:
@@ -530,7 +533,9 @@ class OuterRound:
             request = self._request(weight, rate)
             self.diloco.restart_from(delta)  # before the averaging thread may step θ_global
             assert self._executor is not None and self._in_flight is None
-            self._in_flight = self._executor.submit(self._average_and_apply, delta.clone(), request)
+            self._in_flight = self._executor.submit(
+                self._average_and_apply, delta.clone(), request, boundary=self._submitted_boundary
+            )
         self._restart_phase()
         return applied
 
@@ -600,7 +605,9 @@ class OuterRound:
         else:
             self._submitted_boundary = (progress.step, self.data.state_dict())
             self._land_step = progress.step + schedule.overlap_steps
-            self._in_flight = self._executor.submit(self._average_and_apply, delta, request)
+            self._in_flight = self._executor.submit(
+                self._average_and_apply, delta, request, boundary=self._submitted_boundary
+            )
         self._restart_phase()
         return applied
 
@@ -649,22 +656,35 @@ class OuterRound:
             part.step(averaged)
         return float(averaged.norm())
 
-    def _average_and_apply(self, delta: torch.Tensor, request: RoundRequest) -> _Landed:
+    def _average_and_apply(
+        self, delta: torch.Tensor, request: RoundRequest, *, boundary: Boundary | None = None
+    ) -> _Landed:
         """Phase 2: the swarm's answer for ``delta``, its mean applied to θ_global (on the averaging
-        thread with overlap: the training thread does not touch θ_global during a phase)."""
+        thread with overlap: the training thread does not touch θ_global during a phase).
+
+        With overlap (``boundary``: the step and data position its state is served at) the state to
+        serve after the round is built here too, once the step is applied: the round's one host copy
+        of θ_global and the momentum and the snapshot's hashes (a copy and four SHA-256 passes over
+        2 × 4 bytes a parameter) are then off the training thread, which only publishes it. Nothing
+        steps θ_global between here and its serving: the next round goes in flight after this one is
+        acted on, and an adoption replaces the state (nothing is built for it)."""
         started = time.perf_counter()
         outcome = self.averager.average(delta, request)
         seconds_comm = time.perf_counter() - started
         norm = 0.0
+        served = None
         match outcome.decision:
             case Averaged(mean=mean) | FellBack(own=mean):
                 if request.fragment is None:
                     norm = self.diloco.apply_mean(mean)
                 else:
                     norm = self._step_fragment(request.fragment, mean)
+                if boundary is not None and self.swarm is not None:
+                    served = self.snapshot(request.round_index, boundary)
+                    self.swarm.prepare_publish(served)  # what is served beside it (the round's mean)
             case Adopt():
                 pass  # loaded by the training thread (_act_on)
-        return _Landed(request, outcome, seconds_comm, norm, self.diloco.param_hash())
+        return _Landed(request, outcome, seconds_comm, norm, self.diloco.param_hash(), served)
 
     def _landed(self) -> _Landed | None:
         """The round in flight once it has landed, else None (polled at step boundaries)."""
@@ -711,7 +731,7 @@ class OuterRound:
                         phase_tokens=agreed.phase_tokens,
                     )
         if swarm is not None:
-            self._serve(boundary=boundary)
+            self._serve(boundary=boundary, built=landed.served)
         compute_seconds, self._unrecorded_compute = self._unrecorded_compute, 0.0
         fragment = landed.request.fragment
         fragment_hash = ""
@@ -759,9 +779,12 @@ class OuterRound:
             steps = 0 if self.settings.round_seconds else self.settings.inner_steps
             self.data.read_spare(lane, steps=steps)
 
-    def _serve(self, round: int | None = None, *, boundary: Boundary | None = None) -> None:
+    def _serve(
+        self, round: int | None = None, *, boundary: Boundary | None = None, built: Snapshot | None = None
+    ) -> None:
         """Serve the global state now (after ``round``, default the rounds applied), unless it is the
-        one served already."""
+        one served already; ``built``: that state's snapshot if the averaging thread built it
+        (``_average_and_apply``), used when it is of the lineage served now."""
         assert self.swarm is not None
         lineage = (self.progress.round if round is None else round, self.diloco.param_hash())
         if round is None and self._served == lineage:
@@ -770,5 +793,7 @@ class OuterRound:
             return  # a landed round served already (or a newer one)
         # Advertised with the phase's throughput (the last phase's right after a round).
         rate = self.tokens_per_s if self.progress.round_tokens else self._last_rate
-        self.swarm.publish(self.snapshot(round, boundary), tokens_per_s=rate)
+        if built is None or (built.round_id, built.state_id) != lineage:
+            built = self.snapshot(round, boundary)
+        self.swarm.publish(built, tokens_per_s=rate)
         self._served = lineage

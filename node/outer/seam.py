@@ -19,6 +19,8 @@ the round calls             with                                     the swarm a
                                                                      ended (:class:`NextShard`)
 ``after_adopt(state)``      the swarm's state, once loaded            the spare data lane to read
                                                                      until the next round
+``prepare_publish(snap)``   the state the next ``publish`` serves,    —
+                            built on the averaging thread (overlap)
 ``publish(snapshot)``       the global state to serve now             —
 ``advertise_rate(tok/s)``   the phase's throughput so far (every 1 s) —
 ``phase_should_end()``                                                a catching-up node's phase ends
@@ -263,6 +265,12 @@ class SwarmSide(Averager, Protocol):
     def after_adopt(self, state: AdoptedState) -> int | None: ...
 
     def moved_spare_lane(self) -> int | None: ...
+
+    def prepare_publish(self, snapshot: Snapshot) -> None:
+        """On the thread that built ``snapshot`` (overlap: the averaging thread, once the round's step
+        is applied): build what :meth:`publish` serves beside it, so that publishing it from the
+        training thread only swaps it in."""
+        ...
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
 

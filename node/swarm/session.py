@@ -136,6 +136,9 @@ class SwarmSession:
         # The last round's mean Δ̄ and the (round, param_hash) it stepped from: served beside the
         # new state (round_mean_snapshot) until the next publish.
         self._round_mean: RoundMean | None = None
+        # The round mean's snapshot built beside a state before it is published (prepare_publish):
+        # (the state, the mean, the mean's snapshot).
+        self._prepared: tuple[Snapshot, RoundMean, Snapshot] | None = None
         self.num_caught_up = 0  # missed rounds stepped through with the swarm's mean
         # Our last round stepped on our own Δ (it fell back): no member's chain of means leads to our
         # state, so a catch-up cannot start from it; the whole state is fetched at once.
@@ -257,13 +260,24 @@ class SwarmSession:
             self._say_lane((shard.num_shards + lane, shard.num_shards), store_now=True)
         return StartAnswer(adopt=adopt, shard=(shard.shard_index, shard.num_shards), spare_lane=lane)
 
+    def prepare_publish(self, snapshot: Snapshot) -> None:
+        """Build the round mean's snapshot that :meth:`publish` serves beside ``snapshot`` (a copy of Δ̄,
+        fp32 or the codec's bytes, and its hashes) here, on the averaging thread with overlap, not in publish."""
+        round_mean = self._round_mean
+        if round_mean is not None and round_mean.previous[0] + 1 == snapshot.round_id:
+            self._prepared = (snapshot, round_mean, round_mean_snapshot(snapshot, round_mean))
+
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         """Advertise and serve ``snapshot``, the loop's global state now, with the round's mean beside
-        it if this node stepped to it with one."""
+        it if this node stepped to it with one (the one :meth:`prepare_publish` built, if of these)."""
         round = snapshot.round_id
         companions = []
-        if self._round_mean is not None and self._round_mean.previous[0] + 1 == round:
-            companions.append(round_mean_snapshot(snapshot, self._round_mean))
+        round_mean, prepared, self._prepared = self._round_mean, self._prepared, None
+        if round_mean is not None and round_mean.previous[0] + 1 == round:
+            if prepared is not None and prepared[0] is snapshot and prepared[1] is round_mean:
+                companions.append(prepared[2])
+            else:
+                companions.append(round_mean_snapshot(snapshot, round_mean))
         self._round_mean = None
         self.swarm.publish(
             round=round,
@@ -377,7 +391,7 @@ class SwarmSession:
         self, vector: torch.Tensor, request: RoundRequest, feedback: ErrorFeedback | None
     ) -> tuple[RoundDecision, RoundStats]:
         round_index, previous = request.round_index, request.lineage
-        self._round_mean = None
+        self._round_mean = self._prepared = None
         self._group = None
         self._stepping_alone = False  # this round steps on our own Δ (_own_delta; _stepped_alone after it)
         result: RoundResult

@@ -150,6 +150,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         def moved_spare_lane(self) -> None:
             return None
 
+        def prepare_publish(self, snapshot: Any) -> None:
+            pass  # nothing is served beside it
+
         def publish(self, snapshot: Any, *, tokens_per_s: float) -> None:
             self.served.append(snapshot)
 

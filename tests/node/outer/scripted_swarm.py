@@ -52,6 +52,8 @@ class ScriptedSwarm:
     calls: list[str] = field(default_factory=list)
     requests: list[RoundRequest] = field(default_factory=list)
     served: list[Snapshot] = field(default_factory=list)
+    prepared: list[Snapshot] = field(default_factory=list)
+    """The snapshots ``prepare_publish`` was given (built on the averaging thread, overlap)."""
     rates: list[float] = field(default_factory=list)
     """The throughputs the loop advertised during its phases (``advertise_rate``)."""
     join_request: JoinRequest | None = None
@@ -113,6 +115,10 @@ class ScriptedSwarm:
 
     def moved_spare_lane(self) -> int | None:
         return None  # nobody else reads a lane here
+
+    def prepare_publish(self, snapshot: Snapshot) -> None:
+        # On the averaging thread beside the loop's calls (overlap), as SwarmSession's: nothing to build.
+        self.prepared.append(snapshot)
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None:
         self._enter("publish")

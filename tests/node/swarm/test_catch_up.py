@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+import node.swarm.session as session_module
 from node.outer.seam import JoinAnswer, JoinRequest
 from node.swarm.catch_up import rejoin_due
 from node.swarm.session import SwarmSession
@@ -33,6 +35,7 @@ from protocol.codecs import get_codec
 from protocol.error_feedback import ErrorFeedback
 from protocol.membership.lineage import Lineage, LineageDecision
 from protocol.membership.records import SwarmView
+from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
 from protocol.swarm.result import GroupAveraged, LineageResync, RoundResult
 from tests.node.swarm.test_swarm_session import (
@@ -263,6 +266,36 @@ def test_an_overlapped_member_serves_means_that_step_a_member_behind_to_its_stat
         caught_up_state(stepper(behind), served[3]["companions"][0], previous=(1, served[1]["param_hash"]),
                         target=(3, served[3]["param_hash"]), start=round_1_start, num_elements=num_elements,
                         corpus_sha256=corpus_sha256)  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_an_overlapped_member_builds_its_round_means_on_the_averaging_thread(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--overlap: the mean served beside a round's state (fp32 with top-k: a copy and two SHA-256
+    passes) is built with that state on the averaging thread once the round's step is applied
+    (``SwarmSession.prepare_publish``); publish, on the training thread, serves the one built. That
+    the served means step a member behind to the served states is the test above."""
+    built: list[tuple[Snapshot, str]] = []
+
+    def recorded(state: Snapshot, round_mean: Any) -> Snapshot:
+        companion = round_mean_snapshot(state, round_mean)
+        built.append((companion, threading.current_thread().name))
+        return companion
+
+    monkeypatch.setattr(session_module, "round_mean_snapshot", recorded)
+    swarm = SwarmOfOne()
+    source = Trainer(
+        small_config(corpus_file, tmp_path / "source", overlap=True, max_rounds=3),
+        swarm=SwarmSession(swarm, joining=False),  # type: ignore[arg-type]
+    )
+    source.run()
+    served = [companion for published in swarm.published for companion in published["companions"]]
+    assert [companion.round_id for companion in served] == [1, 2, 3]
+    assert len(built) == 3 and all(
+        one is companion for (one, _), companion in zip(built, served, strict=True)
+    )
+    assert all(thread.startswith("outer-averaging") for _, thread in built), built
 
 
 # --- rejoin_due on a SwarmView: the same answer as a pass over its peers ---

@@ -4,6 +4,7 @@ the params, shared by the served snapshot, the checkpoint and the eval."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import node.outer.host_copy as host_copy_module
+import node.outer.round as round_module
 from node import load_model
 from node.model.gpt import cross_entropy_loss
 from node.outer.round import RoundApplied
-from node.swarm.state import GLOBAL_PARAMS
+from node.outer.state import tensor_hash
+from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM
 from node.train.held_out import HeldOutEval
 from node.train.trainer import Trainer
+from protocol.statesync.snapshot import Snapshot
 from tests.node.outer.scripted_swarm import ScriptedSwarm
 from tests.node.train.test_checkpoint_writer import records, small_config, start_run, wait_until
 from tests.node.train.test_trainer import corpus_file
@@ -171,3 +176,60 @@ def test_round_end_makes_one_host_copy_of_the_params(corpus_file: Path, tmp_path
     resumed = Trainer(small_config(corpus_file, tmp_path, max_rounds=3))
     assert resumed.diloco.param_hash() == host.param_hash and resumed.progress.round == 3
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in resumed.diloco.params]), host.params)
+
+
+@pytest.mark.timeout(180)
+def test_with_overlap_the_served_state_is_built_on_the_averaging_thread(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--overlap: the state served after a round (its host copy, param_hash and block hashes, ~1-2 s a
+    round for 10M params on a CPU) is built on the averaging thread once the round's step is applied;
+    the training thread only publishes it. What is served is unchanged: each snapshot's params hash to
+    its state id and its round record's param_hash, its hashes are a fresh snapshot's of the same
+    numbers, it names the step its phase ended at, and the last one is the run's final state."""
+    built_on: list[tuple[int, str]] = []  # (round, thread) of every served snapshot built
+    copied_on: list[str] = []  # the thread of every host copy of θ_global and the momentum
+    real_snapshot, real_copy = round_module.state_snapshot, host_copy_module.host_copy
+
+    def recorded_snapshot(**kwargs: Any) -> Snapshot:
+        snapshot = real_snapshot(**kwargs)
+        built_on.append((snapshot.round_id, threading.current_thread().name))
+        return snapshot
+
+    def recorded_copy(tensor: torch.Tensor) -> torch.Tensor:
+        copied_on.append(threading.current_thread().name)
+        return real_copy(tensor)
+
+    monkeypatch.setattr(round_module, "state_snapshot", recorded_snapshot)
+    monkeypatch.setattr(host_copy_module, "host_copy", recorded_copy)
+    swarm = ScriptedSwarm()
+    trainer = Trainer(small_config(corpus_file, tmp_path, max_rounds=3, overlap=True), swarm=swarm)
+    training_thread = threading.current_thread().name
+    trainer.run()
+
+    # Round 0's state (held at the join, then served) is built by the training thread; every round's
+    # after it once, on the averaging thread, the last one's too (applied by OuterRound.finish).
+    assert built_on[:2] == [(0, training_thread)] * 2
+    assert [round for round, _ in built_on[2:]] == [1, 2, 3]
+    assert all(thread.startswith("outer-averaging") for _, thread in built_on[2:]), built_on
+    # One host copy on the training thread: round 0's θ_global (no momentum before the first outer
+    # step); θ_global and the momentum of rounds 1-3 on the averaging thread.
+    assert copied_on.count(training_thread) == 1 and len(copied_on) == 1 + 2 * 3, copied_on
+    # Served once each, in round order, with the figures the training thread built before.
+    rounds = records(tmp_path, "round")
+    assert [s.round_id for s in swarm.served] == [0, 1, 2, 3]
+    for served, record in zip(swarm.served[1:], rounds, strict=True):
+        params = served.tensors[GLOBAL_PARAMS]
+        assert served.state_id == record["param_hash"] == tensor_hash(params)
+        assert json.loads(served.metadata)["step"] == served.round_id * 3  # its phase's end (H = 3)
+        fresh = Snapshot(
+            round_id=served.round_id,
+            state_id=served.state_id,
+            tensors=dict(served.tensors),
+            metadata=served.metadata,
+        )
+        assert fresh.entries == served.entries
+    last = swarm.served[-1]
+    assert torch.equal(last.tensors[GLOBAL_PARAMS], trainer.diloco.global_params)
+    momentum = trainer.diloco.momentum_buffer()
+    assert momentum is not None and torch.equal(last.tensors[OUTER_MOMENTUM], momentum)
