@@ -185,3 +185,16 @@ class ForkedProcess:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
         return self._process.exitcode
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed (the
+    scripts then write their JSON and say no plot was made)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -58,7 +58,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.common import add_output_flags, print_json, write_json  # noqa: E402
+from scripts.common import add_output_flags, print_json, pyplot, write_json  # noqa: E402
 from scripts.sim.schedule import utilization  # noqa: E402
 from scripts.sim.settings import SimSettings  # noqa: E402
 from scripts.sim.swarm import Swarm  # noqa: E402
@@ -300,12 +300,8 @@ def summary_line(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Utilization against link rate, a panel per model size; False if matplotlib is not there."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     models = [m["name"] for m in result["assumptions"]["models"]]
     figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), sharey=True, squeeze=False)

@@ -26,6 +26,7 @@ from typing import Any
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from scripts.common import pyplot  # noqa: E402
 from scripts.sim.report import summary_line  # noqa: E402
 from scripts.sim.settings import FaultRates, SimSettings  # noqa: E402
 from scripts.sim.swarm import Swarm  # noqa: E402
@@ -160,12 +161,8 @@ def round_line(figures: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Per-round plots; False (and nothing written) if matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rounds = result["rounds"]
     x = [r["round"] for r in rounds]

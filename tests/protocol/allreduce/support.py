@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -17,8 +18,10 @@ from pathlib import Path
 import torch
 
 from protocol.allreduce import AllReduceConfig, AllReducePeer, AllReduceResult, GroupSpec, Member
+from protocol.allreduce.client import PeerClient
+from protocol.allreduce.round import RoundState
 from protocol.auth.channels import SwarmAuth
-from protocol.codecs import Codec
+from protocol.codecs import Codec, get_codec
 from protocol.error_feedback import ErrorFeedback
 from tests.forking import enter_child, forkserver
 
@@ -84,6 +87,24 @@ async def allreduce_all(
                 for i, peer in enumerate(peers)
             )
         )
+    )
+
+
+def socket_free_round_state(num_members: int, num_elements: int, config: AllReduceConfig) -> RoundState:
+    """Member 0's state of a round of `num_members` (addresses never dialled), fp32 codec, zeros."""
+    members = [Member(peer_id=f"p{i}", address=f"127.0.0.1:{i + 1}") for i in range(num_members)]
+    return RoundState(
+        group=GroupSpec.build(round_id=0, members=members, num_elements=num_elements),
+        my_index=0,
+        codec=get_codec("none"),
+        weight=1.0,
+        vector=torch.zeros(num_elements),
+        error_feedback=None,
+        config=config,
+        deadline=timedelta(seconds=30),
+        executor=ThreadPoolExecutor(max_workers=1),
+        client=PeerClient(config.grpc_options(server=False)),
+        fault_plan=None,
     )
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -24,15 +22,21 @@ import pytest
 import torch
 import uvloop
 
-from protocol.allreduce import GroupSpec, Member
+from protocol.allreduce import GroupSpec
 from protocol.allreduce import allreduce as allreduce_module
 from protocol.allreduce import round as round_module
-from protocol.allreduce.client import PeerClient
 from protocol.allreduce.round import RoundState
 from protocol.codecs import get_codec
 from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
-from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, exact_mean, local_peers, members_of
+from tests.protocol.allreduce.support import (
+    FAST_CONFIG,
+    allreduce_all,
+    exact_mean,
+    local_peers,
+    members_of,
+    socket_free_round_state,
+)
 
 NUM_PEERS = 4
 NUM_ELEMENTS = 40_000
@@ -94,22 +98,8 @@ def test_no_chunk_of_a_part_is_served_before_its_voters_are_told(monkeypatch: py
 
 def _voter_of_part_1(num_members: int) -> tuple[RoundState, pb.AverageHeader]:
     """Member 0 of a group, holding member 1's complete (not yet committed) replica of part 1."""
-    members = [Member(peer_id=f"p{i}", address=f"127.0.0.1:{i + 1}") for i in range(num_members)]
-    group = GroupSpec.build(round_id=0, members=members, num_elements=NUM_ELEMENTS)
-    codec = get_codec("none")
-    state = RoundState(
-        group=group,
-        my_index=0,
-        codec=codec,
-        weight=1.0,
-        vector=torch.zeros(NUM_ELEMENTS),
-        error_feedback=None,
-        config=FAST_CONFIG,
-        deadline=timedelta(seconds=30),
-        executor=ThreadPoolExecutor(max_workers=1),
-        client=PeerClient(FAST_CONFIG.grpc_options(server=False)),
-        fault_plan=None,
-    )
+    state = socket_free_round_state(num_members, NUM_ELEMENTS, FAST_CONFIG)
+    group, codec = state.group, state.codec
     size = group.part_num_elements(1)
     header = pb.AverageHeader(
         part_index=1, producer_index=1, codec=codec.spec(), num_elements=size,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -27,7 +26,13 @@ from protocol.allreduce.round import RoundState
 from protocol.codecs import get_codec
 from protocol.errors import ProtocolError
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
-from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, local_peers, members_of
+from tests.protocol.allreduce.support import (
+    FAST_CONFIG,
+    allreduce_all,
+    local_peers,
+    members_of,
+    socket_free_round_state,
+)
 
 NUM_ELEMENTS = 40_000
 LINGER = timedelta(seconds=60)  # far longer than the test: only the new rule can forget a round
@@ -172,21 +177,7 @@ def test_a_replica_holder_is_not_sent_the_part_again() -> None:
 
 
 def round_state_owning_part_0(num_members: int) -> RoundState:
-    members = [Member(peer_id=f"p{i}", address=f"127.0.0.1:{i + 1}") for i in range(num_members)]
-    group = GroupSpec.build(round_id=0, members=members, num_elements=NUM_ELEMENTS)
-    return RoundState(
-        group=group,
-        my_index=0,
-        codec=get_codec("none"),
-        weight=1.0,
-        vector=torch.zeros(NUM_ELEMENTS),
-        error_feedback=None,
-        config=CONFIG,
-        deadline=timedelta(seconds=30),
-        executor=ThreadPoolExecutor(max_workers=1),
-        client=PeerClient(CONFIG.grpc_options(server=False)),
-        fault_plan=None,
-    )
+    return socket_free_round_state(num_members, NUM_ELEMENTS, CONFIG)
 
 
 @pytest.mark.timeout(30)
