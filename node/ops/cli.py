@@ -236,7 +236,18 @@ def run_join(args: argparse.Namespace) -> int:
     from node.swarm.setup import start_swarm
     from node.train.checkpoint import latest_checkpoint
 
-    swarm = start_swarm(config)
+    if stop.requested:  # nothing to leave yet: no socket, no swarm, no step
+        log.info("stopped before the swarm started")
+        return 0
+    try:
+        swarm = start_swarm(config)
+    except Exception:
+        # A signal to the node's process group reaches the helpers its start-up spawns too (torch's
+        # shared-memory manager, the DHT's daemon): start-up may then fail, but the user asked to stop.
+        if not stop.requested:
+            raise
+        log.info("stopped while the swarm started (its start-up was interrupted)", exc_info=True)
+        return 0
     try:
         # A fresh joiner fetches the swarm's state while its model is being built (its data is loaded:
         # the preflight read it, before any socket).
@@ -445,6 +456,11 @@ class _StopOnSignals:
         self._pid = os.getpid()
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+
+    @property
+    def requested(self) -> bool:
+        """A signal has asked the node to stop."""
+        return self._requested
 
     def attach(self, trainer: Any) -> None:
         self._trainer = trainer

@@ -7,12 +7,13 @@ not stop the others past the round deadline; SIGTERM leaves cleanly with exit 0.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 import pytest
 
-from tests.node.swarm_cluster import Cluster, tail, wait_for
+from tests.node.swarm_cluster import FAST_FLAGS, Cluster, tail, wait_for
 
 
 def assert_one_lineage(nodes_hashes: list[dict[int, str]], rounds: list[int]) -> None:
@@ -151,3 +152,48 @@ def test_sigterm_during_start_up_exits_cleanly(tmp_path):
         assert node.wait(60) == 0, tail(node)
         assert "received SIGTERM" in node.log()
         assert not [r for r in node.records() if "param_hash" in r]  # it never finished a round
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_stop_asked_before_or_while_the_swarm_starts_exits_0(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """A signal to the node's process group also reaches the helpers its start-up spawns (torch's
+    shared-memory manager: a CI run once ended `no response from torch_shm_manager` inside the DHT's
+    start, exit 1). Asked to stop, the node exits 0 whether start-up failed or had not begun; without
+    a stop, the same failure is still raised."""
+    from node.ops import cli, preflight
+    from node.swarm import setup
+
+    signal_at = {"when": when}  # the last call below runs with no signal at all
+    starts = []
+    check = preflight.check_before_sockets
+
+    def checked_then_signalled(config: object) -> object:
+        corpus = check(config)
+        if signal_at["when"] == "before":
+            os.kill(os.getpid(), signal.SIGTERM)  # kept by the handler run_join installed first
+        return corpus
+
+    def failing_start(config: object, **kwargs: object) -> object:
+        starts.append(config)
+        if signal_at["when"] == "during":
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("no response from torch_shm_manager")
+
+    monkeypatch.setattr(preflight, "check_before_sockets", checked_then_signalled)
+    monkeypatch.setattr(setup, "start_swarm", failing_start)
+    argv = ["join", "--name", "stoptest", "--run-dir", str(tmp_path / "run"), *FAST_FLAGS]
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with caplog.at_level("INFO", logger="dtnode"):
+            assert cli.main(argv) == 0
+        assert "received SIGTERM" in caplog.text
+        assert len(starts) == (1 if when == "during" else 0)  # before: no swarm was started at all
+        signal_at["when"] = "never"
+        with pytest.raises(RuntimeError, match="torch_shm_manager"):
+            cli.main(argv)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
