@@ -793,7 +793,7 @@ class TopKCodec(Codec):
 
 
 class TopK2Codec(TopKCodec):
-    """Top-k with 2-bit values (sign and one of two levels): about 1/35 of int8 at 1.5% density."""
+    """Top-k with 2-bit values (sign and one of two levels): about 1/48 of int8 at 1.5% density."""
 
     kind = pb.CODEC_KIND_TOPK
     name = "topk"
