@@ -117,6 +117,13 @@ def due_fragments(step: int, *, inner_steps: int, num_fragments: int) -> list[in
     ]
 
 
+def fragment_of_round(round_index: int, num_fragments: int) -> int:
+    """The fragment that round ``round_index`` (1-based, counted over the run) synchronises: a function
+    of the round's index alone (:class:`FragmentSchedule`), so a node that missed rounds knows which
+    fragment each one stepped."""
+    return round_index % num_fragments
+
+
 @dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
     """When the daemon's fragment rounds come, as one sequence of swarm rounds.
@@ -153,7 +160,7 @@ class FragmentSchedule:
 
     def fragment_of_round(self, round_index: int) -> int:
         """The fragment round ``round_index`` (1-based) synchronises."""
-        return round_index % self.num_fragments
+        return fragment_of_round(round_index, self.num_fragments)
 
     def round_step(self, round_index: int) -> int:
         """``s_r``: the inner step after which round ``round_index`` (1-based) is due."""
@@ -247,6 +254,51 @@ class FragmentedOuterState:
 
     def fragment_sizes(self) -> tuple[int, ...]:
         return tuple(part.num_elements for part in self.parts)
+
+    @torch.no_grad()
+    def stepped(
+        self, fragment: int, averaged: Tensor, start: tuple[Tensor, Tensor | None]
+    ) -> tuple[Tensor, Tensor | None]:
+        """The whole model's global params and outer momentum that fragment ``fragment``'s outer step
+        with its round's mean ``averaged`` gives from ``start`` = (params, momentum), on copies (this
+        node's own state is untouched): the fragment's vector is taken out of the whole, stepped by the
+        same ``torch.optim.SGD`` as the fragment's own (``FlatOuterState.step``: the same vector in the
+        same order) and put back, so a member's fragment step is reproduced bit for bit; the other
+        fragments' numbers are left as they are. Catching up with served fragment means uses it."""
+        part = self.parts[fragment]
+        if averaged.shape != (part.num_elements,):
+            raise ValueError(
+                f"fragment {fragment}'s mean has {averaged.numel()} numbers, it holds {part.num_elements}"
+            )
+        params, momentum = start
+        if params.shape != (self.num_elements,):
+            raise ValueError(f"got {params.numel()} numbers, the fragments hold {self.num_elements}")
+        params = params.detach().to(self.device, torch.float32).clone()
+        if momentum is not None:
+            momentum = momentum.detach().to(self.device, torch.float32).clone()
+        leaf = self._piece(params, fragment).requires_grad_(True)
+        optimizer = torch.optim.SGD([leaf], **part.settings())
+        if momentum is not None:
+            optimizer.state[leaf]["momentum_buffer"] = self._piece(momentum, fragment)
+        leaf.grad = averaged.to(self.device, torch.float32)
+        optimizer.step()
+        self._put(params, fragment, leaf.detach())
+        buffer = optimizer.state[leaf].get("momentum_buffer")
+        if buffer is not None:
+            if momentum is None:  # (the other fragments' momentum: zero, as a member's starts)
+                momentum = torch.zeros_like(params)
+            self._put(momentum, fragment, buffer)
+        return params, momentum
+
+    def _piece(self, whole: Tensor, fragment: int) -> Tensor:
+        """Fragment ``fragment``'s vector (a copy) out of a whole-model vector."""
+        return torch.cat([whole[start : start + size] for f, _, start, size in self._layout if f == fragment])
+
+    def _put(self, whole: Tensor, fragment: int, piece: Tensor) -> None:
+        """Write fragment ``fragment``'s vector ``piece`` into its places in the whole-model vector."""
+        for f, at, start, size in self._layout:
+            if f == fragment:
+                whole[start : start + size] = piece[at : at + size]
 
     @torch.no_grad()
     def mix(self, fragment: int, mix: float) -> None:

@@ -302,6 +302,7 @@ class OuterRound:
                 ),
                 rank=self.settings.rank,
                 fragment_sizes=fragments.fragment_sizes() if fragments is not None else (),
+                fragment_stepper=fragments.stepped if fragments is not None else None,
             )
         )
         if answer.adopt is not None:

@@ -69,6 +69,11 @@ OuterStepper = Callable[[torch.Tensor, Stepped], Stepped]
 """``stepper(mean, start)``: the outer state one outer step with ``mean`` gives from ``start``, on
 copies (``DiLoCo.stepped``): a pure function of its arguments and the outer optimizer's settings."""
 
+FragmentStepper = Callable[[int, torch.Tensor, Stepped], Stepped]
+"""``stepper(fragment, mean, start)``: the whole outer state that fragment ``fragment``'s outer step
+with its round's mean (the fragment's numbers) gives from the whole ``start``, on copies
+(``FragmentedOuterState.stepped``)."""
+
 
 @dataclass(frozen=True)
 class AdoptedState:
@@ -192,6 +197,9 @@ class JoinRequest:
     fragment_sizes: tuple[int, ...] = ()
     """With ``--fragments``: the numbers of each fragment's vector (a round averages one of them, and
     keeps its own error feedback); empty: every round averages the whole model's vector."""
+    fragment_stepper: FragmentStepper | None = None
+    """With ``--fragments``: steps a copy of the whole outer state with one fragment round's mean
+    (catching up with the fragment rounds' means)."""
 
 
 @dataclass(frozen=True)

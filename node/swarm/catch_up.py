@@ -7,13 +7,17 @@ the whole state is 8). Walking back from the swarm's param_hash, the node fetche
 until one starts from its own ``(round, param_hash)``, then replays the outer steps forward
 (``swarm_state.caught_up_state``), each checked bit for bit against the param_hash and outer
 momentum the swarm published. Any gap or mismatch: the caller fetches the whole state.
+
+With ``--fragments`` a round steps one fragment and its members serve that fragment's mean (1/F of
+the model's numbers): the node steps each missed round's fragment in turn, in the rounds' order,
+each step checked against the whole param_hash and outer momentum the round led to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from node.outer.seam import AdoptedState, Lineage, OuterStepper, Stepped
+from node.outer.seam import AdoptedState, FragmentStepper, Lineage, OuterStepper, Stepped
 from node.swarm.state import caught_up_state, round_mean_id, round_mean_link
 from protocol.membership.lineage import LineageDecision
 from protocol.membership.records import PeerRecord, SwarmView
@@ -31,9 +35,12 @@ def catch_up_with_means(
     stepper: OuterStepper,
     num_elements: int,
     corpus_sha256: str,
+    fragment_sizes: tuple[int, ...] = (),
+    fragment_stepper: FragmentStepper | None = None,
 ) -> tuple[AdoptedState | None, int, str | None]:
     """(the swarm's state stepped to from ours, or None; bytes fetched; why not, if None). ``ours``:
-    the lineage of the global state ``held`` = (params, momentum) this node holds. Every fetch is
+    the lineage of the global state ``held`` = (params, momentum) this node holds; ``fragment_sizes``
+    and ``fragment_stepper`` with ``--fragments`` (``caught_up_state``). Every fetch is
     announced (``SwarmNode.fetch_state(announce=True)``): the lineage's members train on while we
     fetch (``participation.peer_due``), so the state we step to is still theirs when we hold it."""
     canonical = decision.canonical
@@ -54,7 +61,8 @@ def catch_up_with_means(
         state, previous, start = None, ours, held
         for fetched, target in reversed(links):
             state = caught_up_state(stepper, fetched, previous=previous, target=target, start=start,
-                                    num_elements=num_elements, corpus_sha256=corpus_sha256)  # fmt: skip
+                                    num_elements=num_elements, corpus_sha256=corpus_sha256,
+                                    fragment_sizes=fragment_sizes, fragment_stepper=fragment_stepper)  # fmt: skip
             previous, start = target, (state.global_params, state.outer_momentum)
         if state is None or (state.round, state.param_hash) != (canonical.round, canonical.param_hash):
             raise ValueError("the round means do not end at the swarm's state")

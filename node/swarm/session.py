@@ -417,7 +417,7 @@ class SwarmSession:
         match result:
             case GroupAveraged(group=group, allreduce=outcome):
                 self._group = group  # what the members agreed on: the data's next position (after_step)
-                return self._averaged(vector, round_index, previous, group.member_ids, outcome)
+                return self._averaged(vector, request, group.member_ids, outcome)
             case RoundNotFormed(reason=reason):
                 log.warning("round %d: %s; stepping on our own Δ", round_index, reason)
                 return self._own_delta(vector, reason, failure_kind)
@@ -432,25 +432,27 @@ class SwarmSession:
     def _averaged(
         self,
         vector: torch.Tensor,
-        round_index: int,
-        previous: Lineage,
+        request: RoundRequest,
         members: tuple[str, ...],
         outcome: AllReduceResult,
     ) -> tuple[RoundDecision, RoundStats]:
         """A group ran its all-reduce: its mean, or our own Δ if it fell back."""
+        round_index = request.round_index
         if outcome.fell_back:
             log.warning("round %d fell back to our own Δ: %s", round_index, "; ".join(outcome.failures[:3]))
-        elif not self._fragmented:  # (a fragment's mean is not served: catch-up fetches whole)
-            # With overlap too: the round steps θ_global from `previous` (the averaging thread
-            # starts only after the round before was applied), just a phase later.
+        else:
+            # With overlap too: the round steps θ_global from the request's lineage (the averaging
+            # thread starts only after the round before was applied), just a phase later. With
+            # --fragments: the round's fragment's mean, served with its fragment named.
             codec = self.swarm.codec
             self._round_mean = RoundMean(
-                previous=previous,
+                previous=request.lineage,
                 mean=outcome.averaged,
                 encoded=outcome.payloads,
                 codec=codec.name,
                 block_size=codec.block_size,
                 kept_per_block=codec.spec().kept_per_block,
+                fragment=request.fragment,
             )
         contributors = {peer for part in outcome.contributors for peer in part}
         kinds = {"peer": len(outcome.failures)} if outcome.failures else {}
@@ -546,7 +548,6 @@ class SwarmSession:
         if (
             held is not None
             and not self._stepped_alone
-            and not self._fragmented  # fragments: the whole state, with every fragment's version
             and 0 < canonical.round - held[0][0] <= MAX_CATCH_UP_ROUNDS
         ):
             caught_up = self._catch_up(decision, held, why=why)
@@ -586,6 +587,7 @@ class SwarmSession:
         state, num_bytes, error = catch_up_with_means(
             self.swarm, decision, ours=held[0], held=held[1], stepper=identity.stepper,
             num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256,
+            fragment_sizes=identity.fragment_sizes, fragment_stepper=identity.fragment_stepper,
         )  # fmt: skip
         self._bytes_state_sync += num_bytes
         if state is None:
@@ -623,11 +625,6 @@ class SwarmSession:
         if not self.catching_up or self._join is None:
             return False
         return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
-
-    @property
-    def _fragmented(self) -> bool:
-        """The node's rounds average one fragment each (``--fragments``)."""
-        return self._join is not None and bool(self._join.fragment_sizes)
 
     def _new_feedback(self) -> None:
         """Fresh error-feedback residuals: one per fragment with ``--fragments``, else the whole vector's."""

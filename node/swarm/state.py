@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from node.data.batches import NODE_LANE_KEYS
-from node.outer.seam import AdoptedState, OuterStepper, Stepped
+from node.outer.fragments import fragment_of_round
+from node.outer.seam import AdoptedState, FragmentStepper, OuterStepper, Stepped
 from node.outer.state import tensor_hash
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import Codec, get_codec, takes_density
@@ -89,11 +90,12 @@ class RoundMean:
     """A round's mean Δ̄ as this node stepped with it, and the state it stepped from."""
 
     previous: tuple[int, str]  # (round, param_hash) before the round
-    mean: torch.Tensor  # (N,) fp32
+    mean: torch.Tensor  # (N,) fp32; with ``--fragments`` the round's fragment's numbers only
     encoded: tuple[EncodedChunk, ...] | None = None  # the codec bytes Δ̄ was decoded from, if kept
     codec: str = "none"
     block_size: int = 0
     kept_per_block: int = 0  # top-k codecs: the numbers each block sends (0: every number)
+    fragment: int | None = None  # with --fragments: the fragment the round stepped (None: the whole model)
 
 
 def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
@@ -101,7 +103,9 @@ def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
     global params from ``round_mean.previous`` to ``state``, so a member that missed the round can
     step itself there (``caught_up_state``) instead of fetching the whole state. Served as the wire
     codec's bytes when the all-reduce kept them (int8: ~1 byte per parameter instead of the state's
-    8), else as fp32 (4 bytes).
+    8), else as fp32 (4 bytes). With ``--fragments`` the round stepped one fragment: its mean is that
+    fragment's numbers (1/F of the model's) and the metadata names the fragment; the state's
+    metadata names the round and the whole param_hash it leads to, ``previous_*`` the one before.
 
     Every member of the round holds the same Δ̄ and the same bytes and builds the same metadata, so
     they all serve the same snapshot and a node can fetch from all of them at once.
@@ -110,6 +114,7 @@ def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
     metadata: dict[str, Any] = {
         "previous_round": round_mean.previous[0],
         "previous_param_hash": round_mean.previous[1],
+        "fragment": round_mean.fragment,
         "outer_momentum_sha256": None if momentum is None else state.sha256(OUTER_MOMENTUM).hex(),
         "state": json.loads(state.metadata),
     }
@@ -161,14 +166,17 @@ def served_codec(spec: dict[str, Any]) -> Codec:
         raise ValueError(f"the round mean's codec is not one of ours: {error}") from None
 
 
-def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int) -> RoundMean:
-    """The mean a round-mean snapshot carries, decoded and checked (ValueError if malformed)."""
+def _fetched_mean(
+    fetched: Snapshot, metadata: dict[str, Any], num_elements: int, *, fragment: int | None = None
+) -> RoundMean:
+    """The mean a round-mean snapshot carries, decoded and checked (ValueError if malformed):
+    ``num_elements`` numbers, the model's or fragment ``fragment``'s."""
     previous = (metadata.get("previous_round"), metadata.get("previous_param_hash"))
     if ROUND_MEAN in fetched.tensors:
         mean = fetched.tensors[ROUND_MEAN]
         if mean.dtype != torch.float32 or mean.numel() != num_elements:
             raise ValueError("the round mean is not fp32 of the model's size")
-        round_mean = RoundMean(previous=previous, mean=mean)  # type: ignore[arg-type]  # checked by the caller
+        round_mean = RoundMean(previous=previous, mean=mean, fragment=fragment)  # type: ignore[arg-type]  # checked by the caller
     else:
         payload, table = fetched.tensors.get(ROUND_MEAN_PAYLOAD), fetched.tensors.get(ROUND_MEAN_CHUNKS)
         spec = metadata.get("codec")
@@ -197,6 +205,7 @@ def _fetched_mean(fetched: Snapshot, metadata: dict[str, Any], num_elements: int
             codec=codec.name,
             block_size=codec.block_size,
             kept_per_block=codec.spec().kept_per_block,
+            fragment=fragment,
         )
     if not bool(torch.isfinite(round_mean.mean).all()):
         raise ValueError("the round mean has non-finite values")
@@ -227,11 +236,18 @@ def caught_up_state(
     start: Stepped,
     num_elements: int,
     corpus_sha256: str,
+    fragment_sizes: tuple[int, ...] = (),
+    fragment_stepper: FragmentStepper | None = None,
 ) -> AdoptedState:
     """The state ``target = (round, param_hash)`` stepped to from ``start`` (the global params and
     outer momentum of ``previous``) with the round mean ``fetched`` (``round_mean_snapshot``);
     ValueError unless the step reproduces the target's global params and outer momentum bit for
-    bit. Everything in ``fetched`` came from a peer: each field is checked before use."""
+    bit. Everything in ``fetched`` came from a peer: each field is checked before use.
+
+    With ``--fragments`` (``fragment_sizes``) the round stepped one fragment, the one its index names
+    (``fragment_of_round``): the mean must name that fragment and hold its numbers, and
+    ``fragment_stepper`` steps that fragment of the whole state (the whole param_hash and momentum
+    after it are checked as above, so the fragment's hash is the members' too)."""
     stepped_from, _ = round_mean_link(fetched)
     metadata = json.loads(fetched.metadata)
     if not isinstance(metadata.get("state"), dict):
@@ -240,11 +256,25 @@ def caught_up_state(
         raise ValueError(
             f"the round mean follows another state than ours ({previous[0]}, {previous[1][:12]})"
         )
+    if target[0] != previous[0] + 1:
+        raise ValueError(f"a round mean steps one round, not {previous[0]} to {target[0]}")
     state_metadata = _checked_metadata(
         metadata["state"], num_elements=num_elements, corpus_sha256=corpus_sha256
     )
-    round_mean = _fetched_mean(fetched, metadata, num_elements)
-    params, momentum = stepper(round_mean.mean, start)
+    fragment = metadata.get("fragment")
+    if fragment_sizes:
+        expected = fragment_of_round(target[0], len(fragment_sizes))
+        if type(fragment) is not int or fragment != expected or fragment_stepper is None:
+            raise ValueError(f"round {target[0]}'s mean is not fragment {expected}'s (it names {fragment!r})")
+        round_mean = _fetched_mean(fetched, metadata, fragment_sizes[fragment], fragment=fragment)
+        params, momentum = fragment_stepper(fragment, round_mean.mean, start)
+    else:
+        if fragment is not None:
+            raise ValueError(
+                f"the round mean is fragment {fragment!r}'s, and our rounds step the whole model"
+            )
+        round_mean = _fetched_mean(fetched, metadata, num_elements)
+        params, momentum = stepper(round_mean.mean, start)
     if tensor_hash(params) != target[1]:
         raise ValueError("stepping with the round mean does not give the swarm's param_hash")
     momentum_sha256 = (

@@ -116,6 +116,33 @@ def test_a_landed_fragment_steps_its_global_params_and_mixes_only_its_own_local_
         fragmented.land(1, mean, mix=1.0)
 
 
+def test_a_fragment_stepped_on_copies_of_the_whole_state_is_the_landed_fragment_bit_for_bit() -> None:
+    """``FragmentedOuterState.stepped`` (what a node behind steps each missed fragment round with)
+    gives the whole params and momentum a member's own fragment step gives, and leaves the state
+    it was asked about untouched: three rounds of two fragments, Nesterov momentum."""
+    member_model, behind_model = _gpt(), _gpt()
+    names = [name for name, _ in member_model.named_parameters()]
+    member = FragmentedDiLoCo(member_model, fragment_plan(names, 2), outer_lr=0.7, outer_momentum=0.9)
+    behind = FragmentedDiLoCo(behind_model, fragment_plan(names, 2), outer_lr=0.7, outer_momentum=0.9)
+    generator = torch.Generator().manual_seed(3)
+    start = (behind.outer.params(), behind.outer.momentum())
+    held = (start[0].clone(), start[1].clone() if start[1] is not None else None)
+    for round in (1, 2, 3):
+        fragment = round % 2
+        _train(member_model, generator)
+        mean = member.pseudo_gradient(fragment) * 0.5
+        other = 1 - fragment
+        before_other = member.outer.fragment(other).params().clone()
+        member.land(fragment, mean.clone(), mix=0.0)
+        start = behind.outer.stepped(fragment, mean.clone(), start)
+        assert torch.equal(start[0], member.outer.params())
+        assert start[1] is not None and torch.equal(start[1], member.outer.momentum())
+        assert torch.equal(member.outer.fragment(other).params(), before_other)  # only its own fragment
+    assert torch.equal(behind.outer.params(), held[0])  # on copies: behind's own state untouched
+    with pytest.raises(ValueError, match="numbers"):
+        behind.outer.stepped(0, torch.zeros(3), start)
+
+
 def test_the_whole_hash_is_fed_the_fragments_in_place_and_equals_a_flat_states() -> None:
     """The param_hash with fragments is the SHA-256 of the whole canonical vector (hashlib's, over the
     bytes of the model's flat params), yet no whole vector is put together for it: a round in flight

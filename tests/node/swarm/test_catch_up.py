@@ -320,3 +320,149 @@ def test_rejoin_due_on_a_view_is_the_scan_of_its_peers(seed: int) -> None:
         me = rng.choice([record.peer_id for record in records] + ["p99"])
         adopted = (rng.choice((3, 4, 5)), rng.choice(hashes))
         assert rejoin_due(view, me, adopted) == rejoin_due(iter(view.peers), me, adopted)
+
+
+# --- --fragments: a member behind steps each missed round's fragment with its served mean ---
+
+
+class ServingSwarm(SwarmOfOne):
+    """A SwarmOfOne that also serves fetches, from the states (and their round means) another node
+    published: ``fetch_state`` with a ``state_id`` answers with the companion of that id, without one
+    with the canonical state whole; every fetch is recorded."""
+
+    def __init__(self, published: dict[int, dict[str, Any]]) -> None:
+        super().__init__()
+        self.states = {p["param_hash"]: p["snapshot"] for p in published.values()}
+        self.companions = {c.state_id: c for p in published.values() for c in p["companions"]}
+        self.fetched: list[str | None] = []
+
+    def announce_syncing(self, lineage: object) -> None:
+        pass  # nobody reads our record
+
+    def view_or_last(self, why: str) -> SwarmView:
+        return SwarmView(now=0.0, peers=())  # the member's record is not needed: any spare lane does
+
+    def fetch_state(
+        self, decision: LineageDecision, *, state_id: str | None = None, announce: bool = False
+    ) -> SimpleNamespace:
+        self.fetched.append(state_id)
+        snapshot = (
+            self.states[decision.canonical.param_hash] if state_id is None else self.companions.get(state_id)
+        )
+        if snapshot is None:
+            raise TimeoutError(f"no source serves {state_id}")  # what SwarmNode.fetch_state raises
+        return SimpleNamespace(snapshot=snapshot, bytes_by_source={"solo": snapshot.num_bytes})
+
+
+def fragment_hashes(trainer: Trainer) -> list[str]:
+    """Every fragment's hash of ``trainer``'s global params."""
+    fragments = trainer.round.fragments
+    assert fragments is not None
+    return [fragments.fragment(f).hash() for f in range(fragments.num_fragments)]
+
+
+def fragment_member_and_behind(
+    corpus_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    held_round: int,
+    overlap_steps: int = 0,
+) -> tuple[Trainer, dict[int, dict[str, Any]], Trainer, SwarmSession, ServingSwarm]:
+    """A member that ran 4 fragment rounds (--fragments 2, int8, each round's mean served beside its
+    state; ``overlap_steps``: τ), and a second node on the state the member served after ``held_round``, whose next
+    round's lineage check sends it to the member's round 4."""
+    settings = dict(fragments=2, overlap_steps=overlap_steps)
+    member = Trainer(
+        small_config(corpus_file, tmp_path / "member", max_rounds=4, **settings),
+        swarm=SwarmSession(SwarmOfOne(), joining=False),  # type: ignore[arg-type]
+    )
+    member.run()
+    assert member.round.swarm is not None
+    published = {p["round"]: p for p in member.round.swarm.swarm.published if p["snapshot"] is not None}  # type: ignore[attr-defined]
+    swarm = ServingSwarm(published)
+    session = SwarmSession(swarm, joining=False)  # type: ignore[arg-type]
+    behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, **settings), swarm=session)
+    held = adopted_state(published[held_round]["snapshot"], num_elements=behind.diloco.num_elements,
+                         corpus_sha256=behind.corpus.sha256)  # fmt: skip
+    join = session.join
+
+    def join_on_held(request: JoinRequest) -> JoinAnswer:
+        join(request)
+        return JoinAnswer(held)
+
+    monkeypatch.setattr(session, "join", join_on_held)
+    behind.round.start()
+    canonical = Lineage(4, published[4]["param_hash"])
+    decision = LineageDecision(canonical=canonical, num_canonical_peers=1, local=Lineage(*held.lineage),
+                               in_canonical=False, sync_sources=("solo",))  # fmt: skip
+    monkeypatch.setattr(swarm, "run_round", resync_to(decision))
+    return member, published, behind, session, swarm
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("overlap_steps", [0, 1], ids=["synchronous", "overlapped"])
+def test_a_member_two_fragment_rounds_behind_steps_each_fragment_with_its_served_mean(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap_steps: int
+) -> None:
+    member, published, behind, session, swarm = fragment_member_and_behind(
+        corpus_file, tmp_path, monkeypatch, held_round=2, overlap_steps=overlap_steps
+    )
+    # Every fragment round's mean is served beside its state, naming its fragment (round r: r mod F)
+    # and the whole param_hash it stepped from; it holds the fragment's int8 bytes only.
+    sizes = member.round.fragments.fragment_sizes()  # type: ignore[union-attr]
+    for round in (1, 2, 3, 4):
+        (companion,) = published[round]["companions"]
+        metadata = json.loads(companion.metadata)
+        assert companion.state_id == round_mean_id(published[round]["param_hash"])
+        assert metadata["fragment"] == round % 2
+        assert metadata["previous_round"] == round - 1
+        assert metadata["previous_param_hash"] == published[round - 1]["param_hash"]
+        assert companion.tensors["round_mean_payload"].numel() < sizes[round % 2] * 1.1
+    assert published[3]["param_hash"] != published[2]["param_hash"] != published[4]["param_hash"]
+
+    applied = end_phase(behind)
+    # Rounds 3 (fragment 1) and 4 (fragment 0) stepped with their means, newest fetched first; no
+    # whole state fetched.
+    assert swarm.fetched == [
+        round_mean_id(published[4]["param_hash"]),
+        round_mean_id(published[3]["param_hash"]),
+    ]
+    assert applied.kind == "adopted" and applied.caught_up and session.num_caught_up == 1
+    assert applied.stats.bytes_recv_state_sync == sum(published[r]["companions"][0].num_bytes for r in (3, 4))
+    assert behind.progress.round == 4
+    # Bit for bit the member's: the whole param_hash, every fragment's hash, the outer momentum.
+    assert behind.diloco.param_hash() == applied.param_hash == member.diloco.param_hash()
+    assert fragment_hashes(behind) == fragment_hashes(member)
+    assert torch.equal(behind.diloco.global_params, member.diloco.global_params)
+    assert torch.equal(behind.diloco.momentum_buffer(), member.diloco.momentum_buffer())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["numbers", "fragment", "missing"])
+def test_a_bad_fragment_mean_falls_back_to_the_whole_state(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    member, published, behind, session, swarm = fragment_member_and_behind(
+        corpus_file, tmp_path, monkeypatch, held_round=2
+    )
+    mean_id = round_mean_id(published[3]["param_hash"])
+    companion = swarm.companions.pop(mean_id)
+    if fault == "numbers":  # one byte of round 3's int8 payload off: not the members' step
+        tensors = dict(companion.tensors)
+        payload = tensors["round_mean_payload"].clone()
+        payload[len(payload) // 2] ^= 1
+        tensors["round_mean_payload"] = payload
+        swarm.companions[mean_id] = Snapshot(round_id=companion.round_id, state_id=mean_id, tensors=tensors,
+                                             metadata=companion.metadata)  # fmt: skip
+    elif fault == "fragment":  # says it is fragment 0's (round 3 is fragment 1's)
+        metadata = {**json.loads(companion.metadata), "fragment": 0}
+        swarm.companions[mean_id] = Snapshot(round_id=companion.round_id, state_id=mean_id,
+                                             tensors=dict(companion.tensors), metadata=json.dumps(metadata).encode())  # fmt: skip
+    applied = end_phase(behind)
+    # Round 4's mean, then round 3's (bad or missing), then the whole state.
+    assert swarm.fetched == [round_mean_id(published[4]["param_hash"]), mean_id, None]
+    assert applied.kind == "adopted" and not applied.caught_up and session.num_caught_up == 0
+    assert behind.diloco.param_hash() == applied.param_hash == member.diloco.param_hash()
+    assert fragment_hashes(behind) == fragment_hashes(member)
+    assert torch.equal(behind.diloco.momentum_buffer(), member.diloco.momentum_buffer())

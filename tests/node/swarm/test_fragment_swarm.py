@@ -59,7 +59,9 @@ def test_a_joiner_fetches_the_whole_state_mid_run_and_is_in_every_fragment_round
         by_round = {record["round"]: record for record in source.records()}
 
     assert joined[0]["round"] > 3  # it joined mid-run, holding the swarm's state: every fragment's version
-    assert "adopting the swarm's state" in log and "with its rounds' means" not in log  # fetched whole
+    # Fetched whole (far behind: more rounds than means are stepped through), then perhaps stepped on
+    # with the fragment means of rounds that ended while it fetched (node/swarm/join.py's prefetch).
+    assert "adopting the swarm's state" in log
     for record in joined[1:6]:  # from its second round on: in every fragment round, on the swarm's params
         assert (record["peers"], record["fell_back"], record["adopted"]) == (2, False, False), record
         assert record["fragment"] == record["round"] % 4
