@@ -513,9 +513,9 @@ def _elias_fano_encode(offsets: torch.Tensor, width: int, kept: int) -> tuple[to
     uint8 bit stream (pack_bits) padded to whole bytes; the low piece is empty when L = 0."""
     low_bits, high_bits = _elias_fano_widths(width, kept)
     num_blocks = offsets.shape[0]
-    marks = torch.zeros(num_blocks, high_bits, dtype=torch.int64)
-    marks.scatter_(1, offsets.bitwise_right_shift(low_bits) + torch.arange(kept), 1)
-    high_piece = pack_bits(marks.view(-1), 1)
+    marks = np.zeros((num_blocks, high_bits), dtype=np.uint8)
+    np.put_along_axis(marks, (offsets.bitwise_right_shift(low_bits) + torch.arange(kept)).numpy(), 1, axis=1)
+    high_piece = torch.from_numpy(np.packbits(marks.reshape(-1), bitorder="little"))  # as pack_bits(., 1)
     if low_bits == 0:
         return high_piece, torch.empty(0, dtype=torch.uint8)
     return high_piece, pack_bits(offsets.bitwise_and((1 << low_bits) - 1).view(-1), low_bits)
@@ -723,11 +723,13 @@ class TopKCodec(Codec):
         """Offsets (blocks, kept) int64 of a run of blocks from its Elias-Fano pieces; CodecError when a
         block's high bits do not mark exactly `kept` numbers (range and order are checked by the caller)."""
         low_bits, high_bits = _elias_fano_widths(width, kept)
-        marks = unpack_bits(high_piece, 1, num_blocks * high_bits).view(num_blocks, high_bits)
-        if not bool((marks.sum(dim=1) == kept).all()):
+        # unpack_bits(high_piece, 1, ...) as bools: numpy finds the marks of a bool array ~10x faster
+        # than of uint8 (or torch's nonzero).
+        marks = np.unpackbits(high_piece.numpy(), count=num_blocks * high_bits, bitorder="little").view(bool)
+        if not (marks.reshape(num_blocks, high_bits).sum(axis=1, dtype=np.int64) == kept).all():
             raise CodecError(f"{self.name} payload's high bits do not mark {kept} numbers in a block")
-        # The i-th mark of a block sits at high_i + i (row-major nonzero: ascending in a row).
-        high = marks.nonzero()[:, 1].view(num_blocks, kept) - torch.arange(kept)
+        # The i-th mark of a block sits at high_i + i (row-major: ascending in a row).
+        high = torch.from_numpy(np.flatnonzero(marks) % high_bits).view(num_blocks, kept) - torch.arange(kept)
         if low_bits == 0:
             return high
         low = unpack_bits(low_piece, low_bits, num_blocks * kept).view(num_blocks, kept)
