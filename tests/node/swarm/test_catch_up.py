@@ -77,6 +77,17 @@ def two_nodes() -> Iterator[list[SwarmNode]]:
         yield started
 
 
+def answer_joins_with(monkeypatch: pytest.MonkeyPatch, session: SwarmSession, state: Any) -> None:
+    """The session's joins are answered with `state` (as a joiner's is with a state fetched whole)."""
+    join = session.join
+
+    def join_answered(request: JoinRequest) -> JoinAnswer:
+        join(request)
+        return JoinAnswer(state)
+
+    monkeypatch.setattr(session, "join", join_answered)
+
+
 @pytest.mark.timeout(120)
 def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     corpus_file: Path, tmp_path: Path, two_nodes: list[SwarmNode], monkeypatch: pytest.MonkeyPatch
@@ -101,13 +112,7 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
 
     # `behind` holds the swarm's state after round 1: its join is answered with it (as a joiner's
     # join is with a state fetched whole); its loop loads it and serves round 1.
-    join = session.join
-
-    def join_on_round_1(request: JoinRequest) -> JoinAnswer:
-        join(request)
-        return JoinAnswer(round_1)
-
-    monkeypatch.setattr(session, "join", join_on_round_1)
+    answer_joins_with(monkeypatch, session, round_1)
     behind.round.start()
     wait_for_lineages(
         two_nodes, {server.peer_id: Lineage(3, state.state_id), client.peer_id: Lineage(*previous)}
@@ -385,13 +390,7 @@ def fragment_member_and_behind(
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, **settings), swarm=session)
     held = adopted_state(published[held_round]["snapshot"], num_elements=behind.diloco.num_elements,
                          corpus_sha256=behind.corpus.sha256)  # fmt: skip
-    join = session.join
-
-    def join_on_held(request: JoinRequest) -> JoinAnswer:
-        join(request)
-        return JoinAnswer(held)
-
-    monkeypatch.setattr(session, "join", join_on_held)
+    answer_joins_with(monkeypatch, session, held)
     behind.round.start()
     canonical = Lineage(4, published[4]["param_hash"])
     decision = LineageDecision(canonical=canonical, num_canonical_peers=1, local=Lineage(*held.lineage),
