@@ -21,8 +21,8 @@ process freezes with its sockets open, like a hung peer).
 
 from __future__ import annotations
 
-import os
 import signal
+import threading
 from dataclasses import dataclass
 
 FAULT_POINTS = (
@@ -78,7 +78,13 @@ class FaultPlan:
             return
         if point.endswith("_chunk") and chunk_index != self.chunk_index:
             return
-        os.kill(os.getpid(), signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
+        # The signal goes to this thread, not to the process: one sent to the process is taken by its main
+        # thread, and until the scheduler runs that thread (tens of ms on a busy machine) this one went on
+        # past the point (an owner frozen "at votes_done" could still tell its voters). A thread stops or
+        # dies before its own signal call returns; SIGSTOP and SIGKILL still act on the whole process.
+        signal.pthread_kill(
+            threading.get_ident(), signal.SIGKILL if self.action == "kill" else signal.SIGSTOP
+        )
 
 
 def check_fault(plan: FaultPlan | None, point: str, round_id: int, chunk_index: int = 0) -> None:
