@@ -45,6 +45,7 @@ import torch
 
 from node.outer.fragments import FragmentedOuterState, FragmentSchedule
 from node.outer.host_copy import HostCopies
+from node.outer.pace import StepTimes, send_window
 from node.outer.seam import (
     MAX_DUE_WAIT,
     Adopt,
@@ -120,6 +121,7 @@ class RoundSettings:
     architecture: str = ""  # the model's shapes as text (its config, or the module's parameters): identity
     fragments: FragmentSchedule | None = None  # --fragments F > 1: one fragment per round, on this schedule
     fragment_mix: float = 0.0  # α: the share of a landed fragment's local params kept
+    pace_sends: bool = False  # fragments with τ > 0: spread a round's sends over its τ steps (pace.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +252,7 @@ class OuterRound:
         self._unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
         self._served: tuple[int, str] | None = None  # the lineage this node serves now
         self._last_rate = 0.0  # tokens (or samples) per second of the last phase that ended
+        self._step_times = StepTimes()  # the last inner steps' compute times: a paced round's window
 
     # --- lifecycle ---
 
@@ -340,6 +343,7 @@ class OuterRound:
         progress.tokens += tokens
         progress.round_tokens += tokens
         progress.round_compute_seconds += compute_seconds
+        self._step_times.add(compute_seconds)
         if self.swarm is not None and now - self._rate_advertised >= ADVERTISE_RATE_EVERY_S:
             # Peers and `dtnode status` see the throughput during the phase, not only after it (a
             # first round, or a joiner's, would show 0 for its whole length).
@@ -428,21 +432,32 @@ class OuterRound:
 
     def snapshot(self, round: int | None = None, boundary: Boundary | None = None) -> Snapshot:
         """The global state as served to joiners (``swarm_state.state_snapshot``), made of the round's
-        one host copy: after ``round`` (default the rounds applied), at ``boundary`` (default the
-        step and data position now)."""
-        step, data = boundary if boundary is not None else (self.progress.step, self.data.state_dict())
+        one host copy: after ``round`` (default the rounds applied), at ``boundary``'s data position
+        (default the one now). Its step is the lineage's, the same at every member (``lineage_step``),
+        not this node's own: a node keeps training while a round does not form, so members' own
+        steps part (a member's step after round 4 was 61, another's 53), and a joiner fetches from
+        every member at once only what they serve byte for byte."""
+        data = boundary[1] if boundary is not None else self.data.state_dict()
+        round = self.progress.round if round is None else round
         host = self.host.get()
         return state_snapshot(
             global_params=host.params,
             outer_momentum=host.momentum,
             param_hash=host.param_hash,
             copy=False,
-            round=self.progress.round if round is None else round,
-            step=step,
+            round=round,
+            step=self.lineage_step(round),
             data=data,
             model=self.settings.model,
             corpus_sha256=self.settings.corpus_sha256,
         )
+
+    def lineage_step(self, round: int) -> int:
+        """The inner step after which round ``round`` is due on the schedule every member shares: r·H,
+        or with fragments ``FragmentSchedule.round_step``. A node's own step is at least this far at
+        that round (more where it went on training while the round formed, or ran rounds by time)."""
+        schedule = self.settings.fragments
+        return round * self.settings.inner_steps if schedule is None else schedule.round_step(round)
 
     # --- the phase clock ---
 
@@ -544,12 +559,18 @@ class OuterRound:
         """The next round's request: round ``rounds applied + 1``, from the global params now (with
         fragments: of the fragment that round synchronises)."""
         round_index, schedule = self.progress.round + 1, self.settings.fragments
+        paced = schedule is not None and self.settings.pace_sends
         return RoundRequest(
             round_index=round_index,
             weight=weight,
             lineage=(round_index - 1, self.diloco.param_hash()),
             tokens_per_s=rate,
             fragment=schedule.fragment_of_round(round_index) if schedule is not None else None,
+            send_window=(
+                send_window(self._step_times.median(), schedule.overlap_steps)
+                if paced and schedule is not None
+                else None
+            ),
         )
 
     # --- fragments (--fragments F > 1): one fragment per round, each landing τ steps after it went ---
@@ -613,8 +634,17 @@ class OuterRound:
         return applied
 
     def _land_fragment(self, *, mix_now: bool = True) -> RoundApplied:
-        """The round in flight lands: wait for it (it is due), act on it, mix its fragment."""
+        """The round in flight lands: wait for it (it is due), act on it, mix its fragment. A paced
+        round not landed yet sends the rest at full rate: the loop waits on it now."""
         waited_from = time.perf_counter()
+        in_flight = self._in_flight
+        if (
+            self.settings.pace_sends
+            and self.swarm is not None
+            and in_flight is not None
+            and not in_flight.done()
+        ):
+            self.swarm.lift_pace()
         landed = self._wait_in_flight()
         assert landed is not None
         seconds_waited = time.perf_counter() - waited_from

@@ -8,6 +8,8 @@ the adopted state's own tensors and counters, and the scripted round results.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import threading
 from dataclasses import dataclass
@@ -236,6 +238,22 @@ def test_a_phase_runs_on_while_a_node_fetches_our_state() -> None:
     assert train_phase(outer_round, model, 2 * H, 0.0) == []  # due after H, held while the peer fetches
     swarm.peer_due = False
     assert len(train_phase(outer_round, model, 1, 0.0)) == 1
+
+
+def test_a_state_is_served_at_the_lineages_step_not_the_nodes_own() -> None:
+    """A node that trained on while its round formed (here: 2H + 1 steps in round 1, where another
+    member may have taken H + 3) serves the state at the step every member shares, r·H: the members'
+    served states must be byte-identical for a joiner to fetch from all of them at once (before: each
+    served its own step, and a joiner over a slow link took the whole state from one source)."""
+    swarm = ScriptedSwarm(decide=lambda delta, request: Averaged(delta), peer_due=True)
+    outer_round, model, _ = make_round(swarm)
+    outer_round.start()
+    assert train_phase(outer_round, model, 2 * H, 0.0) == []
+    swarm.peer_due = False
+    (applied,) = train_phase(outer_round, model, 1, 0.0)
+    assert applied.round_index == 1 and outer_round.progress.step == 2 * H + 1
+    served = json.loads(swarm.served[-1].metadata)
+    assert swarm.served[-1].round_id == 1 and served["step"] == H == outer_round.lineage_step(1)
 
 
 def test_an_overlapped_round_lands_during_the_next_phase_and_is_served_at_once() -> None:
