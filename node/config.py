@@ -41,6 +41,8 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Precision = Literal["auto", "fp32", "bf16"]
 AutoOnOff = Literal["auto", "on", "off"]
 """``auto`` decides from the hardware (e.g. on with CUDA); ``on`` and ``off`` force it."""
+PaceSends = Literal["auto", "off"]
+"""``auto``: pace an overlapped fragment round's sends over its overlapped steps; ``off``: full rate."""
 Codec = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
 """The wire codecs (``protocol/codecs.py``, the contract's ``CodecKind``)."""
 Aggregation = Literal["mean", "clipped", "trimmed"]
@@ -311,6 +313,16 @@ class OuterConfig:
             "synchronous; at most --inner-steps / --fragments)."
         ),
     )
+    pace_sends: PaceSends = field(
+        default="auto",
+        metadata=_help(
+            "With --fragments and --overlap-steps: spread each fragment round's sends over its tau "
+            "overlapped steps (a rate of its bytes / (tau x the measured step time x a margin)) instead "
+            "of one burst at full link rate, so a capped link's busiest second carries a fraction of "
+            "it (auto); off: full rate. The round's deadlines still hold, and a round the loop waits "
+            "on goes at full rate."
+        ),
+    )
     offload: bool = field(
         default=False,
         metadata=_help("Keep the outer state (global params, momentum) on CPU instead of the device."),
@@ -327,7 +339,7 @@ class OuterConfig:
     def __post_init__(self) -> None:
         _check_positive(self, "lr")
         _check_fraction(self, "momentum", "[0, 1)")
-        _check_choices(self, "sharding")
+        _check_choices(self, "sharding", "pace_sends")
         _check_at_least(self, 1, "fragments")
         _check_at_least(self, 0, "overlap_steps")
         _check_fraction(self, "fragment_mix", "[0, 1)")
@@ -805,6 +817,7 @@ FLAT_NAMES: Mapping[str, str] = {
     "fragments": "outer.fragments",
     "fragment_mix": "outer.fragment_mix",
     "overlap_steps": "outer.overlap_steps",
+    "pace_sends": "outer.pace_sends",
     "outer_offload": "outer.offload",
     "outer_sharding": "outer.sharding",
     "local_workers": "parallel.local_workers",

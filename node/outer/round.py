@@ -644,7 +644,7 @@ class OuterRound:
             and in_flight is not None
             and not in_flight.done()
         ):
-            self.swarm.lift_pace()
+            self.swarm.lift_pace(self.progress.round + 1)  # (the round in flight: the next one applied)
         landed = self._wait_in_flight()
         assert landed is not None
         seconds_waited = time.perf_counter() - waited_from

@@ -171,6 +171,9 @@ class RoundRequest:
     fragment: int | None = None
     """With ``--fragments``: the fragment whose Δ_f this round averages (its own vector, payload and
     error feedback); None: the whole model's Δ."""
+    send_window: timedelta | None = None
+    """Spread what this node sends in the round's all-reduce over about this long (``--pace-sends``:
+    an overlapped fragment round, ``node/outer/pace.py``); None: at full rate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +286,12 @@ class SwarmSide(Averager, Protocol):
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
 
     def advertise_rate(self, tokens_per_s: float) -> None: ...
+
+    def lift_pace(self, round_index: int) -> None:
+        """Paced round ``round_index`` (``RoundRequest.send_window``) sends the rest at full rate,
+        whether its all-reduce has begun or not: the loop waits on it now. Safe beside the round in
+        flight (it only tells the swarm's loop)."""
+        ...
 
     def phase_should_end(self) -> bool: ...
 

@@ -381,6 +381,10 @@ class SwarmSession:
             self._rounds_alone.append(request.round_index)
         return RoundOutcome(decision, stats)
 
+    def lift_pace(self, round_index: int) -> None:
+        """Paced round ``round_index`` sends the rest at full rate (``SwarmSide.lift_pace``)."""
+        self.swarm.lift_pace(round_index)
+
     def _feedback(self, request: RoundRequest) -> ErrorFeedback | None:
         """The error-feedback residual of the vector this round averages: its fragment's, or the whole's."""
         if request.fragment is not None and self.fragment_feedback:
@@ -404,6 +408,7 @@ class SwarmSession:
                 tokens_per_s=request.tokens_per_s,
                 error_feedback=feedback,
                 vector_name=f"fragment {request.fragment}" if request.fragment is not None else "",
+                send_window=request.send_window,
             )
         except TimeoutError as error:  # the swarm's loop missed its own deadline: survive the round
             log.warning("round %d did not finish in time (%s); stepping on our own Δ", round_index, error)

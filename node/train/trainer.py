@@ -145,6 +145,7 @@ class Trainer:
                 model=config.architecture.preset, corpus_sha256=self.corpus.sha256,
                 rank=config.corpus.rank, architecture=self.model_config.architecture(),
                 fragments=fragments, fragment_mix=config.outer.fragment_mix,
+                pace_sends=config.outer.pace_sends == "auto",
             ),
             data=self.batches,
             stop_requested=self._stop.is_set,

@@ -24,6 +24,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.contributions import ContributionSource
 from protocol.allreduce.faults import FaultPlan, check_fault
 from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.pace import SendPace
 from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
 from protocol.auth.channels import SwarmAuth, open_channel
@@ -71,6 +72,7 @@ class CallingRound(Protocol):
     weight: float
     source: ContributionSource
     fault_plan: FaultPlan | None
+    pace: SendPace | None
     bytes_sent: int
     bytes_recv: int
 
@@ -252,6 +254,8 @@ async def push_contribution(
             message = pb.ContributionMessage(
                 chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=payload)
             )
+            if state.pace is not None:
+                await state.pace.admit(len(payload), deadline)
             await _write(call, message, deadline, stall)
             state.count_contribution_bytes(sent=chunk_message_num_bytes(offset, size, len(payload)))
             offset += size
@@ -301,6 +305,8 @@ async def push_replica(
             message = pb.ReplicaMessage(
                 chunk=pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
             )
+            if state.pace is not None:
+                await state.pace.admit(len(payload), deadline)
             await _write(call, message, deadline, stall)
             state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
             offset += size

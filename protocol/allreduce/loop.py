@@ -79,6 +79,7 @@ class SyncAllReducePeer:
         error_feedback: ErrorFeedback | None,
         deadline: timedelta,
         in_place: bool = False,
+        send_rate: float | None = None,
     ) -> AllReduceResult:
         """Blocking `AllReducePeer.allreduce` (see there); returns within deadline + RESULT_MARGIN."""
         coroutine = self._peer.allreduce(
@@ -90,6 +91,7 @@ class SyncAllReducePeer:
             error_feedback=error_feedback,
             deadline=deadline,
             in_place=in_place,
+            send_rate=send_rate,
         )
         return self._loop.run(coroutine, deadline + RESULT_MARGIN)
 

@@ -37,6 +37,7 @@ from protocol.allreduce.client import PeerClient, tell_finished
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.faults import FaultPlan
 from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.pace import SendPace
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
 from protocol.allreduce.servicer import AllReduceServicer, add_servicer_to_server
@@ -69,6 +70,7 @@ class AllReducePeer:
         self._attached = False
         self._closed = False
         self._telling: set[asyncio.Task[None]] = set()  # RoundFinished calls in flight
+        self._paces: set[SendPace] = set()  # the send paces of our rounds under way (lift_paces)
         self.host = ""
         self.port = 0
 
@@ -128,6 +130,7 @@ class AllReducePeer:
         error_feedback: ErrorFeedback | None,
         deadline: timedelta,
         in_place: bool = False,
+        send_rate: float | None = None,
     ) -> AllReduceResult:
         """Average `vector` with the group: per part, sum(w_i x_i) / sum(w_i) over the members that delivered.
 
@@ -136,6 +139,13 @@ class AllReducePeer:
         vector), and `averaged` is `vector`. Returns within `deadline`; if some part cannot be had, the
         result falls back to a copy of `vector` (in place: `vector` with our own numbers in the parts we
         could not get) and says so. Every member that does not fall back gets a bit-identical `averaged`.
+
+        `send_rate` (bytes per second; None: full rate) caps what this member writes in the round,
+        contributions, replicas and served averages together (a token bucket, `pace.py`), for a
+        caller that has time to spare before it needs the mean and would rather not fill its link
+        in one burst. The cap is relaxed wherever the bytes still to go would not be sent well
+        before the reduce-scatter deadline at it, so the round's deadlines hold as unpaced, and
+        `lift_paces()` ends it. Pacing changes when bytes go, never which: the result is the same.
         """
         if not self._attached or self._closed:
             raise RuntimeError(
@@ -170,8 +180,15 @@ class AllReducePeer:
             client=self.client,
             fault_plan=self.fault_plan,
             in_place=in_place,
+            send_rate=send_rate,
         )
-        result = await run_allreduce(state, self.registry)
+        if state.pace is not None:
+            self._paces.add(state.pace)
+        try:
+            result = await run_allreduce(state, self.registry)
+        finally:
+            if state.pace is not None:
+                self._paces.discard(state.pace)
         # Best effort: a member that misses it keeps the round until its linger ends.
         others = [
             i
@@ -183,6 +200,12 @@ class AllReducePeer:
             self._telling.add(task)
             task.add_done_callback(self._telling.discard)
         return result
+
+    def lift_paces(self) -> None:
+        """Send the rest of every paced round under way at full rate (call on the peer's loop): its
+        caller now waits on the mean, so spreading the bytes would only make it wait longer."""
+        for pace in self._paces:
+            pace.lift()
 
     async def stop(self, grace: timedelta | None = None) -> None:
         """Graceful stop of the server start() built: refuse new RPCs, let in-flight ones finish for

@@ -79,6 +79,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.contributions import ContributionSource
 from protocol.allreduce.faults import FaultPlan, check_fault
 from protocol.allreduce.group import GroupSpec
+from protocol.allreduce.pace import PACE_FINISH_FRACTION, PACE_MAX_WAIT_FRACTION, SendPace, member_send_bytes
 from protocol.allreduce.parts import (
     PartRole,
     PartState,
@@ -120,6 +121,7 @@ class RoundState:
         client: PeerClient,
         fault_plan: FaultPlan | None,
         in_place: bool = False,
+        send_rate: float | None = None,
     ) -> None:
         check_sparse_round(codec, config, group.num_members)
         self.group = group
@@ -140,6 +142,16 @@ class RoundState:
         self.all_gather_deadline = self.started + seconds * ALL_GATHER_FRACTION
         self.deadline = self.started + seconds
         self.retain_until = self.deadline + config.linger.total_seconds()
+        # Every chunk we write in the round waits its turn here (None: at full rate; pace.py).
+        self.pace: SendPace | None = None
+        if send_rate is not None:
+            self.pace = SendPace(
+                rate=send_rate,
+                total_bytes=member_send_bytes(group, my_index, codec, config.chunk_num_elements),
+                finish_by=self.started + PACE_FINISH_FRACTION * seconds * config.reduce_scatter_fraction,
+                burst_bytes=codec.encoded_num_bytes(config.chunk_num_elements),
+                max_wait=PACE_MAX_WAIT_FRACTION * config.stall_timeout.total_seconds(),
+            )
         self.parts = [PartState() for _ in group.members]
         self.failed: set[int] = set()
         self.failures: list[str] = []

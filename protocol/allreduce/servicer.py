@@ -377,6 +377,8 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 zip(reduced.chunk_sizes, reduced.payloads, strict=True)
             ):
                 chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
+                if state.pace is not None:
+                    await state.pace.admit(len(payload), state.all_gather_deadline)
                 await self._write(context, pb.AverageMessage(chunk=chunk))
                 state.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
                 offset += size

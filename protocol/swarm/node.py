@@ -40,6 +40,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.pace import member_send_bytes
 from protocol.auth import OPEN_SWARM_WARNING
 from protocol.discovery.addresses import WILDCARD_HOSTS, join_host_port, parse_host_port
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
@@ -95,6 +96,7 @@ class SwarmNode:
         self._last_group_members: tuple[str, ...] = ()  # the other members of our last round
         self._phase = PhaseState(NodePhase.STARTING, 0, time.monotonic())
         self._round_vector = ""  # what part of our state the round under way carries (run_round)
+        self._pace_lifted_round = 0  # rounds up to this one are sent at full rate (lift_pace)
         self.streams: StreamRunner | None = None  # streams 1..S-1 of our rounds (attach_streams)
         self.stream_addresses: tuple[str, ...] = ()
         self.rank: int | None = None  # our place in the member order (set_identity)
@@ -373,10 +375,15 @@ class SwarmNode:
         tokens_per_s: float,
         error_feedback: ErrorFeedback | None,
         vector_name: str = "",
+        send_window: timedelta | None = None,
     ) -> RoundResult:
         """Form round ``round + 1`` with the ready peers of lineage ``(round, param_hash)`` and average
         ``vector`` (fp32, flat) with them, weighted by ``num_tokens``. ``vector_name``: what part of
         the node's state ``vector`` is, as the caller names it (``dtnode status`` says it); "" the whole.
+        ``send_window``: spread what we send in the all-reduce over about this long (its bytes for the
+        group formed, ``member_send_bytes``, over the window: the round's send rate, ``pace.py``),
+        unless the round's deadlines need it faster or :meth:`lift_pace` lifts it; None: full rate.
+        A round on several streams is not paced.
 
         Returns within ``max_wait + round_deadline`` (plus a DHT read).
         """
@@ -422,15 +429,7 @@ class SwarmNode:
             weight = float(group.members[group.index_of(self.peer_id)].num_tokens)
             if group.num_streams == 1:
                 result = self._run(
-                    self.server.allreduce.allreduce(
-                        vector,
-                        group=to_allreduce_group(group),
-                        my_peer_id=self.peer_id,
-                        weight=weight,
-                        codec=self.codec,
-                        error_feedback=error_feedback,
-                        deadline=self.config.round_deadline,
-                    ),
+                    self._allreduce(vector, group, weight, error_feedback, send_window),
                     self.config.round_deadline,
                 )
             else:
@@ -441,6 +440,54 @@ class SwarmNode:
                 allreduce=result,
                 seconds_forming=seconds_forming,
             )
+
+    async def _allreduce(
+        self,
+        vector: torch.Tensor,
+        group: GroupSpec,
+        weight: float,
+        error_feedback: ErrorFeedback | None,
+        send_window: timedelta | None,
+    ) -> AllReduceResult:
+        """The all-reduce of ``group`` (one stream), paced over ``send_window`` unless its pace was
+        lifted already. Decided here, on the loop: a lift asked before this point is seen here, one
+        asked after reaches the round's pace (``lift_paces`` runs on the loop after the round opened)."""
+        lifted = self._pace_lifted_round >= group.round
+        return await self.server.allreduce.allreduce(
+            vector,
+            group=to_allreduce_group(group),
+            my_peer_id=self.peer_id,
+            weight=weight,
+            codec=self.codec,
+            error_feedback=error_feedback,
+            deadline=self.config.round_deadline,
+            send_rate=None if lifted else self._send_rate(group, send_window),
+        )
+
+    def _send_rate(self, group: GroupSpec, window: timedelta | None) -> float | None:
+        """The send rate that spreads our bytes in ``group``'s all-reduce over ``window`` (None: none)."""
+        if window is None:
+            return None
+        allreduce_group = to_allreduce_group(group)
+        num_bytes = member_send_bytes(
+            allreduce_group,
+            allreduce_group.index_of(self.peer_id),
+            self.codec,
+            self.config.allreduce.chunk_num_elements,
+        )
+        rate = max(num_bytes, 1) / max(window.total_seconds(), 1e-3)
+        logger.info(
+            "round %d: pacing %.2f MB over %.1fs (%.2f MB/s)", group.round, num_bytes / 1e6,
+            window.total_seconds(), rate / 1e6,
+        )  # fmt: skip
+        return rate
+
+    def lift_pace(self, round: int) -> None:
+        """Send round ``round`` at full rate from now on, whether its all-reduce runs already or not
+        yet (from any thread; returns at once): the caller now waits on it."""
+        self._pace_lifted_round = max(self._pace_lifted_round, round)
+        if self._loop is not None:
+            self._loop.submit(_call(self.server.allreduce.lift_paces))
 
     def _run_streams(
         self, vector: torch.Tensor, group: GroupSpec, weight: float, error_feedback: ErrorFeedback | None

@@ -56,6 +56,8 @@ class ScriptedSwarm:
     """The snapshots ``prepare_publish`` was given (built on the averaging thread, overlap)."""
     rates: list[float] = field(default_factory=list)
     """The throughputs the loop advertised during its phases (``advertise_rate``)."""
+    lifted: list[int] = field(default_factory=list)
+    """The rounds the loop asked to send the rest at full rate (``lift_pace``), in order."""
     join_request: JoinRequest | None = None
     _handed: AdoptedState | None = None
     _busy: threading.Lock = field(default_factory=threading.Lock)
@@ -128,6 +130,10 @@ class ScriptedSwarm:
         # Thread-safe in the real swarm (a record edit under the registry's lock), so called beside an
         # overlapped round: not one of the calls that must not overlap.
         self.rates.append(tokens_per_s)
+
+    def lift_pace(self, round_index: int) -> None:
+        # Beside an overlapped round, as SwarmSession's (it only tells the swarm's loop).
+        self.lifted.append(round_index)
 
     def phase_should_end(self) -> bool:
         return self.end_phase

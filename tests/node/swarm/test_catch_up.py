@@ -204,6 +204,9 @@ class SwarmOfOne:
     def set_data_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:
         pass  # nobody reads a swarm of one's record
 
+    def lift_pace(self, round: int) -> None:
+        pass  # a swarm of one's round sends nothing (SwarmNode.lift_pace)
+
     def run_round(
         self, vector: torch.Tensor, *, round: int, num_tokens: int, error_feedback: ErrorFeedback | None,
         **_: Any,

@@ -360,7 +360,8 @@ class GroupedSwarmNode(FakeSwarmNode):
         self.codec = NoneCodec()
 
     def run_round(self, vector: torch.Tensor, *, round: int, param_hash: str, num_tokens: int,
-                  tokens_per_s: float, error_feedback: object = None, vector_name: str = "") -> GroupAveraged:  # fmt: skip
+                  tokens_per_s: float, error_feedback: object = None, vector_name: str = "",
+                  send_window: object = None) -> GroupAveraged:  # fmt: skip
         tokens = self.groups[round + 1]
         assert tokens[self.peer_id] == num_tokens  # the script says what this member trained
         members = tuple(

@@ -67,8 +67,10 @@ async def allreduce_all(
     feedbacks: Sequence[ErrorFeedback | None] | None = None,
     deadline: timedelta = timedelta(seconds=20),
     in_place: bool = False,
+    send_rate: float | None = None,
 ) -> list[AllReduceResult]:
-    """Run one round on every peer at once (`in_place`: each writes the average into its vector)."""
+    """Run one round on every peer at once (`in_place`: each writes the average into its vector;
+    `send_rate`: each paces its writes at that many bytes per second)."""
     import asyncio
 
     return list(
@@ -83,6 +85,7 @@ async def allreduce_all(
                     error_feedback=None if feedbacks is None else feedbacks[i],
                     deadline=deadline,
                     in_place=in_place,
+                    send_rate=send_rate,
                 )
                 for i, peer in enumerate(peers)
             )
