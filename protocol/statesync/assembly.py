@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protocol.statesync.config import RANGES_PER_SOURCE
 from protocol.statesync.manifest import Manifest
 from protocol.statesync.snapshot import TensorEntry
 
@@ -44,9 +45,14 @@ class ByteRange:
         return ByteRange(self.tensor, verified_end, self.end) if verified_end < self.end else None
 
 
-def range_bytes_for(requested: int, *, block_bytes: int, max_range_bytes: int) -> int:
-    """Bytes per range: `requested`, at most what every source serves, rounded down to whole blocks (>= 1)."""
-    limit = min(requested, max_range_bytes)
+def range_bytes_for(
+    requested: int, *, block_bytes: int, max_range_bytes: int, num_bytes: int, num_sources: int
+) -> int:
+    """Bytes per range: `requested`, at most what every source serves and at most a
+    RANGES_PER_SOURCE-th share of the snapshot's `num_bytes` per source (so every source sends part of
+    it), rounded down to whole blocks (>= 1)."""
+    share = num_bytes // max(1, num_sources * RANGES_PER_SOURCE)
+    limit = min(requested, max_range_bytes, share)
     return max(block_bytes, limit // block_bytes * block_bytes)
 
 

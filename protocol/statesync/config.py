@@ -12,9 +12,27 @@ MESSAGE_OVERHEAD_BYTES = 64 * 1024
 MAX_MANIFEST_BYTES = 8 * MiB
 """The largest manifest a fetcher accepts (32 bytes of hash per block: ~2M blocks, 8 TB at 4 MiB)."""
 DEFAULT_BLOCK_BYTES = 4 * MiB
-"""Snapshots hash their tensors in blocks of this many bytes unless told otherwise."""
+"""Snapshots of 128 MiB and more hash their tensors in blocks of this many bytes unless told otherwise."""
+MIN_DEFAULT_BLOCK_BYTES = 64 * 1024
+"""The smallest block a snapshot picks by itself (``default_block_bytes``)."""
+BLOCKS_PER_SNAPSHOT = 32
+"""A smaller snapshot picks blocks that cut it into about this many."""
+
+
+def default_block_bytes(num_bytes: int) -> int:
+    """The block size of a snapshot of ``num_bytes`` that names none: a power of two from 64 KiB to
+    4 MiB, about 1/32 of it. A fetcher's ranges are whole blocks, so one block is the least one
+    source is asked for: a 0.93 MB round mean in one 4 MiB block came from one of its sources whatever
+    their number (8 s at 1 Mbit/s, a round's length). Every provider of a snapshot picks the same."""
+    target = max(1, num_bytes // BLOCKS_PER_SNAPSHOT)
+    return min(DEFAULT_BLOCK_BYTES, max(MIN_DEFAULT_BLOCK_BYTES, 1 << (target.bit_length() - 1)))
+
+
 DEFAULT_RANGE_BYTES = 32 * MiB
-"""A fetcher asks one source for this many bytes per FetchRange unless told otherwise."""
+"""A fetcher asks one source for at most this many bytes per FetchRange unless told otherwise."""
+RANGES_PER_SOURCE = 4
+"""A fetcher cuts a snapshot into at least this many ranges per source (whole blocks permitting), so
+every source sends a share and a fast one can take more."""
 DEFAULT_FETCH_STALL_TIMEOUT = timedelta(seconds=15)
 """A fetcher drops a source that sends nothing for this long unless told otherwise."""
 MAX_CHUNK_BYTES = 64 * MiB

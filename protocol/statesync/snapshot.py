@@ -32,7 +32,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from protocol.statesync.config import DEFAULT_BLOCK_BYTES, MAX_MANIFEST_BYTES
+from protocol.statesync.config import MAX_MANIFEST_BYTES, default_block_bytes
 from protocol.statesync.dtypes import dtype_code
 
 MAX_METADATA_BYTES = 1 << 20
@@ -119,15 +119,19 @@ class Snapshot:
         state_id: str,
         tensors: Mapping[str, torch.Tensor],
         metadata: bytes,
-        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        block_bytes: int | None = None,
         copy: bool = True,
     ) -> None:
+        """``block_bytes``: the hashed blocks' size, by default ``default_block_bytes`` of the
+        tensors' bytes together."""
         if sys.byteorder != "little":
             raise RuntimeError("state sync sends native bytes and assumes a little-endian host")
         if round_id < 0:
             raise ValueError(f"round_id must be >= 0, got {round_id}")
         if not state_id:
             raise ValueError("state_id must not be empty (an empty id asks a provider for its newest)")
+        if block_bytes is None:
+            block_bytes = default_block_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if len(metadata) > MAX_METADATA_BYTES:

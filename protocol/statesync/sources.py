@@ -48,6 +48,8 @@ class Source:
     busy_backoff: float = field(default=INITIAL_BUSY_BACKOFF.total_seconds())
     max_in_flight: int | None = None
     """How many of our streams it accepts at once, once it told us (None: not yet known)."""
+    last_message_at: float = 0.0
+    """time.monotonic() when a message of any of our streams from it last arrived (0: none yet)."""
 
     def usable(self, now: float) -> bool:
         if self.excluded or self.busy_until > now:

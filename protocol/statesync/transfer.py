@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -76,7 +77,11 @@ class RangeTransfer:
             smallest_chunk * MAX_CHUNKS_PER_RANGE, *(manifest.max_range_bytes for manifest in served)
         )
         range_bytes = range_bytes_for(
-            range_bytes, block_bytes=manifest.block_bytes, max_range_bytes=max_range_bytes
+            range_bytes,
+            block_bytes=manifest.block_bytes,
+            max_range_bytes=max_range_bytes,
+            num_bytes=manifest.num_bytes,
+            num_sources=len(served),
         )
         self.queue = collections.deque(split_ranges(manifest, range_bytes))
         self.max_parallel = max_parallel
@@ -183,13 +188,14 @@ class RangeTransfer:
         call = source.stub.FetchRange(request, timeout=max(0.001, self.deadline - time.monotonic()))
         position = verified_end = byte_range.start
         loop = asyncio.get_running_loop()
+        read: asyncio.Future[Any] | None = None
         try:
             while True:
-                try:
-                    async with asyncio.timeout(self.stall_seconds):
-                        message = await call.read()
-                except TimeoutError:
+                read = asyncio.ensure_future(call.read())
+                if not await self._arrives(read, source):
                     return verified_end, RangeFailed(f"stalled: sent nothing for {self.stall_seconds:.1f}s")
+                message = read.result()
+                source.last_message_at = time.monotonic()
                 if message is grpc.aio.EOF:
                     break
                 data = message.data
@@ -226,9 +232,30 @@ class RangeTransfer:
         finally:
             if not call.done():
                 call.cancel()
+            if read is not None and not read.done():
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
         if position != byte_range.end:
             return verified_end, RangeFailed(f"stream ended early at byte {position} of {byte_range}")
         return verified_end, None
+
+    async def _arrives(self, read: asyncio.Future[Any], source: Source) -> bool:
+        """Wait for a stream's next message; False once its source sent nothing, on any of our
+        streams, for the stall window. A stream of a live source may wait longer, up to one window
+        per stream of ours open to it: the source's bytes share one link, and a stream opened behind
+        bytes the source already wrote for our other streams (a slow link's queue) waits for them,
+        while they prove the source alive (found with many ranges per source on a slow link: the live
+        source of two was dropped as stalled, and the fetch failed)."""
+        started = time.monotonic()
+        give_up = started + self.stall_seconds * max(1, source.num_in_flight)
+        while True:
+            heard = max(started, source.last_message_at)
+            wait = min(heard + self.stall_seconds, give_up) - time.monotonic()
+            if wait <= 0:
+                return False
+            done, _ = await asyncio.wait({read}, timeout=wait)
+            if done:
+                return True
 
     def progress(self) -> str:
         return f"{self.assembly.num_bytes_verified} of {self.assembly.num_bytes} bytes verified"

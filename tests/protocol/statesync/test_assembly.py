@@ -6,6 +6,7 @@ import torch
 
 from protocol.statesync import Snapshot
 from protocol.statesync.assembly import Assembly, ByteRange, range_bytes_for, split_ranges
+from protocol.statesync.config import default_block_bytes
 from protocol.statesync.manifest import parse_manifest, to_manifest
 
 
@@ -29,9 +30,35 @@ def test_ranges_cover_every_tensor_exactly_on_block_boundaries_and_interleave() 
 
 
 def test_range_bytes_are_whole_blocks_within_every_sources_limit() -> None:
-    assert range_bytes_for(32_500, block_bytes=1000, max_range_bytes=10**6) == 32_000
-    assert range_bytes_for(32_500, block_bytes=1000, max_range_bytes=7_999) == 7_000
-    assert range_bytes_for(10, block_bytes=1000, max_range_bytes=10**6) == 1000
+    big = {"num_bytes": 10**9, "num_sources": 1}
+    assert range_bytes_for(32_500, block_bytes=1000, max_range_bytes=10**6, **big) == 32_000
+    assert range_bytes_for(32_500, block_bytes=1000, max_range_bytes=7_999, **big) == 7_000
+    assert range_bytes_for(10, block_bytes=1000, max_range_bytes=10**6, **big) == 1000
+
+
+def test_range_bytes_leave_every_source_a_share_of_a_small_snapshot() -> None:
+    """Two sources of 100,000 bytes: ranges of at most 100,000 / (2 x 4), whole blocks."""
+    assert (
+        range_bytes_for(32_500, block_bytes=1000, max_range_bytes=10**6, num_bytes=100_000, num_sources=2)
+        == 12_000
+    )
+    assert (
+        range_bytes_for(32_500, block_bytes=1000, max_range_bytes=10**6, num_bytes=100_000, num_sources=1)
+        == 25_000
+    )
+    assert (
+        range_bytes_for(32_500, block_bytes=1000, max_range_bytes=10**6, num_bytes=3000, num_sources=3)
+        == 1000
+    )
+
+
+def test_a_snapshot_picks_blocks_of_about_a_32nd_of_it_from_64_kib_to_4_mib() -> None:
+    assert default_block_bytes(934_056) == 64 * 1024  # 29,189 a 32nd: the 64 KiB floor
+    assert default_block_bytes(7_357_440) == 128 * 1024  # the nano state: 229,920 a 32nd
+    assert default_block_bytes(1 << 40) == 4 << 20
+    assert default_block_bytes(0) == 64 * 1024
+    tensors = {"a": torch.zeros(1_000_000)}  # 4 MB: 125,000 a 32nd -> 64 KiB
+    assert Snapshot(round_id=0, state_id="x", tensors=tensors, metadata=b"").block_bytes == 64 * 1024
 
 
 def test_remaining_after_keeps_the_unverified_tail() -> None:

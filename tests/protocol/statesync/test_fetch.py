@@ -11,12 +11,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import uvloop
 
 from protocol.statesync import (
     FetchOptions,
     FetchReport,
     ServeFaultPlan,
+    Snapshot,
     StateSyncConfig,
     StateSyncError,
     fetch_state,
@@ -63,6 +65,27 @@ def test_three_providers_in_parallel_give_the_exact_snapshot_and_all_serve() -> 
     assert all(n > 0 for n in report.bytes_by_source.values()), report.bytes_by_source
     assert sum(report.bytes_by_source.values()) == SNAPSHOT.num_bytes
     assert report.excluded == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_round_mean_of_one_small_tensor_comes_from_both_of_its_sources() -> None:
+    """A 0.93 MB tensor (a nano model's int8 round mean) with the default blocks and ranges: both
+    sources send part of it. Before, it was one 4 MiB block, hence one range, and one source sent
+    every byte of it (8 s at 1 Mbit/s where two would take 4)."""
+    payload = torch.randint(0, 256, (934_056,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    mean = Snapshot(
+        round_id=5, state_id="round-mean:x", tensors={"round_mean_payload": payload}, metadata=b"{}"
+    )
+
+    async def scenario() -> FetchReport:
+        async with providers(2, mean) as servers:
+            return await _fetch([s.address for s in servers], expected=mean.state_id)
+
+    report = uvloop.run(scenario())
+    assert_identical(report.snapshot, mean)
+    assert all(n >= 64 * 1024 for n in report.bytes_by_source.values()), report.bytes_by_source
+    assert sum(report.bytes_by_source.values()) == mean.num_bytes
+    assert mean.block_bytes == 64 * 1024
 
 
 @pytest.mark.timeout(30)

@@ -93,9 +93,10 @@ def test_a_fetch_over_the_slowest_link_completes_where_one_old_chunk_outlasts_th
     assert isinstance(report, FetchReport), report
     assert_identical(report.snapshot, SNAPSHOT)
     assert not report.excluded
-    # The links were really that slow: the params (one 4 MiB range) crossed one link alone.
-    assert sum(carried) >= SNAPSHOT.num_bytes
-    assert elapsed >= SNAPSHOT.tensors["global_params"].numel() * 4 / LINK_BYTES_PER_SECOND
+    # The links were really that slow: the snapshot crossed the two links (both carried a share of it)
+    # no faster than their rate together.
+    assert sum(carried) >= SNAPSHOT.num_bytes and all(n >= MiB for n in carried), carried
+    assert elapsed >= SNAPSHOT.num_bytes / (2 * LINK_BYTES_PER_SECOND)
 
 
 @pytest.mark.timeout(30)
