@@ -9,7 +9,6 @@ the adopted state's own tensors and counters, and the scripted round results.
 from __future__ import annotations
 
 import json
-
 import logging
 import threading
 from dataclasses import dataclass
