@@ -25,6 +25,17 @@ from protocol.statesync.errors import StateSyncError
 from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
 
+MAX_CATCH_UP_ROUNDS = 2
+"""How many whole-model rounds behind a node may step to the swarm's state with their means."""
+
+
+def max_catch_up_rounds(num_fragments: int) -> int:
+    """How many rounds behind a node may step to the swarm's state with their means: providers serve
+    the means of their last this many publishes (``StateSyncConfig.num_companions_kept``). Two whole
+    rounds; with ``--fragments F``, 2F fragment rounds (two whole rounds' worth: each mean is 1/F of
+    the model, so as many bytes kept and fetched)."""
+    return MAX_CATCH_UP_ROUNDS * max(1, num_fragments)
+
 
 def catch_up_with_means(
     swarm: SwarmNode,

@@ -54,7 +54,7 @@ from node.outer.seam import (
     StartAnswer,
     Stepped,
 )
-from node.swarm.catch_up import catch_up_with_means, rejoin_due
+from node.swarm.catch_up import catch_up_with_means, max_catch_up_rounds, rejoin_due
 from node.swarm.join import JOIN_TIMEOUT, Prefetch
 from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_state, round_mean_snapshot
 from protocol.allreduce.allreduce import AllReduceResult
@@ -85,10 +85,6 @@ from protocol.swarm.result import (
 from protocol.swarm.streams import StreamRunner, stream_bounds
 
 log = logging.getLogger(__name__)
-
-MAX_CATCH_UP_ROUNDS = 2
-"""How many rounds behind a node may step to the swarm's state with their means: providers keep the
-means of their last two publishes (StateSyncConfig.num_snapshots_kept)."""
 
 
 class SwarmSession:
@@ -157,6 +153,11 @@ class SwarmSession:
         assert self._join is not None, "join() the swarm first"
         return self._join
 
+    @property
+    def _max_catch_up_rounds(self) -> int:
+        """How many rounds behind we step to the swarm's state with their means (2, or 2F)."""
+        return max_catch_up_rounds(len(self.identity.fragment_sizes))
+
     def join(self, request: JoinRequest) -> JoinAnswer:
         """Announce the node; a joiner whose own state is not the swarm's gets the swarm's to adopt.
         The loop then loads and serves what this answers, and calls :meth:`await_start_peers`."""
@@ -201,7 +202,7 @@ class SwarmSession:
         else:
             if (
                 ahead is not None
-                and 0 < decision.canonical.round - ahead[0].canonical.round <= MAX_CATCH_UP_ROUNDS
+                and 0 < decision.canonical.round - ahead[0].canonical.round <= self._max_catch_up_rounds
             ):
                 # The swarm finished a round while we fetched: from the state we have, its mean
                 # (its wire bytes) may take us the rest of the way (_catch_up).
@@ -553,7 +554,7 @@ class SwarmSession:
         if (
             held is not None
             and not self._stepped_alone
-            and 0 < canonical.round - held[0][0] <= MAX_CATCH_UP_ROUNDS
+            and 0 < canonical.round - held[0][0] <= self._max_catch_up_rounds
         ):
             caught_up = self._catch_up(decision, held, why=why)
             if caught_up is not None:
@@ -586,7 +587,7 @@ class SwarmSession:
     def _catch_up(
         self, decision: LineageDecision, held: tuple[Lineage, Stepped], *, why: str
     ) -> AdoptedState | None:
-        """At most MAX_CATCH_UP_ROUNDS behind: step from ``held`` to the swarm's state with its rounds'
+        """At most ``max_catch_up_rounds`` behind: step from ``held`` to the swarm's state with its rounds'
         means (``node/swarm/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
         canonical, identity = decision.canonical, self.identity
         state, num_bytes, error = catch_up_with_means(

@@ -11,12 +11,14 @@ from datetime import timedelta
 from pathlib import Path
 
 from node.config import ConfigError, NetworkConfig, NodeConfig
+from node.swarm.catch_up import max_catch_up_rounds
 from protocol.allreduce.config import AllReduceConfig
 from protocol.auth.channels import SwarmAuth
 from protocol.auth.key import SwarmKey
 from protocol.discovery.addresses import join_host_port, local_dial_address, parse_host_port, split_announce
 from protocol.discovery.dht_node import DhtConfig, DhtStartupError
 from protocol.membership.config import RoundConfig
+from protocol.statesync.config import StateSyncConfig
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import SwarmNode
 from protocol.swarm.ports import bind_problem
@@ -100,6 +102,8 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             heartbeat=timedelta(seconds=config.network.heartbeat),
             record_ttl=timedelta(seconds=config.network.record_ttl),
             auth=auth,
+            # The rounds' means a node may step with: 2F with fragments (node/swarm/catch_up.py).
+            statesync=StateSyncConfig(num_companions_kept=max_catch_up_rounds(config.outer.fragments)),
         )
     except ValueError as error:  # SwarmKeyError too: a missing, open or weak key file
         raise ConfigError(str(error)) from None

@@ -106,6 +106,11 @@ class StateSyncConfig:
     num_snapshots_kept: int = 2
     """Snapshots kept at once: the current one and the previous, so transfers that began before a
     publish can still ask for their remaining ranges."""
+    num_companions_kept: int = 2
+    """Publishes whose companions (the daemon's round means) are served, >= num_snapshots_kept: a
+    publish older than num_snapshots_kept keeps its companions only. A node that many rounds behind
+    can step to the newest state with their means. With --fragments F the daemon keeps 2F: its means
+    are 1/F of the model each, so as many bytes as two whole ones."""
     stall_timeout: timedelta = timedelta(seconds=30)
     """A fetcher that does not read a chunk for this long is dropped and its transfer slot freed."""
     server_grace: timedelta = timedelta(seconds=2)
@@ -126,6 +131,11 @@ class StateSyncConfig:
             )
         if self.max_concurrent_transfers < 1 or self.num_snapshots_kept < 1:
             raise ValueError("max_concurrent_transfers and num_snapshots_kept must be >= 1")
+        if self.num_companions_kept < self.num_snapshots_kept:
+            raise ValueError(
+                f"num_companions_kept ({self.num_companions_kept}) must be >= num_snapshots_kept "
+                f"({self.num_snapshots_kept}): a snapshot kept keeps its companions"
+            )
         if self.stall_timeout <= timedelta(0) or self.server_grace < timedelta(0):
             raise ValueError("stall_timeout must be positive and server_grace non-negative")
 

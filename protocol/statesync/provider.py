@@ -4,7 +4,8 @@ The daemon calls `publish(snapshot)` after every outer round. The provider keeps
 `num_snapshots_kept` snapshots (by default the current and the previous one): a fetcher that started
 on the previous snapshot can still ask for its remaining ranges, and a stream already under way keeps
 its own reference to its snapshot, so it always finishes. Older snapshots get NOT_FOUND and the
-fetcher moves on to another source.
+fetcher moves on to another source. A snapshot's companions (the daemon's round means) may outlive it:
+those of the newest `num_companions_kept` publishes are served.
 
 Serving is bounded: at most `max_concurrent_transfers` FetchRange streams at once (one more gets
 RESOURCE_EXHAUSTED at once rather than queueing behind the others), ranges of at most
@@ -60,6 +61,10 @@ class StateProvider(pb_grpc.StateSyncServicer):
         # Newest first: per publish, (snapshot, its manifest) then its companions'. Replaced as a
         # whole, never mutated.
         self._kept: tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...] = ()
+        # Newest first: what _kept serves, then the companions of the publishes older than those in it
+        # (num_companions_kept). Replaced as a whole (one tuple: readers on other threads see one
+        # publish's state), never mutated.
+        self._served: tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...] = ()
         self._num_active_transfers = 0
         self._closed = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -82,15 +87,20 @@ class StateProvider(pb_grpc.StateSyncServicer):
     def publish(self, snapshot: Snapshot, *, companions: Sequence[Snapshot] = ()) -> None:
         """Serve `snapshot` from now on; keep the previous ones up to `num_snapshots_kept` in all.
 
-        `companions`: other snapshots served beside this one and dropped with it (the daemon's round
-        mean, for a member one round behind); never the newest, so a fetcher that asks for no
-        particular state still gets `snapshot`.
+        `companions`: other snapshots served beside this one (the daemon's round mean, for a member
+        rounds behind), kept for `num_companions_kept` publishes; never the newest, so a fetcher that
+        asks for no particular state still gets `snapshot`.
         """
         served = [(one, self._manifest_of(one)) for one in (snapshot, *companions)]
         if len({one.state_id for one in (snapshot, *companions)}) != len(served):
             raise ValueError("a snapshot and its companions need distinct state ids")
         older = tuple(kept for kept in self._kept if kept[0][0].state_id != snapshot.state_id)
-        self._kept = (tuple(served), *older)[: self.config.num_snapshots_kept]
+        publishes, num_kept = (tuple(served), *older), self.config.num_snapshots_kept
+        dropped = tuple(publish[1:] for publish in publishes[num_kept:] if len(publish) > 1)
+        num_older = self.config.num_companions_kept - num_kept
+        older_companions = self._served[len(self._kept) :]
+        self._kept = publishes[:num_kept]
+        self._served = (*self._kept, *(*dropped, *older_companions)[:num_older])
         logger.debug("serving %r (keeping %s)", snapshot, self.kept_state_ids)
 
     def served_lately(self, within: float) -> bool:
@@ -100,7 +110,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
         now = time.monotonic()
         return any(
             now - self.last_served.get(one.state_id, -math.inf) < within
-            for served in self._kept
+            for served in self._served
             for one, _ in served
         )
 
@@ -124,7 +134,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
     @property
     def kept_state_ids(self) -> list[str]:
         """Ids of the snapshots served, newest first."""
-        return [snapshot.state_id for served in self._kept for snapshot, _ in served]
+        return [snapshot.state_id for served in self._served for snapshot, _ in served]
 
     def close(self) -> None:
         """Release calls hung by a "stall" or "pause" fault (call on the server's loop before stopping it)."""
@@ -178,7 +188,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
             raise ProtocolError(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
         if not state_id:
             return kept[0][0]
-        for served in kept:
+        for served in self._served:
             for snapshot, manifest in served:
                 if snapshot.state_id == state_id:
                     return snapshot, manifest

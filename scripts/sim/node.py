@@ -42,8 +42,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from node.outer.seam import MAX_DUE_WAIT
-from node.swarm.catch_up import rejoin_due
-from node.swarm.session import MAX_CATCH_UP_ROUNDS
+from node.swarm.catch_up import MAX_CATCH_UP_ROUNDS, rejoin_due
 from protocol.codecs import Codec
 from protocol.membership.actions import (
     Action,

@@ -26,8 +26,9 @@ import torch
 
 import node.swarm.session as session_module
 from node.outer.seam import JoinAnswer, JoinRequest
-from node.swarm.catch_up import rejoin_due
+from node.swarm.catch_up import max_catch_up_rounds, rejoin_due
 from node.swarm.session import SwarmSession
+from node.swarm.setup import swarm_config
 from node.swarm.state import adopted_state, caught_up_state, round_mean_id, round_mean_snapshot
 from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
@@ -438,6 +439,28 @@ def test_a_member_two_fragment_rounds_behind_steps_each_fragment_with_its_served
     assert fragment_hashes(behind) == fragment_hashes(member)
     assert torch.equal(behind.diloco.global_params, member.diloco.global_params)
     assert torch.equal(behind.diloco.momentum_buffer(), member.diloco.momentum_buffer())
+
+
+@pytest.mark.timeout(180)
+def test_a_member_three_fragment_rounds_behind_steps_with_their_means_within_2f(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --fragments 2 a node steps with the means of up to 2F = 4 fragment rounds (two whole
+    rounds' worth of bytes), which members keep for as many publishes (StateSyncConfig.
+    num_companions_kept from the node's config). Here 3 behind: before, more than 2 meant the whole
+    state."""
+    member, published, behind, session, swarm = fragment_member_and_behind(
+        corpus_file, tmp_path, monkeypatch, held_round=1
+    )
+    applied = end_phase(behind)
+    assert swarm.fetched == [round_mean_id(published[r]["param_hash"]) for r in (4, 3, 2)]
+    assert applied.kind == "adopted" and applied.caught_up and session.num_caught_up == 1
+    assert behind.diloco.param_hash() == applied.param_hash == member.diloco.param_hash()
+    assert fragment_hashes(behind) == fragment_hashes(member)
+    assert torch.equal(behind.diloco.momentum_buffer(), member.diloco.momentum_buffer())
+    config = small_config(corpus_file, tmp_path / "config", fragments=2)
+    assert swarm_config(config).statesync.num_companions_kept == 4 == max_catch_up_rounds(2)
+    assert swarm_config(small_config(corpus_file, tmp_path / "whole")).statesync.num_companions_kept == 2
 
 
 @pytest.mark.timeout(180)

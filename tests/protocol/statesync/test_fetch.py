@@ -369,6 +369,44 @@ def test_a_companion_is_served_by_its_own_id_beside_its_snapshot_and_dropped_wit
     assert "no longer keep" in gone
 
 
+@pytest.mark.timeout(30)
+def test_companions_outlive_their_snapshot_for_num_companions_kept_publishes() -> None:
+    """num_snapshots_kept 2, num_companions_kept 4 (a node with --fragments 2): after four more
+    publishes the first publish's state is gone but its round mean is still fetched; after one more
+    the mean is gone too. Before, companions were dropped with their snapshot."""
+    states = [make_snapshot(seed=10 + i, round_id=i, num_params=MiB // 16) for i in range(6)]
+    means = [
+        make_snapshot(seed=20 + i, round_id=i, num_params=MiB // 64, state_id=f"round-mean:{i}")
+        for i in range(6)
+    ]
+    config = replace(TEST_CONFIG, num_companions_kept=4)
+
+    async def scenario() -> tuple[list[list[str]], FetchReport, str]:
+        async with providers(1, None, config=config) as (server,):
+            kept = []
+            for state, mean in zip(states[:5], means[:5], strict=True):
+                server.provider.publish(state, companions=[mean])
+                kept.append(server.provider.kept_state_ids)
+            fetched = await _fetch([server.address], expected=means[1].state_id)
+            server.provider.publish(states[5], companions=[means[5]])
+            kept.append(server.provider.kept_state_ids)
+            try:
+                await _fetch([server.address], expected=means[1].state_id, deadline=timedelta(seconds=5))
+            except StateSyncError as error:
+                return kept, fetched, str(error)
+            return kept, fetched, ""
+
+    kept, fetched, gone = uvloop.run(scenario())
+    assert kept[4] == [states[4].state_id, means[4].state_id, states[3].state_id, means[3].state_id,
+                       means[2].state_id, means[1].state_id]  # fmt: skip
+    assert_identical(fetched.snapshot, means[1])
+    assert kept[5] == [states[5].state_id, means[5].state_id, states[4].state_id, means[4].state_id,
+                       means[3].state_id, means[2].state_id]  # fmt: skip
+    assert "no longer keep" in gone
+    with pytest.raises(ValueError, match="num_companions_kept"):
+        replace(TEST_CONFIG, num_companions_kept=1)
+
+
 def test_a_companion_needs_its_own_state_id() -> None:
     from protocol.statesync.provider import StateProvider
 
