@@ -31,8 +31,9 @@ def default_block_bytes(num_bytes: int) -> int:
 DEFAULT_RANGE_BYTES = 32 * MiB
 """A fetcher asks one source for at most this many bytes per FetchRange unless told otherwise."""
 RANGES_PER_SOURCE = 4
-"""A fetcher cuts a snapshot into at least this many ranges per source (whole blocks permitting), so
-every source sends a share and a fast one can take more."""
+"""A fetcher cuts a snapshot into at least this many ranges per source (whole blocks permitting; at
+most `max_parallel` sources counted, the streams that fetch at once), so every source sends a share
+and a fast one can take more."""
 DEFAULT_FETCH_STALL_TIMEOUT = timedelta(seconds=15)
 """A fetcher drops a source that sends nothing for this long unless told otherwise."""
 MAX_CHUNK_BYTES = 64 * MiB

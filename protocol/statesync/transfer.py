@@ -81,7 +81,8 @@ class RangeTransfer:
             block_bytes=manifest.block_bytes,
             max_range_bytes=max_range_bytes,
             num_bytes=manifest.num_bytes,
-            num_sources=len(served),
+            # Streams, not sources, fetch at once: more ranges than that per stream only add round trips.
+            num_sources=min(len(served), max_parallel),
         )
         self.queue = collections.deque(split_ranges(manifest, range_bytes))
         self.max_parallel = max_parallel
