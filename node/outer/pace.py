@@ -13,9 +13,11 @@ node sends in it (``protocol/allreduce/pace.py``, ``member_send_bytes``: its con
 part's average to each other member), and the protocol paces the round's chunk writes at that rate,
 never past the round's deadlines. The margin leaves the rest of the τ steps for what is not sending:
 forming the group, the last chunks' way through the slowest member, the outer step and the served
-state built after it. A round the loop has to wait on (it did not land by s_r + τ, or the run ends)
-is sent at full rate from then on (``SwarmSide.lift_pace``): pacing changes when bytes go, never
-which, so a paced swarm ends on the param_hash an unpaced one does.
+state built after it. A round the loop has to wait on (it did not land by s_r + τ, or it is the
+run's last) stays paced: its rest at full rate would fill the link for a second or more, the peak
+pacing is for. Only a node asked to stop sends the rest at full rate (``SwarmSide.lift_pace``).
+Pacing changes when bytes go, never which, so a paced swarm ends on the param_hash an unpaced one
+does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from collections import deque
 from datetime import timedelta
 
 PACE_MARGIN = 0.6
-"""The share of the τ overlapped steps' time a fragment round's sends are spread over."""
+"""The share of the τ overlapped steps' time a fragment round's sends are spread over. Measured on
+4 tiny nodes at 20 Mbit/s, F = 4, τ = 2 (BENCHMARKS.md, "Streamed fragments in the daemon: peak
+bandwidth"): 0.6 lowered the busiest second to 0.82x of unpaced for ~15 s more waiting on rounds a
+node in a 280 s run; 0.8 to 0.69x for ~45 s (rounds took their window plus ~2 s of forming and
+applying, and step times there vary 2-6 s, so a longer window lands late more often)."""
 
 STEP_TIMES_KEPT = 8
 """Inner steps whose times the window is measured from (the median: an eval or a checkpoint at one

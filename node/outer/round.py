@@ -634,8 +634,12 @@ class OuterRound:
         return applied
 
     def _land_fragment(self, *, mix_now: bool = True) -> RoundApplied:
-        """The round in flight lands: wait for it (it is due), act on it, mix its fragment. A paced
-        round not landed yet sends the rest at full rate: the loop waits on it now."""
+        """The round in flight lands: wait for it (it is due), act on it, mix its fragment.
+
+        A paced round not landed yet stays paced: sending its rest at full rate would put the link's
+        cap back on it for a second or more, the peak pacing is for (``PACE_MARGIN`` trades this
+        wait against the peak: ``node/outer/pace.py``). Only a node asked to stop sends the rest at
+        full rate."""
         waited_from = time.perf_counter()
         in_flight = self._in_flight
         if (
@@ -643,6 +647,7 @@ class OuterRound:
             and self.swarm is not None
             and in_flight is not None
             and not in_flight.done()
+            and self.stop_requested()
         ):
             self.swarm.lift_pace(self.progress.round + 1)  # (the round in flight: the next one applied)
         landed = self._wait_in_flight()

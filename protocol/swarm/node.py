@@ -486,6 +486,7 @@ class SwarmNode:
         """Send round ``round`` at full rate from now on, whether its all-reduce runs already or not
         yet (from any thread; returns at once): the caller now waits on it."""
         self._pace_lifted_round = max(self._pace_lifted_round, round)
+        logger.info("round %d: sending the rest at full rate (pace lifted)", round)
         if self._loop is not None:
             self._loop.submit(_call(self.server.allreduce.lift_paces))
 

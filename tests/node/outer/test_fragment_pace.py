@@ -1,10 +1,12 @@
 """Paced fragment rounds (node/outer/pace.py, ``--pace-sends``): the send window an overlapped fragment
 round asks the swarm for is PACE_MARGIN x τ x the median of the last inner steps' times, none for a
-synchronous or whole-model round, and a round the loop has to wait on is told to send at full rate."""
+synchronous or whole-model round; a round the loop has to wait on stays paced unless the node stops."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -36,7 +38,14 @@ def test_the_window_is_the_margin_of_tau_median_steps() -> None:
         send_window(1.0, 2, margin=1.5)
 
 
-def _rounds(swarm: ScriptedSwarm, *, overlap_steps: int, pace: bool, fragments: bool = True) -> OuterRound:
+def _rounds(
+    swarm: ScriptedSwarm,
+    *,
+    overlap_steps: int,
+    pace: bool,
+    fragments: bool = True,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> OuterRound:
     torch.manual_seed(0)
     model = GPT(model_config("nano", vocab_size=64, seq_len=16))
     schedule = None
@@ -54,7 +63,7 @@ def _rounds(swarm: ScriptedSwarm, *, overlap_steps: int, pace: bool, fragments: 
         overlap=not fragments and overlap_steps > 0,
     )  # fmt: skip
     rounds = OuterRound(
-        diloco, averager=swarm, swarm=swarm, settings=settings, data=NoData(), stop_requested=lambda: False
+        diloco, averager=swarm, swarm=swarm, settings=settings, data=NoData(), stop_requested=stop_requested
     )
     rounds.start()
     return rounds
@@ -92,13 +101,15 @@ def test_no_window_for_a_synchronous_unpaced_or_whole_model_round(
 
 
 @pytest.mark.timeout(60)
-def test_a_paced_round_the_loop_waits_on_is_told_to_send_at_full_rate() -> None:
+def test_a_late_paced_round_stays_paced_and_a_stopping_node_sends_the_rest_at_full_rate() -> None:
+    stopping = threading.Event()
     lifted = threading.Event()
 
     def decide(delta: torch.Tensor, request: RoundRequest) -> RoundDecision:
-        # A paced round that has not landed by its land step: it lands once the loop lifts its pace.
         if request.round_index == 1:
-            assert lifted.wait(20), "the loop waited on a paced round without lifting its pace"
+            time.sleep(0.5)  # late: the loop reaches round 1's land step (step 4) long before
+        if request.round_index == 3:  # the run's last, in flight when the node is asked to stop
+            assert lifted.wait(20), "a stopping node waited on a paced round without lifting its pace"
         return Averaged(0.5 * delta)
 
     swarm = ScriptedSwarm(decide=decide)
@@ -109,6 +120,11 @@ def test_a_paced_round_the_loop_waits_on_is_told_to_send_at_full_rate() -> None:
         lifted.set()
 
     swarm.lift_pace = lift_pace  # type: ignore[method-assign]
-    _train(_rounds(swarm, overlap_steps=2, pace=True), [0.5] * 6)
-    assert swarm.lifted[0] == 1  # round 1, in flight when its land step came
+    rounds = _rounds(swarm, overlap_steps=2, pace=True, stop_requested=stopping.is_set)
+    for _ in range(6):
+        rounds.count_step(1, 0.5)
+        rounds.at_step_boundary()
+    stopping.set()
+    rounds.finish()
+    assert swarm.lifted == [3]  # round 1 was waited on paced; round 3 lifted as the node stopped
     assert [r.round_index for r in swarm.requests] == [1, 2, 3]
