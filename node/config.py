@@ -319,8 +319,8 @@ class OuterConfig:
             "With --fragments and --overlap-steps: spread each fragment round's sends over its tau "
             "overlapped steps (a rate of its bytes / (tau x the measured step time x a margin)) instead "
             "of one burst at full link rate, so a capped link's busiest second carries a fraction of "
-            "it (auto); off: full rate. The round's deadlines still hold, and a round the loop waits "
-            "on goes at full rate."
+            "it (auto); off: full rate. The round's deadlines still hold; pacing can make the loop wait "
+            "on a round that runs past its tau steps."
         ),
     )
     offload: bool = field(
