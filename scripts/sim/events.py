@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from typing import Protocol
 
 
 class Event:
@@ -28,21 +29,42 @@ class Event:
         self.cancelled = True
 
 
+class ScheduledEvent(Protocol):
+    """What the queue needs of an event: when it runs, whether it is cancelled, and its action."""
+
+    at: float
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def action(self) -> None: ...
+
+
 class EventQueue:
     """Simulated time and what happens next (``heapq``; see the module docstring)."""
 
     def __init__(self, start: float = 0.0) -> None:
         self.now = start
         # (time, sequence, event): tuples compare in C, and the sequence breaks ties in schedule order
-        self._heap: list[tuple[float, int, Event]] = []
+        self._heap: list[tuple[float, int, Event | ScheduledEvent]] = []
         self._sequence = itertools.count()
         self.num_events_run = 0
 
     def at(self, when: float, action: Callable[[], None]) -> Event:
         """Run ``action`` at simulated time ``when`` (now, if ``when`` is in the past)."""
-        event = Event(max(when, self.now), action)
-        heapq.heappush(self._heap, (event.at, next(self._sequence), event))
+        if when < self.now:
+            when = self.now
+        event = Event(when, action)
+        heapq.heappush(self._heap, (when, next(self._sequence), event))
         return event
+
+    def schedule(self, event: ScheduledEvent, when: float) -> None:
+        """Run ``event`` (again) at ``when`` (now, if in the past): for an event object that is
+        scheduled many times, as a node's heartbeat is (no new ``Event`` per run)."""
+        if when < self.now:
+            when = self.now
+        event.at = when
+        heapq.heappush(self._heap, (when, next(self._sequence), event))
 
     def after(self, delay: float, action: Callable[[], None]) -> Event:
         return self.at(self.now + delay, action)

@@ -193,6 +193,36 @@ class DaemonStandIn:
         self.driver = _Driver(node)
 
 
+class Heartbeat:
+    """A node's heartbeat (one per incarnation): it stores the node's record again every
+    ``heartbeat``, as ``_after`` would run it (not after the incarnation ends; a frozen node's once
+    it thaws). Of all events, heartbeats are the most (a thousand nodes storing one every two seconds
+    each), so one object is the queue's event for every beat of an incarnation, scheduled again each
+    time, instead of a new ``Event`` and callback per beat."""
+
+    __slots__ = ("at", "incarnation", "node")
+    cancelled = False
+
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.incarnation = node.incarnation
+        self.at = 0.0
+
+    def action(self) -> None:
+        node = self.node
+        if node.incarnation != self.incarnation or not node.alive:
+            return
+        queue = node.queue
+        now = queue.now
+        if now < node.frozen_until:  # frozen: the thread is stopped until it thaws
+            queue.schedule(self, node.frozen_until)
+            return
+        world = node.world
+        if node.published is not None:
+            world.dht.store(restamped(node.published, now + world.record_ttl), now)
+        queue.schedule(self, now + world.heartbeat)
+
+
 class SimNode:
     """One simulated daemon (see the module docstring)."""
 
@@ -257,17 +287,18 @@ class SimNode:
 
     def _after(self, delay: float, action: Callable[[], None]) -> Event:
         """Run ``action`` later, unless this incarnation ended; a frozen node runs it once it thaws."""
-        incarnation = self.incarnation
+        return self.queue.after(delay, functools.partial(self._later, self.incarnation, action))
 
-        def run() -> None:
-            if self.incarnation != incarnation or not self.alive:
-                return
-            if self.now < self.frozen_until:
-                self.world.queue.at(self.frozen_until, run)
-                return
-            action()
-
-        return self.world.queue.after(delay, run)
+    def _later(self, incarnation: int, action: Callable[[], None]) -> None:
+        """``_after``'s event (a partial, not a closure that names itself: that made a reference
+        cycle per event, and the cyclic garbage collector's passes over them cost a fifth of a run)."""
+        if self.incarnation != incarnation or not self.alive:
+            return
+        queue = self.queue
+        if queue.now < self.frozen_until:
+            queue.at(self.frozen_until, functools.partial(self._later, incarnation, action))
+            return
+        action()
 
     def _view(self) -> SwarmView:
         return self.world.dht.view(self.peer_id, self.now)
@@ -299,19 +330,6 @@ class SimNode:
         self.published = record
         self.world.dht.store(restamped(record, self.now + self.world.record_ttl), self.now)
 
-    def _heartbeat(self, incarnation: int) -> None:
-        """Store our record again, every ``heartbeat`` (what ``_after`` does, inlined: of all events,
-        heartbeats are the most, a thousand nodes storing one every two seconds each)."""
-        if self.incarnation != incarnation or not self.alive:
-            return
-        queue = self.queue
-        if queue.now < self.frozen_until:  # frozen: the thread is stopped until it thaws
-            queue.at(self.frozen_until, functools.partial(self._heartbeat, incarnation))
-            return
-        if self.published is not None:
-            self.world.dht.store(restamped(self.published, queue.now + self.world.record_ttl), queue.now)
-        queue.after(self.world.heartbeat, functools.partial(self._heartbeat, incarnation))
-
     # --- lifecycle (faults.py and swarm.py call these) ---
 
     def start(self, lineage: Lineage | None, *, delay: float) -> None:
@@ -327,9 +345,7 @@ class SimNode:
         self.world.recorder.up(self.peer_id, self.now)
         if lineage is not None:
             self.publish(self._record())
-        self.queue.after(
-            self.heartbeat_offset * self.world.heartbeat, functools.partial(self._heartbeat, self.incarnation)
-        )
+        self.queue.schedule(Heartbeat(self), self.now + self.heartbeat_offset * self.world.heartbeat)
         self._after(delay, self._join)
 
     def crash(self) -> None:
