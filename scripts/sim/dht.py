@@ -35,10 +35,17 @@ def restamped(record: PeerRecord, expires_at: float) -> PeerRecord:
     """``record`` with a new ``expires_at`` (a heartbeat's store), as ``dataclasses.replace`` makes it
     but without validating again the fields that did not change: a thousand nodes store one every
     two seconds, and the validation would be most of the run's CPU. ``expires_at`` is the clock plus
-    the TTL: a finite float >= 0, as ``PeerRecord`` requires."""
-    copy = object.__new__(PeerRecord)
-    object.__setattr__(copy, "__dict__", {**record.__dict__, "expires_at": float(expires_at)})
+    the TTL: a finite float >= 0, as ``PeerRecord`` requires. (A copy of the fields' dict with one
+    item set: half the time of a dict display merging it.)"""
+    fields = record.__dict__.copy()
+    fields["expires_at"] = float(expires_at)
+    copy = _new(PeerRecord)
+    _set(copy, "__dict__", fields)
     return copy
+
+
+_new = object.__new__
+_set = object.__setattr__
 
 
 class SimulatedDht:
@@ -156,4 +163,6 @@ class SimulatedDht:
 
 def _same_but_expiry(a: PeerRecord, b: PeerRecord) -> bool:
     """Whether two records of a peer say the same, but for how long (a heartbeat's renewal)."""
-    return a.__dict__ == {**b.__dict__, "expires_at": a.expires_at}
+    fields = b.__dict__.copy()
+    fields["expires_at"] = a.expires_at
+    return a.__dict__ == fields
