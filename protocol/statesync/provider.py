@@ -40,6 +40,9 @@ from protocol.statesync.snapshot import Snapshot, byte_view
 
 logger = logging.getLogger(__name__)
 
+_Publishes = tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...]
+"""Per publish, (snapshot, its manifest) then its companions' (or its companions' only)."""
+
 SERVICE_NAME = "dtnode.v1.StateSync"
 # Refusals that are normal traffic (a fetcher will just ask someone else or retry); the rest mean a
 # fetcher misbehaved.
@@ -60,11 +63,10 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.fault_plan = fault_plan
         # Newest first: per publish, (snapshot, its manifest) then its companions'. Replaced as a
         # whole, never mutated.
-        self._kept: tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...] = ()
-        # Newest first: what _kept serves, then the companions of the publishes older than those in it
-        # (num_companions_kept). Replaced as a whole (one tuple: readers on other threads see one
-        # publish's state), never mutated.
-        self._served: tuple[tuple[tuple[Snapshot, pb.StateManifest], ...], ...] = ()
+        # (the publishes kept whole, the companions of older ones (num_companions_kept)), each newest
+        # first. One tuple replaced as a whole, never mutated: a reader on another thread sees one
+        # publish's view of both.
+        self._held: tuple[_Publishes, _Publishes] = ((), ())
         self._num_active_transfers = 0
         self._closed = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -94,13 +96,12 @@ class StateProvider(pb_grpc.StateSyncServicer):
         served = [(one, self._manifest_of(one)) for one in (snapshot, *companions)]
         if len({one.state_id for one in (snapshot, *companions)}) != len(served):
             raise ValueError("a snapshot and its companions need distinct state ids")
-        older = tuple(kept for kept in self._kept if kept[0][0].state_id != snapshot.state_id)
+        kept, older_companions = self._held
+        older = tuple(one for one in kept if one[0][0].state_id != snapshot.state_id)
         publishes, num_kept = (tuple(served), *older), self.config.num_snapshots_kept
         dropped = tuple(publish[1:] for publish in publishes[num_kept:] if len(publish) > 1)
         num_older = self.config.num_companions_kept - num_kept
-        older_companions = self._served[len(self._kept) :]
-        self._kept = publishes[:num_kept]
-        self._served = (*self._kept, *(*dropped, *older_companions)[:num_older])
+        self._held = (publishes[:num_kept], (*dropped, *older_companions)[:num_older])
         logger.debug("serving %r (keeping %s)", snapshot, self.kept_state_ids)
 
     def served_lately(self, within: float) -> bool:
@@ -110,7 +111,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
         now = time.monotonic()
         return any(
             now - self.last_served.get(one.state_id, -math.inf) < within
-            for served in self._served
+            for served in self._served()
             for one, _ in served
         )
 
@@ -128,13 +129,18 @@ class StateProvider(pb_grpc.StateSyncServicer):
     @property
     def current(self) -> Snapshot | None:
         """The newest published snapshot, None before the first publish."""
-        kept = self._kept
+        kept = self._held[0]
         return kept[0][0][0] if kept else None
 
     @property
     def kept_state_ids(self) -> list[str]:
         """Ids of the snapshots served, newest first."""
-        return [snapshot.state_id for served in self._served for snapshot, _ in served]
+        return [snapshot.state_id for served in self._served() for snapshot, _ in served]
+
+    def _served(self) -> _Publishes:
+        """Everything served, newest first: the publishes kept whole, then older ones' companions."""
+        kept, older_companions = self._held
+        return (*kept, *older_companions)
 
     def close(self) -> None:
         """Release calls hung by a "stall" or "pause" fault (call on the server's loop before stopping it)."""
@@ -183,12 +189,12 @@ class StateProvider(pb_grpc.StateSyncServicer):
     # --- RPCs ----------------------------------------------------------------------------------------
 
     def _find(self, state_id: str) -> tuple[Snapshot, pb.StateManifest]:
-        kept = self._kept
-        if not kept:
+        served_now = self._served()
+        if not served_now:
             raise ProtocolError(grpc.StatusCode.NOT_FOUND, "I have no snapshot yet")
         if not state_id:
-            return kept[0][0]
-        for served in self._served:
+            return served_now[0][0]
+        for served in served_now:
             for snapshot, manifest in served:
                 if snapshot.state_id == state_id:
                     return snapshot, manifest
