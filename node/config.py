@@ -43,7 +43,7 @@ AutoOnOff = Literal["auto", "on", "off"]
 """``auto`` decides from the hardware (e.g. on with CUDA); ``on`` and ``off`` force it."""
 PaceSends = Literal["auto", "off"]
 """``auto``: pace an overlapped fragment round's sends over its overlapped steps; ``off``: full rate."""
-Codec = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
+Codec = Literal["none", "fp16", "bf16", "int8", "int4", "topk", "topk4"]
 """The wire codecs (``protocol/codecs.py``, the contract's ``CodecKind``)."""
 Aggregation = Literal["mean", "clipped", "trimmed"]
 """How an all-reduce part is combined (``protocol/allreduce/robust.py``)."""
@@ -535,15 +535,16 @@ class RoundsConfig:
     codec: Codec = field(
         default="int8",
         metadata=_help(
-            "Pseudo-gradient wire codec: none, fp16, bf16, int8, int4 or topk (each block of 4096 numbers "
-            "sends only its --topk-density largest, 2 bits each; what is not sent waits in the error feedback)."
+            "Pseudo-gradient wire codec: none, fp16, bf16, int8, int4, topk or topk4 (each block of 4096 "
+            "numbers sends only its --topk-density largest, 2 bits each, or 4 with topk4; what is not sent "
+            "waits in the error feedback)."
         ),
     )
     topk_density: float = field(
         default=0.015,
         metadata=_help(
-            "--codec topk: fraction of each block's numbers sent, in (0, 1] (0.015: 62 of 4096). Every node "
-            "of the swarm must use the same."
+            "--codec topk or topk4: fraction of each block's numbers sent, in (0, 1] (0.015: 62 of 4096). "
+            "Every node of the swarm must use the same."
         ),
     )
     error_feedback_decay: float = field(

@@ -10,6 +10,7 @@ per-element error bound `error_bound(x)` such that |decode(encode(x)) - x| <= er
     int8  blockwise absmax, scale = absmax / 127   absmax_block * (1/254 + 2^-20)
     int4  blockwise absmax, scale = absmax / 7     absmax_block * (1/14 + 2^-20)
     topk  each block's k largest |x|, 2 bits each  |x| where not sent, (hi - lo)/2 + hi * 2^-20 where sent
+    topk4 the same, 4 bits each                    |x| where not sent, (hi - lo)/14 + hi * 2^-20 where sent
 
 The blockwise codecs follow the absmax quantization of Dettmers et al. 2022 ("8-bit Optimizers via
 Block-wise Quantization", arXiv:2110.02861): each block of `block_size` numbers carries its own fp32
@@ -18,8 +19,9 @@ rounding of the scale, of x / scale and of code * scale. Payload layout for a ch
 b = ceil(n / block_size) blocks: b fp32 scales, then the codes (int8: n bytes; int4: ceil(n / 2)
 bytes, code + 8 in a nibble, even element in the low nibble).
 
-The top-k codec (``TopKCodec``) is the sparse one: decoding writes zeros where it sent nothing, so it
-is meant to run with error feedback (``protocol.error_feedback``); its layout is in its docstring.
+The top-k codecs (``TopKCodec``: ``topk``, ``topk4``) are the sparse ones: decoding writes zeros where
+they sent nothing, so they are meant to run with error feedback (``protocol.error_feedback``); the
+layout is in ``TopKCodec``'s docstring.
 
 All work is vectorized torch on whole chunks (numpy for checking a chunk's few scales and, in top-k,
 for numpy's vectorized partition and the few thousand kept numbers of a chunk, where torch's per-call
@@ -538,7 +540,7 @@ class TopKCodec(Codec):
     chunk, and a payload's length depends only on the number of elements, as the all-reduce needs. At
     the default 62 of 4096, Elias-Fano takes 498 bits a block where offsets took 744 (8.0 bits a kept
     number instead of 12; the entropy bound log2 C(4096, 62) is 464). The layout is documented field by field with
-    ``CODEC_KIND_TOPK`` in ``protos/dtnode/v1/allreduce.proto``.
+    ``CODEC_KIND_TOPK`` (and ``CODEC_KIND_TOPK4``) in ``protos/dtnode/v1/allreduce.proto``.
     """
 
     value_bits: ClassVar[int]
@@ -802,7 +804,18 @@ class TopK2Codec(TopKCodec):
     value_bits = 2
 
 
-DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 64, "topk": 4096}
+class TopK4Codec(TopKCodec):
+    """Top-k with 4-bit values (sign and one of eight levels): a kept number costs 2 bits more than
+    ``topk``'s (13.1 instead of 11.1 with its position and its share of the scales, 62 of 4096), so at
+    equal bytes it keeps ~5/6 as many numbers, each 7x finer (the block's [lo, hi] in 7 steps instead
+    of 1). Issue 30 asked whether that pays; BENCHMARKS.md ("Top-k with 4-bit values") measures it."""
+
+    kind = pb.CODEC_KIND_TOPK4
+    name = "topk4"
+    value_bits = 4
+
+
+DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 64, "topk": 4096, "topk4": 4096}
 DEFAULT_TOPK_DENSITY = 0.015
 """Top-k's fraction of numbers sent: 62 of each 4096 (SparseLoCo runs 1-3%; Covenant-72B sent 1.56%)."""
 _CODECS_BY_NAME: dict[str, type[Codec]] = {
@@ -812,6 +825,7 @@ _CODECS_BY_NAME: dict[str, type[Codec]] = {
     "int8": Int8Codec,
     "int4": Int4Codec,
     "topk": TopK2Codec,
+    "topk4": TopK4Codec,
 }
 CODEC_NAMES = tuple(_CODECS_BY_NAME)
 
@@ -830,8 +844,9 @@ def takes_density(name: str) -> bool:
 
 
 def get_codec(name: str, block_size: int | None = None, density: float | None = None) -> Codec:
-    """Build a codec by name ("none", "fp16", "bf16", "int8", "int4", "topk"); block_size only for
-    int8/int4/topk, density (the fraction of numbers sent, default DEFAULT_TOPK_DENSITY) only for topk."""
+    """Build a codec by name ("none", "fp16", "bf16", "int8", "int4", "topk", "topk4"); block_size only
+    for int8/int4/topk/topk4, density (the fraction of numbers sent, default DEFAULT_TOPK_DENSITY) only
+    for the top-k codecs."""
     if name not in _CODECS_BY_NAME:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     cls = _CODECS_BY_NAME[name]

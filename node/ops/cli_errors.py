@@ -5,7 +5,7 @@ the wrong type, a choice not offered) or the settings do (``ConfigError``: an im
 missing file, a port in use), is one line on stderr::
 
     dtnode join: error: --inner-steps: must be >= 1, got 0
-    dtnode join: error: --codec: must be one of none, fp16, bf16, int8, int4, topk, got 'int3'
+    dtnode join: error: --codec: must be one of none, fp16, bf16, int8, int4, topk, topk4, got 'int3'
     dtnode join: error: --inner-step: no such flag; did you mean --inner-steps?
 
 the command, then what is at fault (the flag, or the file or environment variable a setting came

@@ -43,8 +43,9 @@ class SwarmConfig:
     codec: str = "int8"
     """Wire codec of the pseudo-gradient (``protocol.codecs``)."""
     topk_density: float = DEFAULT_TOPK_DENSITY
-    """Codec ``topk``: the fraction of each block's numbers sent; every member of a round must use the same
-    (the codec's spec, which every contribution's header carries, says it as ``kept_per_block``)."""
+    """Codecs ``topk`` and ``topk4``: the fraction of each block's numbers sent; every member of a round
+    must use the same (the codec's spec, which every contribution's header carries, says it as
+    ``kept_per_block``)."""
     error_feedback_decay: float = 1.0
     """β of the codec's error feedback: each round sends Δ + β · residual (``protocol.error_feedback``);
     1 keeps the whole residual, SparseLoCo (arXiv:2508.15706) uses 0.95 with top-k."""

@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--topk-density",
         type=float,
         default=None,
-        help=f"topk: fraction of each block's numbers sent (default {DEFAULT_TOPK_DENSITY})",
+        help=f"topk, topk4: fraction of each block's numbers sent (default {DEFAULT_TOPK_DENSITY})",
     )
     parser.add_argument(
         "--kill-member",
@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.link_mbit is not None and args.link_mbit <= 0:
         parser.error("--link-mbit must be positive")
     if args.topk_density is not None and not any(takes_density(codec) for codec in args.codec):
-        parser.error("--topk-density applies only to a top-k codec (--codec topk)")
+        parser.error("--topk-density applies only to a top-k codec (--codec topk or topk4)")
     if args.topk_density is not None and not 0 < args.topk_density <= 1:
         parser.error("--topk-density must be in (0, 1]")
     if args.kill_member is not None:

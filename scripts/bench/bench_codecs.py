@@ -23,7 +23,7 @@ import time
 import torch
 
 from protocol.allreduce import AllReduceConfig
-from protocol.codecs import CODEC_NAMES, Codec, get_codec
+from protocol.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZES, Codec, get_codec, takes_density
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,12 +37,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per codec (best is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = per core)")
     parser.add_argument("--codecs", nargs="+", default=list(CODEC_NAMES), choices=CODEC_NAMES)
-    parser.add_argument("--block-size", type=int, default=None, help="int8/int4/topk block size")
+    parser.add_argument("--block-size", type=int, default=None, help="int8/int4/topk/topk4 block size")
     parser.add_argument(
         "--topk-density",
         type=float,
         default=None,
-        help="topk: fraction of each block sent (default: the codec's)",
+        help="topk, topk4: fraction of each block sent (default: the codec's)",
     )
     parser.add_argument(
         "--min-gbps",
@@ -93,8 +93,8 @@ def main() -> None:
     for name in args.codecs:
         codec = get_codec(
             name,
-            args.block_size if name in ("int8", "int4", "topk") else None,
-            args.topk_density if name == "topk" else None,
+            args.block_size if name in DEFAULT_BLOCK_SIZES else None,
+            args.topk_density if takes_density(name) else None,
         )
         stats = time_codec(codec, vector, args.chunk_elements, args.repeats)
         density = {"density": codec.density} if hasattr(codec, "density") else {}

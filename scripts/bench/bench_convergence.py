@@ -30,8 +30,8 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         --outer-lr and --outer-momentum; OUTER_LR and M replace them for this
                         variant) on the mean pseudo-gradient. Codecs other than none use error
                         feedback, as the swarm does, with decay --error-feedback-decay (B for this
-                        variant). DENSITY: top-k's fraction of numbers sent (``topk`` only, default
-                        0.015). SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706) is
+                        variant). DENSITY: top-k's fraction of numbers sent (``topk``, 2-bit
+                        values, and ``topk4``, 4-bit, only; default 0.015). SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706) is
                         ``diloco:H:topk:0.015:1.0:momentum=0:decay=0.95``: plain outer SGD at lr 1.
     overlap:H:CODEC     the overlapped / delayed outer update of ``dtnode join --overlap`` (Streaming
                         DiLoCo, Douillard et al. 2025, arXiv:2501.18512): round k's mean lands during
@@ -67,12 +67,12 @@ Bytes sent per worker (codec payloads; protobuf framing and control messages are
     diloco:  rounds x 2 (N - 1) / N x payload, payload = sum over parts and chunks of the codec's
              encoded_num_bytes (int8/int4 include one fp32 scale per block): each member sends its
              contribution to the N - 1 other parts, and its part's encoded mean to the N - 1 others.
-    topk:    rounds x (N - 1)(N + 1) / N x payload (the sparse round, issue 30): each member sends its
+    topk, topk4: rounds x (N - 1)(N + 1) / N x payload (the sparse round, issue 30): each member sends its
              own top-k bytes of the N - 1 other parts to their owners, and each owner relays its
              part's N payloads (nobody re-encodes a sum) to the N - 1 others. The counts are the
              lengths of the payloads the simulation encoded, the codec's real wire bytes.
 
-Sparse target (issue 30): the best top-k variant ends at an eval loss <= the int8 variant's of the same
+Sparse target (issue 30): the best top-k variant (topk or topk4) ends at an eval loss <= the int8 variant's of the same
 kind and H + 0.5% at >= 25x fewer bytes; the summary line gives each top-k variant's gap and ratio.
 
 ``reduction_vs_ddp`` = DDP's bytes / the variant's. Since DDP sends 4 bytes per number per step and
@@ -113,6 +113,7 @@ import torch
 # Run as a file, so its folder and not the checkout is on sys.path: the `scripts` package needs the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from protocol.codecs import takes_density
 from scripts.bench.convergence_variants import (
     PENDING_KINDS,
     RUNNERS,
@@ -290,7 +291,7 @@ def sparse_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
     first such) at >= 25x fewer bytes; the text gives every top-k variant's gap and byte ratio."""
     finished = [r for r in records if "error" not in r and r["kind"] != "ddp"]
     pairs = []
-    for sparse in (r for r in finished if r["codec"] == "topk"):
+    for sparse in (r for r in finished if takes_density(r["codec"])):
         dense = next(
             (r for r in finished if r["codec"] == "int8" and (r["kind"], r["inner_steps"], r.get("num_fragments"))
              == (sparse["kind"], sparse["inner_steps"], sparse.get("num_fragments"))),
@@ -301,7 +302,7 @@ def sparse_verdict(records: list[dict[str, Any]]) -> tuple[bool | None, str]:
             ratio = dense["bytes_sent_per_worker"] / sparse["bytes_sent_per_worker"]
             pairs.append((sparse["variant"], dense["variant"], gap, ratio))
     if not pairs:
-        return None, "sparse target not evaluated (needs a topk and an int8 variant of the same kind and H)"
+        return None, "sparse target not evaluated (needs a top-k and an int8 variant of the same kind and H)"
     met = [
         v for v, _, gap, ratio in pairs if gap <= SPARSE_TARGET_LOSS_GAP and ratio >= SPARSE_TARGET_REDUCTION
     ]
@@ -442,7 +443,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants",
         default=None,
         help="comma-separated: ddp[:INNER_LR], diloco:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B], "
-        "overlap:H:CODEC[...] (DENSITY: topk only) "
+        "overlap:H:CODEC[...] (DENSITY: topk and topk4 only) "
         f"(default {DEFAULT_VARIANTS}; with --quick {QUICK_VARIANTS})",
     )
     parser.add_argument(

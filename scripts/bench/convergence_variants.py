@@ -149,7 +149,9 @@ class Variant:
     def name(self) -> str:
         if self.kind == "ddp":
             return "ddp" if self.inner_lr is None else f"ddp-lr{self.inner_lr:g}"
-        codec = self.codec if self.density is None else f"{self.codec}{self.density:g}"
+        # topk0.03, but topk4-0.03: a dash where the codec's name ends in a digit
+        dash = "-" if self.codec[-1].isdigit() else ""
+        codec = self.codec if self.density is None else f"{self.codec}{dash}{self.density:g}"
         lr = "" if self.outer_lr is None else f"-olr{self.outer_lr:g}"
         momentum = "" if self.outer_momentum is None else f"-m{self.outer_momentum:g}"
         decay = "" if self.error_feedback_decay is None else f"-d{self.error_feedback_decay:g}"
@@ -227,7 +229,7 @@ def _fraction(text: str, field: str, spec: str, *, zero_ok: bool) -> float:
 
 VARIANT_SYNTAX = (
     "ddp[:INNER_LR], KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B] with KIND diloco or overlap, "
-    "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY and design=owner|relay for topk only (default 0.015, relay)"
+    "or streaming:H:F:CODEC[...][:mix=A][:tau=T]; DENSITY and design=owner|relay for topk and topk4 only (default 0.015, relay)"
 )
 DEFAULT_FRAGMENT_MIX = (
     0.0  # α: 0 measured best (--quick, H=30, F=4); the paper's 0.5 was +0.9% (BENCHMARKS.md)
@@ -239,7 +241,8 @@ def parse_variant(text: str) -> Variant:
     """``ddp[:INNER_LR]`` or ``KIND:H:CODEC[:DENSITY][:OUTER_LR][:momentum=M][:decay=B]`` (e.g.
     ``ddp:2e-3``, ``diloco:100:int4``, ``diloco:150:int4:0.9``, ``diloco:150:topk:0.03``,
     ``diloco:150:topk:0.03:1.0:momentum=0:decay=0.95``: SparseLoCo's outer SGD and error feedback).
-    DENSITY is top-k's only, and then comes first: ``diloco:150:topk:0.9`` is top-k at 90%.
+    DENSITY is top-k's only (``topk``, ``topk4``), and then comes first: ``diloco:150:topk:0.9`` is top-k at
+    90%, ``diloco:5:topk4:0.00875:decay=0.95`` 4-bit top-k at 36 of 4096.
     ``streaming:H:F:CODEC[...][:mix=A][:tau=T]``: F fragments (``streaming:30:4:int8:mix=0.5:tau=3``)."""
     fields = text.split(":")
     if fields[0] == "ddp" and len(fields) <= 2:

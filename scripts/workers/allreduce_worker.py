@@ -80,13 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--elements", type=int, default=1_000_000, help="numbers in the vector")
     parser.add_argument("--codec", choices=CODEC_NAMES, default="int8", help="wire codec")
     parser.add_argument(
-        "--block-size", type=int, default=None, help="int8/int4/topk block size (default: codec's)"
+        "--block-size", type=int, default=None, help="int8/int4/topk/topk4 block size (default: codec's)"
     )
     parser.add_argument(
         "--topk-density",
         type=float,
         default=None,
-        help=f"topk: fraction of each block's numbers sent (default {DEFAULT_TOPK_DENSITY})",
+        help=f"topk, topk4: fraction of each block's numbers sent (default {DEFAULT_TOPK_DENSITY})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the vectors")
     parser.add_argument("--rounds", type=int, default=1, help="number of rounds")

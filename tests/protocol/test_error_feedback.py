@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.codecs import TopK2Codec, get_codec
+from protocol.codecs import TopK2Codec, TopK4Codec, get_codec
 from protocol.error_feedback import ErrorFeedback
 
 
@@ -57,6 +57,22 @@ def test_decayed_residual_matches_a_hand_computed_sparseloco_round() -> None:
     sent = codec.decode(feedback.encode(codec, second, 0), 8)
     assert torch.equal(sent, torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0]))
     assert torch.equal(feedback.residual, torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0, 0.125, -0.25, 1.0]))
+
+
+def test_decayed_residual_matches_a_hand_computed_4_bit_round() -> None:
+    """β = 0.5, the top 3 of 8 with 4-bit values: with lo = 1 and hi = 8 the seven steps are 1 wide, so
+    a middle value (4, then 3) decodes exactly, where 2-bit top-k would round it to 1 or 8."""
+    codec = TopK4Codec(block_size=8, kept_per_block=3)
+    feedback = ErrorFeedback(8, decay=0.5)
+    first = torch.tensor([1.0, -8.0, 0.5, 4.0, 0.0, 0.25, -0.5, 0.75])
+    sent = codec.decode(feedback.encode(codec, first, 0), 8)
+    assert torch.equal(sent, torch.tensor([1.0, -8.0, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(feedback.residual, torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0, 0.25, -0.5, 0.75]))
+    # compensated = second + 0.5 x residual = [0, 3, 0.25, 0, 8, 0.125, -0.25, 1]: sends 3, 8 and 1.
+    second = torch.tensor([0.0, 3.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.625])
+    sent = codec.decode(feedback.encode(codec, second, 0), 8)
+    assert torch.equal(sent, torch.tensor([0.0, 3.0, 0.0, 0.0, 8.0, 0.0, 0.0, 1.0]))
+    assert torch.equal(feedback.residual, torch.tensor([0.0, 0.0, 0.25, 0.0, 0.0, 0.125, -0.25, 0.0]))
 
 
 def test_decay_one_is_the_classic_rule_and_out_of_range_is_refused() -> None:

@@ -1,5 +1,6 @@
-"""The top-k codec: the numbers it keeps and their 2-bit values against an independent reference, the
-byte layout by hand, error feedback of what it drops, and refusal of malformed (and fuzzed) payloads."""
+"""The top-k codecs (``topk``, 2-bit values, and ``topk4``, 4-bit): the numbers they keep and their
+values against an independent reference, the byte layout by hand, error feedback of what they drop,
+and refusal of malformed (and fuzzed) payloads."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from protocol.codecs import (
     MAX_TOPK_BLOCK_SIZE,
     CodecError,
     TopK2Codec,
+    TopK4Codec,
+    TopKCodec,
     codec_from_spec,
     get_codec,
     pack_bits,
@@ -23,10 +26,15 @@ from protocol.codecs import (
 from protocol.error_feedback import ErrorFeedback
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 
+TOPK_CODECS = [TopK2Codec, TopK4Codec]
+TOPK_IDS = ["topk", "topk4"]
 
-def reference_decoded(values: torch.Tensor, block_size: int, kept: int) -> torch.Tensor:
-    """torch.topk of |x| on each block, then the 2-bit value by hand: sign, and the nearer of the
-    block's smallest and largest kept magnitude."""
+
+def reference_decoded(values: torch.Tensor, block_size: int, kept: int, value_bits: int) -> torch.Tensor:
+    """torch.topk of |x| on each block, then the value by hand in float64: sign, and the nearest of
+    the 2^(value_bits - 1) evenly spaced levels from the block's smallest to its largest kept magnitude
+    (2 bits: the nearer of the two)."""
+    steps = (1 << (value_bits - 1)) - 1
     out = torch.zeros_like(values)
     for start in range(0, values.numel(), block_size):
         block = values[start : start + block_size]
@@ -35,11 +43,12 @@ def reference_decoded(values: torch.Tensor, block_size: int, kept: int) -> torch
         lo, hi = float(block[positions].abs().min()), float(block[positions].abs().max())
         for position in positions.tolist():
             value = float(block[position])
-            level = hi if hi > lo and round((abs(value) - lo) / (hi - lo)) == 1 else lo
-            out[start + position] = math.copysign(level, value)
+            level = round((abs(value) - lo) / (hi - lo) * steps) if hi > lo else 0
+            out[start + position] = math.copysign(lo + level * (hi - lo) / steps, value)
     return out
 
 
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
 @pytest.mark.parametrize(
     ("block_size", "kept", "num_elements"),
     [
@@ -52,20 +61,21 @@ def reference_decoded(values: torch.Tensor, block_size: int, kept: int) -> torch
     ],
 )
 def test_decode_matches_torch_topk_and_hand_quantization(
-    block_size: int, kept: int, num_elements: int
+    codec_type: type[TopKCodec], block_size: int, kept: int, num_elements: int
 ) -> None:
-    codec = TopK2Codec(block_size, kept)
+    codec = codec_type(block_size, kept)
     values = torch.randn(num_elements, generator=torch.Generator().manual_seed(num_elements))
     decoded = codec.decode(codec.encode(values).numpy().tobytes(), num_elements)
-    expected = reference_decoded(values, block_size, kept)
+    expected = reference_decoded(values, block_size, kept, codec_type.value_bits)
     assert torch.equal(decoded != 0, expected != 0)  # the same numbers kept
     torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("name", TOPK_IDS)
 @pytest.mark.parametrize("kind", ["ties", "zeros", "one spike"])
-def test_ties_still_keep_k_of_the_largest(kind: str) -> None:
+def test_ties_still_keep_k_of_the_largest(kind: str, name: str) -> None:
     """Ties defeat the group prefilter's count (it finds more than k); torch.topk then decides."""
-    codec = get_codec("topk")
+    codec = get_codec(name)
     generator = torch.Generator().manual_seed(5)
     values = {
         "ties": torch.randint(-3, 4, (3 * 4096,), generator=generator).float(),
@@ -83,11 +93,12 @@ def test_ties_still_keep_k_of_the_largest(kind: str) -> None:
     assert torch.equal(decoded, values) if kind != "ties" else bool((decoded.abs() <= 3).all())
 
 
-def test_non_finite_input_is_refused_on_the_fast_path_too() -> None:
+@pytest.mark.parametrize("name", TOPK_IDS)
+def test_non_finite_input_is_refused_on_the_fast_path_too(name: str) -> None:
     values = torch.randn(4 * 4096)
     values[5000] = math.nan
     with pytest.raises(ValueError, match="non-finite"):
-        get_codec("topk").encode(values)
+        get_codec(name).encode(values)
 
 
 def test_offsets_layout_by_hand() -> None:
@@ -111,6 +122,48 @@ def test_bitmap_layout_by_hand() -> None:
     expected = struct.pack("<ff", 0.5, 2.0) + bytes([0b01001011, 0b11_00_11_00])
     assert codec.encode(values).numpy().tobytes() == expected
     assert codec.decode(expected, 8).tolist() == [0.5, -2.0, 0.0, 0.5, 0.0, 0.0, -2.0, 0.0]
+
+
+def test_4_bit_layout_by_hand() -> None:
+    """Block 8, 4 kept: the bitmap, then 4-bit codes, two to a byte, the first in the low nibble."""
+    codec = TopK4Codec(8, 4)
+    assert codec.positions == "bitmap"
+    values = torch.tensor([0.5, -2.0, 0.0, 1.0, 0.0, 0.0, -1.5, 0.25])
+    # kept 0, 1, 3, 6 -> bitmap 0b01001011; lo 0.5, hi 2, seven steps of 1.5 / 7 = 0.2143:
+    # 0.5 -> level 0 (0b0000); -2 -> sign, level 7 (0b1111); 1 -> 0.5 / 0.2143 = 2.33, level 2
+    # (0b0010); -1.5 -> 1 / 0.2143 = 4.67, sign, level 5 (0b1101)
+    expected = struct.pack("<ff", 0.5, 2.0) + bytes([0b01001011, 0b1111_0000, 0b1101_0010])
+    assert codec.encode(values).numpy().tobytes() == expected
+    assert codec.encoded_num_bytes(8) == 8 + 1 + 2
+    step = 1.5 / 7
+    torch.testing.assert_close(
+        codec.decode(expected, 8),
+        torch.tensor([0.5, -2.0, 0.0, 0.5 + 2 * step, 0.0, 0.0, -(0.5 + 5 * step), 0.0]),
+        rtol=1e-6,
+        atol=0.0,
+    )
+
+
+def test_4_bit_values_are_finer_at_the_same_kept_numbers_and_2_bits_dearer() -> None:
+    """The same numbers kept as topk's, each within (hi - lo) / 14 of its value (topk: (hi - lo) / 2),
+    for exactly 2 bits more per kept number."""
+    values = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(3))
+    two, four = TopK2Codec(4096, 62), TopK4Codec(4096, 62)
+    decoded_two = two.decode(two.encode(values), values.numel())
+    decoded_four = four.decode(four.encode(values), values.numel())
+    assert torch.equal(decoded_two != 0, decoded_four != 0)
+    kept = decoded_four != 0
+    for block in range(3):
+        in_block = kept[block * 4096 : (block + 1) * 4096]
+        magnitudes = values[block * 4096 : (block + 1) * 4096][in_block].abs()
+        spread = float(magnitudes.max() - magnitudes.min())
+        error = (decoded_four - values)[block * 4096 : (block + 1) * 4096][in_block].abs()
+        assert float(error.max()) <= spread / 14 * (1 + 1e-5)
+    assert (
+        float((decoded_four - values)[kept].abs().mean())
+        < float((decoded_two - values)[kept].abs().mean()) / 4
+    )
+    assert four.encoded_num_bytes(3 * 4096) - two.encoded_num_bytes(3 * 4096) == 3 * 62 * 2 // 8
 
 
 def bit_string_bytes(fields: list[tuple[int, int]]) -> bytes:
@@ -146,9 +199,10 @@ def test_elias_fano_layout_by_hand() -> None:
     assert decoded[kept].tolist() == [2.0, -2.0] * 4
 
 
-def test_default_layout_is_elias_fano_and_decodes_as_offsets_would() -> None:
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_default_layout_is_elias_fano_and_decodes_as_offsets_would(codec_type: type[TopKCodec]) -> None:
     """The same kept numbers and values whichever position code carries them."""
-    elias_fano, offsets = TopK2Codec(4096, 62), TopK2Codec(4096, 62)
+    elias_fano, offsets = codec_type(4096, 62), codec_type(4096, 62)
     offsets.positions = "offsets"
     for num_elements in (3 * 4096, 2 * 4096 + 1000, 5, 4096 + 63):
         values = torch.randn(num_elements, generator=torch.Generator().manual_seed(num_elements))
@@ -159,8 +213,9 @@ def test_default_layout_is_elias_fano_and_decodes_as_offsets_would() -> None:
         )
 
 
-def test_elias_fano_high_bits_with_the_wrong_count_are_refused() -> None:
-    codec = TopK2Codec(64, 8)
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_elias_fano_high_bits_with_the_wrong_count_are_refused(codec_type: type[TopKCodec]) -> None:
+    codec = codec_type(64, 8)
     payload = valid_payload(codec, 64)  # scales 8 bytes, then 2 bytes of high bits
     payload[8] |= 0xFF  # nine or more marks
     refused(codec, bytes(payload), 64, "high bits")
@@ -168,10 +223,11 @@ def test_elias_fano_high_bits_with_the_wrong_count_are_refused() -> None:
     refused(codec, bytes(payload), 64, "high bits")
 
 
-def test_elias_fano_offset_past_a_short_tail_block_is_refused() -> None:
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_elias_fano_offset_past_a_short_tail_block_is_refused(codec_type: type[TopKCodec]) -> None:
     """A tail of 40 numbers keeps 5 with L = 3 and 5 + 40 / 8 = 10 high bits; marks at bits 0-3 and 9 make
     the fifth high part 9 - 4 = 5, i.e. an offset of at least 5 * 8 = 40, past the tail."""
-    codec = TopK2Codec(64, 8)
+    codec = codec_type(64, 8)
     num_elements = 64 + 40
     payload = valid_payload(codec, num_elements)
     tail_high = 16 + 2 + 3  # after the scales (2 blocks) and the full block's high and low pieces
@@ -201,15 +257,24 @@ def test_payload_size_is_fixed_by_the_element_count() -> None:
         == 64 * 8 + math.ceil(64 * 126 / 8) + 64 * 62 * 6 // 8 + 64 * 62 * 2 // 8
     )
     assert get_codec("int8").encoded_num_bytes(1 << 18) / codec.encoded_num_bytes(1 << 18) > 48
+    four = get_codec("topk4")
+    assert isinstance(four, TopK4Codec) and four.kept_per_block == 62 and four.positions == "elias_fano"
+    # the same scales and positions, then 62 codes of 4 bits per 4096 numbers
+    assert (
+        four.encoded_num_bytes(1 << 18)
+        == 64 * 8 + math.ceil(64 * 126 / 8) + 64 * 62 * 6 // 8 + 64 * 62 * 4 // 8
+    )
     for seed in range(3):
         values = torch.randn(10_000, generator=torch.Generator().manual_seed(seed)) * 10**seed
         assert codec.encode(values).numel() == codec.encoded_num_bytes(10_000)
+        assert four.encode(values).numel() == four.encoded_num_bytes(10_000)
 
 
-def test_error_feedback_sends_everything_over_rounds() -> None:
+@pytest.mark.parametrize("name", TOPK_IDS)
+def test_error_feedback_sends_everything_over_rounds(name: str) -> None:
     """Round r sends x_r plus the residual: the sum of what arrived is the sum of the inputs less one
     residual, so its relative error falls like 1/R; without feedback it never falls."""
-    codec = get_codec("topk", block_size=1024)
+    codec = get_codec(name, block_size=1024)
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(8192, generator=generator)
     feedback = ErrorFeedback(8192)
@@ -226,13 +291,13 @@ def test_error_feedback_sends_everything_over_rounds() -> None:
     assert float((arrived_without - total).norm() / total.norm()) > 0.85
 
 
-def valid_payload(codec: TopK2Codec, num_elements: int) -> bytearray:
+def valid_payload(codec: TopKCodec, num_elements: int) -> bytearray:
     return bytearray(
         codec.encode(torch.randn(num_elements, generator=torch.Generator().manual_seed(1))).numpy().tobytes()
     )
 
 
-def refused(codec: TopK2Codec, payload: bytes, num_elements: int, match: str) -> None:
+def refused(codec: TopKCodec, payload: bytes, num_elements: int, match: str) -> None:
     with pytest.raises(CodecError, match=match):
         codec.validate(payload, num_elements)
     with pytest.raises(CodecError, match=match):
@@ -248,14 +313,15 @@ def refused(codec: TopK2Codec, payload: bytes, num_elements: int, match: str) ->
         (2.0, 1.0, "lo <= hi"),
     ],
 )
-def test_bad_scales_are_refused(lo: float, hi: float, match: str) -> None:
-    codec = TopK2Codec(100, 3)
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_bad_scales_are_refused(codec_type: type[TopKCodec], lo: float, hi: float, match: str) -> None:
+    codec = codec_type(100, 3)
     payload = valid_payload(codec, 1000)
     payload[8 * 4 : 8 * 5] = struct.pack("<ff", lo, hi)  # block 4
     refused(codec, bytes(payload), 1000, match)
 
 
-def with_offsets(codec: TopK2Codec, payload: bytearray, num_elements: int, offsets: list[int]) -> bytes:
+def with_offsets(codec: TopKCodec, payload: bytearray, num_elements: int, offsets: list[int]) -> bytes:
     """The payload with its first offsets replaced (the codec keeps kept_per_block in every block)."""
     scale_bytes = 8 * math.ceil(num_elements / codec.block_size)
     num_kept = codec.kept_per_block * math.ceil(num_elements / codec.block_size)
@@ -276,16 +342,18 @@ def with_offsets(codec: TopK2Codec, payload: bytearray, num_elements: int, offse
         ([7, 5, 9], "increasing"),
     ],
 )
-def test_bad_offsets_are_refused(offsets: list[int], match: str) -> None:
-    codec = TopK2Codec(100, 3)  # 7-bit offsets can say 100..127, past the block
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_bad_offsets_are_refused(codec_type: type[TopKCodec], offsets: list[int], match: str) -> None:
+    codec = codec_type(100, 3)  # 7-bit offsets can say 100..127, past the block
     payload = valid_payload(codec, 1000)
     good = with_offsets(codec, payload, 1000, [5, 6, 7])
     codec.validate(good, 1000)
     refused(codec, with_offsets(codec, payload, 1000, offsets), 1000, match)
 
 
-def test_offset_past_a_short_tail_block_is_refused() -> None:
-    codec = TopK2Codec(64, 1)  # 1000 = 15 blocks of 64 + a tail of 40 that keeps 1
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_offset_past_a_short_tail_block_is_refused(codec_type: type[TopKCodec]) -> None:
+    codec = codec_type(64, 1)  # 1000 = 15 blocks of 64 + a tail of 40 that keeps 1
     payload = valid_payload(codec, 1000)
     scale_bytes = 8 * 16
     offsets = unpack_bits(torch.tensor(payload[scale_bytes:], dtype=torch.uint8), 6, 16)
@@ -298,27 +366,36 @@ def test_offset_past_a_short_tail_block_is_refused() -> None:
     refused(codec, patched, 1000, "outside its block")
 
 
-def test_bitmap_with_the_wrong_count_is_refused() -> None:
-    codec = TopK2Codec(8, 4)
-    payload = valid_payload(codec, 16)  # two blocks: scales 16 bytes, bitmap 2 bytes, codes 2 bytes
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
+def test_bitmap_with_the_wrong_count_is_refused(codec_type: type[TopKCodec]) -> None:
+    codec = codec_type(8, 4)
+    payload = valid_payload(codec, 16)  # two blocks: scales 16 bytes, bitmap 2 bytes, then the codes
     payload[16] = 0b00000111  # three marked
     refused(codec, bytes(payload), 16, "bitmap")
     payload[16] = 0xFF  # eight marked
     refused(codec, bytes(payload), 16, "bitmap")
 
 
-def test_wrong_length_and_bad_specs_are_refused() -> None:
-    codec = get_codec("topk")
+@pytest.mark.parametrize(
+    ("name", "codec_type", "kind"),
+    [("topk", TopK2Codec, pb.CODEC_KIND_TOPK), ("topk4", TopK4Codec, pb.CODEC_KIND_TOPK4)],
+)
+def test_wrong_length_and_bad_specs_are_refused(
+    name: str, codec_type: type[TopKCodec], kind: pb.CodecKind
+) -> None:
+    codec = get_codec(name)
+    assert type(codec) is codec_type and isinstance(codec, TopKCodec)
     payload = codec.encode(torch.randn(5000)).numpy().tobytes()
     refused(codec, payload[:-1], 5000, "bytes")
     refused(codec, payload + b"\0", 5000, "bytes")
     spec = codec.spec()
-    assert spec.kind == pb.CODEC_KIND_TOPK and spec.block_size == 4096 and spec.kept_per_block == 62
+    assert spec.kind == kind and spec.block_size == 4096 and spec.kept_per_block == 62
     again = codec_from_spec(spec)
-    assert isinstance(again, TopK2Codec) and again.kept_per_block == 62 and again.spec() == spec
+    assert type(again) is codec_type and isinstance(again, TopKCodec)
+    assert again.kept_per_block == 62 and again.spec() == spec
     for kept, block in [(0, 4096), (4097, 4096), (1, 1), (1, MAX_TOPK_BLOCK_SIZE + 1)]:
         with pytest.raises(CodecError, match="bad codec spec"):
-            codec_from_spec(pb.CodecSpec(kind=pb.CODEC_KIND_TOPK, block_size=block, kept_per_block=kept))
+            codec_from_spec(pb.CodecSpec(kind=kind, block_size=block, kept_per_block=kept))
     with pytest.raises(CodecError, match="kept_per_block must be 0"):
         codec_from_spec(pb.CodecSpec(kind=pb.CODEC_KIND_INT8, block_size=256, kept_per_block=3))
     with pytest.raises(ValueError, match="density"):
@@ -329,22 +406,24 @@ def test_wrong_length_and_bad_specs_are_refused() -> None:
     assert get_codec("topk", block_size=300, density=0.01).kept_per_block == 3  # type: ignore[attr-defined]
 
 
-def test_encode_refuses_non_finite_input() -> None:
+@pytest.mark.parametrize("name", TOPK_IDS)
+def test_encode_refuses_non_finite_input(name: str) -> None:
     for bad in (math.nan, math.inf):
         with pytest.raises(ValueError, match="non-finite"):
-            get_codec("topk").encode(torch.tensor([1.0, bad, 0.0]))
+            get_codec(name).encode(torch.tensor([1.0, bad, 0.0]))
 
 
 @settings(max_examples=300, deadline=None)
 @given(
+    codec_type=st.sampled_from(TOPK_CODECS),
     layout=st.sampled_from([(100, 3), (64, 30), (16, 1), (4096, 62), (64, 8), (1024, 16)]),
     num_elements=st.integers(1, 3000),
     edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
 )
 def test_fuzzed_payloads_are_refused_or_decode_to_finite_sparse_numbers(
-    layout: tuple[int, int], num_elements: int, edits: list[tuple[int, int]]
+    codec_type: type[TopKCodec], layout: tuple[int, int], num_elements: int, edits: list[tuple[int, int]]
 ) -> None:
-    codec = TopK2Codec(*layout)
+    codec = codec_type(*layout)
     payload = valid_payload(codec, num_elements)
     for position, byte in edits:
         payload[position % len(payload)] = byte
@@ -363,15 +442,16 @@ def test_fuzzed_payloads_are_refused_or_decode_to_finite_sparse_numbers(
     assert int((decoded != 0).sum()) <= kept_at_most
 
 
+@pytest.mark.parametrize("codec_type", TOPK_CODECS, ids=TOPK_IDS)
 @pytest.mark.parametrize(
     ("block_size", "kept", "num_elements"),
     [(4096, 62, 10_000), (64, 40, 1000), (512, 3, 777)],  # offsets with a tail block; bitmap; tiny tail
 )
 def test_add_into_is_the_dense_weighted_sum_bit_for_bit(
-    block_size: int, kept: int, num_elements: int
+    codec_type: type[TopKCodec], block_size: int, kept: int, num_elements: int
 ) -> None:
     """The sparse round sums payloads with add_into; it must equal out += decode(p) * w in float32."""
-    codec = TopK2Codec(block_size, kept)
+    codec = codec_type(block_size, kept)
     generator = torch.Generator().manual_seed(5)
     payloads = [codec.encode(torch.randn(num_elements, generator=generator) * 10**i) for i in range(4)]
     payloads.append(codec.encode(torch.zeros(num_elements)))  # lo = hi = 0: kept values decode to +-0

@@ -25,7 +25,7 @@ from node.outer.diloco import flatten_params
 from node.outer.state import tensor_hash
 from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
-from protocol.codecs import TopK2Codec, get_codec
+from protocol.codecs import TopK2Codec, TopK4Codec, TopKCodec, get_codec
 from tests.scripts.script_loader import load_script, script_path
 
 simulated = load_script("simulated_allreduce")
@@ -95,7 +95,7 @@ def test_bytes_follow_the_allreduce_formula(codec_name: str) -> None:
 
 def _sparse_vectors(num_members: int, num_blocks: int) -> list[torch.Tensor]:
     """Blocks of 8 whose two largest magnitudes are exactly 3 and 5 (random places and signs), the rest
-    below 1: 2-bit top-2 of 8 sends exactly those two (its two levels are 3 and 5)."""
+    below 1: top-2 of 8 sends exactly those two (they are its lo and hi, 2-bit or 4-bit alike)."""
     generator = torch.Generator().manual_seed(11)
     vectors = []
     for _ in range(num_members):
@@ -114,9 +114,12 @@ def _top2_of_8(vector: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(blocks).scatter_(1, places, blocks.gather(1, places)).view(-1)
 
 
-def test_sparse_round_sums_every_members_top_k_and_keeps_the_rest_in_its_residual() -> None:
+@pytest.mark.parametrize("codec_type", [TopK2Codec, TopK4Codec], ids=["topk", "topk4"])
+def test_sparse_round_sums_every_members_top_k_and_keeps_the_rest_in_its_residual(
+    codec_type: type[TopKCodec],
+) -> None:
     num_members, num_elements, chunk = 3, 960, 160  # parts of 320 in chunks of 160: whole blocks of 8
-    codec = TopK2Codec(block_size=8, kept_per_block=2)
+    codec = codec_type(block_size=8, kept_per_block=2)
     vectors = _sparse_vectors(num_members, num_elements // 8)
     allreduce = simulated.SimulatedAllReduce(
         num_members=num_members, num_elements=num_elements, codec=codec, error_feedback=True,
@@ -142,7 +145,7 @@ def test_sparse_round_sums_every_members_top_k_and_keeps_the_rest_in_its_residua
     assert allreduce.bytes_sent == [expected] * num_members
     assert 3 * part == simulated.payload_bytes(codec, num_elements, num_members, chunk)
     assert expected == pytest.approx(2 * simulated.sends_per_payload(codec, num_members) * 3 * part)
-    assert simulated.sends_per_payload(codec, 4) == pytest.approx(3 * 5 / 4)
+    assert simulated.sends_per_payload(codec, 4) == pytest.approx(3 * 5 / 4)  # relayed, as the swarm does
     assert simulated.sends_per_payload(get_codec("int8"), 4) == pytest.approx(2 * 3 / 4)
 
 
@@ -340,6 +343,10 @@ def test_parse_sparse_variants() -> None:
     )
     assert variant.wire_codec().spec().kept_per_block == 123  # ceil(0.03 x 4096)
     assert variants.parse_variant("diloco:150:topk").density == 0.015
+    four = variants.parse_variant("diloco:5:topk4:0.00875:decay=0.95")
+    assert (four.codec, four.density, four.name) == ("topk4", 0.00875, "diloco-H5-topk4-0.00875-ef-d0.95")
+    assert isinstance(four.wire_codec(), TopK4Codec) and four.wire_codec().spec().kept_per_block == 36
+    assert variants.parse_variant(four.spec()) == four
     sparseloco = variants.parse_variant("diloco:150:topk:0.015:1.0:momentum=0:decay=0.95")
     assert (sparseloco.outer_lr, sparseloco.outer_momentum, sparseloco.error_feedback_decay) == (
         1.0,
@@ -424,9 +431,12 @@ def test_sparse_verdict_compares_top_k_with_int8_of_the_same_kind_and_h() -> Non
     close = record("topk-close", "topk", 150, 2.0 * 1.004, 30.0)  # +0.4% at 33.3x
     far = record("topk-far", "topk", 150, 2.0 * 1.01, 10.0)  # +1% at 100x
     other_h = record("topk-h50", "topk", 50, 1.0, 1.0)  # no int8 at H=50: not compared
-    met, text = bench.sparse_verdict([int8, close, far, other_h])
+    four = record("topk4-far", "topk4", 150, 2.0 * 1.02, 20.0)  # 4-bit top-k: +2% at 50x
+    met, text = bench.sparse_verdict([int8, close, far, other_h, four])
     assert met is True and text.startswith("sparse target MET by topk-close:")
     assert "topk-far +1.00% vs int8 at 100.0x fewer bytes" in text and "topk-h50" not in text
+    assert "topk4-far +2.00% vs int8 at 50.0x fewer bytes" in text
+    assert bench.sparse_verdict([int8, record("topk4-close", "topk4", 150, 2.0, 25.0)])[0] is True
     assert bench.sparse_verdict([int8, far])[0] is False
     assert bench.sparse_verdict([int8])[0] is None
 

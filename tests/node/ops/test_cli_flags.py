@@ -104,7 +104,7 @@ def test_the_full_flag_parses() -> None:
         ),
         (
             ["join", "--codec", "int3"],
-            "dtnode join: error: --codec: must be one of none, fp16, bf16, int8, int4, topk, got 'int3'",
+            "dtnode join: error: --codec: must be one of none, fp16, bf16, int8, int4, topk, topk4, got 'int3'",
         ),
         (
             ["join", "--model", "nanoo"],

@@ -54,6 +54,7 @@ from node.swarm.state import (
 from node.train.trainer import Trainer
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import get_codec
+from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.statesync.snapshot import Snapshot
 from tests.node.outer.scripted_swarm import ScriptedSwarm
 
@@ -352,11 +353,14 @@ def test_a_member_one_round_behind_steps_to_the_swarms_state_with_the_round_mean
 def test_the_served_codec_is_the_one_the_round_encoded_with() -> None:
     topk = served_codec({"name": "topk", "block_size": 4096, "kept_per_block": 123})
     assert topk.spec().kept_per_block == 123 and topk.block_size == 4096
+    topk4 = served_codec({"name": "topk4", "block_size": 4096, "kept_per_block": 36})
+    assert topk4.spec() == pb.CodecSpec(kind=pb.CODEC_KIND_TOPK4, block_size=4096, kept_per_block=36)
     assert served_codec({"name": "int8", "block_size": 256, "kept_per_block": 0}).block_size == 256
     for spec in (
         {"name": "topk", "block_size": 4096},  # kept_per_block unsaid: the default density would misread it
         {"name": "topk", "block_size": 4096, "kept_per_block": 4097},
         {"name": "topk", "block_size": 0, "kept_per_block": 3},
+        {"name": "topk4", "block_size": 4096, "kept_per_block": 0},
         {"name": "int8", "block_size": 256, "kept_per_block": 3},
         {"name": "zip", "block_size": 256},
     ):

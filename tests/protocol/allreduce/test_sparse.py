@@ -1,4 +1,4 @@
-"""Rounds with a sparse codec (top-k): every member ends with the token-weighted mean of the members'
+"""Rounds with a sparse codec (top-k, 2-bit or 4-bit values): every member ends with the token-weighted mean of the members'
 decoded top-k payloads, bit for bit (nothing is re-encoded by an owner), also when a member dies
 mid-round; a malformed sparse average is refused with INVALID_ARGUMENT and the round completes.
 
@@ -33,6 +33,7 @@ from protocol.swarm.config import SwarmConfig
 from tests.protocol.allreduce.support import FAST_CONFIG, Workers, allreduce_all, local_peers, members_of
 
 CODEC = get_codec("topk", block_size=512, density=0.05)  # several blocks per 4096-number chunk
+CODEC4 = get_codec("topk4", block_size=512, density=0.05)  # the same, with 4-bit values
 NUM_ELEMENTS = 30_001  # uneven parts, a short last chunk and a short last block
 CHUNK = FAST_CONFIG.chunk_num_elements
 
@@ -73,9 +74,10 @@ def weighted_mean(decoded: list[torch.Tensor], weights: list[float], group: Grou
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("variant", ["new-tensor", "in-place", "swarm-key"])
+@pytest.mark.parametrize("variant", ["new-tensor", "in-place", "swarm-key", "topk4"])
 def test_every_member_holds_the_weighted_mean_of_the_decoded_payloads(variant: str) -> None:
     in_place = variant == "in-place"
+    codec = CODEC4 if variant == "topk4" else CODEC
     auth = SwarmAuth(SwarmKey.generate()) if variant == "swarm-key" else None
     num_peers, num_rounds = 4, 2
     weights = [1.0, 2.0, 3.0, 5.0]
@@ -96,12 +98,12 @@ def test_every_member_holds_the_weighted_mean_of_the_decoded_payloads(variant: s
                 generators = [torch.Generator().manual_seed(10 * round_id + i) for i in range(num_peers)]
                 vectors = [torch.randn(NUM_ELEMENTS, generator=g) for g in generators]
                 decoded = [
-                    decoded_payloads(CODEC, group, v, r) for v, r in zip(vectors, residuals, strict=True)
+                    decoded_payloads(codec, group, v, r) for v, r in zip(vectors, residuals, strict=True)
                 ]
                 expected = weighted_mean(decoded, weights, group)
                 inputs = [v.clone() for v in vectors]
                 results = await allreduce_all(
-                    peers, inputs, group, CODEC, weights=weights, feedbacks=feedbacks, in_place=in_place
+                    peers, inputs, group, codec, weights=weights, feedbacks=feedbacks, in_place=in_place
                 )
                 for result in results:
                     assert not result.fell_back, result.failures
@@ -111,7 +113,7 @@ def test_every_member_holds_the_weighted_mean_of_the_decoded_payloads(variant: s
                         result.payloads is None
                     )  # bundles, not the codec's bytes: its mean is served as fp32
                     # Nothing dense crossed the wire: (N - 1)(1 + 1/N) payloads a member, plus framing.
-                    payload_bytes = CODEC.encoded_num_bytes(NUM_ELEMENTS)
+                    payload_bytes = codec.encoded_num_bytes(NUM_ELEMENTS)
                     assert result.bytes_sent < 2 * num_peers * payload_bytes < 4 * NUM_ELEMENTS / 4
                 for feedback, residual in zip(feedbacks, residuals, strict=True):
                     assert torch.equal(feedback.residual, residual)  # every part is a sender's residual
@@ -205,25 +207,25 @@ def test_a_sum_that_would_overflow_is_never_committed_and_everyone_falls_back() 
 # --- a malformed sparse average, handed to a member as a replica by an impostor -------------------------
 
 
-def _bundle(num_elements: int, num_contributors: int) -> bytes:
+def _bundle(codec: Codec, num_elements: int, num_contributors: int) -> bytes:
     return b"".join(
-        CODEC.encode(torch.randn(num_elements)).numpy().tobytes() for _ in range(num_contributors)
+        codec.encode(torch.randn(num_elements)).numpy().tobytes() for _ in range(num_contributors)
     )
 
 
-def _with_nan_scale(bundle: bytes) -> bytes:
+def _with_nan_scale(codec: Codec, bundle: bytes) -> bytes:
     spoiled = bytearray(bundle)
-    spoiled[-CODEC.encoded_num_bytes(CHUNK) : -CODEC.encoded_num_bytes(CHUNK) + 4] = (
+    spoiled[-codec.encoded_num_bytes(CHUNK) : -codec.encoded_num_bytes(CHUNK) + 4] = (
         torch.tensor([float("nan")]).numpy().tobytes()
     )  # the last contributor's first scale
     return bytes(spoiled)
 
 
-def _with_huge_scales(bundle: bytes) -> bytes:
+def _with_huge_scales(codec: Codec, bundle: bytes) -> bytes:
     """Every block's hi (and lo) near float32's largest: each payload is finite, their sum is not."""
     spoiled = bytearray(bundle)
-    piece_bytes = CODEC.encoded_num_bytes(CHUNK)
-    num_blocks = -(-CHUNK // CODEC.block_size)
+    piece_bytes = codec.encoded_num_bytes(CHUNK)
+    num_blocks = -(-CHUNK // codec.block_size)
     huge = torch.full((2 * num_blocks,), 3e38).numpy().tobytes()
     for start in range(0, len(spoiled), piece_bytes):
         spoiled[start : start + len(huge)] = huge
@@ -235,19 +237,19 @@ BAD_REPLICAS = {
     "weights-missing": ([], None),
     "weight-count": ([1.0, 1.0], None),
     "weight-nan": ([1.0, float("nan"), 1.0], None),
-    "bundle-short": ([1.0, 1.0, 1.0], lambda: _bundle(CHUNK, 2)),
-    "bundle-nan": ([1.0, 1.0, 1.0], lambda: _with_nan_scale(_bundle(CHUNK, 3))),
-    "bundle-overflow": ([1.0, 1.0, 1.0], lambda: _with_huge_scales(_bundle(CHUNK, 3))),
+    "bundle-short": ([1.0, 1.0, 1.0], lambda codec: _bundle(codec, CHUNK, 2)),
+    "bundle-nan": ([1.0, 1.0, 1.0], lambda codec: _with_nan_scale(codec, _bundle(codec, CHUNK, 3))),
+    "bundle-overflow": ([1.0, 1.0, 1.0], lambda codec: _with_huge_scales(codec, _bundle(codec, CHUNK, 3))),
 }
 
 
-async def _push_bad_replica(address: str, group: GroupSpec, name: str) -> grpc.StatusCode:
+async def _push_bad_replica(address: str, group: GroupSpec, name: str, codec: Codec) -> grpc.StatusCode:
     weights, make_payload = BAD_REPLICAS[name]
     average = pb.AverageHeader(
         part_index=2,
         producer_index=2,
         contributor_indices=[0, 1, 2],
-        codec=CODEC.spec(),
+        codec=codec.spec(),
         num_elements=group.part_num_elements(2),
         weight_sum=3.0,
         contributor_weights=weights,
@@ -255,7 +257,7 @@ async def _push_bad_replica(address: str, group: GroupSpec, name: str) -> grpc.S
     ref = pb.RoundRef(round_id=group.round_id, group_digest=group.digest, sender_index=2, sender_peer_id="p2")
     messages = [pb.ReplicaMessage(header=pb.ReplicaHeader(round=ref, average=average))]
     if make_payload is not None:
-        chunk = pb.TensorChunk(offset=0, num_elements=CHUNK, payload=make_payload())
+        chunk = pb.TensorChunk(offset=0, num_elements=CHUNK, payload=make_payload(codec))
         messages.append(pb.ReplicaMessage(chunk=chunk))
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(
@@ -275,8 +277,15 @@ async def _push_bad_replica(address: str, group: GroupSpec, name: str) -> grpc.S
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", list(BAD_REPLICAS))
-def test_malformed_sparse_average_is_invalid_argument_and_the_round_completes(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "codec"),
+    [(name, CODEC) for name in BAD_REPLICAS]
+    + [(name, CODEC4) for name in BAD_REPLICAS if name.startswith("bundle-")],
+    ids=[*BAD_REPLICAS, *(f"{name}-topk4" for name in BAD_REPLICAS if name.startswith("bundle-"))],
+)
+def test_malformed_sparse_average_is_invalid_argument_and_the_round_completes(
+    name: str, codec: Codec
+) -> None:
     """p0 and p1 open the round; an impostor posing as p2 hands p0 a malformed sparse replica of part 2;
     then the real p2 joins and every member ends with the same reference mean."""
     config = AllReduceConfig(
@@ -296,7 +305,7 @@ def test_malformed_sparse_average_is_invalid_argument_and_the_round_completes(na
             def start(i: int) -> asyncio.Future[object]:
                 return asyncio.ensure_future(
                     peers[i].allreduce(
-                        vectors[i], group=group, my_peer_id=f"p{i}", weight=1.0, codec=CODEC,
+                        vectors[i], group=group, my_peer_id=f"p{i}", weight=1.0, codec=codec,
                         error_feedback=None, deadline=deadline,
                     )
                 )  # fmt: skip
@@ -304,13 +313,13 @@ def test_malformed_sparse_average_is_invalid_argument_and_the_round_completes(na
             first = [start(0), start(1)]
             while peers[0].registry.get(0) is None:  # p0 opened the round
                 await asyncio.sleep(0.01)
-            code = await _push_bad_replica(peers[0].address, group, name)
+            code = await _push_bad_replica(peers[0].address, group, name, codec)
             results = await asyncio.gather(*first, start(2))
             return code, group, [r.averaged for r in results if not r.fell_back]  # type: ignore[attr-defined]
 
     code, group, averages = uvloop.run(run())
     assert code is grpc.StatusCode.INVALID_ARGUMENT, name
-    decoded = [decoded_payloads(CODEC, group, v, torch.zeros(NUM_ELEMENTS)) for v in vectors]
+    decoded = [decoded_payloads(codec, group, v, torch.zeros(NUM_ELEMENTS)) for v in vectors]
     expected = weighted_mean(decoded, [1.0, 1.0, 1.0], group)
     assert len(averages) == 3
     for average in averages:

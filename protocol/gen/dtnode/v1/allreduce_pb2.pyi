@@ -16,6 +16,7 @@ class CodecKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_KIND_INT8: _ClassVar[CodecKind]
     CODEC_KIND_INT4: _ClassVar[CodecKind]
     CODEC_KIND_TOPK: _ClassVar[CodecKind]
+    CODEC_KIND_TOPK4: _ClassVar[CodecKind]
 CODEC_KIND_UNSPECIFIED: CodecKind
 CODEC_KIND_NONE: CodecKind
 CODEC_KIND_FP16: CodecKind
@@ -23,6 +24,7 @@ CODEC_KIND_BF16: CodecKind
 CODEC_KIND_INT8: CodecKind
 CODEC_KIND_INT4: CodecKind
 CODEC_KIND_TOPK: CodecKind
+CODEC_KIND_TOPK4: CodecKind
 
 class CodecSpec(_message.Message):
     __slots__ = ("kind", "block_size", "kept_per_block")
