@@ -145,7 +145,7 @@ def test_a_crashed_node_is_left_out_of_later_rounds() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_same_seed_gives_the_same_json(tmp_path: Path) -> None:
-    argv = ["--nodes", "30", "--rounds", "3", "--params", "1000000", "--crash-rate", "0.1",
+    argv = ["--nodes", "30", "--rounds", "4", "--params", "1000000", "--crash-rate", "0.1",
             "--restart-after", "60", "--freeze-rate", "0.1", "--leave-rate", "0.05", "--join-rate", "0.1",
             "--partition-at", "100", "--partition-seconds", "60"]  # fmt: skip
     outputs = []
@@ -245,11 +245,13 @@ def test_two_hundred_nodes_of_uneven_speeds_through_churn_and_a_partition() -> N
 
     - a round splits only across the partition: one group per side, never two on one side, and no
       split in a round the partition does not overlap (the protocol forms one group per lineage);
-    - at least 85% of the live (node, round) pairs averaged (0.918 measured; a node joining, re-syncing
-      or cut off misses a round);
+    - at least 95% of the live (node, round) pairs averaged (0.983 measured; 0.918 before a node
+      sending its state to a joiner stopped training on once the round formed without it: a node
+      joining, re-syncing or cut off misses a round);
     - at the end no lineage that a group made is off the canonical chain (the partition's smaller
-      side re-synced), and at most 5% of the live nodes hold params of their own Δ (a node that
-      missed the last round steps alone and re-syncs at its next lineage check).
+      side re-synced), and the only live nodes on params of their own Δ are nodes that did not
+      average the last round (a node that missed it steps alone and re-syncs at its next lineage
+      check), at most 10% of them (5.8% measured: nodes whose fetch ended during the last round).
 
     The default schedule (a fixed H, so a 4x node waits for a 1x one) is not in this test: it
     averages ~0.64 of the pairs at this size (BENCHMARKS.md, "Swarm simulator"; issue 33, item 3)."""
@@ -295,10 +297,12 @@ def test_two_hundred_nodes_of_uneven_speeds_through_churn_and_a_partition() -> N
             assert len({next(iter(group_sides)) for group_sides in side_of_group}) == len(
                 of_parent
             )  # one a side
-    assert result["totals"]["participation"] >= 0.85
+    assert result["totals"]["participation"] >= 0.95
     end = result["end"]
     assert end["forked_lineages"] == 0 and end["forked_nodes"] == 0
-    assert end["own_delta_nodes"] <= 0.05 * end["live_nodes"]
+    last = swarm.recorder.round_ends[settings.num_rounds]
+    alone_in_last = {peer for peer, how, *_ in last if how not in ("averaged", "resync")}
+    assert end["own_delta_nodes"] <= min(len(alone_in_last), 0.1 * end["live_nodes"])
     assert end["canonical_round"] >= settings.num_rounds
     assert end["canonical_nodes"] + end["own_delta_nodes"] + end["behind_nodes"] == end["live_nodes"]
 
