@@ -6,6 +6,7 @@ Both loops, the daemon's (``node/train/trainer.py``) and the Python API's (``nod
 
     at_step_boundary()
       ├─ the phase is due (H steps, or --round-seconds; trained on while a node fetches our state)
+      ├─ by steps: the swarm's round is due, its speeds are uneven and we lag: end the phase short
       ├─ the round in flight (--overlap) landed and sends us to adopt the swarm's state
       ├─ we adopted mid-phase and the swarm's next round forms now (catch-up): skip to its step
       │        └─> _end_phase():
@@ -61,6 +62,7 @@ from node.outer.seam import (
     RoundStats,
     SwarmSide,
 )
+from node.outer.uneven import AwaitRound, EndShort, ShortPhases, TrainOn, uneven
 from node.swarm.state import run_identity, state_snapshot
 
 # How often the phase's throughput goes to the swarm side during a phase (the record carries it
@@ -251,6 +253,11 @@ class OuterRound:
         self._pending_mix: tuple[int, int] | None = None
         self._unrecorded_compute = 0.0  # inner compute of phases no round record counted yet (overlap)
         self._served: tuple[int, str] | None = None  # the lineage this node serves now
+        # Rounds due by steps with uneven speeds (_short_phase_due, node/outer/uneven.py): the rule's
+        # state across phases, and the time the loop waited for the round to be due before the phase
+        # ended, which its round record counts as blocked.
+        self._short_phases = ShortPhases()
+        self._unrecorded_wait = 0.0
         self._last_rate = 0.0  # tokens (or samples) per second of the last phase that ended
         self._step_times = StepTimes()  # the last inner steps' compute times: a paced round's window
 
@@ -348,7 +355,7 @@ class OuterRound:
             # Peers and `dtnode status` see the throughput during the phase, not only after it (a
             # first round, or a joiner's, would show 0 for its whole length).
             self._rate_advertised = now
-            self.swarm.advertise_rate(self.tokens_per_s)
+            self.swarm.advertise_rate(self.tokens_per_s, step_seconds=self._step_times.median())
 
     def at_step_boundary(self) -> RoundApplied | None:
         """Between two inner steps: end the phase if it is over (see the module docstring) and return
@@ -358,7 +365,7 @@ class OuterRound:
         if self.fragments is not None:
             return self._fragment_boundary()
         if self._phase_due():
-            return self._end_phase()
+            return self._paced(short=False)
         landed = self._landed()
         if landed is not None and isinstance(landed.outcome.decision, Adopt):
             # Overlap: the round in flight sent us to adopt the swarm's state; this phase's steps are
@@ -377,6 +384,16 @@ class OuterRound:
             self.data.skip(missing)
             self.progress.step += missing
             return self._end_phase()
+        if self._short_phase_due():
+            # Slower than the swarm: the steps done so far go to the round now (weighted by their
+            # tokens), on the swarm's step count (the LR schedule's, the served state's) and at the
+            # group's agreed data position (Phase 4: from the most tokens a member trained).
+            done = self.progress.step - self._start_step()
+            log.info(
+                "ending the phase after %d of %d steps: the swarm's round is due", done, self._phase_length()
+            )
+            self.progress.step += self._phase_length() - done
+            return self._paced(short=True)
         if landed is not None and self.swarm is not None and self._submitted_boundary is not None:
             # Overlap: the round in flight was applied (polled at this step boundary): serve it now,
             # not at the phase's end, so the swarm's lineage check sees every member of the round on
@@ -505,6 +522,48 @@ class OuterRound:
             log.info("a node is fetching our lineage's state: training on until it joins")
         return now - self._extended_since >= MAX_DUE_WAIT.total_seconds()
 
+    def _short_phase_due(self) -> bool:
+        """Rounds due by steps (the default): whether to end the phase short of H now, because the
+        swarm's round is due, its speeds are uneven (the step times its lineage announces, ours
+        included, span ``SLOW_STEP_RATIO`` or more) and we lag (``node/outer/uneven.py``, which
+        decides; ARCHITECTURE.md, "Participation"). Nodes of equal speed never end short. Not with
+        ``--round-seconds`` (rounds due by time already), ``--overlap`` or ``--fragments`` (their
+        rounds land at fixed steps)."""
+        settings, swarm, started = self.settings, self.swarm, self._phase_started
+        if swarm is None or settings.round_seconds or settings.overlap or self.fragments is not None:
+            return False
+        done = self.progress.step - self._start_step()
+        missing = self._phase_length() - done
+        step_seconds = self._step_times.median()
+        if done < 1 or missing < 1 or started is None or step_seconds is None:
+            return False
+        peers = swarm.step_seconds_range()
+        if not uneven(step_seconds, peers, self._phase_length()):
+            return False  # asks nothing more of the swarm: equal speeds cost one view lookup a step
+        verdict = self._short_phases.at_step(
+            elapsed=time.monotonic() - started, done=done, missing=missing, forming=swarm.round_forming(),
+            step_seconds=step_seconds, peers=peers,
+        )  # fmt: skip
+        match verdict:
+            case TrainOn():
+                return False
+            case EndShort():
+                return True
+            case AwaitRound(seconds=seconds):
+                waited_from = time.monotonic()
+                formed = swarm.await_round_forming(seconds)
+                self._unrecorded_wait += time.monotonic() - waited_from
+                return self._short_phases.waited(formed=formed, elapsed=time.monotonic() - started)
+
+    def _paced(self, *, short: bool) -> RoundApplied | None:
+        """:meth:`_end_phase`, then the uneven-speed rule learns how the phase ended (``short``: by
+        :meth:`_short_phase_due`) and whether its round was averaged with a group."""
+        applied = self._end_phase()
+        self._short_phases.phase_ended(
+            short=short, averaged=applied is not None and applied.kind == "averaged"
+        )
+        return applied
+
     def _restart_phase(self) -> None:
         self._phase_started, self._phase_start_step = time.monotonic(), self.progress.step
         self._extended_since = None
@@ -523,7 +582,8 @@ class OuterRound:
             landed: _Landed | None = self._average_and_apply(
                 self.diloco.pseudo_gradient(), self._request(weight, rate)
             )
-            seconds_waited = landed.seconds_comm if landed is not None else 0.0
+            seconds_waited = (landed.seconds_comm if landed is not None else 0.0) + self._unrecorded_wait
+            self._unrecorded_wait = 0.0
             if landed is not None and not isinstance(landed.outcome.decision, Adopt):
                 self.diloco.load_global_into_model()  # the model restarts from θ_global
         else:
@@ -804,6 +864,7 @@ class OuterRound:
         progress.round_tokens, progress.round_compute_seconds = 0, 0.0
         self._phase_started = self._phase_start_step = None  # the next phase starts from the swarm's step
         self._pending_mix = None  # the model holds the swarm's global params: nothing left to mix
+        self._short_phases.reset()  # the swarm's pace is measured again from its next round
         log.info("now at round %d, step %d, param_hash %s", state.round, progress.step, state.param_hash[:12])
 
     def _read_spare(self, lane: int | None) -> None:

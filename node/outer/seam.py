@@ -22,11 +22,19 @@ the round calls             with                                     the swarm a
 ``prepare_publish(snap)``   the state the next ``publish`` serves,    —
                             built on the averaging thread (overlap)
 ``publish(snapshot)``       the global state to serve now             —
-``advertise_rate(tok/s)``   the phase's throughput so far (every 1 s) —
+``advertise_rate(tok/s)``   the phase's throughput so far and its    —
+                            step time (every 1 s)
 ``phase_should_end()``                                                a catching-up node's phase ends
 ``moved_spare_lane()``                                                another spare lane: another node
                                                                      reads ours (we chose at once)
 ``lineage_peer_due()``                                                a node is fetching our state
+``round_forming()``                                                   a peer of our lineage is ready
+                                                                     for the next round (its first
+                                                                     members reached H steps)
+``await_round_forming(s)``                                            the same, waited for (at most s
+                                                                     seconds)
+``step_seconds_range()``                                              the shortest and longest step
+                                                                     time our lineage's peers announce
 ==========================  ====================================================================
 
 A round's outcome carries one :data:`RoundDecision`, the only thing anyone branches on (in one
@@ -285,7 +293,10 @@ class SwarmSide(Averager, Protocol):
 
     def publish(self, snapshot: Snapshot, *, tokens_per_s: float) -> None: ...
 
-    def advertise_rate(self, tokens_per_s: float) -> None: ...
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
+        """Our throughput and step time now (the median of our last inner steps; None: not measured
+        yet), in our record from the next heartbeat on."""
+        ...
 
     def lift_pace(self, round_index: int) -> None:
         """Paced round ``round_index`` (``RoundRequest.send_window``) sends the rest at full rate,
@@ -296,6 +307,15 @@ class SwarmSide(Averager, Protocol):
     def phase_should_end(self) -> bool: ...
 
     def lineage_peer_due(self) -> bool: ...
+
+    def round_forming(self) -> bool: ...
+
+    def await_round_forming(self, seconds: float) -> bool: ...
+
+    def step_seconds_range(self) -> tuple[float, float] | None:
+        """The shortest and the longest step time the live peers of our lineage announce (None: none
+        announces one)."""
+        ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -86,6 +87,9 @@ from protocol.swarm.streams import StreamRunner, stream_bounds
 
 log = logging.getLogger(__name__)
 
+ROUND_FORMING_POLL_S = 0.2
+"""How often a node waiting for the swarm's round to be due reads the DHT (``await_round_forming``)."""
+
 
 class SwarmSession:
     """The swarm side of a node; see the module docstring.
@@ -120,6 +124,7 @@ class SwarmSession:
         self.last_result: RoundResult | None = None
         self.num_adoptions = 0
         self._catching_up = False  # adopted mid-phase: end our phase when the swarm's round forms
+        self._watch_rounds = False  # the loop asks whether the round forms (round_forming): watch closely
         self._adopted_lineage: Lineage = (0, "")
         self._join: JoinRequest | None = None  # the model's identity and tools (join)
         # The global state this node holds: the one it last served, or an older state of the
@@ -289,9 +294,10 @@ class SwarmSession:
         )
         self._held = ((round, snapshot.state_id), _held_state(snapshot))
 
-    def advertise_rate(self, tokens_per_s: float) -> None:
-        """This node's throughput in the phase under way, in its record from the next heartbeat on."""
-        self.swarm.advertise_rate(tokens_per_s)
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
+        """This node's throughput in the phase under way and its step time (``PeerRecord.step_seconds``:
+        peers compare it, ``node/outer/uneven.py``), in its record from the next heartbeat on."""
+        self.swarm.advertise_rate(tokens_per_s, step_seconds=step_seconds)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What one round carries into the next, for the checkpoint: the codec's error-feedback
@@ -341,7 +347,7 @@ class SwarmSession:
     @catching_up.setter
     def catching_up(self, value: bool) -> None:
         if value != self._catching_up:
-            self.swarm.watch_closely(value)
+            self.swarm.watch_closely(value or self._watch_rounds)
         self._catching_up = value
 
     # --- the round ---
@@ -631,6 +637,44 @@ class SwarmSession:
         if not self.catching_up or self._join is None:
             return False
         return rejoin_due(self.swarm.driver.view, self.swarm.peer_id, self._adopted_lineage)
+
+    def round_forming(self) -> bool:
+        """Whether a peer of the lineage we hold is ready for its next round: the swarm's round is due
+        (the loop of a node slower than its swarm then ends its phase short of H, ``OuterRound``).
+        From the view in memory, nothing blocks; from the first call on, the view is read every
+        ``view_refresh`` between rounds (not every 5 x), so a slow node sees the moment sooner."""
+        if not self._watch_rounds:
+            self._watch_rounds = True
+            self.swarm.watch_closely(True)
+        held = self._held
+        if held is None:
+            return False
+        # The view's index of its lineages (built once per view): asked at every step boundary.
+        ready = self.swarm.driver.view.of_lineage(*held[0]).ready_set
+        return not ready <= {self.swarm.peer_id}
+
+    def step_seconds_range(self) -> tuple[float, float] | None:
+        """The shortest and the longest step time the live peers of the lineage we hold announce, from
+        the view in memory (None: none does, or we hold none): the loop tells from them whether the
+        swarm's speeds are uneven (``node/outer/uneven.py``)."""
+        held = self._held
+        if held is None:
+            return None
+        # Gathered once per view and lineage (asked at every step boundary).
+        return self.swarm.driver.view.of_lineage(*held[0]).step_seconds_range(self.swarm.peer_id)
+
+    def await_round_forming(self, seconds: float) -> bool:
+        """Wait until :meth:`round_forming`, at most ``seconds`` (or a stop request), reading the DHT
+        every ``ROUND_FORMING_POLL_S``: the loop of a slower node, ready before the swarm's round is
+        due, waits here rather than in the round's formation, where its readiness would tell the
+        swarm's other nodes that the round is due. Returns whether the round forms."""
+        deadline = time.monotonic() + seconds
+        while not self.round_forming():
+            if time.monotonic() >= deadline or self.identity.stop_requested():
+                return False
+            self.swarm.view_or_last("waiting for the swarm's round")
+            time.sleep(min(ROUND_FORMING_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        return True
 
     def _new_feedback(self) -> None:
         """Fresh error-feedback residuals: one per fragment with ``--fragments``, else the whole vector's."""

@@ -23,6 +23,7 @@ params have been through; the next outer round is ``round + 1``, so ``ready_for_
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from bisect import bisect_right
@@ -47,7 +48,7 @@ CLIENT_ADDRESS: Final = "client.invalid:1"
 (the ``.invalid`` top-level domain never resolves, RFC 6761: a peer that dialled it anyway fails at once)."""
 
 _PARAM_HASH_RE: Final = re.compile(r"[0-9a-f]{64}")
-_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client", "rank", "identity", "data_lane"})
+_OPTIONAL_FIELDS: Final = frozenset({"ready_at", "client", "rank", "identity", "data_lane", "step_seconds"})
 MAX_RANK: Final = 2**31 - 1
 MAX_IDENTITY_CHARS: Final = 128
 
@@ -183,6 +184,10 @@ class PeerRecord:
     shard ``index`` of ``count``; ``index >= count``: spare lane ``index - count`` beside the round's
     ``count`` shards (it began reading after its round began; ``shards.py``). None: it has not said.
     Optional in a stored record (absent = None)."""
+    step_seconds: float | None = None
+    """How long one of the peer's training steps takes (seconds, the median of its last ones): an
+    opaque pace that peers of one run compare; the protocol only carries it. None: not measured yet.
+    Optional in a stored record (absent = None)."""
 
     def __post_init__(self) -> None:
         check_peer_id(self.peer_id)
@@ -217,6 +222,8 @@ class PeerRecord:
             object.__setattr__(self, "data_lane", check_data_lane(self.data_lane))
         if self.identity != "":
             check_token("identity", self.identity, max_chars=MAX_IDENTITY_CHARS)
+        if self.step_seconds is not None:
+            object.__setattr__(self, "step_seconds", check_rate("step_seconds", self.step_seconds))
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON/msgpack-able dict for DHT storage (an optional field at its default is left out)."""
@@ -293,6 +300,17 @@ class LineagePeers:
     peer_ids: frozenset[str]
     ready_set: frozenset[str]
     """``ready_ids`` as a set."""
+    fastest_steps: tuple[tuple[float, str], ...] = ()
+    """The two shortest ``step_seconds`` its peers announce, with their peer ids, shortest first."""
+    slowest_steps: tuple[tuple[float, str], ...] = ()
+    """The two longest ``step_seconds`` its peers announce, with their peer ids, longest first."""
+
+    def step_seconds_range(self, excluding: str) -> tuple[float, float] | None:
+        """The shortest and the longest step time the peers other than ``excluding`` announce (None:
+        none does)."""
+        fastest = next((seconds for seconds, peer_id in self.fastest_steps if peer_id != excluding), None)
+        slowest = next((seconds for seconds, peer_id in self.slowest_steps if peer_id != excluding), None)
+        return None if fastest is None or slowest is None else (fastest, slowest)
 
 
 NO_LINEAGE_PEERS: Final = LineagePeers(
@@ -312,6 +330,7 @@ def _records_by_lineage(view: SwarmView) -> dict[tuple[int, str], list[PeerRecor
 
 
 def _lineage_peers(records: list[PeerRecord]) -> LineagePeers:
+    announced = [(r.step_seconds, r.peer_id) for r in records if r.step_seconds is not None]
     ready_ids = tuple(
         record.peer_id for record in records if record.ready_for_round is not None
     )  # = round + 1
@@ -324,6 +343,8 @@ def _lineage_peers(records: list[PeerRecord]) -> LineagePeers:
         ),
         peer_ids=frozenset(record.peer_id for record in records),
         ready_set=ready_set,
+        fastest_steps=tuple(heapq.nsmallest(2, announced)),
+        slowest_steps=tuple(heapq.nlargest(2, announced)),
     )
 
 

@@ -101,6 +101,7 @@ class SwarmNode:
         self.stream_addresses: tuple[str, ...] = ()
         self.rank: int | None = None  # our place in the member order (set_identity)
         self.data_lane: tuple[int, int] | None = None  # what we read now, our records say (set_data_lane)
+        self.step_seconds: float | None = None  # how long our steps take, our records say (advertise_rate)
         try:
             self.peer_id = self.dht.peer_id
             self.registry = SwarmRegistry(
@@ -207,11 +208,19 @@ class SwarmNode:
         if self._phase.phase is NodePhase.STARTING:
             self.set_phase(NodePhase.TRAINING)
 
-    def advertise_rate(self, tokens_per_s: float) -> None:
-        """Our training throughput now, in our record from the next heartbeat on (no DHT call of its
-        own): peers and ``dtnode status`` see it during a phase, not only from the round's end."""
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
+        """Our training throughput now, and (if given) how long one of our steps takes, in our record
+        from the next heartbeat on (no DHT call of its own): peers and ``dtnode status`` see it
+        during a phase, not only from the round's end. ``step_seconds`` is opaque here: a number
+        peers of one run compare (``PeerRecord.step_seconds``); later records keep it."""
+        if step_seconds is not None:
+            self.step_seconds = step_seconds
         if self.registry is not None:
-            self.registry.revise(lambda record: dataclasses.replace(record, tokens_per_s=tokens_per_s))
+            self.registry.revise(
+                lambda record: dataclasses.replace(
+                    record, tokens_per_s=tokens_per_s, step_seconds=self.step_seconds
+                )
+            )
 
     def watch_closely(self, on: bool) -> None:
         """Between rounds, read the swarm's view every ``view_refresh`` (on) or every 5 x (off): a node
@@ -553,6 +562,7 @@ class SwarmNode:
             rank=self.rank,
             identity=self.driver.identity,
             data_lane=self.data_lane,
+            step_seconds=self.step_seconds,
         )
 
     def _run(self, coroutine: Coroutine[Any, Any, T], deadline: timedelta) -> T:

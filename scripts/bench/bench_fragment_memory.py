@@ -156,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         def publish(self, snapshot: Any, *, tokens_per_s: float) -> None:
             self.served.append(snapshot)
 
-        def advertise_rate(self, tokens_per_s: float) -> None:
+        def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
             pass  # nobody to tell
 
         def phase_should_end(self) -> bool:

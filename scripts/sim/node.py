@@ -21,12 +21,20 @@ driver.py): ``start``, ``on_view`` every     daemon's ``SwarmConfig.rounds``; vi
                                              ``MAX_CATCH_UP_ROUNDS`` behind and not stepped alone,
                                              else the whole state; announced (``syncing`` record)
 ``OuterRound._phase_due`` / ``peer_due``     ``peer_due`` itself, on a stand-in of ``SwarmNode``
+``OuterRound._short_phase_due`` (uneven      ``ShortPhases`` itself (``node/outer/uneven.py``), on
+speeds: a lagging node ends its phase short) the view's announced step times, every few steps
 ``SwarmSession.phase_should_end``            ``rejoin_due`` itself
 ``Prefetch`` (a fresh joiner)                ``decide_lineage`` on the view, then the fetch
 ==========================================  ================================================
 
 Time a node spends training counts as compute; the rest of its wall time (forming, the all-reduce,
 fetching, waiting) does not: ``compute utilization`` is their ratio.
+
+Steps (rounds due by steps): a phase is H steps (the daemon's ``--inner-steps``) of ``phase_seconds /
+speed / H`` seconds each, the step time every node announces in its records. The daemon asks the
+uneven-speed rule at every step boundary, from a view refreshed every ``view_refresh``; a simulated
+node asks it every ``k`` steps, the fewest that last a ``view_refresh`` (its view changes no sooner),
+so it sees the round due up to a step later than the daemon would.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ from enum import StrEnum
 from typing import Protocol
 
 from node.outer.seam import MAX_DUE_WAIT
+from node.outer.uneven import AwaitRound, EndShort, ShortPhases, uneven
 from node.swarm.catch_up import MAX_CATCH_UP_ROUNDS, rejoin_due
+from node.swarm.session import ROUND_FORMING_POLL_S
 from protocol.codecs import Codec
 from protocol.membership.actions import (
     Action,
@@ -67,7 +77,7 @@ from scripts.sim.dht import SimulatedDht, restamped
 from scripts.sim.events import Event, EventQueue
 from scripts.sim.groups import AllReduces, LineageTree, Origin, derived_hash
 from scripts.sim.links import LinkProfile, Network
-from scripts.sim.settings import SimSettings
+from scripts.sim.settings import SimSettings, daemon_node_config
 
 INIT_HASH = derived_hash("the run's seeded init")
 """The round-0 params every node of the run starts from (``dtnode swarm`` seeds them alike)."""
@@ -138,6 +148,8 @@ class World:
     heartbeat: float = field(init=False)
     view_refresh: float = field(init=False)
     message_timeout: float = field(init=False)
+    inner_steps: int = field(init=False)
+    """H: the daemon's inner steps per phase (rounds due by steps)."""
 
     def __post_init__(self) -> None:
         # The daemon's durations as seconds: read on every event.
@@ -145,6 +157,7 @@ class World:
         self.heartbeat = self.config.heartbeat.total_seconds()
         self.view_refresh = self.config.view_refresh.total_seconds()
         self.message_timeout = self.config.message_timeout.total_seconds()
+        self.inner_steps = daemon_node_config(self.settings).inner.steps
 
     @property
     def vector_payload_bytes(self) -> int:
@@ -271,6 +284,15 @@ class SimNode:
         self._bytes_out_at_start = 0
         self._tick: Event | None = None
         self._handled: RoundFormation | None = None
+        # Uneven speeds (rounds due by steps): the product's rule, this node's step time (what its
+        # records announce), a wait for the swarm's round in progress, and the seconds of this phase
+        # spent waiting (not training); whether the phase ended short.
+        self.short_phases = ShortPhases()
+        self.step_seconds = world.settings.phase_seconds / speed / world.inner_steps
+        self._await_from = 0.0
+        self._await_until = 0.0
+        self._waited = 0.0
+        self._ended_short = False
         self._missed_deadline = 0.0
         self._published_deadline = 0.0
         self._num_tokens = 0
@@ -325,6 +347,7 @@ class SimNode:
                 bandwidth_bytes_per_s=self.profile.up_bytes_per_s,
                 status="active",
                 expires_at=self.now + self.world.record_ttl,
+                step_seconds=self.step_seconds,
             )
         return restamped(built, self.now + self.world.record_ttl)
 
@@ -344,6 +367,7 @@ class SimNode:
         self.state = NodeState.SYNCING
         self.formation = None
         self._handled = None
+        self.short_phases = ShortPhases()  # a new process: nothing measured yet
         self.lineage = lineage
         self.world.recorder.up(self.peer_id, self.now)
         if lineage is not None:
@@ -431,10 +455,76 @@ class SimNode:
         self.state = NodeState.TRAINING
         self._phase_started = self.now
         self._extended_since = None
+        self._waited, self._ended_short = 0.0, False
         full = self.world.settings.phase_seconds_at(self.speed)
         self._phase_end = self._after(full, self._phase_due)
         if self.catching_up:
             self._after(self.world.view_refresh, self._check_rejoin)
+        if self.world.settings.round_seconds == 0:  # rounds due by steps: the uneven-speed rule
+            self._after(self._check_every, self._step_boundary)
+
+    @property
+    def _check_every(self) -> float:
+        """Seconds between two asks of the uneven-speed rule: the fewest whole steps that last a
+        view_refresh (see the module docstring)."""
+        return self.step_seconds * max(1, math.ceil(self.world.view_refresh / self.step_seconds - 1e-9))
+
+    def _step_boundary(self) -> None:
+        """OuterRound._short_phase_due at a step boundary: ``ShortPhases`` decides from our step time,
+        the shortest and longest our lineage's peers announce, and whether one is ready (the round
+        is due)."""
+        if self.state is not NodeState.TRAINING or self.lineage is None:
+            return
+        trained = self.now - self._phase_started - self._waited
+        done = round(trained / self.step_seconds)
+        missing = self.world.inner_steps - done
+        if missing < 1:
+            return  # H steps: the phase's end (_phase_due) is due now
+        peers = self._view().of_lineage(self.lineage.round, self.lineage.param_hash)
+        announced = peers.step_seconds_range(self.peer_id)
+        if uneven(self.step_seconds, announced, self.world.inner_steps):
+            verdict = self.short_phases.at_step(
+                elapsed=self.now - self._phase_started, done=done, missing=missing,
+                forming=not peers.ready_set <= {self.peer_id}, step_seconds=self.step_seconds,
+                peers=announced,
+            )  # fmt: skip
+            if isinstance(verdict, EndShort):
+                self._end_short()
+                return
+            if isinstance(verdict, AwaitRound):  # the training pauses: its phase end moves on
+                if self._phase_end is not None:
+                    self._phase_end.cancel()
+                self._await_from, self._await_until = self.now, self.now + verdict.seconds
+                self._await_round()
+                return
+        self._after(self._check_every, self._step_boundary)
+
+    def _await_round(self) -> None:
+        """SwarmSession.await_round_forming: poll until a peer of our lineage is ready, or the wait's
+        bound; then the rule says whether the phase ends (short) or training goes on."""
+        if self.state is not NodeState.TRAINING or self.lineage is None:
+            return
+        forming = not self._view().of_lineage(self.lineage.round, self.lineage.param_hash).ready_set <= {
+            self.peer_id
+        }
+        if not forming and self.now < self._await_until:
+            self._after(min(ROUND_FORMING_POLL_S, self._await_until - self.now), self._await_round)
+            return
+        self._waited += self.now - self._await_from
+        if self.short_phases.waited(formed=forming, elapsed=self.now - self._phase_started):
+            self._end_short()
+            return
+        full = self.world.settings.phase_seconds_at(self.speed)
+        left = full - (self.now - self._phase_started - self._waited)
+        self._phase_end = self._after(max(left, 0.0), self._phase_due)
+        self._after(self._check_every, self._step_boundary)
+
+    def _end_short(self) -> None:
+        """The rule ended the phase short of H: the steps trained go to the round."""
+        if self._phase_end is not None:
+            self._phase_end.cancel()
+        self._ended_short = True
+        self._end_phase()
 
     def _check_rejoin(self) -> None:
         """SwarmSession.phase_should_end: an adopter joins the swarm's round as soon as it forms."""
@@ -462,7 +552,7 @@ class SimNode:
         self._end_phase()
 
     def _end_phase(self) -> None:
-        trained = self.now - self._phase_started
+        trained = self.now - self._phase_started - self._waited
         self._compute += trained
         settings = self.world.settings
         tokens = TOKENS_PER_PHASE * self.speed * trained / settings.phase_seconds
@@ -667,6 +757,7 @@ class SimNode:
 
     def _round_done(self, lineage: Lineage, round: int, how: str) -> None:
         self.world.recorder.round_end(self.peer_id, round, how, self._compute, self.now - self._round_started)
+        self.short_phases.phase_ended(short=self._ended_short, averaged=how == "averaged")
         self._compute, self._round_started = 0.0, self.now
         self.lineage = lineage
         self.publish(self._record())  # published right after the outer step
@@ -736,6 +827,7 @@ class SimNode:
         self.stepped_alone = False
         self.catching_up = catching_up
         self.adopted = canonical
+        self.short_phases.reset()  # the swarm's pace is measured again from its next round
         self.publish(self._record())
         if first:
             self._round_started = self.now

@@ -145,7 +145,9 @@ def test_a_crashed_node_is_left_out_of_later_rounds() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_same_seed_gives_the_same_json(tmp_path: Path) -> None:
-    argv = ["--nodes", "30", "--rounds", "4", "--params", "1000000", "--crash-rate", "0.1",
+    # 8 rounds: with the default schedule's short phases (node/outer/uneven.py) 4 lasted too short a
+    # simulated time for more than one fault of each kind.
+    argv = ["--nodes", "30", "--rounds", "8", "--params", "1000000", "--crash-rate", "0.1",
             "--restart-after", "60", "--freeze-rate", "0.1", "--leave-rate", "0.05", "--join-rate", "0.1",
             "--partition-at", "100", "--partition-seconds", "60"]  # fmt: skip
     outputs = []
@@ -313,8 +315,8 @@ def test_a_run_makes_next_to_no_cyclic_garbage_keeps_no_dead_nodes_views_and_res
     collector's passes made rare (swarm.py, ``_few_collections``), which is sound only if its events
     make no reference cycles (each ``_after`` callback that named itself made one: ~3 objects in
     cycles per event here, and the passes over them were half the CPU of a 1000-node run)."""
-    settings = SimSettings(
-        num_nodes=30, num_rounds=3, seed=5, num_params=1_000_000,
+    settings = SimSettings(  # 8 rounds: a simulated time long enough for restarts, freezes, 3 gone
+        num_nodes=30, num_rounds=8, seed=5, num_params=1_000_000,
         faults=FaultRates(crash=0.1, restart_after=60, freeze=0.1, leave=0.05, join=0.1,
                           partition_at=100, partition_seconds=60),
     )  # fmt: skip

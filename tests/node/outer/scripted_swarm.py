@@ -47,6 +47,11 @@ class ScriptedSwarm:
     """What ``after_adopt`` answers: the spare data lane to read until the next round (None: none)."""
     end_phase: bool = False
     peer_due: bool = False
+    forming: Callable[[], bool] = lambda: False
+    """What ``round_forming`` answers, asked at each step boundary: a peer is ready for the next round."""
+    peer_steps: tuple[float, float] | None = None
+    """What ``step_seconds_range`` answers: the shortest and longest step time our lineage's peers
+    announce."""
     num_adoptions: int = 0
     """States adopted, as ``SwarmSession`` counts them: at the join, and at each ``after_adopt``."""
     calls: list[str] = field(default_factory=list)
@@ -126,7 +131,7 @@ class ScriptedSwarm:
         self._enter("publish")
         self.served.append(snapshot)
 
-    def advertise_rate(self, tokens_per_s: float) -> None:
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
         # Thread-safe in the real swarm (a record edit under the registry's lock), so called beside an
         # overlapped round: not one of the calls that must not overlap.
         self.rates.append(tokens_per_s)
@@ -140,6 +145,15 @@ class ScriptedSwarm:
 
     def lineage_peer_due(self) -> bool:
         return self.peer_due
+
+    def round_forming(self) -> bool:
+        return self.forming()
+
+    def await_round_forming(self, seconds: float) -> bool:
+        return self.forming()
+
+    def step_seconds_range(self) -> tuple[float, float] | None:
+        return self.peer_steps
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}

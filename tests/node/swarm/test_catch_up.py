@@ -199,7 +199,7 @@ class SwarmOfOne:
     def set_identity(self, identity: str, *, rank: int | None) -> None:
         self.identity = (identity, rank)  # what the session says it trains (SwarmNode.set_identity)
 
-    def advertise_rate(self, tokens_per_s: float) -> None:
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
         pass  # nobody reads a swarm of one's record
 
     def set_data_lane(self, lane: tuple[int, int], *, store_now: bool = False) -> None:

@@ -148,7 +148,7 @@ class FakeSwarmNode:
     def watch_closely(self, on: bool) -> None:
         pass
 
-    def advertise_rate(self, tokens_per_s: float) -> None:
+    def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
         pass
 
 
