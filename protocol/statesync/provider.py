@@ -81,6 +81,9 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.last_served: dict[str, float] = {}
         """State id -> ``time.monotonic()`` when our last transfer of it ended (``inf`` while one runs):
         a peer fetching our state (to join our lineage) is seen here at once, whatever the DHT shows."""
+        self._transfers_of: Counter[str] = Counter()
+        """State id -> its transfers running now: a fetcher streams several ranges at once, and the
+        first to end must not mark the state idle while the others run."""
         self.num_refusals: Counter[str] = Counter()
         """Calls ended with a status other than OK, by status name."""
 
@@ -275,15 +278,20 @@ class StateProvider(pb_grpc.StateSyncServicer):
                     f"I am serving {self._num_active_transfers} transfers already; try again shortly",
                 )
             self._num_active_transfers += 1
+            self._transfers_of[request.state_id] += 1
             self.last_served[request.state_id] = math.inf  # in flight (a chunk may take seconds to drain)
             try:
                 await self._stream(snapshot, request, context)
             finally:
                 self._num_active_transfers -= 1
-                self.last_served[request.state_id] = time.monotonic()
+                self._transfers_of[request.state_id] -= 1
+                if not self._transfers_of[request.state_id]:  # its last transfer running ended
+                    del self._transfers_of[request.state_id]
+                    self.last_served[request.state_id] = time.monotonic()
                 kept = set(self.kept_state_ids)  # (on the loop: no race with the writes above)
                 for state_id in [key for key in self.last_served if key not in kept]:
-                    del self.last_served[state_id]
+                    if state_id not in self._transfers_of:
+                        del self.last_served[state_id]
         except ProtocolError as refusal:
             await self._refuse(context, "FetchRange", refusal)
 

@@ -127,25 +127,26 @@ def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
     ``syncing`` record naming our lineage whose estimate is at most ``max_ahead`` away and was
     renewed within a join window (a fetch that progresses renews it every ``view_refresh``).
 
-    Never once another node of our lineage is ready for the next round: the round is forming without
-    waiting, so training on would not bring the fetching node into it, only leave us out of it (the
-    nodes sending it the state would miss the round the others formed, and fetch that round's state
-    in turn; with a fetch slower than MAX_DUE_WAIT this cascaded round after round)."""
+    Once another node of our lineage is ready for the next round, only a fetch due within a join
+    window holds us: that node is forming the round and waits a join window for such a joiner
+    (``RoundFormation``), and no longer. Training on past it would not bring the fetching node into
+    the round, only leave us out of it: the nodes sending a slow fetch (the only ones that see their
+    provider send) would miss the round the others formed, and fetch its state in turn, round after
+    round."""
     config = swarm.config
     record = swarm.driver.record
-    if record is not None and any(
-        peer_id != swarm.peer_id
-        for peer_id in swarm.driver.view.of_lineage(record.round, record.param_hash).ready_ids
-    ):
-        return False
-    if swarm.server.state_provider.served_lately(2 * config.view_refresh.total_seconds()):
-        return True
     if record is None:
-        return False
+        return swarm.server.state_provider.served_lately(2 * config.view_refresh.total_seconds())
     view = swarm.driver.view
     now = swarm.driver.clock()  # the DHT's clock, which ready_at is on
     window = config.rounds.join_window.total_seconds()
     syncing = view.syncing_of(record.round, record.param_hash)  # by ready_at, once per view
-    return any(
-        peer.peer_id != swarm.peer_id for peer in syncing.due(now - window, now + max_ahead.total_seconds())
-    )
+    if any(
+        peer_id != swarm.peer_id for peer_id in view.of_lineage(record.round, record.param_hash).ready_ids
+    ):
+        until = now + window
+    elif swarm.server.state_provider.served_lately(2 * config.view_refresh.total_seconds()):
+        return True
+    else:
+        until = now + max_ahead.total_seconds()
+    return any(peer.peer_id != swarm.peer_id for peer in syncing.due(now - window, until))

@@ -10,10 +10,14 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 import torch
 import uvloop
 
+from protocol.gen.dtnode.v1 import statesync_pb2 as pb
+from protocol.gen.dtnode.v1 import statesync_pb2_grpc as pb_grpc
 from protocol.statesync import (
     FetchOptions,
     FetchReport,
@@ -412,3 +416,40 @@ def test_a_companion_needs_its_own_state_id() -> None:
 
     with pytest.raises(ValueError, match="distinct state ids"):
         StateProvider(TEST_CONFIG).publish(SNAPSHOT, companions=[SNAPSHOT])
+
+
+@pytest.mark.timeout(30)
+def test_a_state_is_served_lately_while_any_of_its_ranges_still_streams() -> None:
+    """A fetcher streams several ranges of one state at once. The first range to end must not mark
+    the state idle while another still streams: ``served_lately`` is what holds a node's phase for
+    the joiner it sends its state to (``participation.peer_due``). Before, the first stream to end
+    overwrote the "in flight" mark, and 2 s later (``within``) the node ended its phase mid-fetch."""
+    plans = [ServeFaultPlan(point="chunk", action="pause", after=0)]  # the first chunk sent pauses its stream
+    within = 0.2
+
+    async def scenario() -> list[bool]:
+        async with providers(1, SNAPSHOT, fault_plans=plans) as [server]:
+            provider, seen = server.provider, []
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.StateSyncStub(channel)
+
+                async def fetch_range(offset: int) -> int:
+                    request = pb.FetchRangeRequest(
+                        state_id=SNAPSHOT.state_id, tensor_name="global_params", offset=offset,
+                        length=MiB, max_chunk_bytes=256 * 1024,
+                    )  # fmt: skip
+                    return sum([len(message.data) async for message in stub.FetchRange(request, timeout=20)])
+
+                paused = asyncio.create_task(fetch_range(0))
+                await provider.fault_fired.wait()  # the first stream holds its first chunk
+                assert await fetch_range(MiB) == MiB  # a second range of the same state streams and ends
+                await asyncio.sleep(3 * within)
+                seen.append(provider.served_lately(within))  # the first still streams
+                provider.resume()
+                assert await paused == MiB
+                seen.append(provider.served_lately(within))  # just ended
+                await asyncio.sleep(3 * within)
+                seen.append(provider.served_lately(within))  # idle for longer than `within`
+            return seen
+
+    assert uvloop.run(scenario()) == [True, True, False]

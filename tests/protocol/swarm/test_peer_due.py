@@ -50,10 +50,13 @@ def test_a_node_sending_its_state_joins_the_round_once_a_peer_of_its_lineage_is_
     """The nodes a joiner fetches from see it at once (their provider sends); the others only through
     its syncing record, which a fetch longer than MAX_DUE_WAIT does not make due. Before, the senders
     trained on up to MAX_DUE_WAIT while the others formed the round without them: they missed it and
-    fetched its state in turn (in the simulator, 250 of 688 missed (node, round) pairs). Once a peer of
-    our lineage is ready, the round is forming: we end the phase and join it."""
+    fetched its state in turn (in the simulator, 250 of 688 missed or re-synced formations). Once a
+    peer of our lineage is ready, the round is forming: we train on only for a fetch due within the
+    join window, which that peer's formation waits for too, else we end the phase and join it."""
     ready = make_record("peer", round=3, ready=True)
     assert not peer_due(node(ready, serving=True), max_ahead=MAX_AHEAD)
     assert not peer_due(node(ready, syncing("joiner", ready_at=NOW + 30), serving=True), max_ahead=MAX_AHEAD)
+    assert peer_due(node(ready, syncing("joiner", ready_at=NOW + 10), serving=True), max_ahead=MAX_AHEAD)
+    assert peer_due(node(ready, syncing("joiner", ready_at=NOW + 10), serving=False), max_ahead=MAX_AHEAD)
     other_lineage = make_record("other", round=2, param_hash="f" * 64, ready=True)  # not forming our round
     assert peer_due(node(other_lineage, serving=True), max_ahead=MAX_AHEAD)
