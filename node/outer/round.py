@@ -385,9 +385,10 @@ class OuterRound:
             self.progress.step += missing
             return self._end_phase()
         if self._short_phase_due():
-            # Slower than the swarm: the steps done so far go to the round now (weighted by their
-            # tokens), on the swarm's step count (the LR schedule's, the served state's) and at the
-            # group's agreed data position (Phase 4: from the most tokens a member trained).
+            # Lagging in a swarm of uneven speeds: the steps done so far go to the round now
+            # (weighted by their tokens), on the swarm's step count (the LR schedule's, the served
+            # state's) and at the group's agreed data position (Phase 4: from the most tokens a
+            # member trained).
             done = self.progress.step - self._start_step()
             log.info(
                 "ending the phase after %d of %d steps: the swarm's round is due", done, self._phase_length()
