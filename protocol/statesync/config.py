@@ -106,7 +106,8 @@ class StateSyncConfig:
     """FetchRange streams served at once; one more gets RESOURCE_EXHAUSTED and the fetcher retries later."""
     num_snapshots_kept: int = 2
     """Snapshots kept at once: the current one and the previous, so transfers that began before a
-    publish can still ask for their remaining ranges."""
+    publish can still ask for their remaining ranges; and one older snapshot more while a fetcher
+    still takes it (a transfer of it ran within the stall timeout)."""
     num_companions_kept: int = 2
     """Publishes whose companions (the daemon's round means) are served, >= num_snapshots_kept: a
     publish older than num_snapshots_kept keeps its companions only. A node that many rounds behind

@@ -3,8 +3,10 @@
 The daemon calls `publish(snapshot)` after every outer round. The provider keeps the newest
 `num_snapshots_kept` snapshots (by default the current and the previous one): a fetcher that started
 on the previous snapshot can still ask for its remaining ranges, and a stream already under way keeps
-its own reference to its snapshot, so it always finishes. Older snapshots get NOT_FOUND and the
-fetcher moves on to another source. A snapshot's companions (the daemon's round means) may outlive it:
+its own reference to its snapshot, so it always finishes. One older snapshot stays served while a
+fetcher still takes it (a transfer of it runs, or one ended within the stall timeout): on a slow link a
+fetch can outlast two rounds, and dropping its snapshot at 98% made the fetcher start again on a newer
+one. Other older snapshots get NOT_FOUND and the fetcher moves on to another source. A snapshot's companions (the daemon's round means) may outlive it:
 those of the newest `num_companions_kept` publishes are served.
 
 Serving is bounded: at most `max_concurrent_transfers` FetchRange streams at once (one more gets
@@ -63,10 +65,10 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.fault_plan = fault_plan
         # Newest first: per publish, (snapshot, its manifest) then its companions'. Replaced as a
         # whole, never mutated.
-        # (the publishes kept whole, the companions of older ones (num_companions_kept)), each newest
-        # first. One tuple replaced as a whole, never mutated: a reader on another thread sees one
-        # publish's view of both.
-        self._held: tuple[_Publishes, _Publishes] = ((), ())
+        # (the publishes kept whole, the companions of older ones (num_companions_kept), at most one
+        # older snapshot still being fetched), each newest first. One tuple replaced as a whole, never
+        # mutated: a reader on another thread sees one publish's view of all three.
+        self._held: tuple[_Publishes, _Publishes, _Publishes] = ((), (), ())
         self._num_active_transfers = 0
         self._closed = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -99,12 +101,25 @@ class StateProvider(pb_grpc.StateSyncServicer):
         served = [(one, self._manifest_of(one)) for one in (snapshot, *companions)]
         if len({one.state_id for one in (snapshot, *companions)}) != len(served):
             raise ValueError("a snapshot and its companions need distinct state ids")
-        kept, older_companions = self._held
+        kept, older_companions, fetched = self._held
         older = tuple(one for one in kept if one[0][0].state_id != snapshot.state_id)
         publishes, num_kept = (tuple(served), *older), self.config.num_snapshots_kept
         dropped = tuple(publish[1:] for publish in publishes[num_kept:] if len(publish) > 1)
         num_older = self.config.num_companions_kept - num_kept
-        self._held = (publishes[:num_kept], (*dropped, *older_companions)[:num_older])
+        still_fetched = [
+            (one,)
+            for one in (
+                *(publish[0] for publish in publishes[num_kept:]),
+                *(publish[0] for publish in fetched),
+            )
+            if self._being_fetched(one[0].state_id)
+            and all(one[0].state_id != publish[0][0].state_id for publish in publishes[:num_kept])
+        ]
+        self._held = (
+            publishes[:num_kept],
+            (*dropped, *older_companions)[:num_older],
+            tuple(still_fetched[:1]),
+        )
         logger.debug("serving %r (keeping %s)", snapshot, self.kept_state_ids)
 
     def served_lately(self, within: float) -> bool:
@@ -117,6 +132,14 @@ class StateProvider(pb_grpc.StateSyncServicer):
             for served in self._served()
             for one, _ in served
         )
+
+    def _being_fetched(self, state_id: str) -> bool:
+        """Whether a fetcher is taking this state now: a transfer of it runs, or one ended within the
+        stall timeout (the fetcher is between two of its ranges). Any thread (a rough read)."""
+        if self._transfers_of.get(state_id, 0) > 0:
+            return True
+        stall = self.config.stall_timeout.total_seconds()
+        return time.monotonic() - self.last_served.get(state_id, -math.inf) < stall
 
     def _manifest_of(self, snapshot: Snapshot) -> pb.StateManifest:
         manifest = to_manifest(
@@ -141,9 +164,10 @@ class StateProvider(pb_grpc.StateSyncServicer):
         return [snapshot.state_id for served in self._served() for snapshot, _ in served]
 
     def _served(self) -> _Publishes:
-        """Everything served, newest first: the publishes kept whole, then older ones' companions."""
-        kept, older_companions = self._held
-        return (*kept, *older_companions)
+        """Everything served, newest first: the publishes kept whole, then older ones' companions,
+        then an older snapshot kept while a fetcher takes it (``publish``)."""
+        kept, older_companions, fetched = self._held
+        return (*kept, *older_companions, *fetched)
 
     def close(self) -> None:
         """Release calls hung by a "stall" or "pause" fault (call on the server's loop before stopping it)."""

@@ -238,37 +238,43 @@ def test_a_publish_mid_transfer_lets_the_transfer_finish_from_the_previous_snaps
 
 
 @pytest.mark.timeout(30)
-def test_a_snapshot_no_longer_kept_gets_not_found_and_the_fetcher_falls_back() -> None:
+def test_a_snapshot_dropped_while_fetched_is_served_until_its_fetch_ends_then_not_found() -> None:
     # Source 0 pauses in the middle of its first range; meanwhile it publishes two newer snapshots,
-    # so SNAPSHOT is no longer kept. The paused stream still finishes (it holds its snapshot); the
-    # next range asked of source 0 gets NOT_FOUND and goes to source 1.
-    newer = [make_snapshot(seed=s, round_id=7 + s, num_params=MiB) for s in (1, 2)]
+    # so SNAPSHOT is no longer among the two kept. A fetcher still takes it, so source 0 keeps serving
+    # it: the next ranges come from source 0 too (before, they got NOT_FOUND: on a slow link a fetch
+    # that outlasted two rounds failed at 98% and began again on a newer state). Once nobody has
+    # fetched it for the stall timeout, the next publish drops it: a fresh fetch gets NOT_FOUND from
+    # source 0 and falls back to source 1.
+    newer = [make_snapshot(seed=s, round_id=7 + s, num_params=MiB) for s in (1, 2, 3)]
     plans = [ServeFaultPlan(point="chunk", action="pause", after=3), None]
+    config = replace(TEST_CONFIG, stall_timeout=timedelta(seconds=1))
 
-    async def scenario() -> tuple[FetchReport, list[str], str]:
-        async with providers(2, SNAPSHOT, fault_plans=plans) as servers:
+    async def scenario() -> tuple[FetchReport, list[str], list[str], str]:
+        async with providers(2, SNAPSHOT, config=config, fault_plans=plans) as servers:
             first = servers[0]
 
             async def publish_at_pause() -> None:
                 await first.provider.fault_fired.wait()
-                for snapshot in newer:
+                for snapshot in newer[:2]:
                     first.provider.publish(snapshot)
                 first.provider.resume()
 
             publisher = asyncio.create_task(publish_at_pause())
-            report = await _fetch([s.address for s in servers], max_parallel=1)
+            report = await _fetch([first.address], max_parallel=1)  # source 0 alone
             await publisher
-            # A fresh fetch of the evicted snapshot: source 0 answers NOT_FOUND at once.
+            kept_while_fetched = first.provider.kept_state_ids
+            await asyncio.sleep(1.5)  # nobody fetches SNAPSHOT for longer than the stall timeout
+            first.provider.publish(newer[2])
             again = await _fetch([s.address for s in servers])
             assert_identical(again.snapshot, SNAPSHOT)
             assert "GetManifest: NOT_FOUND" in again.excluded[first.address]
-            return report, first.provider.kept_state_ids, first.address
+            return report, kept_while_fetched, first.provider.kept_state_ids, first.address
 
-    report, kept, first = uvloop.run(scenario())
+    report, kept_while_fetched, kept_after, first = uvloop.run(scenario())
     assert_identical(report.snapshot, SNAPSHOT)
-    assert SNAPSHOT.state_id not in kept
-    assert "NOT_FOUND" in report.excluded[first]
-    assert report.bytes_by_source[first] == 2 * MiB  # exactly the range it was streaming when paused
+    assert report.excluded == {} and report.bytes_by_source[first] == SNAPSHOT.num_bytes
+    assert kept_while_fetched == [newer[1].state_id, newer[0].state_id, SNAPSHOT.state_id]
+    assert kept_after == [newer[2].state_id, newer[1].state_id]
 
 
 @pytest.mark.timeout(30)
@@ -341,8 +347,10 @@ def test_a_companion_is_served_by_its_own_id_beside_its_snapshot_and_dropped_wit
     companion = make_snapshot(seed=1, num_params=MiB // 4, state_id="round-mean:" + SNAPSHOT.state_id)
     newer, newest = make_snapshot(seed=2, round_id=8), make_snapshot(seed=3, round_id=9)
 
+    config = replace(TEST_CONFIG, stall_timeout=timedelta(seconds=1))
+
     async def scenario() -> tuple[FetchReport, FetchReport, list[list[str]], str]:
-        async with providers(2, None) as servers:
+        async with providers(2, None, config=config) as servers:
             for server in servers:
                 server.provider.publish(SNAPSHOT, companions=[companion])
             addresses = [s.address for s in servers]
@@ -351,6 +359,7 @@ def test_a_companion_is_served_by_its_own_id_beside_its_snapshot_and_dropped_wit
             kept = [servers[0].provider.kept_state_ids]
             servers[0].provider.publish(newer)  # the previous publish is kept whole
             kept.append(servers[0].provider.kept_state_ids)
+            await asyncio.sleep(1.5)  # the fetches above ended more than a stall timeout ago
             servers[0].provider.publish(newest)
             kept.append(servers[0].provider.kept_state_ids)
             try:
