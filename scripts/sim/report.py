@@ -18,6 +18,9 @@ Per round r (the r-th outer round of a lineage):
 - ``leader``: the biggest group's leader: membership messages it received and bytes it sent while
   forming, and how long its Begins took to reach the last member (``last_lock - first_lock``).
 
+Over the run, ``by_speed``: per third of the speed range, the share of its nodes' wall time spent
+forming rounds (waiting for the others) and their compute utilization (``RunRecorder.by_speed``).
+
 ``summary_line`` is one line for a terminal; ``to_json`` is deterministic for a seed (no wall time).
 """
 
@@ -57,6 +60,8 @@ class RunRecorder:
     faults: Counter[str] = field(default_factory=Counter)
     host: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     """Round -> peer -> host seconds its RoundFormation calls took (wall clock: not in the JSON)."""
+    speeds: dict[str, float] = field(default_factory=dict)
+    """Peer -> its compute speed (1x = ``phase_seconds`` a phase), as drawn when it was added."""
 
     def formed(
         self,
@@ -174,6 +179,37 @@ class RunRecorder:
 
     def rounds(self) -> list[int]:
         return sorted(set(self.groups) | set(self.formations))
+
+    def by_speed(self, last: int, speed_min: float, speed_max: float, bands: int = 3) -> list[dict[str, Any]]:
+        """Per band of speeds (``bands`` equal slices of [speed_min, speed_max], slowest first), over
+        rounds 1..``last``: the share of its nodes' wall time spent forming rounds (from the phase's end
+        to the group's start, or to learning that the round was missed: the wait for the others,
+        issue 33's "fast nodes blocked"), and their compute utilization (training / wall). Wall time
+        is that of their round records, each from their previous round's end."""
+        width = (speed_max - speed_min) / bands or 1.0
+
+        def band(peer_id: str) -> int:
+            return min(int((self.speeds.get(peer_id, speed_min) - speed_min) / width), bands - 1)
+
+        forming, compute, wall = [0.0] * bands, [0.0] * bands, [0.0] * bands
+        nodes: list[set[str]] = [set() for _ in range(bands)]
+        for index in range(1, last + 1):
+            for formed in self.formations.get(index, []):
+                forming[band(formed.peer_id)] += formed.seconds
+            for peer_id, _, trained, seconds in self.round_ends.get(index, []):
+                b = band(peer_id)
+                compute[b] += trained
+                wall[b] += seconds
+                nodes[b].add(peer_id)
+        return [
+            {
+                "speeds": [round_(speed_min + b * width), round_(speed_min + (b + 1) * width)],
+                "nodes": len(nodes[b]),
+                "formation_share": round_(forming[b] / wall[b]) if wall[b] > 0 else None,
+                "compute_utilization": round_(compute[b] / wall[b]) if wall[b] > 0 else None,
+            }
+            for b in range(bands)
+        ]
 
 
 def round_(value: float) -> float:

@@ -109,6 +109,7 @@ class Swarm:
             address=f"10.{index // 65536}.{index // 256 % 256}.{index % 256}:31337",
         )
         self.world.nodes[peer_id] = node
+        self.recorder.speeds[peer_id] = node.speed
         return node
 
     def _group_done(self, report: GroupReport) -> None:
@@ -191,6 +192,7 @@ class Swarm:
             },
             "rounds": rounds,
             "totals": totals(rounds),
+            "by_speed": self.recorder.by_speed(last, self.settings.speed_min, self.settings.speed_max),
             "faults": dict(sorted(self.recorder.faults.items())),
             "errors": self.recorder.errors,
             "end": {

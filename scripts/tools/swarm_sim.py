@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     for figures in result["rounds"]:
         print(round_line(figures))
         print("  " + swarm.recorder.host_line(figures["round"]))
+    for band in result["by_speed"]:
+        low, high = band["speeds"]
+        print(
+            f"speeds {low}x-{high}x: {band['nodes']} nodes, forming rounds {band['formation_share']} of their "
+            f"wall time, compute utilization {band['compute_utilization']}"
+        )
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     print(
         summary_line(result) + f", wall {wall:.1f}s, CPU {cpu.ru_utime + cpu.ru_stime:.1f}s "

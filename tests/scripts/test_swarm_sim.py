@@ -25,6 +25,7 @@ from protocol.swarm.participation import missed_round_wait, peer_due
 from scripts.sim import node as sim_node
 from scripts.sim import settings as sim_settings
 from scripts.sim.dht import SimulatedDht, restamped
+from scripts.sim.report import RunRecorder
 from scripts.sim.settings import FaultRates, SimSettings
 from scripts.sim.swarm import Swarm, simulate
 from tests.scripts.script_loader import SCRIPTS_DIR, load_script
@@ -339,3 +340,24 @@ def test_a_run_makes_next_to_no_cyclic_garbage_keeps_no_dead_nodes_views_and_res
     assert len(stopped) >= 3
     for node in stopped:
         assert len(node.stand_in.driver.view) == 0 and node._handled is None and node._tick is None
+
+
+def test_the_report_splits_forming_time_and_utilization_by_speed() -> None:
+    """``by_speed`` (issue 33's "fast nodes blocked"): per third of the speed range, the seconds its
+    nodes spent forming rounds over their round records' wall time, and training over wall time.
+    Figures here computed by hand: a 1.2x node formed 2 s and 6 s (of walls 40 and 60 s, training
+    30 and 50 s), a 3.9x node formed 1 s (wall 50, training 45); round 3 is past ``last``."""
+    recorder = RunRecorder(speeds={"slow": 1.2, "fast": 3.9, "middle": 2.5})
+    recorder.formed("slow", 1, "group", 0.0, 2.0, 0, 0)
+    recorder.formed("slow", 2, "missed", 0.0, 6.0, 0, 0)
+    recorder.formed("fast", 1, "group", 0.0, 1.0, 0, 0)
+    recorder.formed("fast", 3, "group", 0.0, 99.0, 0, 0)
+    recorder.round_end("slow", 1, "averaged", 30.0, 40.0)
+    recorder.round_end("slow", 2, "missed", 50.0, 60.0)
+    recorder.round_end("fast", 1, "averaged", 45.0, 50.0)
+    recorder.round_end("fast", 3, "averaged", 1.0, 100.0)
+    assert recorder.by_speed(2, 1.0, 4.0) == [
+        {"speeds": [1.0, 2.0], "nodes": 1, "formation_share": 0.08, "compute_utilization": 0.8},
+        {"speeds": [2.0, 3.0], "nodes": 0, "formation_share": None, "compute_utilization": None},
+        {"speeds": [3.0, 4.0], "nodes": 1, "formation_share": 0.02, "compute_utilization": 0.9},
+    ]
