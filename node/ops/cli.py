@@ -19,6 +19,7 @@ current inner step, with a checkpoint, and exit 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -445,6 +446,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
 class _StopOnSignals:
     """SIGINT/SIGTERM: finish the current step (or round), checkpoint, leave the swarm, exit 0.
+    SIGUSR1: write every thread's stack to the log and go on (where is a node that does not move?).
 
     Installed before anything slow starts: a signal that arrives while the DHT starts or the model
     is built is kept and handed to the trainer, which then stops before its first step.
@@ -456,6 +458,9 @@ class _StopOnSignals:
         self._pid = os.getpid()
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        # SIGUSR1: every thread's stack to the log (stderr), written by C code, so it works while the
+        # main thread is stuck inside a native call (where the handlers above cannot run).
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
 
     @property
     def requested(self) -> bool:

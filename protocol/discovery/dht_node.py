@@ -42,7 +42,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -94,6 +94,26 @@ class _OwnedDHT(DHT):
             target=_stop_when_orphaned, args=(parent,), name="dht-parent-watch", daemon=True
         ).start()
         super().run()
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held (blocked, kept pending) in this thread while hivemind's DHT starts.
+
+    The DHT's first shared future makes torch start its shared-memory manager (``torch_shm_manager``;
+    hivemind sets the "file_system" sharing strategy), a child process in our process group. A Ctrl-C
+    or SIGTERM sent to the group (a terminal, systemd, the launcher) killed it, and our main thread then
+    waited inside ``share_memory_()``, in native code where no signal handler runs, forever: a node
+    stopped during its start-up never exited. A child inherits the blocked signals, so the manager
+    (and the DHT process, which ignores them anyway) never sees them; ours are delivered once the
+    mask is restored, and the node's handlers act on them then.
+    """
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stop_when_orphaned(parent: int) -> None:
@@ -226,14 +246,15 @@ class DhtNode:
         # gRPC objects whose finalizers wait on gRPC's threads, which a forked child does not have:
         # it hangs, and every DHT call times out. Collect it here, where those threads exist.
         gc.collect()
-        self._dht = _OwnedDHT(
-            start=True,
-            await_ready=False,
-            shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),
-            record_validators=[] if swarm_key is None else [SwarmKeyValidator(swarm_key)],
-            **config.hivemind_kwargs(),
-            **identity,
-        )
+        with _stop_signals_held():
+            self._dht = _OwnedDHT(
+                start=True,
+                await_ready=False,
+                shutdown_timeout=_SHUTDOWN_GRACE.total_seconds(),
+                record_validators=[] if swarm_key is None else [SwarmKeyValidator(swarm_key)],
+                **config.hivemind_kwargs(),
+                **identity,
+            )
         try:
             self._dht.wait_until_ready(timeout=config.startup_timeout.total_seconds())
         except TimeoutError:

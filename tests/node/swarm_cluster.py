@@ -168,11 +168,24 @@ class Node:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def signal(self, signum: int) -> None:
+        """``signum`` to the node's process group (its DHT process too), as a terminal or systemd does."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signum)
 
+    def signal_process(self, signum: int) -> None:
+        """``signum`` to the node's own process only."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
     def wait(self, timeout: float) -> int:
-        return self.process.wait(timeout=timeout)
+        """The exit code within ``timeout``; else AssertionError with the log's tail, after the node
+        wrote every thread's stack there (SIGUSR1, ``dtnode join``): where it hung."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_process(signal.SIGUSR1)
+            time.sleep(1.0)
+            raise AssertionError(f"the node did not exit within {timeout} s:\n{tail(self, 120)}") from None
 
 
 class Cluster:

@@ -197,3 +197,18 @@ def test_a_stop_asked_before_or_while_the_swarm_starts_exits_0(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.timeout(120)
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_node_goes_on(tmp_path):
+    """``kill -USR1`` on a running ``dtnode join``: its threads' stacks in its log (written by C code,
+    so even a main thread stuck in a native call shows where), and the node trains on to a clean exit."""
+    with Cluster(tmp_path) as cluster:
+        node = cluster.start(["--min-peers", "1", "--inner-steps", "5", "--max-rounds", "40"])
+        wait_for(lambda: "round 1 done" in node.log(), 90, "round 1", node)
+        node.signal_process(signal.SIGUSR1)
+        wait_for(lambda: "Current thread" in node.log() or "Thread 0x" in node.log(), 30, "the stacks", node)
+        assert "node/ops/cli.py" in node.log() and node.process.poll() is None
+        wait_for(lambda: "round 2 done" in node.log(), 60, "round 2 after the dump", node)
+        node.signal(signal.SIGTERM)
+        assert node.wait(60) == 0
