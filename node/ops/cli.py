@@ -19,6 +19,7 @@ current inner step, with a checkpoint, and exit 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -459,8 +460,10 @@ class _StopOnSignals:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         # SIGUSR1: every thread's stack to the log (stderr), written by C code, so it works while the
-        # main thread is stuck inside a native call (where the handlers above cannot run).
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        # main thread is stuck inside a native call (where the handlers above cannot run). Not where
+        # stderr is no file (dtnode join called in-process with its output captured).
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
 
     @property
     def requested(self) -> bool:
