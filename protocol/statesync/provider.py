@@ -81,8 +81,9 @@ class StateProvider(pb_grpc.StateSyncServicer):
         self.num_ranges_served = 0
         """Completed FetchRange streams."""
         self.last_served: dict[str, float] = {}
-        """State id -> ``time.monotonic()`` when our last transfer of it ended (``inf`` while one runs):
-        a peer fetching our state (to join our lineage) is seen here at once, whatever the DHT shows."""
+        """State id -> ``time.monotonic()`` when our last transfer of it ended: with the transfers
+        running (``_transfers_of``), a peer fetching our state (to join our lineage) is seen at once,
+        whatever the DHT shows."""
         self._transfers_of: Counter[str] = Counter()
         """State id -> its transfers running now: a fetcher streams several ranges at once, and the
         first to end must not mark the state idle while the others run."""
@@ -126,20 +127,19 @@ class StateProvider(pb_grpc.StateSyncServicer):
         """Whether we sent a chunk of a snapshot we keep (our newest state, the ones before it, the
         rounds' means beside them) in the last ``within`` seconds: a peer is fetching our lineage's
         state to join it (one a round old catches up with the newest round's mean). Any thread."""
-        now = time.monotonic()
-        return any(
-            now - self.last_served.get(one.state_id, -math.inf) < within
-            for served in self._served()
-            for one, _ in served
-        )
+        return any(self._sent_within(one.state_id, within) for served in self._served() for one, _ in served)
 
-    def _being_fetched(self, state_id: str) -> bool:
-        """Whether a fetcher is taking this state now: a transfer of it runs, or one ended within the
-        stall timeout (the fetcher is between two of its ranges). Any thread (a rough read)."""
+    def _sent_within(self, state_id: str, within: float) -> bool:
+        """Whether a transfer of this state runs, or one ended in the last ``within`` seconds. Any
+        thread (a rough read)."""
         if self._transfers_of.get(state_id, 0) > 0:
             return True
-        stall = self.config.stall_timeout.total_seconds()
-        return time.monotonic() - self.last_served.get(state_id, -math.inf) < stall
+        return time.monotonic() - self.last_served.get(state_id, -math.inf) < within
+
+    def _being_fetched(self, state_id: str) -> bool:
+        """Whether a fetcher is taking this state now: a transfer of it ran within the stall timeout
+        (the fetcher may be between two of its ranges)."""
+        return self._sent_within(state_id, self.config.stall_timeout.total_seconds())
 
     def _manifest_of(self, snapshot: Snapshot) -> pb.StateManifest:
         manifest = to_manifest(
@@ -302,8 +302,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
                     f"I am serving {self._num_active_transfers} transfers already; try again shortly",
                 )
             self._num_active_transfers += 1
-            self._transfers_of[request.state_id] += 1
-            self.last_served[request.state_id] = math.inf  # in flight (a chunk may take seconds to drain)
+            self._transfers_of[request.state_id] += 1  # in flight (a chunk may take seconds to drain)
             try:
                 await self._stream(snapshot, request, context)
             finally:
@@ -314,8 +313,7 @@ class StateProvider(pb_grpc.StateSyncServicer):
                     self.last_served[request.state_id] = time.monotonic()
                 kept = set(self.kept_state_ids)  # (on the loop: no race with the writes above)
                 for state_id in [key for key in self.last_served if key not in kept]:
-                    if state_id not in self._transfers_of:
-                        del self.last_served[state_id]
+                    del self.last_served[state_id]
         except ProtocolError as refusal:
             await self._refuse(context, "FetchRange", refusal)
 
