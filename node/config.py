@@ -294,7 +294,7 @@ class OuterConfig:
         default=1,
         metadata=_help(
             "F: synchronise the model a fragment at a time (Streaming DiLoCo): the parameters in F "
-            "fragments (blocks strided), each with its own round every --inner-steps at offset f*H/F, its "
+            "fragments (blocks strided, sizes balanced), each with its own round every --inner-steps at offset f*H/F, its "
             "own all-reduce and outer momentum; a round is then one fragment's (F rounds per H steps). "
             "1 = the whole model at once."
         ),

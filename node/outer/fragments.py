@@ -14,16 +14,28 @@ model's copy of the fragment is *mixed* with them::
 
 With F = 1, τ = 0 and α = 0 this is plain DiLoCo, bit for bit (``tests/node/outer/test_fragments.py``).
 
-Which parameters form a fragment (:func:`fragment_plan`), so each fragment spans the model's depth:
+Which parameters form a fragment (:func:`fragment_plan`), so each fragment spans the model's depth and
+holds about 1/F of its numbers (a fragment round's bytes, and so a node's peak bandwidth and a round's
+extra memory, follow the largest fragment):
 
 - a *block* is the parameters whose names share the prefix up to their first integer component
-  (``layers.3.``, ``model.layers.3.``, ``transformer.h.3.``): a transformer's repeated layers; block b
-  (in order of first appearance) joins fragment ``b mod F`` (strided, as in the paper);
-- parameters in no block (embeddings, final norm, head) join an adjacent block's fragment: those
-  before the first block go with the first block, those after it with the last block, so with F ≥ 2
-  the embeddings and the head sit in different fragments;
-- a model with no integer component in any name is treated as one block per parameter;
-- F may not exceed the number of blocks (a fragment would be empty).
+  (``layers.3.``, ``model.layers.3.``, ``transformer.h.3.``): a transformer's repeated layers, numbered
+  in order of first appearance; a model with no integer component in any name has one block per
+  parameter;
+- the first ⌊B/F⌋·F of the B blocks are strided whole: block b joins fragment ``b mod F`` (as in the
+  paper), so they fill the F fragments evenly;
+- every other parameter (those of the last B mod F blocks, and those in no block: embeddings, final
+  norm, head) is placed one at a time, largest first (ties: the earlier in canonical order), in the
+  fragment holding the fewest numbers so far (ties: the lowest index): the longest-processing-time
+  greedy rule (Graham 1969): with blocks of equal size no fragment exceeds 1/F of the model by more
+  than the largest parameter placed this way. On the presets: tiny (6 blocks) over F = 4 gives
+  2,705,280 / 2,704,896 / 2,705,664 / 2,705,664 numbers (the largest 0.2500 of the model; the
+  rule before, the embeddings with the first block's fragment and the final norm and head with the
+  last's, gave 0.336), nano (4 blocks) 246,528 / 246,528 / 213,376 / 213,248 (0.2681, as before
+  within 128 numbers: its embeddings and head are one whole parameter each);
+- F may be any count from 1 to the number of parameters (a fragment is never empty: with F > B
+  every parameter is placed by the greedy rule, and an empty fragment is the lightest); F = 1 is
+  the whole model in canonical order.
 
 The state (:class:`FragmentedOuterState`) is an ``OuterState`` whose whole-model view is the
 fragments' vectors in canonical order: a checkpoint, a served snapshot and the param_hash read as an
@@ -34,6 +46,7 @@ convergence benchmark drives :class:`FragmentedDiLoCo` with a simulated all-redu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +65,32 @@ class FragmentPlan:
 
     fragments: tuple[tuple[int, ...], ...]
     names: tuple[str, ...]  # every trainable parameter's name, canonical order
+    sizes: tuple[int, ...]  # every trainable parameter's number of elements, canonical order
 
     @property
     def num_fragments(self) -> int:
         return len(self.fragments)
 
+    def fragment_sizes(self) -> tuple[int, ...]:
+        """Each fragment's number of elements (its round's vector length)."""
+        return tuple(sum(self.sizes[i] for i in members) for members in self.fragments)
+
     def describe(self) -> str:
-        """One line per fragment: its blocks' names, shortened."""
+        """One line per fragment: its numbers and its blocks' names, a block split between fragments
+        named by its parameters here."""
+        blocks = _blocks(list(self.names))
         lines = []
         for index, members in enumerate(self.fragments):
-            blocks = sorted({_block_of(self.names[i]) or self.names[i] for i in members}, key=str)
-            lines.append(f"fragment {index}: {', '.join(blocks)}")
+            held = set(members)
+            parts: list[str] = []
+            for i in members:
+                block = blocks[i]
+                whole = block is not None and all(j in held for j, b in enumerate(blocks) if b == block)
+                part = block if whole and block is not None else self.names[i]
+                if part not in parts:
+                    parts.append(part)
+            numbers = sum(self.sizes[i] for i in members)
+            lines.append(f"fragment {index} ({numbers:,} numbers): {', '.join(parts)}")
         return "\n".join(lines)
 
 
@@ -75,30 +103,54 @@ def _block_of(name: str) -> str | None:
     return None
 
 
-def fragment_plan(names: list[str], num_fragments: int) -> FragmentPlan:
-    """Split parameters (their names, canonical order) into ``num_fragments`` fragments by the module
-    docstring's rule."""
-    if num_fragments < 1:
-        raise ValueError(f"the number of fragments must be >= 1, got {num_fragments}")
+def _blocks(names: list[str]) -> list[str | None]:
+    """Each parameter's block (None: in no block); one block per parameter when no name has one."""
     blocks = [_block_of(name) for name in names]
     if all(block is None for block in blocks):  # no repeated layers: each parameter is a block
-        blocks = [str(i) for i in range(len(names))]
-    order: list[str] = []
-    for block in blocks:
-        if block is not None and block not in order:
-            order.append(block)
-    if num_fragments > len(order):
+        return [str(i) for i in range(len(names))]
+    return blocks
+
+
+def fragment_plan(names: Sequence[str], sizes: Sequence[int], num_fragments: int) -> FragmentPlan:
+    """Split parameters (their names and numbers of elements, canonical order) into ``num_fragments``
+    fragments by the module docstring's rule."""
+    if len(names) != len(sizes):
+        raise ValueError(f"{len(names)} names but {len(sizes)} sizes")
+    if num_fragments < 1:
+        raise ValueError(f"the number of fragments must be >= 1, got {num_fragments}")
+    if num_fragments > len(names):
         raise ValueError(
-            f"{num_fragments} fragments but the model has {len(order)} blocks: at most {len(order)}"
+            f"{num_fragments} fragments but the model has {len(names)} parameters: at most {len(names)}"
         )
-    fragment_of_block = {block: index % num_fragments for index, block in enumerate(order)}
-    first_block = next(i for i, block in enumerate(blocks) if block is not None)
+    blocks = _blocks(list(names))
+    order = list(dict.fromkeys(block for block in blocks if block is not None))  # first appearance
+    # Phase 1: the blocks that fill the fragments evenly, strided whole.
+    num_strided = len(order) // num_fragments * num_fragments
+    fragment_of_block = {block: index % num_fragments for index, block in enumerate(order[:num_strided])}
     members: list[list[int]] = [[] for _ in range(num_fragments)]
+    numbers = [0] * num_fragments
+    rest = []
     for index, block in enumerate(blocks):
-        if block is None:  # before the first block: with it; after it: with the last block
-            block = order[0] if index < first_block else order[-1]
-        members[fragment_of_block[block]].append(index)
-    return FragmentPlan(fragments=tuple(tuple(m) for m in members), names=tuple(names))
+        if block in fragment_of_block:
+            fragment = fragment_of_block[block]
+            members[fragment].append(index)
+            numbers[fragment] += sizes[index]
+        else:
+            rest.append(index)
+    # Phase 2: the rest, largest first, each into the lightest fragment (ties: the lowest index).
+    for index in sorted(rest, key=lambda i: (-sizes[i], i)):
+        fragment = min(range(num_fragments), key=lambda f: (numbers[f], f))
+        members[fragment].append(index)
+        numbers[fragment] += sizes[index]
+    return FragmentPlan(
+        fragments=tuple(tuple(sorted(m)) for m in members), names=tuple(names), sizes=tuple(sizes)
+    )
+
+
+def model_fragment_plan(model: nn.Module, num_fragments: int) -> FragmentPlan:
+    """:func:`fragment_plan` of ``model``'s trainable parameters (``model.parameters()`` order)."""
+    trainable = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    return fragment_plan([name for name, _ in trainable], [size for _, size in trainable], num_fragments)
 
 
 def fragment_offset(fragment: int, *, inner_steps: int, num_fragments: int) -> int:

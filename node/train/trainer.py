@@ -42,7 +42,7 @@ from node.ops.metrics import MetricsSink, MetricsWriter
 from node.ops.progress import progress_sink
 from node.ops.prometheus import PrometheusExporter
 from node.outer.diloco import DiLoCo
-from node.outer.fragments import FragmentedOuterState, fragment_plan, fragment_schedule
+from node.outer.fragments import FragmentedOuterState, fragment_schedule, model_fragment_plan
 from node.outer.round import OuterRound, RoundApplied, RoundProgress, RoundSettings
 from node.outer.seam import Averager, SoloAverager, SwarmSide
 from node.outer.state import outer_sgd_settings
@@ -119,10 +119,9 @@ class Trainer:
             if not isinstance(self.replica, SingleReplica):
                 raise ConfigError("--fragments needs the model in this process: --local-workers 1")
             params = [p for p in self.model.parameters() if p.requires_grad]
-            names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+            plan = model_fragment_plan(self.model, fragments.num_fragments)
             device = torch.device("cpu") if config.outer.offload else params[0].device
-            outer = FragmentedOuterState(params, fragment_plan(names, fragments.num_fragments), device=device,
-                                         **outer_settings)  # fmt: skip
+            outer = FragmentedOuterState(params, plan, device=device, **outer_settings)
             log.info("fragments (%d, a round each; H=%d, overlap %d steps, mix %g):\n%s", fragments.num_fragments,
                      fragments.inner_steps, fragments.overlap_steps, config.outer.fragment_mix,
                      outer.plan.describe())  # fmt: skip

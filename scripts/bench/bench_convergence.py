@@ -40,7 +40,7 @@ Variants (``--variants``, comma-separated; the list is open: add a kind to ``RUN
                         with a last point once the last round has landed.
     streaming:H:F:CODEC[...][:mix=A][:tau=T]
                         Streaming DiLoCo's fragments (``node.outer.fragments``): the parameters in F
-                        fragments (blocks strided), fragment f's round after the steps s = f*H/F
+                        fragments (blocks strided, sizes balanced), fragment f's round after the steps s = f*H/F
                         (mod H), each with its own all-reduce (payload, error feedback) and outer
                         optimizer; its mean lands T inner steps later (default 0) and the local
                         fragment is mixed with the new global one, A of the local kept (default 0,

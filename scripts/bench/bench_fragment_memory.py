@@ -79,7 +79,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from node.model.gpt import GPT, model_config
     from node.outer.diloco import DiLoCo
-    from node.outer.fragments import FragmentedOuterState, FragmentSchedule, fragment_plan
+    from node.outer.fragments import FragmentedOuterState, FragmentSchedule, model_fragment_plan
     from node.outer.round import OuterRound, RoundSettings
     from node.outer.seam import Averaged, JoinAnswer, RoundOutcome, RoundRequest, RoundStats, StartAnswer
     from node.outer.state import outer_sgd_settings
@@ -93,7 +93,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     fragments = args.fragments
     model = GPT(model_config(args.model))
     params = [p for p in model.parameters() if p.requires_grad]
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
     inner = torch.optim.AdamW(params, lr=1e-4)
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -191,7 +190,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     settings = outer_sgd_settings(0.7, 0.9, True)
     schedule = None
     if fragments > 1:
-        outer: Any = FragmentedOuterState(params, fragment_plan(names, fragments), device=torch.device("cpu"),
+        outer: Any = FragmentedOuterState(params, model_fragment_plan(model, fragments), device=torch.device("cpu"),
                                           **settings)  # fmt: skip
         sizes = list(outer.fragment_sizes())
         schedule = FragmentSchedule(inner_steps=args.inner_steps, num_fragments=fragments, overlap_steps=0)

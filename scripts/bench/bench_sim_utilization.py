@@ -8,7 +8,7 @@ the product's own membership code) runs ``--nodes`` nodes of equal speed on equa
 downlink = the rate, one-way latency ``--latency-ms`` to the core), no faults, ``--rounds`` rounds of
 a vector of P/F numbers with an inner phase of H/F steps: with F > 1 each swarm round carries one
 fragment (ARCHITECTURE.md, "Streamed fragments"), taken as P/F numbers (the daemon's fragments are
-blocks strided over F, equal up to the embeddings and head). The all-reduce is the simulator's byte
+blocks strided over F, balanced parameter by parameter to about P/F each). The all-reduce is the simulator's byte
 formulas for the codec over the product's ``GroupSpec``. From the steady rounds (2 onwards) it
 takes, per node and round, ``C`` = wall − compute (formation, the all-reduce, the waits for records),
 its all-reduce seconds, formation seconds and bytes sent.

@@ -29,7 +29,7 @@ from node.data.corpus import Corpus
 from node.model.gpt import GPT, cross_entropy_loss, model_config
 from node.model.replica import build_inner_optimizer
 from node.outer.diloco import DiLoCo, flatten_params
-from node.outer.fragments import FragmentedDiLoCo, due_fragments, fragment_plan
+from node.outer.fragments import FragmentedDiLoCo, due_fragments, model_fragment_plan
 from node.outer.state import tensor_hash
 from node.train.schedule import LRSchedule
 from protocol.allreduce.config import AllReduceConfig
@@ -562,8 +562,7 @@ def run_streaming(settings: BenchSettings, variant: Variant) -> dict[str, Any]:
         raise ValueError(f"steps ({settings.steps}) must be a multiple of H ({inner_steps})")
     corpus, eval_set = load_data(settings)
     workers = [build_worker(settings, corpus, i) for i in range(num_workers)]
-    names = [name for name, p in workers[0].model.named_parameters() if p.requires_grad]
-    plan = fragment_plan(names, num_fragments)
+    plan = model_fragment_plan(workers[0].model, num_fragments)
     own = variant.settings(settings)
     outer = [
         FragmentedDiLoCo(w.model, plan, outer_lr=own.outer_lr, outer_momentum=own.outer_momentum)

@@ -14,7 +14,7 @@ import torch
 
 from node.model.gpt import GPT, model_config
 from node.outer.diloco import DiLoCo
-from node.outer.fragments import FragmentedOuterState, FragmentSchedule, fragment_plan
+from node.outer.fragments import FragmentedOuterState, FragmentSchedule, model_fragment_plan
 from node.outer.pace import PACE_MARGIN, StepTimes, send_window
 from node.outer.round import OuterRound, RoundSettings
 from node.outer.seam import Averaged, RoundDecision, RoundRequest
@@ -50,7 +50,7 @@ def _rounds(
     model = GPT(model_config("nano", vocab_size=64, seq_len=16))
     schedule = None
     if fragments:
-        plan = fragment_plan([name for name, _ in model.named_parameters()], F)
+        plan = model_fragment_plan(model, F)
         outer = FragmentedOuterState(
             list(model.parameters()), plan, device=torch.device("cpu"), lr=0.7, momentum=0.9, nesterov=True
         )

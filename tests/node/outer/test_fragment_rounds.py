@@ -19,7 +19,7 @@ from node.outer.fragments import (
     FragmentedOuterState,
     FragmentSchedule,
     due_fragments,
-    fragment_plan,
+    model_fragment_plan,
 )
 from node.outer.round import OuterRound, RoundApplied, RoundSettings
 from node.outer.seam import (
@@ -67,8 +67,7 @@ def _inner_steps(model: GPT, generator: torch.Generator) -> None:
 @pytest.mark.parametrize("tau", [0, 1, 2])  # 2 = H/F: a round lands as the next one goes
 def test_fragment_rounds_follow_the_schedule_and_match_the_benchmarks_loop(tau: int) -> None:
     model, reference_model = _gpt(), _gpt()
-    names = [name for name, _ in model.named_parameters()]
-    plan = fragment_plan(names, F)
+    plan = model_fragment_plan(model, F)
     outer = FragmentedOuterState(
         list(model.parameters()), plan, device=torch.device("cpu"), lr=LR, momentum=MOMENTUM, nesterov=True
     )
@@ -122,7 +121,7 @@ def test_fragment_rounds_follow_the_schedule_and_match_the_benchmarks_loop(tau: 
 @pytest.mark.timeout(60)
 def test_a_fragment_round_that_falls_back_or_sends_the_node_to_adopt_is_one_round_of_the_sequence() -> None:
     model = _gpt()
-    plan = fragment_plan([name for name, _ in model.named_parameters()], F)
+    plan = model_fragment_plan(model, F)
     outer = FragmentedOuterState(
         list(model.parameters()), plan, device=torch.device("cpu"), lr=LR, momentum=MOMENTUM, nesterov=True
     )

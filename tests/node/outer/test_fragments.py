@@ -11,7 +11,13 @@ from torch import nn
 
 from node.model.gpt import GPT, model_config
 from node.outer.diloco import DiLoCo, flatten_params
-from node.outer.fragments import FragmentedDiLoCo, due_fragments, fragment_offset, fragment_plan
+from node.outer.fragments import (
+    FragmentedDiLoCo,
+    due_fragments,
+    fragment_offset,
+    fragment_plan,
+    model_fragment_plan,
+)
 from node.outer.host_copy import HostCopies
 from node.outer.state import tensor_hash
 
@@ -21,28 +27,96 @@ def _gpt() -> GPT:
     return GPT(model_config("nano", vocab_size=64, seq_len=16))
 
 
-def test_the_plan_strides_blocks_and_places_the_embeddings_and_head_beside_their_blocks() -> None:
-    names = [name for name, _ in _gpt().named_parameters()]
-    plan = fragment_plan(names, 2)
+def _names_and_sizes(model: nn.Module) -> tuple[list[str], list[int]]:
+    return [name for name, _ in model.named_parameters()], [p.numel() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_the_plan_strides_blocks_that_fill_the_fragments_and_places_the_rest_largest_first() -> None:
+    names, sizes = _names_and_sizes(_gpt())
+    plan = fragment_plan(names, sizes, 2)
     by_fragment = [[names[i] for i in members] for members in plan.fragments]
-    # nano has 4 layers: 0 and 2 in fragment 0 with the embeddings, 1 and 3 in fragment 1 with the head.
-    assert by_fragment[0][0] == "tok_embeddings.weight"
+    # nano's 4 layers (213,248 numbers each) fill 2 fragments: 0 and 2 in fragment 0, 1 and 3 in 1.
+    # The rest, largest first: tok_embeddings (vocab 64 × dim 128 = 8,192) to fragment 0 (tie: the lowest
+    # index), output (8,192) to fragment 1 (the lighter), norm (128) to fragment 0 (tie again).
     assert {n.split(".")[1] for n in by_fragment[0] if n.startswith("layers.")} == {"0", "2"}
     assert {n.split(".")[1] for n in by_fragment[1] if n.startswith("layers.")} == {"1", "3"}
-    assert by_fragment[1][-2:] == ["norm.weight", "output.weight"]
+    assert [n for n in by_fragment[0] if not n.startswith("layers.")] == [
+        "tok_embeddings.weight",
+        "norm.weight",
+    ]
+    assert [n for n in by_fragment[1] if not n.startswith("layers.")] == ["output.weight"]
+    assert plan.fragment_sizes() == (2 * 213_248 + 8_192 + 128, 2 * 213_248 + 8_192)
     every = sorted(i for members in plan.fragments for i in members)
     assert every == list(range(len(names)))  # each parameter in exactly one fragment
     assert all(list(members) == sorted(members) for members in plan.fragments)
-    assert fragment_plan(names, 1).fragments == (tuple(range(len(names))),)
+    assert fragment_plan(names, sizes, 1).fragments == (tuple(range(len(names))),)
 
 
-def test_the_plan_of_a_model_without_blocks_strides_its_parameters_and_refuses_too_many_fragments() -> None:
-    names = ["a.weight", "a.bias", "b.weight"]
-    assert fragment_plan(names, 2).fragments == ((0, 2), (1,))
-    with pytest.raises(ValueError, match="3 blocks"):
-        fragment_plan(names, 4)
-    with pytest.raises(ValueError, match="at most 4"):
-        fragment_plan([name for name, _ in _gpt().named_parameters()], 5)
+@pytest.mark.timeout(60)
+def test_the_plan_balances_tinys_six_blocks_over_four_fragments_parameter_by_parameter() -> None:
+    """tiny: 6 layers of 1,770,240 numbers (wq/wk/wv/wo 147,456, w1/w3/w2 393,216, two norms 384),
+    embeddings and head 99,840 each, final norm 384. Layers 0–3 strided whole (1,770,240 each); the
+    rest largest first into the lightest fragment (ties: the lowest index), by hand:
+    w1/w3/w2 of layers 4 and 5 → 0, 1, 2, 3, 0, 1 (0, 1: 2,556,672; 2, 3: 2,163,456);
+    wq/wk/wv/wo of 4 then 5 → 2, 3, 2, 3, 2, 3, 0, 1 (0, 1: 2,704,128; 2, 3: 2,605,824);
+    tok_embeddings → 2, output → 3 (2,705,664); the norms (layer 4's two, layer 5's two, the final)
+    → 0, 1, 0, 1, 0. The rule before put 3,640,320 / 3,640,704 / 1,770,240 / 1,770,240 numbers
+    in them (the largest 0.336 of the model)."""
+    names, sizes = _names_and_sizes(GPT(model_config("tiny")))
+    plan = fragment_plan(names, sizes, 4)
+    expected = [
+        ["layers.0.*", "layers.4.attention_norm", "layers.4.feed_forward.w1", "layers.5.attention_norm",
+         "layers.5.attention.wv", "layers.5.feed_forward.w3", "norm"],
+        ["layers.1.*", "layers.4.ffn_norm", "layers.4.feed_forward.w3", "layers.5.attention.wo",
+         "layers.5.ffn_norm", "layers.5.feed_forward.w2"],
+        ["tok_embeddings", "layers.2.*", "layers.4.attention.wq", "layers.4.attention.wv",
+         "layers.4.feed_forward.w2", "layers.5.attention.wq"],
+        ["layers.3.*", "layers.4.attention.wk", "layers.4.attention.wo", "layers.5.attention.wk",
+         "layers.5.feed_forward.w1", "output"],
+    ]  # fmt: skip
+    for members, patterns in zip(plan.fragments, expected, strict=True):
+        held = [names[i] for i in members]
+        wanted = [
+            n for n in names
+            if any(n.startswith(p[:-1]) if p.endswith("*") else n == f"{p}.weight" for p in patterns)
+        ]  # fmt: skip
+        assert held == wanted
+    assert plan.fragment_sizes() == (2_705_280, 2_704_896, 2_705_664, 2_705_664)
+    assert sum(plan.fragment_sizes()) == 10_821_504
+    assert (
+        "fragment 2 (2,705,664 numbers): tok_embeddings.weight, layers.2, layers.4.attention.wq.weight"
+        in (plan.describe())
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("preset", ["nano", "tiny"])
+def test_every_fragment_count_up_to_the_number_of_parameters_gives_a_balanced_plan(preset: str) -> None:
+    """F from 1 to the number of parameters: every parameter in exactly one fragment, none empty, and
+    (blocks of equal size) no fragment above 1/F of the model by more than its largest parameter."""
+    names, sizes = _names_and_sizes(GPT(model_config(preset)))
+    total = sum(sizes)
+    for num_fragments in range(1, len(names) + 1):
+        plan = fragment_plan(names, sizes, num_fragments)
+        assert plan.num_fragments == num_fragments
+        assert sorted(i for members in plan.fragments for i in members) == list(range(len(names)))
+        assert all(members for members in plan.fragments)
+        assert max(plan.fragment_sizes()) <= total / num_fragments + max(sizes)
+    with pytest.raises(ValueError, match=f"at most {len(names)}"):
+        fragment_plan(names, sizes, len(names) + 1)
+
+
+@pytest.mark.timeout(60)
+def test_the_plan_of_a_model_without_blocks_strides_its_parameters_then_balances_the_rest() -> None:
+    names, sizes = ["a.weight", "a.bias", "b.weight"], [6, 2, 4]
+    # one block per parameter: 0 → fragment 0 (6), 1 → fragment 1 (2); then b.weight to the lighter, 1.
+    assert fragment_plan(names, sizes, 2).fragments == ((0,), (1, 2))
+    assert fragment_plan(names, sizes, 3).fragments == ((0,), (1,), (2,))
+    with pytest.raises(ValueError, match="3 parameters: at most 3"):
+        fragment_plan(names, sizes, 4)
+    with pytest.raises(ValueError, match="sizes"):
+        fragment_plan(names, sizes[:2], 2)
 
 
 def test_each_fragment_rounds_every_h_steps_at_its_offset() -> None:
@@ -71,8 +145,9 @@ def _train(model: nn.Module, generator: torch.Generator) -> None:
 def test_one_fragment_without_overlap_or_mix_is_plain_diloco_bit_for_bit() -> None:
     plain_model, fragmented_model = _gpt(), _gpt()
     plain = DiLoCo(plain_model, outer_lr=0.7, outer_momentum=0.9)
-    names = [name for name, _ in fragmented_model.named_parameters()]
-    fragmented = FragmentedDiLoCo(fragmented_model, fragment_plan(names, 1), outer_lr=0.7, outer_momentum=0.9)
+    fragmented = FragmentedDiLoCo(
+        fragmented_model, model_fragment_plan(fragmented_model, 1), outer_lr=0.7, outer_momentum=0.9
+    )
     plain_gen, fragmented_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for _ in range(3):
         _train(plain_model, plain_gen)
@@ -90,8 +165,7 @@ def test_one_fragment_without_overlap_or_mix_is_plain_diloco_bit_for_bit() -> No
 
 def test_a_landed_fragment_steps_its_global_params_and_mixes_only_its_own_local_params() -> None:
     model = _gpt()
-    names = [name for name, _ in model.named_parameters()]
-    plan = fragment_plan(names, 2)
+    plan = model_fragment_plan(model, 2)
     fragmented = FragmentedDiLoCo(model, plan, outer_lr=0.5, outer_momentum=0.0)  # plain SGD: hand-computable
     start = flatten_params(list(model.parameters()), device="cpu")
     _train(model, torch.Generator().manual_seed(2))
@@ -121,9 +195,12 @@ def test_a_fragment_stepped_on_copies_of_the_whole_state_is_the_landed_fragment_
     gives the whole params and momentum a member's own fragment step gives, and leaves the state
     it was asked about untouched: three rounds of two fragments, Nesterov momentum."""
     member_model, behind_model = _gpt(), _gpt()
-    names = [name for name, _ in member_model.named_parameters()]
-    member = FragmentedDiLoCo(member_model, fragment_plan(names, 2), outer_lr=0.7, outer_momentum=0.9)
-    behind = FragmentedDiLoCo(behind_model, fragment_plan(names, 2), outer_lr=0.7, outer_momentum=0.9)
+    member = FragmentedDiLoCo(
+        member_model, model_fragment_plan(member_model, 2), outer_lr=0.7, outer_momentum=0.9
+    )
+    behind = FragmentedDiLoCo(
+        behind_model, model_fragment_plan(behind_model, 2), outer_lr=0.7, outer_momentum=0.9
+    )
     generator = torch.Generator().manual_seed(3)
     start = (behind.outer.params(), behind.outer.momentum())
     held = (start[0].clone(), start[1].clone() if start[1] is not None else None)
@@ -148,7 +225,7 @@ def test_the_whole_hash_is_fed_the_fragments_in_place_and_equals_a_flat_states()
     bytes of the model's flat params), yet no whole vector is put together for it: a round in flight
     holds only its fragment's extra copies (issue 32, item 3)."""
     model = _gpt()
-    fragmented = FragmentedDiLoCo(model, fragment_plan([n for n, _ in model.named_parameters()], 4))
+    fragmented = FragmentedDiLoCo(model, model_fragment_plan(model, 4))
     flat = flatten_params(list(model.parameters()), device="cpu")
     expected = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     whole_views = fragmented.outer.params
@@ -169,7 +246,7 @@ def test_the_host_copy_of_a_fragmented_state_is_made_once_per_version() -> None:
     """The served snapshot, the checkpoint and the eval share one host copy of the whole state per
     version with fragments too (before: a whole copy for each reader, every round)."""
     model = _gpt()
-    fragmented = FragmentedDiLoCo(model, fragment_plan([n for n, _ in model.named_parameters()], 4))
+    fragmented = FragmentedDiLoCo(model, model_fragment_plan(model, 4))
     host = HostCopies(fragmented.diloco)
     first = host.get()
     assert host.get() is first and host.num_copies == 1
