@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from protocol.membership.messages import Accept, GroupMember, GroupSpec, Proposal
@@ -17,6 +18,9 @@ class OpenProposal:
     invited: set[str]
     accepts: dict[str, Accept] = field(default_factory=dict)
     declined: set[str] = field(default_factory=set)
+    sent_until: float = -math.inf
+    """When the leader's uplink is done sending the proposal to every invitee (``fan_out.py``):
+    until then an invitee that asks to join again has its copy still on the way."""
 
     @property
     def proposal_id(self) -> str:
@@ -29,6 +33,11 @@ class OpenProposal:
             self.proposal = replace(self.proposal, members=tuple(sorted({*self.proposal.members, peer_id})))
         self.declined.discard(peer_id)
         return self.proposal
+
+    def on_the_way(self, peer_id: str, now: float) -> bool:
+        """Our proposal to ``peer_id`` may still be on our uplink: sending it again would only queue
+        a second copy behind the first."""
+        return peer_id in self.invited and peer_id not in self.declined and now < self.sent_until
 
     def accept(self, peer_id: str, accept: Accept) -> bool:
         """Record an Accept; False if ``peer_id`` was not invited (the Accept is not for us to use)."""

@@ -24,15 +24,19 @@ Protocol
    until ``max_wait``. A joiner still fetching the lineage's state (a ``syncing`` record) that
    expects to hold it before the window ends is waited for too: it needs one inner step after
    its fetch, and otherwise would miss the round by seconds and wait a whole inner phase. It
-   sends a ``Proposal`` to the ready peers and collects ``Accept`` / ``Reject`` until all answered or ``proposal_timeout``. With ``>= min_peers`` accepted
+   sends a ``Proposal`` to the ready peers and collects ``Accept`` / ``Reject`` until all
+   answered or ``proposal_timeout`` plus the time its uplink takes to send every proposal
+   (``fan_out.py``: a proposal lists every candidate, so K of them are O(K^2) bytes on one link;
+   a peer that asks again meanwhile gets no second copy). With ``>= min_peers`` accepted
    (itself included) it fixes the :class:`~protocol.membership.messages.GroupSpec` (members
    in the member order: by rank, then id; weights = tokens from their Accepts, parts from ``parts.py``) and sends it in
    ``Begin``; with fewer it cancels, suspects the silent and proposes again later.
 3. Member: accepts a proposal of its round and lineage, then waits for ``Begin`` until
-   ``begin_timeout``. On Begin it is locked: ``StartAllReduce(group)``. No Begin in time, or the
-   leader's record gone: it withdraws, suspects that leader and re-evaluates (step 1). A leader
-   that stays silent for a join window plus a begin timeout while enough peers are ready is
-   suspected too.
+   ``begin_timeout`` plus the time the leader's announced uplink takes to send every proposal
+   and every Begin (each lists every member). On Begin it is locked: ``StartAllReduce(group)``.
+   No Begin in time, or the leader's record gone: it withdraws, suspects that leader and
+   re-evaluates (step 1). A leader that stays silent for a join window plus a begin timeout
+   (plus its fan-out, as above) while enough peers are ready is suspected too.
 4. A peer that learns that a group of its round and lineage began without it (a ``Cancel`` or
    ``Reject`` saying so) has missed the round: ``MissedRound``; it re-syncs from that group once
    it published its new params, and joins the next round. A leader that learns it while
@@ -110,6 +114,7 @@ from protocol.membership.actions import (
     reply_without_formation,
 )
 from protocol.membership.config import RoundConfig, TooFewPolicy
+from protocol.membership.fan_out import fan_out_seconds, formation_fan_out_seconds, proposal_bytes
 from protocol.membership.lineage import decide_lineage
 from protocol.membership.messages import (
     Accept,
@@ -396,12 +401,22 @@ class RoundFormation:
                 return actions
             if leader != self._watched_leader:
                 self._watched_leader = leader
-                self._leader_deadline = now + _seconds(self.config.join_window + self.config.begin_timeout)
+                sending = formation_fan_out_seconds(
+                    sorted(readiness.ready_ids()), self._own_entry(), self._bandwidth_of(leader)
+                )
+                self._leader_deadline = (
+                    now + _seconds(self.config.join_window + self.config.begin_timeout) + sending
+                )
             if now < self._leader_deadline:
                 return actions
             # Enough peers were ready for a whole join window and the leader stayed silent.
             self._suspected.add(leader)
             self._watched_leader = None
+
+    def _bandwidth_of(self, peer_id: str) -> float:
+        """The uplink ``peer_id``'s record announces; 0 (unknown) if our view lacks it."""
+        record = self._view.get(peer_id)
+        return record.bandwidth_bytes_per_s if record is not None else 0.0
 
     def _await_server(self, lineage_peers: list[PeerRecord]) -> list[Action]:
         """We are a client and no peer of our lineage that accepts connections is ready: wait for
@@ -447,8 +462,14 @@ class RoundFormation:
             param_hash=self.local.param_hash,
             members=tuple(candidates),
         )
-        deadline = min(now + _seconds(self.config.proposal_timeout), self.max_deadline)
-        self._open = OpenProposal(proposal, deadline, invited=set(candidates) - {self.peer_id})
+        # Our uplink sends the proposal to each candidate in turn: answers are due that much later.
+        sending = fan_out_seconds(
+            proposal_bytes(candidates), len(candidates) - 1, self.local.bandwidth_bytes_per_s
+        )
+        deadline = min(now + _seconds(self.config.proposal_timeout) + sending, self.max_deadline)
+        self._open = OpenProposal(
+            proposal, deadline, invited=set(candidates) - {self.peer_id}, sent_until=now + sending
+        )
         self.phase = Phase.COLLECTING
         actions: list[Action] = [Send(peer_id, proposal) for peer_id in sorted(self._open.invited)]
         if not self._open.invited:  # min_peers == 1 and nobody else ready: a group of one
@@ -503,6 +524,8 @@ class RoundFormation:
         self._unavailable.discard(sender)
         self._requesters.add(sender)
         if self._open is not None and sender not in self._open.accepts:
+            if self._open.on_the_way(sender, self._now):
+                return []  # it asks again before our uplink got to it: one copy is enough
             return [Send(sender, self._open.invite(sender))]  # new, or our proposal to it was lost
         return []  # a gathering leader counts it in _choose_role; a member keeps it for when it leads
 
@@ -599,7 +622,9 @@ class RoundFormation:
         self._deferred.pop(leader, None)
         self._bound = (leader, proposal.proposal_id)
         self._bound_leader_seen = leader in self._view
-        self._begin_deadline = now + _seconds(self.config.begin_timeout)
+        # The leader sends every candidate its proposal, then every member its Begin, on one uplink.
+        sending = formation_fan_out_seconds(proposal.members, self._own_entry(), self._bandwidth_of(leader))
+        self._begin_deadline = now + _seconds(self.config.begin_timeout) + sending
         self._watched_leader = None
         self.phase = Phase.BOUND
         return [Send(leader, self._accept_message(proposal.proposal_id))]

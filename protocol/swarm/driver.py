@@ -7,8 +7,10 @@ around it. While the local peer forms round ``r`` the driver feeds the formation
 - a fresh DHT view every ``view_refresh`` (read in a worker thread: hivemind's calls block),
 - a ``tick`` at the formation's ``next_deadline``,
 
-and executes what it asks for: ``Send`` as a fire-and-forget gRPC call with its own deadline (to a
-client-mode peer, which nobody can dial: held in our ``Outbox`` until it collects it),
+and executes what it asks for: ``Send`` as a fire-and-forget gRPC call with its own deadline (the
+message timeout plus the time our announced uplink takes to send the bytes in flight with it: a
+leader's fan-out of Begins to a thousand members takes seconds, ``protocol/membership/fan_out.py``;
+to a client-mode peer, which nobody can dial: held in our ``Outbox`` until it collects it),
 ``Publish`` as a new DHT record through the registry's non-blocking heartbeat. The terminal
 outcome ends :meth:`RoundDriver.form`. Between formations the last formation keeps answering
 messages about its round (a late peer learns at once that the round started without it);
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNodeClosed
 from protocol.discovery.registry import SwarmRegistry
@@ -33,6 +36,7 @@ from protocol.membership.actions import (
     Send,
     reply_without_formation,
 )
+from protocol.membership.fan_out import message_bytes, send_timeout, wire_sizes
 from protocol.membership.messages import Accept, Begin, Cancel, Message, Reason
 from protocol.membership.outbox import Outbox
 from protocol.membership.records import PeerRecord, SwarmView
@@ -77,6 +81,7 @@ class RoundDriver:
         self._addresses: dict[str, str] = {}  # peer id -> gRPC address, from views and Accepts
         self.last_seen: dict[str, float] = {}  # peer id -> when a view last listed it (bounded)
         self._sends: set[asyncio.Task[bool]] = set()
+        self._bytes_in_flight = 0  # of those sends (fan_out.message_bytes): our uplink's queue
         # Sends to peers no view has listed yet (a leader whose record has not reached our DHT view
         # proposes to us): sent as soon as a view or a message gives the address, or dropped once
         # older than a proposal lives (the formation's own timeouts take over then).
@@ -180,11 +185,16 @@ class RoundDriver:
             )  # fmt: skip
 
     def _execute(self, actions: list[Action]) -> None:
+        sends = [action for action in actions if isinstance(action, Send)]
+        sizes = dict(zip(map(id, sends), wire_sizes([send.message for send in sends]), strict=True))
+        # The sends of one event leave together (a leader's fan-out) and share our uplink with those
+        # still in flight: each may take until all of them are out, plus the message timeout.
+        timeout = self._send_timeout(sum(sizes.values()))
         for action in actions:
             if isinstance(action, Send):
                 if isinstance(action.message, Cancel) and action.message.reason is Reason.STREAMS_MISMATCH:
                     self._warn_streams(action.to, "it opens another number of all-reduce streams than we do")
-                self._send(action)
+                self._send(action, sizes[id(action)], timeout)
             elif isinstance(action, Publish):
                 assert self.record is not None, "publish a record before forming a round"
                 self.registry.publish(
@@ -196,7 +206,16 @@ class RoundDriver:
                 )
             # Terminal outcomes are read from formation.outcome by form().
 
-    def _send(self, send: Send) -> None:
+    def _send_timeout(self, num_bytes: int) -> timedelta:
+        """A send's deadline once ``num_bytes`` more leave with it (``fan_out.send_timeout``)."""
+        seconds = send_timeout(
+            self.config.message_timeout.total_seconds(),
+            self._bytes_in_flight + num_bytes,
+            self.config.bandwidth_bytes_per_s,
+        )
+        return timedelta(seconds=seconds)
+
+    def _send(self, send: Send, num_bytes: int | None = None, timeout: timedelta | None = None) -> None:
         if send.to in self.clients:
             # Nobody can dial it: it collects the message from us (Membership.Collect).
             envelope = to_envelope(
@@ -219,11 +238,19 @@ class RoundDriver:
             self.num_messages_dropped += 1
             logger.warning("%d membership messages in flight; dropped one to %s", len(self._sends), send.to)
             return
-        task = asyncio.create_task(
-            self.client.send(address, send.message, timeout=self.config.message_timeout)
-        )
+        if num_bytes is None:
+            num_bytes = message_bytes(send.message)
+        if timeout is None:
+            timeout = self._send_timeout(num_bytes)
+        task = asyncio.create_task(self.client.send(address, send.message, timeout=timeout))
         self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        self._bytes_in_flight += num_bytes
+
+        def done(task: asyncio.Task[bool]) -> None:
+            self._sends.discard(task)
+            self._bytes_in_flight -= num_bytes
+
+        task.add_done_callback(done)
 
     def _flush_unaddressed(self) -> None:
         """Send the held messages whose address is known now; drop those past the message timeout."""

@@ -5,10 +5,12 @@ Model (the distributions are drawn in ``swarm.py`` and documented in ``settings.
 has one access link to a core that never congests, with a one-way latency and an uplink and a
 downlink rate. A message from A to B takes ``latency(A) + latency(B)`` plus its wire size over A's
 uplink, and A's uplink sends one message at a time (first in, first out): a leader that sends a
-Begin to a thousand members waits for each, and a message not sent within the driver's
-``message_timeout`` (3 s) of its send is lost, as the daemon's send is cancelled at that deadline
-(the daemon's sends run concurrently and share the uplink, which delivers no more of them: this
-first-in-first-out model is the kinder one). The size is the product's own encoding of the message
+Begin to a thousand members waits for each, and a message not sent by the driver's deadline is
+lost, as the daemon's send is cancelled at that deadline. The deadline is the driver's own
+(``fan_out.send_timeout``): ``message_timeout`` (3 s) plus the time the sender's announced uplink
+takes to move its backlog and the messages of the same event (a fan-out), sized as the driver
+sizes them (``fan_out.wire_sizes``). The daemon's sends run concurrently and share the uplink;
+with that deadline both orders get every message of a fan-out out in time. The size is the product's own encoding of the message
 (``protocol.membership.wire.to_envelope``'s protobuf size), so a Begin that lists a thousand members
 costs what it costs on the wire. Receivers' downlinks are not modelled for messages (they are small
 next to the all-reduce, which ``allreduce_cost.py`` models both ways). A message to a node that is
@@ -67,6 +69,11 @@ class Network:
             self._sizes.clear()
         self._sizes[id(key_object)] = (key_object, size)
         return size
+
+    def backlog_bytes(self, sender: str, now: float) -> int:
+        """Bytes still queued on ``sender``'s uplink at ``now`` (what its driver has in flight)."""
+        waiting = self._uplink_free_at.get(sender, 0.0) - now
+        return round(waiting * self.profiles[sender].up_bytes_per_s) if waiting > 0 else 0
 
     def send_time(
         self, sender: str, receiver: str, message: Message, now: float, deadline: float

@@ -66,6 +66,7 @@ from protocol.membership.actions import (
     StartAllReduce,
     reply_without_formation,
 )
+from protocol.membership.fan_out import send_timeout, wire_sizes
 from protocol.membership.lineage import Lineage, decide_lineage
 from protocol.membership.messages import GroupSpec, Message
 from protocol.membership.records import PeerRecord, SwarmView
@@ -625,9 +626,10 @@ class SimNode:
                 self._own_delta(formation.round, "error")
             return
         self.world.recorder.host_seconds(self.peer_id, formation.round, time.perf_counter() - started)
+        cut_at = self._send_deadline([action.message for action in actions if isinstance(action, Send)])
         for action in actions:
             if isinstance(action, Send):
-                self._send(action.to, action.message)
+                self._send(action.to, action.message, cut_at)
             elif isinstance(action, Publish):
                 assert self.published is not None
                 self.publish(dataclasses.replace(self.published, ready_for_round=action.ready_for_round))
@@ -653,10 +655,17 @@ class SimNode:
                 self._tick.cancel()
             self._tick = self._after(deadline - self.now, lambda: self._on_deadline(formation))
 
-    def _send(self, to: str, message: Message) -> None:
+    def _send_deadline(self, messages: list[Message]) -> float:
+        """When the driver cuts these sends of one event (``RoundDriver._execute``): the message
+        timeout plus our uplink's time for its backlog and them (``fan_out.send_timeout``)."""
+        queued = self.world.network.backlog_bytes(self.peer_id, self.now) + sum(wire_sizes(messages))
+        return self.now + send_timeout(self.world.message_timeout, queued, self.profile.up_bytes_per_s)
+
+    def _send(self, to: str, message: Message, deadline: float | None = None) -> None:
         network = self.world.network
         target = self.world.nodes.get(to)
-        deadline = self.now + self.world.message_timeout
+        if deadline is None:
+            deadline = self._send_deadline([message])
         arrival = network.send_time(self.peer_id, to, message, self.now, deadline)
         if arrival is None or target is None or not network.reachable(self.peer_id, to):
             return

@@ -120,6 +120,25 @@ def test_fault_free_rounds_form_with_every_node_and_the_formula_bytes() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_three_hundred_nodes_on_10_mbit_links_form_one_group() -> None:
+    """A leader's proposals and Begins to 299 others take ~16 s on a 10 Mbit/s uplink. With fixed
+    waits (3 s per send, 5 s to collect, 10 s for a Begin) 229 messages expired, 139 of the 300
+    locked, the all-reduce had no majority and the round ended on 300 lineages (BENCHMARKS.md,
+    "Today's single-group round at N = 1000"); the waits now grow with the leader's fan-out."""
+    settings = SimSettings(
+        num_nodes=300, num_rounds=1, seed=1, speed_max=1.0, link_mbit_min=10.0, link_mbit_max=10.0
+    )
+    swarm = Swarm(settings)
+    result = swarm.run()
+    (figures,) = result["rounds"]
+    assert figures["group_sizes"] == [300] and figures["participation"] == 1.0
+    assert swarm.network.num_messages_expired == 0
+    assert result["end"]["lineages"] == 1
+    # The leader's uplink is the limit: its messages alone took longer than the old fixed waits.
+    assert figures["formation_seconds_max"] > swarm.config.message_timeout.total_seconds() + 5
+
+
+@pytest.mark.timeout(60)
 def test_a_crashed_node_is_left_out_of_later_rounds() -> None:
     settings = fault_free(num_rounds=4)
     swarm = Swarm(settings)

@@ -18,12 +18,14 @@ import pytest
 import uvloop
 
 from protocol.membership.actions import Send
-from protocol.membership.messages import Accept, Cancel, Message, Reason
+from protocol.membership.messages import Accept, Begin, Cancel, Message, Reason
 from protocol.membership.records import SwarmView
 from protocol.membership.transport import MembershipClient
+from protocol.membership.wire import to_envelope
 from protocol.swarm.config import PROTOCOL_VERSION
 from protocol.swarm.driver import RoundDriver, watch_swarm
 from tests.protocol.membership.fake_swarm import make_record
+from tests.protocol.membership.test_fan_out import group
 from tests.protocol.membership.test_transport import serving
 from tests.protocol.swarm.test_swarm_node import node_config
 
@@ -166,3 +168,57 @@ def test_the_swarm_watch_reads_the_view_every_refresh_only_while_watching_closel
         assert reads >= 8, reads  # ~20 in 1 s (fewer only if this process is starved)
     else:
         assert 1 <= reads <= 5, reads  # reads are >= 4.5 x 0.05 s apart
+
+
+class RecordingClient:
+    """Stands for MembershipClient: keeps each send's deadline and delivers nothing."""
+
+    protocol_version = PROTOCOL_VERSION
+
+    def __init__(self) -> None:
+        self.timeouts: list[timedelta] = []
+
+    async def send(self, address: str, message: Message, *, timeout: timedelta) -> bool:
+        self.timeouts.append(timeout)
+        await asyncio.sleep(0)
+        return True
+
+
+def test_a_leaders_begins_get_the_time_its_uplink_takes_to_send_them_all() -> None:
+    """99 Begins of a 100-member group leave at once on an uplink of 125 kB/s: ~0.94 MB of protobuf,
+    7.5 s. A fixed message timeout (3 s) cut every Begin past the first 3 s of them (BENCHMARKS.md,
+    "A slow leader's uplink"); each now has the message timeout plus the time for all of them."""
+    spec = group(100)
+    peers = [m.peer_id for m in spec.members if m.peer_id != spec.leader_id]
+
+    async def scenario() -> None:
+        client = RecordingClient()
+        registry = LaggingRegistry()
+        driver = make_driver(registry, client, proposal_timeout=5.0)  # type: ignore[arg-type]
+        driver.config = dataclasses.replace(driver.config, bandwidth_bytes_per_s=125_000.0)
+        registry.view = SwarmView(
+            now=time.time(),
+            peers=tuple(
+                sorted(
+                    (
+                        dataclasses.replace(make_record(m.peer_id), grpc_address=m.grpc_address)
+                        for m in spec.members
+                    ),
+                    key=lambda record: record.peer_id,
+                )
+            ),
+        )
+        await driver.refresh_view()
+        driver._execute([Send(to=peer, message=Begin(group=spec)) for peer in peers])
+        await asyncio.sleep(0.05)
+        true_bytes = len(peers) * to_envelope(Begin(group=spec), sender_id=ME, protocol_version=1).ByteSize()
+        fixed = driver.config.message_timeout.total_seconds()
+        assert len(client.timeouts) == len(peers)
+        for timeout in client.timeouts:
+            assert (
+                fixed + true_bytes / 125_000.0
+                <= timeout.total_seconds()
+                <= fixed + 1.4 * true_bytes / 125_000.0
+            )
+
+    uvloop.run(scenario())
