@@ -367,8 +367,20 @@ class FragmentedOuterState:
 
     # --- the whole model's view (OuterState) ---
 
-    def _whole(self, pieces: list[Tensor]) -> Tensor:
+    def _whole(self, pieces: Sequence[Tensor]) -> Tensor:
         return torch.cat([pieces[f][a : a + n] for f, a, _, n in self._layout])
+
+    def assemble(self, pieces: Sequence[Tensor]) -> Tensor:
+        """The whole-model vector (canonical order) of one vector per fragment (a state served in
+        fragments, ``node.swarm.state.state_snapshot``); ValueError if they are not the fragments' sizes."""
+        sizes = tuple(piece.numel() for piece in pieces)
+        if sizes != self.fragment_sizes():
+            raise ValueError(f"got pieces of {sizes} numbers, the fragments hold {self.fragment_sizes()}")
+        return self._whole(pieces)
+
+    def assembled_hash(self, pieces: Sequence[Tensor]) -> str:
+        """``tensor_hash(self.assemble(pieces))`` without putting the whole vector together."""
+        return pieces_hash(pieces[f][a : a + n] for f, a, _, n in self._layout)
 
     def _pieces(self, whole: Tensor) -> list[Tensor]:
         if whole.shape != (self.num_elements,):

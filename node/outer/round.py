@@ -231,6 +231,7 @@ class OuterRound:
                 raise ValueError("a fragment schedule needs DiLoCo's outer state in as many fragments")
             self.fragments = outer
         self.host = HostCopies(diloco)  # the one host copy of θ_global per version (node/outer/host_copy.py)
+        self._last_snapshot: Snapshot | None = None  # the state served last (its pieces' hashes stand)
         # The phase under way: its monotonic start (None: the first of this process), its first step,
         # and since when it runs past its end because a node is fetching our state.
         self._phase_started: float | None = None
@@ -313,6 +314,7 @@ class OuterRound:
                 rank=self.settings.rank,
                 fragment_sizes=fragments.fragment_sizes() if fragments is not None else (),
                 fragment_stepper=fragments.stepped if fragments is not None else None,
+                fragment_assemble=fragments.assemble if fragments is not None else None,
             )
         )
         if answer.adopt is not None:
@@ -457,18 +459,17 @@ class OuterRound:
         every member at once only what they serve byte for byte."""
         data = boundary[1] if boundary is not None else self.data.state_dict()
         round = self.progress.round if round is None else round
+        common: dict[str, Any] = dict(
+            param_hash=self.host.get().param_hash, copy=False, round=round, step=self.lineage_step(round),
+            data=data, model=self.settings.model, corpus_sha256=self.settings.corpus_sha256,
+        )  # fmt: skip
         host = self.host.get()
-        return state_snapshot(
-            global_params=host.params,
-            outer_momentum=host.momentum,
-            param_hash=host.param_hash,
-            copy=False,
-            round=round,
-            step=self.lineage_step(round),
-            data=data,
-            model=self.settings.model,
-            corpus_sha256=self.settings.corpus_sha256,
-        )
+        if host.fragments is not None:  # a piece per fragment: a round makes (and hashes) one
+            served = state_snapshot(fragments=host.fragments, reuse=self._last_snapshot, **common)
+        else:
+            served = state_snapshot(global_params=host.params, outer_momentum=host.momentum, **common)
+        self._last_snapshot = served
+        return served
 
     def lineage_step(self, round: int) -> int:
         """The inner step after which round ``round`` is due on the schedule every member shares: r·H,

@@ -48,7 +48,7 @@ the loop, the swarm or DiLoCo.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,6 +81,10 @@ FragmentStepper = Callable[[int, torch.Tensor, Stepped], Stepped]
 """``stepper(fragment, mean, start)``: the whole outer state that fragment ``fragment``'s outer step
 with its round's mean (the fragment's numbers) gives from the whole ``start``, on copies
 (``FragmentedOuterState.stepped``)."""
+
+Assemble = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+"""``assemble(pieces)``: the whole-model vector of one vector per fragment (a state served in
+fragments; ``FragmentedOuterState.assemble``)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,8 @@ class JoinRequest:
     fragment_stepper: FragmentStepper | None = None
     """With ``--fragments``: steps a copy of the whole outer state with one fragment round's mean
     (catching up with the fragment rounds' means)."""
+    fragment_assemble: Assemble | None = None
+    """With ``--fragments``: puts a state served in fragments together (``node.swarm.state.served_state``)."""
 
 
 @dataclass(frozen=True)

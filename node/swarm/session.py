@@ -57,7 +57,7 @@ from node.outer.seam import (
 )
 from node.swarm.catch_up import catch_up_with_means, max_catch_up_rounds, rejoin_due
 from node.swarm.join import JOIN_TIMEOUT, Prefetch
-from node.swarm.state import GLOBAL_PARAMS, OUTER_MOMENTUM, RoundMean, adopted_state, round_mean_snapshot
+from node.swarm.state import RoundMean, adopted_state, round_mean_snapshot, served_state
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.codecs import TopKCodec
 from protocol.error_feedback import ErrorFeedback
@@ -129,7 +129,8 @@ class SwarmSession:
         self._join: JoinRequest | None = None  # the model's identity and tools (join)
         # The global state this node holds: the one it last served, or an older state of the
         # swarm's it stepped to at start; a catch-up with the rounds' means starts from it.
-        self._held: tuple[Lineage, Stepped] | None = None
+        # Its (params, momentum) are put together when a catch-up needs them (``_held_state``).
+        self._held: tuple[Lineage, Callable[[], Stepped]] | None = None
         # Between two rounds (e.g. while joining): state fetched and fetches failed, reported with
         # the next round's outcome (node/ops/metrics.py).
         self._bytes_state_sync = 0
@@ -169,7 +170,7 @@ class SwarmSession:
         self._join = request
         self.swarm.set_identity(request.identity, rank=request.rank)  # before our first record
         held = request.held
-        self._held = ((held.round_id, held.state_id), _held_state(held))
+        self._held = ((held.round_id, held.state_id), self._held_state(held))
         self.streams = None
         if request.open_streams is not None:
             self.streams = request.open_streams()
@@ -212,7 +213,7 @@ class SwarmSession:
                 # The swarm finished a round while we fetched: from the state we have, its mean
                 # (its wire bytes) may take us the rest of the way (_catch_up).
                 behind = self._checked(ahead[1])
-                self._held = (behind.lineage, (behind.global_params, behind.outer_momentum))
+                self._held = (behind.lineage, _held_stepped(behind))
             state = self._fetch_canonical(decision, why="joining", ours=self._held[0])
         if state is None:
             log.warning("training on our own state until the next round's lineage check")
@@ -292,7 +293,7 @@ class SwarmSession:
             snapshot=snapshot,
             companions=companions,
         )
-        self._held = ((round, snapshot.state_id), _held_state(snapshot))
+        self._held = ((round, snapshot.state_id), self._held_state(snapshot))
 
     def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
         """This node's throughput in the phase under way and its step time (``PeerRecord.step_seconds``:
@@ -590,14 +591,20 @@ class SwarmSession:
                     "inner steps since", round, param_hash[:12], held[0], held[1][:12], len(lost),
                     _spans(lost), "stepped without the swarm" if alone else "the swarm's lineage outnumbers ours")  # fmt: skip
 
+    def _held_state(self, snapshot: Snapshot) -> Callable[[], Stepped]:
+        """The (global params, outer momentum) a served snapshot holds, put together when asked
+        (served in fragments: ``served_state`` makes whole copies, which only a catch-up needs)."""
+        assemble = self.identity.fragment_assemble if self._join is not None else None
+        return lambda: served_state(snapshot, assemble)
+
     def _catch_up(
-        self, decision: LineageDecision, held: tuple[Lineage, Stepped], *, why: str
+        self, decision: LineageDecision, held: tuple[Lineage, Callable[[], Stepped]], *, why: str
     ) -> AdoptedState | None:
         """At most ``max_catch_up_rounds`` behind: step from ``held`` to the swarm's state with its rounds'
         means (``node/swarm/catch_up.py``); None (logged) if that cannot be done: fetch the whole state."""
         canonical, identity = decision.canonical, self.identity
         state, num_bytes, error = catch_up_with_means(
-            self.swarm, decision, ours=held[0], held=held[1], stepper=identity.stepper,
+            self.swarm, decision, ours=held[0], held=held[1](), stepper=identity.stepper,
             num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256,
             fragment_sizes=identity.fragment_sizes, fragment_stepper=identity.fragment_stepper,
         )  # fmt: skip
@@ -618,8 +625,9 @@ class SwarmSession:
         self._bytes_state_sync += sum(report.bytes_by_source.values())
         try:
             return adopted_state(
-                report.snapshot, num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256
-            )
+                report.snapshot, num_elements=identity.num_elements, corpus_sha256=identity.corpus_sha256,
+                assemble=identity.fragment_assemble,
+            )  # fmt: skip
         except ValueError as error:
             raise ConfigError(f"cannot join run {self.swarm.config.run_name!r}: {error}") from None
 
@@ -737,7 +745,7 @@ class SwarmSession:
         self.catching_up, self._stepped_alone = True, False
         self._rounds_alone = []
         self._adopted_lineage = state.lineage
-        self._held = (state.lineage, (state.global_params, state.outer_momentum))
+        self._held = (state.lineage, _held_stepped(state))
         if self.error_feedback is not None or self.fragment_feedback:  # residuals of other params
             self._new_feedback()
             if self.streams is not None:
@@ -771,6 +779,7 @@ def _warn_other_init(ours: str, theirs: str, whose: str) -> None:
                 ours[:12], whose, theirs[:12])  # fmt: skip
 
 
-def _held_state(snapshot: Snapshot) -> Stepped:
-    """The (global params, outer momentum) a served snapshot holds."""
-    return snapshot.tensors[GLOBAL_PARAMS], snapshot.tensors.get(OUTER_MOMENTUM)
+def _held_stepped(state: AdoptedState) -> Callable[[], Stepped]:
+    """The (global params, outer momentum) of a state the loop loads, as ``SwarmSession._held`` keeps them."""
+    stepped = (state.global_params, state.outer_momentum)
+    return lambda: stepped

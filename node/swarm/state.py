@@ -7,17 +7,20 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from node.data.batches import NODE_LANE_KEYS
 from node.outer.fragments import fragment_of_round
-from node.outer.seam import AdoptedState, FragmentStepper, OuterStepper, Stepped
+from node.outer.seam import AdoptedState, Assemble, FragmentStepper, OuterStepper, Stepped
 from node.outer.state import tensor_hash
 from protocol.allreduce.allreduce import EncodedChunk
 from protocol.codecs import Codec, get_codec, takes_density
 from protocol.statesync.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from node.outer.host_copy import HostFragments
 
 __all__ = ["AdoptedState"]  # defined in node/outer/seam.py (the loop loads it), checked here
 
@@ -33,10 +36,15 @@ def round_mean_id(param_hash: str) -> str:
     return f"round-mean:{param_hash}"
 
 
+def fragment_name(name: str, fragment: int) -> str:
+    """The tensor of fragment ``fragment``'s piece of ``name`` in a state served in fragments."""
+    return f"{name}.{fragment}"
+
+
 def state_snapshot(
     *,
-    global_params: torch.Tensor,
-    outer_momentum: torch.Tensor | None,
+    global_params: torch.Tensor | None = None,
+    outer_momentum: torch.Tensor | None = None,
     round: int,
     step: int,
     data: dict[str, Any],
@@ -44,27 +52,52 @@ def state_snapshot(
     corpus_sha256: str,
     param_hash: str | None = None,
     copy: bool = True,
+    fragments: HostFragments | None = None,
+    reuse: Snapshot | None = None,
 ) -> Snapshot:
     """A global state as served to joiners: params, momentum, counters, data position
     (``OuterRound.snapshot`` gathers them). ``round``: the rounds the global params went through;
     ``step`` and ``data``: the inner step and data position at that round's end. ``copy=False``:
     the tensors are host copies nobody writes to (``node.outer.host_copy.HostGlobalState``), served as
-    they are, with their known ``param_hash``."""
-    tensors = {GLOBAL_PARAMS: global_params.detach().to("cpu")}
-    if outer_momentum is not None:
-        tensors[OUTER_MOMENTUM] = outer_momentum.detach().to("cpu")
-    if param_hash is None:
-        param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
+    they are, with their known ``param_hash``.
+
+    ``fragments`` (``--fragments F``, with ``param_hash``, in place of the whole vectors): served in
+    pieces, ``global_params.f`` and ``outer_momentum.f`` per fragment f (its vector, as
+    ``FragmentedOuterState`` holds it), so a round, which steps one fragment, makes one fragment's
+    new tensors; ``reuse``: the state served before, whose hashes of the unchanged pieces stand. The
+    metadata says the whole momentum's SHA-256 (the manifest has only the pieces'); a joiner puts the
+    whole vectors together (:func:`served_state`) and checks them against ``param_hash``."""
+    tensors: dict[str, torch.Tensor] = {}
+    extra: dict[str, Any] = {}
+    if fragments is not None:
+        if global_params is not None or outer_momentum is not None or param_hash is None:
+            raise ValueError("a state served in fragments has its pieces and param_hash, not whole vectors")
+        for index, piece in enumerate(fragments.params):
+            tensors[fragment_name(GLOBAL_PARAMS, index)] = piece
+        for index, piece in enumerate(fragments.momentum or ()):
+            tensors[fragment_name(OUTER_MOMENTUM, index)] = piece
+        num_elements = sum(piece.numel() for piece in fragments.params)
+        extra = {"fragments": len(fragments.params), "outer_momentum_sha256": fragments.momentum_sha256}
+    else:
+        if global_params is None:
+            raise ValueError("a state needs its global params (whole, or in fragments)")
+        tensors[GLOBAL_PARAMS] = global_params.detach().to("cpu")
+        if outer_momentum is not None:
+            tensors[OUTER_MOMENTUM] = outer_momentum.detach().to("cpu")
+        if param_hash is None:
+            param_hash = tensor_hash(tensors[GLOBAL_PARAMS])
+        num_elements = tensors[GLOBAL_PARAMS].numel()
     metadata = {
         "round": round,
         "step": step,
         "param_hash": param_hash,
         "model": model,
-        "num_elements": tensors[GLOBAL_PARAMS].numel(),
+        "num_elements": num_elements,
         "corpus_sha256": corpus_sha256,
         # The lineage's shared data position, without this node's shard or spare lane: every member
         # of a round serves byte-identical metadata, so a joiner can fetch from all of them at once.
         "data": {k: v for k, v in data.items() if k not in NODE_LANE_KEYS},
+        **extra,
     }
     return Snapshot(
         round_id=round,
@@ -72,7 +105,51 @@ def state_snapshot(
         tensors=tensors,
         metadata=json.dumps(metadata).encode(),
         copy=copy,
+        reuse=reuse,
     )
+
+
+def served_state(snapshot: Snapshot, assemble: Assemble | None = None) -> Stepped:
+    """The whole (global params, outer momentum) a served state holds: its tensors, or, served in
+    fragments, put together from its pieces by ``assemble`` (the node's fragments' layout,
+    ``FragmentedOuterState.assemble``); ValueError if it is in pieces this node cannot put together."""
+    if GLOBAL_PARAMS in snapshot.tensors:
+        return snapshot.tensors[GLOBAL_PARAMS], snapshot.tensors.get(OUTER_MOMENTUM)
+    count = _num_fragments(snapshot)
+    if assemble is None:
+        raise ValueError(f"the state is served in {count} fragments and this node trains the whole model")
+    params = [snapshot.tensors.get(fragment_name(GLOBAL_PARAMS, f)) for f in range(count)]
+    momenta = [snapshot.tensors.get(fragment_name(OUTER_MOMENTUM, f)) for f in range(count)]
+    if any(piece is None for piece in params) or len(snapshot.tensors) not in (count, 2 * count):
+        raise ValueError("the state's fragments are not global_params.0.. (and outer_momentum.0..)")
+    for piece in [*params, *momenta]:
+        if piece is not None and piece.dtype != torch.float32:
+            raise ValueError("the state's fragments are not fp32")
+    whole = assemble([p for p in params if p is not None])
+    if all(m is None for m in momenta):
+        return whole, None
+    if any(m is None for m in momenta):
+        raise ValueError("the state's momentum lacks fragments")
+    return whole, assemble([m for m in momenta if m is not None])
+
+
+def _num_fragments(snapshot: Snapshot) -> int:
+    """The number of fragments a state's metadata says it is served in (ValueError if none)."""
+    try:
+        count = json.loads(snapshot.metadata).get("fragments")
+    except (ValueError, AttributeError):
+        count = None
+    if type(count) is not int or count < 1:
+        raise ValueError("the state has neither global_params nor a number of fragments")
+    return count
+
+
+def momentum_sha256(state: Snapshot) -> str | None:
+    """SHA-256 (hex) of a served state's whole outer momentum; None if it has none."""
+    if GLOBAL_PARAMS in state.tensors:
+        return state.sha256(OUTER_MOMENTUM).hex() if OUTER_MOMENTUM in state.tensors else None
+    value = json.loads(state.metadata).get("outer_momentum_sha256")
+    return value if isinstance(value, str) else None
 
 
 def run_identity(*, model: str, architecture: str, num_elements: int, corpus_sha256: str) -> str:
@@ -110,12 +187,11 @@ def round_mean_snapshot(state: Snapshot, round_mean: RoundMean) -> Snapshot:
     Every member of the round holds the same Δ̄ and the same bytes and builds the same metadata, so
     they all serve the same snapshot and a node can fetch from all of them at once.
     """
-    momentum = state.tensors.get(OUTER_MOMENTUM)
     metadata: dict[str, Any] = {
         "previous_round": round_mean.previous[0],
         "previous_param_hash": round_mean.previous[1],
         "fragment": round_mean.fragment,
-        "outer_momentum_sha256": None if momentum is None else state.sha256(OUTER_MOMENTUM).hex(),
+        "outer_momentum_sha256": momentum_sha256(state),
         "state": json.loads(state.metadata),
     }
     if round_mean.encoded is not None:
@@ -306,13 +382,16 @@ def _checked_metadata(metadata: object, *, num_elements: int, corpus_sha256: str
     return metadata
 
 
-def adopted_state(snapshot: Snapshot, *, num_elements: int, corpus_sha256: str) -> AdoptedState:
-    """Check a fetched snapshot against this node's model and corpus; ValueError if it does not fit."""
+def adopted_state(
+    snapshot: Snapshot, *, num_elements: int, corpus_sha256: str, assemble: Assemble | None = None
+) -> AdoptedState:
+    """Check a fetched snapshot against this node's model and corpus; ValueError if it does not fit.
+    ``assemble``: with ``--fragments``, how this node puts a state served in fragments together
+    (:func:`served_state`)."""
     metadata = _checked_metadata(
         json.loads(snapshot.metadata), num_elements=num_elements, corpus_sha256=corpus_sha256
     )
-    params = snapshot.tensors[GLOBAL_PARAMS]
-    momentum = snapshot.tensors.get(OUTER_MOMENTUM)
+    params, momentum = served_state(snapshot, assemble)
     if params.dtype != torch.float32 or params.numel() != num_elements:
         raise ValueError("snapshot global_params are not fp32 of the model's size")
     if momentum is not None and (momentum.dtype != torch.float32 or momentum.numel() != num_elements):

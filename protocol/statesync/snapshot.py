@@ -102,6 +102,21 @@ def hash_tensors(tensors: Mapping[str, torch.Tensor], block_bytes: int) -> dict[
         }
 
 
+def _unchanged(reuse: Snapshot, name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the memory ``reuse`` hashed as ``name``, unwritten since: the same storage,
+    start, size and type, and its version counter (shared by every view; any in-place write moves
+    it) where it was when ``reuse`` hashed it."""
+    before = reuse.tensors.get(name)
+    return (
+        before is not None
+        and before.data_ptr() == tensor.data_ptr()
+        and before.dtype == tensor.dtype
+        and before.shape == tensor.shape
+        and before.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        and reuse._versions.get(name) == tensor._version
+    )
+
+
 class Snapshot:
     """A frozen global state: round, state id, named flat CPU tensors, metadata, and their hashes.
 
@@ -110,7 +125,7 @@ class Snapshot:
     bytes drift from its hashes would be served as corrupt). Read them, never write them.
     """
 
-    __slots__ = ("_round_id", "_state_id", "_tensors", "_metadata", "_block_bytes", "_entries")
+    __slots__ = ("_round_id", "_state_id", "_tensors", "_metadata", "_block_bytes", "_entries", "_versions")
 
     def __init__(
         self,
@@ -121,9 +136,13 @@ class Snapshot:
         metadata: bytes,
         block_bytes: int | None = None,
         copy: bool = True,
+        reuse: Snapshot | None = None,
     ) -> None:
         """``block_bytes``: the hashed blocks' size, by default ``default_block_bytes`` of the
-        tensors' bytes together."""
+        tensors' bytes together. ``reuse`` (with ``copy=False``): an earlier snapshot whose hashes
+        stand for every tensor given again unchanged, the same memory (``_unchanged``), at the same
+        block size: those are not hashed again (a state served in pieces, of which a round changes
+        one, hashes that one only)."""
         if sys.byteorder != "little":
             raise RuntimeError("state sync sends native bytes and assumes a little-endian host")
         if round_id < 0:
@@ -150,7 +169,16 @@ class Snapshot:
             if not copy and not tensor.is_contiguous():
                 raise ValueError(f"tensor {name!r} is not contiguous; pass copy=True")
             owned[name] = tensor.detach().clone() if copy else tensor.detach()
-        entries = hash_tensors(owned, block_bytes)
+        known = {
+            name: reuse.entries[name]
+            for name, tensor in owned.items()
+            if not copy
+            and reuse is not None
+            and reuse.block_bytes == block_bytes
+            and _unchanged(reuse, name, tensor)
+        }
+        hashed = hash_tensors({n: t for n, t in owned.items() if n not in known}, block_bytes)
+        entries = {name: known[name] if name in known else hashed[name] for name in owned}
         # A manifest carries 32 bytes per block; it must fit in one message.
         if (
             40 * sum(len(entry.block_sha256) for entry in entries.values()) + len(metadata)
@@ -174,6 +202,8 @@ class Snapshot:
         self._metadata = metadata
         self._block_bytes = block_bytes
         self._entries = MappingProxyType(entries)
+        # Each tensor's version counter when hashed: ``reuse`` by a later snapshot checks it.
+        self._versions = {name: tensor._version for name, tensor in tensors.items()}
 
     @classmethod
     def from_verified(

@@ -242,17 +242,28 @@ def test_the_whole_hash_is_fed_the_fragments_in_place_and_equals_a_flat_states()
     assert stepped != expected and fragmented.outer.hash() == stepped
 
 
-def test_the_host_copy_of_a_fragmented_state_is_made_once_per_version() -> None:
-    """The served snapshot, the checkpoint and the eval share one host copy of the whole state per
-    version with fragments too (before: a whole copy for each reader, every round)."""
+def test_the_host_copy_of_a_fragmented_state_is_made_once_per_version_of_each_fragment() -> None:
+    """The served snapshot, the checkpoint and the eval share one host copy per version with fragments
+    too, made per fragment: a round steps one fragment and copies only it (the other fragments' copies
+    are the previous version's tensors); the whole vectors are put together only when asked for."""
     model = _gpt()
     fragmented = FragmentedDiLoCo(model, model_fragment_plan(model, 4))
     host = HostCopies(fragmented.diloco)
     first = host.get()
-    assert host.get() is first and host.num_copies == 1
+    assert host.get() is first and host.num_copies == 1 and host.num_fragment_copies == 4
+    assert first.fragments is not None and len(first.fragments.params) == 4
     assert torch.equal(first.params, fragmented.global_params())
     fragmented.land(1, torch.full((fragmented.num_elements(1),), 0.1), mix=0.0)
     second = host.get()
-    assert host.num_copies == 2 and torch.equal(second.params, fragmented.global_params())
+    assert host.num_copies == 2 and host.num_fragment_copies == 5  # fragment 1's alone
+    assert second.fragments is not None
+    pairs = zip(first.fragments.params, second.fragments.params, strict=True)
+    shared = [a.data_ptr() == b.data_ptr() for a, b in pairs]
+    assert shared == [True, False, True, True]
+    assert torch.equal(second.fragments.params[1], fragmented.outer.fragment(1).global_params)
+    assert torch.equal(second.params, fragmented.global_params())
     assert second.param_hash == tensor_hash(fragmented.global_params())
     assert not torch.equal(second.params, first.params)  # the older copy kept its round's values
+    momentum = fragmented.outer.momentum()
+    assert momentum is not None and second.momentum is not None and torch.equal(second.momentum, momentum)
+    assert second.fragments.momentum_sha256 == hashlib.sha256(momentum.numpy().tobytes()).hexdigest()

@@ -392,8 +392,9 @@ def fragment_member_and_behind(
     swarm = ServingSwarm(published)
     session = SwarmSession(swarm, joining=False)  # type: ignore[arg-type]
     behind = Trainer(small_config(corpus_file, tmp_path / "behind", seed=1, **settings), swarm=session)
+    assert behind.round.fragments is not None
     held = adopted_state(published[held_round]["snapshot"], num_elements=behind.diloco.num_elements,
-                         corpus_sha256=behind.corpus.sha256)  # fmt: skip
+                         corpus_sha256=behind.corpus.sha256, assemble=behind.round.fragments.assemble)  # fmt: skip
     answer_joins_with(monkeypatch, session, held)
     behind.round.start()
     canonical = Lineage(4, published[4]["param_hash"])

@@ -55,6 +55,52 @@ def test_snapshot_copies_so_later_in_place_updates_do_not_change_it() -> None:
     assert snapshot.sha256("global_params") == hashlib.sha256(raw).digest()
 
 
+def test_a_snapshot_reuses_the_hashes_of_the_unchanged_tensors_of_the_one_it_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reuse``: a tensor given again, the same memory unwritten, keeps its hashes; a new one, or the
+    same memory written in place since, is hashed (a state served in fragments rehashes one per round)."""
+    import protocol.statesync.snapshot as snapshot_module
+
+    hashed: list[str] = []
+    real = snapshot_module.hash_tensors
+
+    def counting(tensors, block_bytes):  # type: ignore[no-untyped-def]
+        hashed.extend(tensors)
+        return real(tensors, block_bytes)
+
+    monkeypatch.setattr(snapshot_module, "hash_tensors", counting)
+    a, b, c = torch.randn(3000), torch.randn(2000), torch.randn(1000)
+
+    def served(tensors: dict[str, torch.Tensor], reuse: Snapshot | None) -> Snapshot:
+        return Snapshot(round_id=1, state_id="s", tensors=tensors, metadata=b"", block_bytes=1000, copy=False,
+                        reuse=reuse)  # fmt: skip
+
+    first = served({"a": a, "b": b, "c": c}, None)
+    assert hashed == ["a", "b", "c"]
+    hashed.clear()
+    new_b = b + 1.0
+    second = served({"a": a, "b": new_b, "c": c}, first)
+    assert hashed == ["b"]  # a and c are first's memory, unwritten
+    hashed.clear()
+    c.mul_(2.0)  # written in place after it was served: its hashes no longer stand
+    third = served({"a": a, "b": new_b, "c": c}, second)
+    assert hashed == ["c"]
+    for snapshot, tensors in ((second, {"a": a, "b": new_b}), (third, {"a": a, "b": new_b, "c": c})):
+        for name, tensor in tensors.items():
+            raw = tensor.numpy().astype("<f4").tobytes()
+            assert snapshot.sha256(name) == hashlib.sha256(raw).digest()
+            blocks = tuple(hashlib.sha256(raw[i : i + 1000]).digest() for i in range(0, len(raw), 1000))
+            assert snapshot.entries[name].block_sha256 == blocks
+    hashed.clear()
+    other_blocks = Snapshot(round_id=1, state_id="s", tensors={"a": a}, metadata=b"", block_bytes=500,
+                            copy=False, reuse=third)  # fmt: skip
+    assert hashed == ["a"] and len(other_blocks.entries["a"].block_sha256) == 24  # another block size
+    hashed.clear()
+    Snapshot(round_id=1, state_id="s", tensors={"a": a}, metadata=b"", block_bytes=1000, reuse=third)
+    assert hashed == ["a"]  # copied: new memory, hashed
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
