@@ -459,11 +459,11 @@ class OuterRound:
         every member at once only what they serve byte for byte."""
         data = boundary[1] if boundary is not None else self.data.state_dict()
         round = self.progress.round if round is None else round
+        host = self.host.get()
         common: dict[str, Any] = dict(
-            param_hash=self.host.get().param_hash, copy=False, round=round, step=self.lineage_step(round),
+            param_hash=host.param_hash, copy=False, round=round, step=self.lineage_step(round),
             data=data, model=self.settings.model, corpus_sha256=self.settings.corpus_sha256,
         )  # fmt: skip
-        host = self.host.get()
         if host.fragments is not None:  # a piece per fragment: a round makes (and hashes) one
             served = state_snapshot(fragments=host.fragments, reuse=self._last_snapshot, **common)
         else:
