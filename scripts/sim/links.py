@@ -19,6 +19,7 @@ down, frozen or on the other side of a partition is lost (the daemon's send fail
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from protocol.membership.messages import Begin, Message
@@ -45,7 +46,8 @@ class Network:
         self._uplink_free_at: dict[str, float] = {}
         self._sizes: dict[int, tuple[object, int]] = {}  # id(message or group) -> (it, wire bytes)
         self.num_messages = 0
-        self.num_messages_expired = 0  # not sent by their deadline (message_timeout)
+        self.num_messages_expired = 0  # not sent by their deadline (fan_out.send_timeout)
+        self.expired_by_round: Counter[int] = Counter()  # the same, by the round they are about
         self.bytes_sent: dict[str, int] = {}  # membership bytes per sender
 
     def add(self, peer_id: str, profile: LinkProfile) -> None:
@@ -85,11 +87,11 @@ class Network:
         self.num_messages += 1
         start = max(now, self._uplink_free_at.get(sender, 0.0))
         if start >= deadline:
-            self.num_messages_expired += 1
+            self._expired(message)
             return None
         done = start + size / self.profiles[sender].up_bytes_per_s
         if done > deadline:
-            self.num_messages_expired += 1
+            self._expired(message)
             self._uplink_free_at[sender] = deadline
             self.bytes_sent[sender] = self.bytes_sent.get(sender, 0) + round(
                 (deadline - start) * self.profiles[sender].up_bytes_per_s
@@ -98,6 +100,10 @@ class Network:
         self._uplink_free_at[sender] = done
         self.bytes_sent[sender] = self.bytes_sent.get(sender, 0) + size
         return done + self.latency(sender, receiver)
+
+    def _expired(self, message: Message) -> None:
+        self.num_messages_expired += 1
+        self.expired_by_round[message.round] += 1
 
     def transfer_seconds(self, num_bytes: int, receiver: str, sources: list[str]) -> float:
         """A state fetch of ``num_bytes`` from ``sources`` in parallel (``protocol.statesync``): the

@@ -15,8 +15,13 @@ Per round r (the r-th outer round of a lineage):
 - ``compute_utilization``: training seconds over wall seconds, summed over the nodes whose round r
   ended (averaged, fell back, adopted), each from its previous round's end;
 - ``fell_back``: groups whose all-reduce had no live strict majority (members listed, members locked);
-- ``leader``: the biggest group's leader: membership messages it received and bytes it sent while
-  forming, and how long its Begins took to reach the last member (``last_lock - first_lock``).
+- ``leader``: the biggest group's leader: its uplink (Mbit/s: it sends every member a proposal and
+  a Begin, each listing every member), membership messages it received and bytes it sent while
+  forming, and how long its Begins took to reach the last member that locked
+  (``last_lock - first_lock``; a Begin cut by the send deadline never arrives, so a cut fan-out
+  shows as at most that deadline: read it with ``messages_expired``);
+- ``messages_expired``: membership messages of the round that were not sent by the driver's
+  deadline (``links.py``), any sender's.
 
 Over the run, ``by_speed``: per third of the speed range, the share of its nodes' wall time spent
 forming rounds (waiting for the others) and their compute utilization (``RunRecorder.by_speed``).
@@ -60,6 +65,8 @@ class RunRecorder:
     faults: Counter[str] = field(default_factory=Counter)
     host: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     """Round -> peer -> host seconds its RoundFormation calls took (wall clock: not in the JSON)."""
+    uplinks_mbit: dict[str, float] = field(default_factory=dict)
+    """Peer -> its uplink in Mbit/s, as drawn when it was added."""
     speeds: dict[str, float] = field(default_factory=dict)
     """Peer -> its compute speed (1x = ``phase_seconds`` a phase), as drawn when it was added."""
 
@@ -149,6 +156,7 @@ class RunRecorder:
             own = [f for f in formations if f.peer_id == biggest.leader_id and f.outcome == "group"]
             leader = {
                 "peer_id": biggest.leader_id,
+                "uplink_mbit": round_(self.uplinks_mbit.get(biggest.leader_id, 0.0)),
                 "messages_in": own[0].messages_in if own else None,
                 "bytes_out": own[0].bytes_out if own else None,
                 "begin_fanout_seconds": round_(biggest.last_lock - biggest.first_lock),

@@ -110,6 +110,7 @@ class Swarm:
         )
         self.world.nodes[peer_id] = node
         self.recorder.speeds[peer_id] = node.speed
+        self.recorder.uplinks_mbit[peer_id] = mbit
         return node
 
     def _group_done(self, report: GroupReport) -> None:
@@ -162,7 +163,12 @@ class Swarm:
 
     def result(self) -> dict[str, Any]:
         last = self.settings.num_rounds
-        rounds = [self.recorder.round_figures(r) for r in self.recorder.rounds() if r <= last]
+        expired = self.network.expired_by_round
+        rounds = [
+            {**self.recorder.round_figures(r), "messages_expired": expired.get(r, 0)}
+            for r in self.recorder.rounds()
+            if r <= last
+        ]
         live = [node for node in self.world.nodes.values() if node.is_up() and node.lineage is not None]
         held = Counter(node.lineage for node in live if node.lineage is not None)
         canonical = held.most_common(1)[0] if held else None

@@ -154,7 +154,8 @@ def round_line(figures: dict[str, Any]) -> str:
         f"formation median/max {figures['formation_seconds_median']}/{figures['formation_seconds_max']} s, "
         f"participation {figures['live_averaged']}/{figures['live_nodes']}, "
         f"bytes/node {figures['bytes_sent_mean']}, all-reduce {figures['allreduce_seconds']} s, "
-        f"utilization {figures['compute_utilization']}, leader in {leader.get('messages_in')} msgs "
+        f"utilization {figures['compute_utilization']}, messages expired {figures['messages_expired']}, "
+        f"leader ({leader.get('uplink_mbit')} Mbit/s) in {leader.get('messages_in')} msgs "
         f"out {leader.get('bytes_out')} B, Begin fan-out {leader.get('begin_fanout_seconds')} s"
     )
 

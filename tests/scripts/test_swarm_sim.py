@@ -20,11 +20,14 @@ import protocol.membership.rounds as product_rounds
 import protocol.swarm.driver as daemon_driver
 from node.config import NodeConfig
 from node.swarm.catch_up import rejoin_due
+from protocol.membership.messages import Begin, GroupMember, GroupSpec, Proposal
 from protocol.membership.records import PeerRecord, PeerStatus, SwarmView, newest_per_peer
+from protocol.swarm.config import PROTOCOL_VERSION
 from protocol.swarm.participation import missed_round_wait, peer_due
 from scripts.sim import node as sim_node
 from scripts.sim import settings as sim_settings
 from scripts.sim.dht import SimulatedDht, restamped
+from scripts.sim.links import LinkProfile, Network
 from scripts.sim.report import RunRecorder
 from scripts.sim.settings import FaultRates, SimSettings
 from scripts.sim.swarm import Swarm, simulate
@@ -132,10 +135,29 @@ def test_three_hundred_nodes_on_10_mbit_links_form_one_group() -> None:
     result = swarm.run()
     (figures,) = result["rounds"]
     assert figures["group_sizes"] == [300] and figures["participation"] == 1.0
-    assert swarm.network.num_messages_expired == 0
+    assert swarm.network.num_messages_expired == 0 and figures["messages_expired"] == 0
+    assert figures["leader"]["uplink_mbit"] == 10.0
     assert result["end"]["lineages"] == 1
     # The leader's uplink is the limit: its messages alone took longer than the old fixed waits.
     assert figures["formation_seconds_max"] > swarm.config.message_timeout.total_seconds() + 5
+
+
+def test_a_message_past_its_deadline_is_counted_for_its_round() -> None:
+    """The report's per-round count of expired messages (``links.Network``): a Begin of round 7 that
+    a 1 kB/s uplink cannot send by its deadline, and a Proposal of round 8 queued behind it."""
+    network = Network(PROTOCOL_VERSION)
+    for peer_id in ("a", "b"):
+        network.add(peer_id, LinkProfile(latency_s=0.01, up_bytes_per_s=1000.0, down_bytes_per_s=1000.0))
+    member = GroupMember(peer_id="a", grpc_address="10.0.0.1:1", num_tokens=1, bandwidth_bytes_per_s=1000.0)
+    spec = GroupSpec(
+        round=7, group_id="a/7/1", leader_id="a", param_hash="0" * 64, vector_length=4,
+        members=(member,), part_boundaries=(0, 4),
+    )  # fmt: skip
+    begin_bytes = network.wire_bytes("a", Begin(group=spec))
+    assert network.send_time("a", "b", Begin(group=spec), 0.0, deadline=begin_bytes / 1000.0 / 2) is None
+    proposal = Proposal(round=8, proposal_id="a/8/1", param_hash="0" * 64, members=("a", "b"))
+    assert network.send_time("a", "b", proposal, 0.0, deadline=0.1) is None  # the uplink is busy until then
+    assert network.expired_by_round == {7: 1, 8: 1} and network.num_messages_expired == 2
 
 
 @pytest.mark.timeout(60)
