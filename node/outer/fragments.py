@@ -46,6 +46,7 @@ convergence benchmark drives :class:`FragmentedDiLoCo` with a simulated all-redu
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,13 @@ class FragmentPlan:
     def fragment_sizes(self) -> tuple[int, ...]:
         """Each fragment's number of elements (its round's vector length)."""
         return tuple(sum(self.sizes[i] for i in members) for members in self.fragments)
+
+    def digest(self) -> str:
+        """A short digest of which parameters each fragment holds: part of a run's identity, so nodes
+        that split the model otherwise (another F, or another version's rule) never share a round or a
+        state, whose fragment vectors and served pieces would not line up."""
+        text = ";".join(",".join(str(i) for i in members) for members in self.fragments)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         """One line per fragment: its numbers and its blocks' names, a block split between fragments

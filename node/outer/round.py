@@ -296,7 +296,7 @@ class OuterRound:
         fragments = self.fragments
         architecture = self.settings.architecture
         if fragments is not None:  # nodes of other F average other vectors: another run
-            architecture += f" fragments={fragments.num_fragments}"
+            architecture += f" fragments={fragments.num_fragments} plan={fragments.plan.digest()}"
         answer = swarm.join(
             JoinRequest(
                 num_elements=self.diloco.num_elements,

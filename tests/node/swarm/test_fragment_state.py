@@ -4,15 +4,19 @@ bit for bit, or refuses pieces that do not fit (issue 32: the served state made 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import node.train.trainer as trainer_module
 from node.model.gpt import GPT, model_config
-from node.outer.fragments import FragmentedDiLoCo, model_fragment_plan
+from node.outer.fragments import FragmentedDiLoCo, FragmentPlan, model_fragment_plan
 from node.outer.host_copy import HostCopies
+from node.swarm.session import SwarmSession
 from node.swarm.state import (
     GLOBAL_PARAMS,
     adopted_state,
@@ -21,9 +25,14 @@ from node.swarm.state import (
     served_state,
     state_snapshot,
 )
+from node.train.trainer import Trainer
 from protocol.statesync import Snapshot
+from tests.node.swarm.test_catch_up import SwarmOfOne
+from tests.node.swarm.test_swarm_session import corpus_file, small_config
 
 CORPUS = "c" * 64
+
+__all__ = ["corpus_file"]  # fixture
 
 
 def _fragmented() -> FragmentedDiLoCo:
@@ -105,3 +114,35 @@ def test_a_whole_model_node_refuses_a_state_served_in_fragments_and_reads_a_whol
                            round=0, step=0, data={}, model="nano", corpus_sha256=CORPUS)  # fmt: skip
     params, _ = served_state(whole, fragmented.outer.assemble)  # a whole state needs no assembly
     assert params is whole.tensors[GLOBAL_PARAMS] and momentum_sha256(whole) == momentum_sha256(snapshot)
+
+
+def _identity_of(corpus_file: Path, run_dir: Path) -> str:
+    """The identity a node with ``--fragments 2`` announces (``JoinRequest.identity``)."""
+    trainer = Trainer(
+        small_config(corpus_file, run_dir, fragments=2, max_rounds=1),
+        swarm=SwarmSession(SwarmOfOne(), joining=False),  # type: ignore[arg-type]
+    )
+    trainer.run()
+    assert trainer.round.swarm is not None
+    return trainer.round.swarm.identity.identity
+
+
+@pytest.mark.timeout(120)
+def test_nodes_that_split_the_model_into_other_fragments_are_another_run(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes with the same F but another split (another version's rule) would average fragment
+    vectors of other parameters and serve pieces that do not line up: their identities differ, so
+    they never share a round or a state; the same split gives the same identity."""
+    ours = _identity_of(corpus_file, tmp_path / "a")
+    assert _identity_of(corpus_file, tmp_path / "b") == ours
+    real = trainer_module.model_fragment_plan
+
+    def swapped(model: torch.nn.Module, num_fragments: int) -> FragmentPlan:
+        plan = real(model, num_fragments)  # the first two parameters trade fragments
+        first, second = plan.fragments
+        moved = (tuple(sorted((second[0], *first[1:]))), tuple(sorted((first[0], *second[1:]))))
+        return dataclasses.replace(plan, fragments=moved)
+
+    monkeypatch.setattr(trainer_module, "model_fragment_plan", swapped)
+    assert _identity_of(corpus_file, tmp_path / "c") != ours
