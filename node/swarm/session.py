@@ -70,6 +70,7 @@ from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.node import SwarmNode
 from protocol.swarm.participation import (
     START_TIMEOUT,
+    ReadySeen,
     await_lineage_past,
     await_start_peers,
     peer_due,
@@ -127,6 +128,7 @@ class SwarmSession:
         self._watch_rounds = False  # the loop asks whether the round forms (round_forming): watch closely
         self._adopted_lineage: Lineage = (0, "")
         self._join: JoinRequest | None = None  # the model's identity and tools (join)
+        self._ready_seen = ReadySeen()  # when a ready peer of our lineage was first seen (peer_due)
         # The global state this node holds: the one it last served, or an older state of the
         # swarm's it stepped to at start; a catch-up with the rounds' means starts from it.
         # Its (params, momentum) are put together when a catch-up needs them (``_held_state``).
@@ -635,7 +637,7 @@ class SwarmSession:
         """Whether a node is fetching our lineage's state: the loop then trains on past its phase's end
         (``OuterRound``), so the state is still the lineage's when the node holds it and it joins our
         next round (ARCHITECTURE.md, "Participation"; ``participation.peer_due``)."""
-        return peer_due(self.swarm, max_ahead=MAX_DUE_WAIT)
+        return peer_due(self.swarm, max_ahead=MAX_DUE_WAIT, ready_seen=self._ready_seen)
 
     def phase_should_end(self) -> bool:
         """Whether a node catching up should end its inner phase now (the view is read every

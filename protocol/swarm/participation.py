@@ -117,7 +117,23 @@ def serve_stragglers(swarm: SwarmNode) -> int:
         time.sleep(config.view_refresh.total_seconds())
 
 
-def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
+class ReadySeen:
+    """When this node first saw another node of its lineage ready for the next round (the DHT's
+    clock): ``peer_due``'s one memory across its calls, a node's own (``SwarmSession``, the
+    simulator's node). That node is forming the round and gathers for a join window from about
+    then; a hold past it brings nobody into the round."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[tuple[int, str], float] | None = None
+
+    def since(self, lineage: tuple[int, str], now: float) -> float:
+        """The first time a ready peer of ``lineage`` was seen (``now`` on the first call for it)."""
+        if self._seen is None or self._seen[0] != lineage:
+            self._seen = (lineage, now)
+        return self._seen[1]
+
+
+def peer_due(swarm: SwarmNode, *, max_ahead: timedelta, ready_seen: ReadySeen | None = None) -> bool:
     """Whether a peer is fetching our lineage's state to join it (a joiner, or a member catching
     up after a missed round), so that a node about to end its inner phase trains on for it.
 
@@ -127,12 +143,15 @@ def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
     ``syncing`` record naming our lineage whose estimate is at most ``max_ahead`` away and was
     renewed within a join window (a fetch that progresses renews it every ``view_refresh``).
 
-    Once another node of our lineage is ready for the next round, only a fetch due within a join
-    window holds us: that node is forming the round and waits a join window for such a joiner
-    (``RoundFormation``), and no longer. Training on past it would not bring the fetching node into
-    the round, only leave us out of it: the nodes sending a slow fetch (the only ones that see their
-    provider send) would miss the round the others formed, and fetch its state in turn, round after
-    round."""
+    Once another node of our lineage is ready for the next round, only a fetch due within that
+    node's join window holds us: it is forming the round and waits a join window for such a joiner
+    (``RoundFormation._joiners_due``), and no longer. Training on past it would not bring the fetching
+    node into the round, only leave us out of it: the nodes sending a slow fetch (the only ones that
+    see their provider send) would miss the round the others formed, and fetch its state in turn,
+    round after round. The window is counted from when we first saw such a node ready
+    (``ready_seen``; without one, from now, which in a swarm where some node is always fetching,
+    as at a thousand nodes, holds us until MAX_DUE_WAIT: the slow nodes, whose own H comes later,
+    then miss the round the fast ones formed)."""
     config = swarm.config
     record = swarm.driver.record
     if record is None:
@@ -144,7 +163,10 @@ def peer_due(swarm: SwarmNode, *, max_ahead: timedelta) -> bool:
     if any(
         peer_id != swarm.peer_id for peer_id in view.of_lineage(record.round, record.param_hash).ready_ids
     ):
-        until = now + window
+        seen = now if ready_seen is None else ready_seen.since((record.round, record.param_hash), now)
+        until = seen + window
+        if until <= now:
+            return False  # that node's window is over: the round forms without the fetching node
     elif swarm.server.state_provider.served_lately(2 * config.view_refresh.total_seconds()):
         return True
     else:

@@ -72,7 +72,7 @@ from protocol.membership.messages import GroupSpec, Message
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.rounds import RoundFormation
 from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
-from protocol.swarm.participation import missed_round_wait, peer_due
+from protocol.swarm.participation import ReadySeen, missed_round_wait, peer_due
 from scripts.sim.allreduce_cost import MemberTraffic, part_payload_bytes
 from scripts.sim.dht import SimulatedDht, restamped
 from scripts.sim.events import Event, EventQueue
@@ -274,6 +274,7 @@ class SimNode:
         self.last_group_members: frozenset[str] = frozenset()
         self.serving_until = -math.inf
         self.stand_in = DaemonStandIn(self)
+        self.ready_seen = ReadySeen()  # peer_due's memory, as the session's
         # the phase and the round in progress
         self._phase_started = 0.0
         self._phase_end: Event | None = None
@@ -544,7 +545,7 @@ class SimNode:
         if self.state is not NodeState.TRAINING:
             return
         self.stand_in.driver.view = self._view()
-        if peer_due(self.stand_in, max_ahead=MAX_DUE_WAIT):  # type: ignore[arg-type]
+        if peer_due(self.stand_in, max_ahead=MAX_DUE_WAIT, ready_seen=self.ready_seen):  # type: ignore[arg-type]
             if self._extended_since is None:
                 self._extended_since = self.now
             if self.now - self._extended_since < MAX_DUE_WAIT.total_seconds():
