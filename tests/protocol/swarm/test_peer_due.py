@@ -77,7 +77,12 @@ def test_once_a_peer_is_ready_a_stream_of_fetches_holds_us_only_until_its_join_w
     ``ReadySeen`` the window is the ready peer's, counted from when we first saw it ready."""
     ready = make_record("peer", round=3, ready=True)
     seen = ReadySeen()
-    for offset in (0.0, 5.0, 9.0, 10.0):  # a fetch due 5 s ahead at every step: held while it is due in the window
+    for offset in (
+        0.0,
+        5.0,
+        9.0,
+        10.0,
+    ):  # a fetch due 5 s ahead at every step: held while it is due in the window
         stand_in = node_at(NOW + offset, ready, syncing("joiner", ready_at=NOW + offset + 5))
         assert peer_due(stand_in, max_ahead=MAX_AHEAD, ready_seen=seen)
     for offset in (15.0, 16.0, 60.0):  # the ready peer's window is over: we join its round
