@@ -443,8 +443,7 @@ class FragmentedOuterState:
         in flight holds only its fragment's extra copies)."""
         versions = tuple(part.global_params._version for part in self.parts)
         if self._hash is None or self._hash[0] != versions:
-            pieces = (self.parts[f].global_params[a : a + n] for f, a, _, n in self._layout)
-            self._hash = (versions, pieces_hash(pieces))
+            self._hash = (versions, self.assembled_hash([part.global_params for part in self.parts]))
         return self._hash[1]
 
     def version(self) -> tuple[int, ...]:
