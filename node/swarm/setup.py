@@ -6,6 +6,7 @@ prints how to join it (addresses other machines can dial first, loopback last) a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -161,7 +162,11 @@ def start_swarm(config: NodeConfig, *, join_hint: Callable[[str, str], str] | No
         "local_address": local,
         "client_mode": client,
     }
-    (run_dir / "node.json").write_text(json.dumps(identity, indent=2) + "\n")
+    # Written whole, then renamed: a reader (the launcher, `dtnode status`, a test) polling for the file
+    # sees no file or the complete one, never an empty or half-written one.
+    partial = run_dir / f".node.json.{os.getpid()}"
+    partial.write_text(json.dumps(identity, indent=2) + "\n")
+    os.replace(partial, run_dir / "node.json")
     action = "joined the swarm" if config.network.peers else "started a new swarm"
     if client:  # nobody can dial it, so nobody can join through it either
         print(f"dtnode: joined the swarm {config.run.name!r} as {swarm.peer_id} in client mode (accepts no "
