@@ -1,4 +1,5 @@
-"""The calling side of the wire contract: push a contribution, push a replica, pull an average.
+"""The calling side of the wire contract: push a contribution, push a replica, pull an average, pull
+a slice of a tiered round's mean.
 
 Each function streams one part to or from one peer and turns every way that can go wrong into an
 outcome the caller can act on: a peer that is gone or stalled (walk on along the part's backup
@@ -12,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from datetime import timedelta
 from typing import Protocol
 
 import grpc
 import grpc.aio
+import torch
 
 from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.contributions import ContributionSource
@@ -27,8 +31,9 @@ from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.pace import SendPace
 from protocol.allreduce.parts import chunk_message_num_bytes
 from protocol.allreduce.reducer import ReducedPart
+from protocol.allreduce.slices import PulledSlice, SliceKey
 from protocol.auth.channels import SwarmAuth, open_channel
-from protocol.codecs import Codec, CodecError, wire_bytes
+from protocol.codecs import Codec, CodecError, codec_from_spec, wire_bytes
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
 from protocol.gen.dtnode.v1 import allreduce_pb2_grpc as pb_grpc
 
@@ -94,10 +99,18 @@ def _remaining(deadline: float) -> float:
 
 async def _connected_stub(state: CallingRound, target: int, deadline: float) -> pb_grpc.AllReduceStub:
     """A stub for member `target`, once its connection is up or failed (see PeerClient.wait_connected)."""
-    address = state.group.members[target].address
-    wait = min(state.config.connect_timeout.total_seconds(), _remaining(deadline))
-    await state.client.wait_connected(address, wait)
-    return state.client.stub(address)
+    return await connected_stub(
+        state.client, state.group.members[target].address, state.config.connect_timeout, deadline
+    )
+
+
+async def connected_stub(
+    client: PeerClient, address: str, connect_timeout: timedelta, deadline: float
+) -> pb_grpc.AllReduceStub:
+    """A stub for `address`, once its connection is up or failed, waiting at most `connect_timeout`
+    and never past `deadline` (see PeerClient.wait_connected)."""
+    await client.wait_connected(address, min(connect_timeout.total_seconds(), _remaining(deadline)))
+    return client.stub(address)
 
 
 def _code_of(error: BaseException) -> grpc.StatusCode | None:
@@ -136,6 +149,11 @@ class PeerClient:
         if address not in self._channels:
             self._channels[address] = open_channel(address, options=self._options, auth=self._auth)
         return self._channels[address]
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        """The peers (host:port) we have a channel to: every one we dialled since we started."""
+        return frozenset(self._channels)
 
     def stub(self, address: str) -> pb_grpc.AllReduceStub:
         return pb_grpc.AllReduceStub(self.channel(address))
@@ -360,40 +378,78 @@ async def pull_average(
     state = round_state
     stub = await _connected_stub(state, target, deadline)
     request = pb.PullAverageRequest(round=state.round_ref(), part_index=part_index)
-    stall_seconds = state.config.stall_timeout.total_seconds()
     call = stub.PullAverage(request, timeout=_remaining(deadline) + 1.0)
     state.bytes_sent += request.ByteSize()
+
+    def count_received(num_bytes: int) -> None:
+        state.bytes_recv += num_bytes
+
+    def chunk_read(chunk_index: int) -> None:
+        check_fault(state.fault_plan, "pull_chunk", state.group.round_id, chunk_index)
+
+    return await _read_average(
+        call,
+        deadline,
+        state.config.stall_timeout.total_seconds(),
+        check_header=lambda header: state.check_average_header(header, part_index),
+        decode_chunk=decode_chunk,
+        count_received=count_received,
+        chunk_read=chunk_read,
+    )
+
+
+async def _read_average(
+    call: grpc.aio.UnaryStreamCall,
+    deadline: float,
+    stall_seconds: float,
+    *,
+    check_header: Callable[[pb.AverageHeader], None],
+    decode_chunk: Callable[[pb.AverageHeader, int, int, bytes], Awaitable[None]],
+    count_received: Callable[[int], None],
+    chunk_read: Callable[[int], None] = lambda chunk_index: None,
+) -> pb.AverageHeader:
+    """Read a pull's answer: heartbeats, one header (`check_header` raises ValueError to refuse it),
+    then its chunks in order, each handed to `decode_chunk(header, offset, size, payload)`; each
+    message's wire bytes go to `count_received`. Returns the header once the stream held all its numbers.
+
+    Raises PeerFailed if the peer is gone, sends nothing for `stall_seconds`, sends malformed data,
+    ends the stream early, or refuses (`moved` for ABORTED); cancels the call unless it ended.
+    """
     header: pb.AverageHeader | None = None
     received = 0
     chunk_index = 0
     try:
         while True:
             if _remaining(deadline) <= 0:
-                raise PeerFailed("the all-gather deadline passed")
+                raise PeerFailed("the deadline passed")
             try:
                 async with asyncio.timeout(min(stall_seconds, _remaining(deadline))):
                     message = await call.read()
             except TimeoutError as error:
+                if _remaining(deadline) <= 0:
+                    raise PeerFailed("the deadline passed") from error
                 raise PeerFailed(f"no message for {stall_seconds:.1f}s: stalled") from error
             if message is grpc.aio.EOF:
                 break
             kind = message.WhichOneof("body")
             if kind != "chunk":
-                state.bytes_recv += message.ByteSize()
+                count_received(message.ByteSize())
             if kind == "header":
+                if header is not None:
+                    raise PeerFailed("malformed average stream: a second header")
                 header = message.header
-                state.check_average_header(header, part_index)
+                check_header(header)
             elif kind == "chunk":
                 chunk = message.chunk
                 payload = chunk.payload  # each read of a bytes field copies it
-                state.bytes_recv += chunk_message_num_bytes(chunk.offset, chunk.num_elements, len(payload))
+                count_received(chunk_message_num_bytes(chunk.offset, chunk.num_elements, len(payload)))
                 if header is None or chunk.offset != received or chunk.num_elements <= 0:
                     raise PeerFailed("malformed average stream: chunk out of order or before the header")
                 if received + chunk.num_elements > header.num_elements:
                     raise PeerFailed("malformed average stream: more numbers than the part holds")
                 await decode_chunk(header, chunk.offset, chunk.num_elements, payload)
                 received += chunk.num_elements
-                check_fault(state.fault_plan, "pull_chunk", state.group.round_id, chunk_index)
+                chunk_read(chunk_index)
                 chunk_index += 1
     except grpc.aio.AioRpcError as error:
         moved = error.code() is grpc.StatusCode.ABORTED
@@ -406,3 +462,77 @@ async def pull_average(
     if header is None or received != header.num_elements:
         raise PeerFailed(f"average stream ended early: {received} numbers")
     return header
+
+
+async def pull_slice(
+    client: PeerClient,
+    config: AllReduceConfig,
+    address: str,
+    key: SliceKey,
+    *,
+    my_peer_id: str,
+    codec: Codec | None,
+    deadline: float,
+    out: torch.Tensor,
+    executor: Executor | None = None,
+) -> PulledSlice:
+    """Pull slice `key` of a tiered round's mean from the member at `address` (PullSlice) and decode
+    it into `out`, the slice's (E,) fp32 numbers, chunk by chunk (on `executor`, if given). The
+    slice must be encoded with `codec` (None: with whichever codec the holder names).
+
+    `deadline` is a time.monotonic() one. Raises PeerFailed if the member is gone, sends nothing for
+    the stall timeout (it heartbeats while the slice is not held yet), refuses (not held there, not
+    for us), or sends a slice of another size or codec or malformed data; `out` then holds whatever
+    arrived before (pull again, from another holder, into the same tensor).
+    """
+    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous 1-D fp32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+    stub = await connected_stub(client, address, config.connect_timeout, deadline)
+    request = pb.PullSliceRequest(
+        round_id=key.round_id,
+        plan_digest=key.plan_digest,
+        slice_index=key.slice_index,
+        sender_peer_id=my_peer_id,
+    )
+    call = stub.PullSlice(request, timeout=_remaining(deadline) + 1.0)
+    bytes_recv = 0
+    decoder: Codec | None = None  # the header's codec, once it came
+
+    def check_header(header: pb.AverageHeader) -> None:
+        if header.part_index != key.slice_index:
+            raise ValueError(f"got slice {header.part_index}, asked for {key.slice_index}")
+        nonlocal decoder
+        if codec is not None and header.codec != codec.spec():
+            raise ValueError(f"slice encoded with {header.codec}, not {codec.spec()}")
+        decoder = codec_from_spec(header.codec)  # (raises CodecError, a ValueError, if malformed)
+        if header.num_elements != out.numel():
+            raise ValueError(f"slice has {header.num_elements} numbers, expected {out.numel()}")
+        if not (math.isfinite(header.weight_sum) and header.weight_sum >= 0):
+            raise ValueError(f"bad weight sum {header.weight_sum}")
+
+    def count_received(num_bytes: int) -> None:
+        nonlocal bytes_recv
+        bytes_recv += num_bytes
+
+    async def decode_chunk(header: pb.AverageHeader, offset: int, size: int, payload: bytes) -> None:
+        assert decoder is not None  # (_read_average checks the header before any chunk)
+        into = out[offset : offset + size]
+        if executor is None:
+            decoder.decode_into(payload, into)
+        else:
+            await asyncio.get_running_loop().run_in_executor(executor, decoder.decode_into, payload, into)
+
+    header = await _read_average(
+        call,
+        deadline,
+        config.stall_timeout.total_seconds(),
+        check_header=check_header,
+        decode_chunk=decode_chunk,
+        count_received=count_received,
+    )
+    return PulledSlice(
+        num_elements=header.num_elements,
+        weight_sum=header.weight_sum,
+        bytes_sent=request.ByteSize(),
+        bytes_recv=bytes_recv,
+    )

@@ -44,6 +44,15 @@ class AllReduceConfig:
     from); opening one more forgets the oldest finished round and its buffers."""
     max_waiting_requests: int = 256
     """Requests that may wait at once for a round to open; more get RESOURCE_EXHAUSTED."""
+    max_slices_held: int = 8
+    """Slices of tiered rounds' means this peer holds at once for other members to pull (stage C,
+    `slices.py`); holding one more drops the oldest. A member holds one slice a tiered round (its
+    column's), so 8 covers the rounds kept (max_rounds_kept) several times over; each costs its
+    slice's encoded bytes."""
+    max_slice_wait: timedelta = timedelta(minutes=10)
+    """Longest a pull waits for a slice not held here yet (it comes once this member's column has
+    averaged it, which may take a whole stage of the round); the puller's own deadline is shorter
+    in practice. Waiting pulls count against max_waiting_requests."""
     reconnect_backoff: timedelta = timedelta(seconds=1)
     """Longest gRPC reconnect backoff, so a peer that comes back is reachable in the next round."""
     connect_timeout: timedelta = timedelta(seconds=20)
@@ -88,6 +97,7 @@ class AllReduceConfig:
             "stall_timeout",
             "heartbeat_interval",
             "max_early_wait",
+            "max_slice_wait",
             "reconnect_backoff",
             "connect_timeout",
         ):
@@ -102,8 +112,13 @@ class AllReduceConfig:
             raise ValueError(
                 f"memory_trim_interval must be positive or None, got {self.memory_trim_interval}"
             )
-        if self.max_rounds_kept < 1 or self.max_waiting_requests < 1 or self.max_chunks_ahead < 1:
-            raise ValueError("max_rounds_kept, max_waiting_requests and max_chunks_ahead must be >= 1")
+        if (
+            min(self.max_rounds_kept, self.max_waiting_requests, self.max_chunks_ahead, self.max_slices_held)
+            < 1
+        ):
+            raise ValueError(
+                "max_rounds_kept, max_waiting_requests, max_chunks_ahead and max_slices_held must be >= 1"
+            )
         _ = self.aggregation_rule  # raises ValueError for a bad rule
 
     @property

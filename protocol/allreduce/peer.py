@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -33,14 +34,15 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol.allreduce.allreduce import AllReduceResult, run_allreduce
-from protocol.allreduce.client import PeerClient, tell_finished
-from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.client import PeerClient, pull_slice, tell_finished
+from protocol.allreduce.config import MESSAGE_OVERHEAD_BYTES, AllReduceConfig
 from protocol.allreduce.faults import FaultPlan
 from protocol.allreduce.group import GroupSpec
 from protocol.allreduce.pace import SendPace
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
 from protocol.allreduce.servicer import AllReduceServicer, add_servicer_to_server
+from protocol.allreduce.slices import HeldSlice, PulledSlice, SliceKey, SliceStore
 from protocol.auth.channels import SwarmAuth, add_port, new_server
 from protocol.codecs import Codec
 from protocol.discovery.addresses import local_dial_address
@@ -62,6 +64,8 @@ class AllReducePeer:
         self.config = config
         self.fault_plan = fault_plan
         self.registry = RoundRegistry(config)
+        # The slices of tiered rounds' means we hold for other members to pull (PullSlice).
+        self.slices = SliceStore(max_held=config.max_slices_held, max_waiting=config.max_waiting_requests)
         self.client = PeerClient(config.grpc_options(server=False), auth=auth)
         # Encoding, folding and decoding run here so the event loop keeps moving bytes meanwhile.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce-compute")
@@ -79,7 +83,7 @@ class AllReducePeer:
         allow `config.max_message_bytes`, see `AllReduceConfig.grpc_options(server=True)`)."""
         if self._attached:
             raise RuntimeError("the all-reduce servicer is already on a server")
-        add_servicer_to_server(AllReduceServicer(self.registry, self.config), server)
+        add_servicer_to_server(AllReduceServicer(self.registry, self.config, self.slices), server)
         self._attached = True
 
     def dial_only(self) -> None:
@@ -201,6 +205,48 @@ class AllReducePeer:
             task.add_done_callback(self._telling.discard)
         return result
 
+    def hold_slice(
+        self, key: SliceKey, held: HeldSlice, *, pullers: frozenset[str], linger: timedelta
+    ) -> None:
+        """Serve `held` as slice `key` of a tiered round's mean to the members `pullers` (peer ids)
+        for `linger` from now (PullSlice; call on the peer's loop). Pulls that came before wait for
+        it; at most `config.max_slices_held` slices are held, the oldest dropped first. `held` must
+        not change while held (with the fp32 codec its payloads may be views of a result)."""
+        largest = max((len(payload) for payload in held.payloads), default=0)
+        if largest + MESSAGE_OVERHEAD_BYTES > self.config.max_message_bytes:
+            raise ValueError(
+                f"a chunk of {largest} bytes does not fit a message (max_message_bytes="
+                f"{self.config.max_message_bytes}); chunk the slice by config.chunk_num_elements"
+            )
+        self.slices.hold(key, held, pullers=pullers, until=time.monotonic() + linger.total_seconds())
+        asyncio.get_running_loop().call_later(linger.total_seconds(), self.slices.evict)
+
+    async def pull_slice(
+        self,
+        address: str,
+        key: SliceKey,
+        *,
+        my_peer_id: str,
+        deadline: float,
+        out: torch.Tensor,
+        codec: Codec | None = None,
+    ) -> PulledSlice:
+        """Pull slice `key` from the member at `address` and decode it into `out` ((E,) fp32, the
+        slice's numbers), by `deadline` (time.monotonic()), refusing a slice not encoded with
+        `codec` (None: any codec); raises
+        `protocol.allreduce.client.PeerFailed` on any failure (`client.pull_slice`)."""
+        return await pull_slice(
+            self.client,
+            self.config,
+            address,
+            key,
+            my_peer_id=my_peer_id,
+            codec=codec,
+            deadline=deadline,
+            out=out,
+            executor=self.executor,
+        )
+
     def lift_paces(self) -> None:
         """Send the rest of every paced round under way at full rate (call on the peer's loop): its
         caller now waits on the mean, so spreading the bytes would only make it wait longer."""
@@ -212,6 +258,7 @@ class AllReducePeer:
         `grace`, then close everything."""
         if self._server is not None:
             self._health.enter_graceful_shutdown()
+            self.slices.close()  # (pulls waiting for a slice would hold the server for all of `grace`)
             grace_seconds = (grace or self.config.server_grace).total_seconds()
             await self._server.stop(grace_seconds)
             self._server = None
@@ -225,5 +272,6 @@ class AllReducePeer:
         for task in list(self._telling):
             task.cancel()
         self.registry.close()
+        self.slices.close()
         await self.client.close()
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -22,6 +22,7 @@ from protocol.allreduce.parts import PartRole, chunk_message_num_bytes, remainin
 from protocol.allreduce.reducer import ReducedPart
 from protocol.allreduce.registry import RoundRegistry
 from protocol.allreduce.round import RoundState
+from protocol.allreduce.slices import PLAN_DIGEST_NUM_BYTES, SliceKey, SliceStore
 from protocol.codecs import wire_bytes
 from protocol.errors import ProtocolError, invalid
 from protocol.gen.dtnode.v1 import allreduce_pb2 as pb
@@ -88,23 +89,31 @@ def add_servicer_to_server(servicer: AllReduceServicer, server: grpc.aio.Server)
             request_deserializer=lenient(pb.RoundFinished),
             response_serializer=pb.RoundFinishedReply.SerializeToString,
         ),
+        "PullSlice": grpc.unary_stream_rpc_method_handler(
+            servicer.PullSlice,
+            request_deserializer=lenient(pb.PullSliceRequest),
+            response_serializer=pb.AverageMessage.SerializeToString,
+        ),
     }
     assert set(handlers) == {method.name for method in service.methods}, "servicer out of date with the proto"
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class AllReduceServicer(pb_grpc.AllReduceServicer):
-    """Serves PushContribution, PushReplica, PullAverage and FinishRound for every round in the registry."""
+    """Serves PushContribution, PushReplica, PullAverage and FinishRound for every round in the registry,
+    and PullSlice from the slices held in `slices` (a tiered round's stage C)."""
 
-    def __init__(self, registry: RoundRegistry, config: AllReduceConfig) -> None:
+    def __init__(self, registry: RoundRegistry, config: AllReduceConfig, slices: SliceStore) -> None:
         self._registry = registry
         self._config = config
+        self._slices = slices
 
     # --- shared helpers ------------------------------------------------------------------------------
 
-    def _early_wait(self, context: grpc.aio.ServicerContext) -> float:
-        """How long a request may wait for its round to open: answer NOT_FOUND before the caller gives up."""
-        limit = self._config.max_early_wait.total_seconds()
+    def _early_wait(self, context: grpc.aio.ServicerContext, limit_seconds: float | None = None) -> float:
+        """How long a request may wait for its round to open (or its slice to be held, at most
+        `limit_seconds`): answer NOT_FOUND before the caller gives up."""
+        limit = self._config.max_early_wait.total_seconds() if limit_seconds is None else limit_seconds
         time_left = context.time_remaining()
         return limit if time_left is None else min(limit, 0.9 * time_left)
 
@@ -386,6 +395,55 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
         except ProtocolError as error:
             return _detached(error)
         state.note_holder(request.part_index, requester)
+        return None
+
+    # --- a tiered round's stage C: the slices of its mean -------------------------------------------
+
+    async def PullSlice(self, request: pb.PullSliceRequest, context: grpc.aio.ServicerContext) -> None:
+        refusal = await self._serve_slice(request, context)
+        if refusal is not None:
+            await self._reject(context, "PullSlice", refusal)
+
+    async def _serve_slice(
+        self, request: pb.PullSliceRequest, context: grpc.aio.ServicerContext
+    ) -> ProtocolError | None:
+        """Stream a held slice to a member allowed to pull it, once held; return why we refused, or None."""
+        slices = self._slices
+        try:
+            if isinstance(request, Malformed):
+                raise invalid(request.error)
+            slices.bytes_recv += request.ByteSize()
+            if len(request.plan_digest) != PLAN_DIGEST_NUM_BYTES:
+                raise invalid(
+                    f"a plan digest is {PLAN_DIGEST_NUM_BYTES} bytes, got {len(request.plan_digest)}"
+                )
+            if not request.sender_peer_id:
+                raise invalid("a pull must name its sender_peer_id")
+            key = SliceKey(
+                round_id=request.round_id, plan_digest=request.plan_digest, slice_index=request.slice_index
+            )
+            wait = self._early_wait(context, self._config.max_slice_wait.total_seconds())
+            held = await self._heartbeating(
+                context,
+                slices.wait(key, request.sender_peer_id, wait),
+                pb.AverageMessage(still_working=pb.StillWorking()),
+            )
+            header = pb.AverageHeader(
+                part_index=key.slice_index,
+                codec=held.codec.spec(),
+                num_elements=held.num_elements,
+                weight_sum=held.weight_sum,
+            )
+            num_bytes = await self._write(context, pb.AverageMessage(header=header))
+            slices.bytes_sent += num_bytes  # (not `+= await`: other pulls add meanwhile)
+            offset = 0
+            for size, payload in zip(held.chunk_sizes, held.payloads, strict=True):
+                chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
+                await self._write(context, pb.AverageMessage(chunk=chunk))
+                slices.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
+                offset += size
+        except ProtocolError as error:
+            return _detached(error)
         return None
 
     async def _wait_decided(

@@ -187,3 +187,15 @@ class RoundFinished(_message.Message):
 class RoundFinishedReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PullSliceRequest(_message.Message):
+    __slots__ = ("round_id", "plan_digest", "slice_index", "sender_peer_id")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SLICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    plan_digest: bytes
+    slice_index: int
+    sender_peer_id: str
+    def __init__(self, round_id: _Optional[int] = ..., plan_digest: _Optional[bytes] = ..., slice_index: _Optional[int] = ..., sender_peer_id: _Optional[str] = ...) -> None: ...

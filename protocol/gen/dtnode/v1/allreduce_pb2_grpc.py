@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class AllReduceStub:
-    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them.
+    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them, and
+    the slices of a tiered round's mean (PullSlice).
     Every call carries a gRPC deadline; a stream that makes no progress for the stall timeout is dropped.
     """
 
@@ -56,10 +57,16 @@ class AllReduceStub:
                 request_serializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.SerializeToString,
                 response_deserializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.FromString,
                 _registered_method=True)
+        self.PullSlice = channel.unary_stream(
+                '/dtnode.v1.AllReduce/PullSlice',
+                request_serializer=dtnode_dot_v1_dot_allreduce__pb2.PullSliceRequest.SerializeToString,
+                response_deserializer=dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.FromString,
+                _registered_method=True)
 
 
 class AllReduceServicer:
-    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them.
+    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them, and
+    the slices of a tiered round's mean (PullSlice).
     Every call carries a gRPC deadline; a stream that makes no progress for the stall timeout is dropped.
     """
 
@@ -98,6 +105,24 @@ class AllReduceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullSlice(self, request, context):
+        """Stage C of a tiered all-reduce: "Send me a slice of the round's mean that you hold." The answer
+        is StillWorking heartbeats while the slice is not held here yet, then one AverageHeader
+        (part_index = slice_index; codec, num_elements and weight_sum of the slice's mean; producer and
+        contributor fields empty), then the slice's chunks in order: the bytes this member's column
+        decoded, unchanged. Statuses:
+        INVALID_ARGUMENT   "Your request is malformed (not a PullSliceRequest, a plan digest that is
+        not 32 bytes, no sender_peer_id)."
+        PERMISSION_DENIED  "I hold that slice, but not for you."
+        NOT_FOUND          "I do not hold that slice: its time here is over, I will never hold it, or
+        it did not come before I stopped waiting for it (at most your deadline)."
+        RESOURCE_EXHAUSTED "Too many pulls are waiting for slices here, or your message is too large."
+        DEADLINE_EXCEEDED  "You stopped reading."
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllReduceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +146,11 @@ def add_AllReduceServicer_to_server(servicer, server):
                     request_deserializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.FromString,
                     response_serializer=dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.SerializeToString,
             ),
+            'PullSlice': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullSlice,
+                    request_deserializer=dtnode_dot_v1_dot_allreduce__pb2.PullSliceRequest.FromString,
+                    response_serializer=dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'dtnode.v1.AllReduce', rpc_method_handlers)
@@ -130,7 +160,8 @@ def add_AllReduceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AllReduce:
-    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them.
+    """AllReduce: the two phases of the butterfly all-reduce plus the replica hand-off between them, and
+    the slices of a tiered round's mean (PullSlice).
     Every call carries a gRPC deadline; a stream that makes no progress for the stall timeout is dropped.
     """
 
@@ -232,6 +263,33 @@ class AllReduce:
             '/dtnode.v1.AllReduce/FinishRound',
             dtnode_dot_v1_dot_allreduce__pb2.RoundFinished.SerializeToString,
             dtnode_dot_v1_dot_allreduce__pb2.RoundFinishedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullSlice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dtnode.v1.AllReduce/PullSlice',
+            dtnode_dot_v1_dot_allreduce__pb2.PullSliceRequest.SerializeToString,
+            dtnode_dot_v1_dot_allreduce__pb2.AverageMessage.FromString,
             options,
             channel_credentials,
             insecure,
