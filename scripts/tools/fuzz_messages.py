@@ -299,6 +299,9 @@ def build_rpcs(context: Context, round_ref: allreduce_pb.RoundRef, part_sizes: t
             statesync_pb.FetchRangeRequest(state_id=state_id, tensor_name=SNAPSHOT_TENSOR, offset=0, length=8192),)),
         Rpc("GetStatus", "/dtnode.v1.Status/GetStatus", status_pb.GetStatusRequest.DESCRIPTOR, False, False, (
             status_pb.GetStatusRequest(),)),
+        Rpc("PullSlice", allreduce + "PullSlice", allreduce_pb.PullSliceRequest.DESCRIPTOR, False, True, (
+            allreduce_pb.PullSliceRequest(round_id=round_ref.round_id, plan_digest=round_ref.group_digest,
+                                          slice_index=0, sender_peer_id=round_ref.sender_peer_id),)),
     ]  # fmt: skip
 
 

@@ -6,8 +6,9 @@
 Setup: a target node (a real ``SwarmNode``: DHT peer, one gRPC server with the all-reduce, state
 sync, membership and health services, the round driver) runs in its own process; a partner node
 runs in this one. The two first complete round 1 together, so the target holds a real, lingering
-all-reduce round and a published snapshot: fuzzed messages that name them get past the first checks
-and into the round's state, not only into the parsers.
+all-reduce round, a published snapshot and a slice of round 1's mean held for the partner (as a
+tiered round's stage C holds one): fuzzed messages that name them get past the first checks and
+into the round's state, not only into the parsers.
 
 Phase 1, generation: per RPC, hypothesis draws ``--messages`` requests from strategies built on the
 request's protobuf descriptor. Every field either keeps the value of a valid *template* request (the
@@ -372,6 +373,7 @@ def build_rpc_names() -> list[str]:
         "PushReplica",
         "PullAverage",
         "FinishRound",
+        "PullSlice",
         "Deliver",
         "Collect",
         "GetManifest",

@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from protocol.allreduce.config import AllReduceConfig
+from protocol.allreduce.slices import HeldSlice, SliceKey
+from protocol.codecs import fp32_view, get_codec
 from protocol.discovery.dht_node import DhtConfig
 from protocol.membership.config import RoundConfig
 from protocol.statesync.config import StateSyncConfig
@@ -33,6 +35,7 @@ from protocol.statesync.snapshot import Snapshot
 from protocol.swarm.config import SwarmConfig
 from protocol.swarm.node import RoundResult, SwarmNode
 from protocol.swarm.result import GroupAveraged, result_name
+from protocol.swarm.streams import to_allreduce_group
 from scripts.common import REPO_ROOT
 
 NUM_ELEMENTS = 10_007
@@ -40,6 +43,7 @@ NUM_ELEMENTS = 10_007
 SNAPSHOT_TENSOR = "params"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """The target's gRPC message limit (all-reduce and state sync both set it; membership needs 4 MiB)."""
+CHUNK_NUM_ELEMENTS = 4096
 NUM_TOKENS = {"target": 1000, "partner": 3000}
 SEEDS = {"target": 11, "partner": 22}
 FAILING_CODES = frozenset({"UNKNOWN", "INTERNAL"})
@@ -60,11 +64,12 @@ def swarm_config(initial_peers: tuple[str, ...]) -> SwarmConfig:
             begin_timeout=timedelta(seconds=4),
         ),
         allreduce=AllReduceConfig(
-            chunk_num_elements=4096,
+            chunk_num_elements=CHUNK_NUM_ELEMENTS,
             max_message_bytes=MAX_MESSAGE_BYTES,
             stall_timeout=timedelta(seconds=2),
             heartbeat_interval=timedelta(milliseconds=400),
             max_early_wait=timedelta(milliseconds=300),
+            max_slice_wait=timedelta(milliseconds=300),
             linger=timedelta(minutes=30),  # round 1 stays servable for the whole campaign
         ),
         statesync=StateSyncConfig(
@@ -108,6 +113,30 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 # --- the target: a live node in its own process, driven by JSON lines on stdin -----------------------
 
 
+def hold_slice(node: SwarmNode, result: GroupAveraged) -> None:
+    """Hold round 1's mean as slice 0 of a tiered round 1 named by the group's digest, for the
+    partner: fuzzed PullSlice calls then reach a held slice (served, refused to another peer id)."""
+    group = to_allreduce_group(result.group)
+    averaged = result.allreduce.averaged
+    starts = range(0, NUM_ELEMENTS, CHUNK_NUM_ELEMENTS)
+    sizes = [min(CHUNK_NUM_ELEMENTS, NUM_ELEMENTS - start) for start in starts]
+    held = HeldSlice(
+        codec=get_codec("none"),
+        chunk_sizes=tuple(sizes),
+        payloads=tuple(
+            fp32_view(averaged[start : start + size]) for start, size in zip(starts, sizes, strict=True)
+        ),
+        weight_sum=float(sum(NUM_TOKENS.values())),
+    )
+    key = SliceKey(round_id=1, plan_digest=group.digest, slice_index=0)
+    partner = frozenset(m.peer_id for m in group.members if m.peer_id != node.peer_id)
+
+    async def hold() -> None:  # (on the node's loop, where its server reads the slices)
+        node.server.allreduce.hold_slice(key, held, pullers=partner, linger=timedelta(minutes=30))
+
+    node._run(hold(), timedelta(seconds=5))
+
+
 def serve() -> int:
     """Run the target node: print its address, then obey ``round`` / ``publish`` / ``quit`` commands."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -136,6 +165,8 @@ def serve() -> int:
                 if isinstance(result, GroupAveraged):
                     reply["sha256"] = tensor_sha256(result.allreduce.averaged)
                     reply["fell_back"] = result.allreduce.fell_back
+                    if int(command["round"]) == 1:
+                        hold_slice(node, result)
                 print(json.dumps(reply), flush=True)
             else:
                 break
