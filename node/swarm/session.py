@@ -438,8 +438,8 @@ class SwarmSession:
                 return self._own_delta(vector, reason, failure_kind)
             case LineageResync(decision=lineage):
                 return self._resync(vector, round_index, lineage, why="resync", failure_kind=failure_kind)
-            case RoundMissed():
-                lineage_past = self._wait_for_canonical_past(previous)
+            case RoundMissed(told_by=told_by):
+                lineage_past = self._wait_for_canonical_past(previous, told_by)
                 return self._resync(
                     vector, round_index, lineage_past, why="missed", failure_kind=failure_kind
                 )
@@ -533,12 +533,17 @@ class SwarmSession:
 
     # --- adopting the canonical state ---
 
-    def _wait_for_canonical_past(self, ours: Lineage) -> LineageDecision | None:
+    def _wait_for_canonical_past(self, ours: Lineage, told_by: str | None) -> LineageDecision | None:
         """After a missed round: the lineage decision once the group published params newer than ours,
-        None (we step on our own Δ) if none is canonical within ``missed_round_wait``; a SIGTERM ends
-        the wait (``participation.await_lineage_past``)."""
+        None (we step on our own Δ) if none is canonical within the wait (``missed_round_wait`` after
+        the peer that told us the round began is last seen in it); a SIGTERM ends the wait
+        (``participation.await_lineage_past``)."""
         return await_lineage_past(
-            self.swarm, round=ours[0], param_hash=ours[1], stop_requested=self.identity.stop_requested
+            self.swarm,
+            round=ours[0],
+            param_hash=ours[1],
+            told_by=told_by,
+            stop_requested=self.identity.stop_requested,
         )
 
     def _fetch_canonical(

@@ -49,12 +49,17 @@ class StartAllReduce:
 class MissedRound:
     """Terminal: a group of this round formed without this peer, or none included it by max_wait.
 
-    The daemon starts the next formation once its view changed (the group's members publish
-    their new params after their all-reduce): the lineage rule then sends it to re-sync.
+    The daemon waits for the group to publish its new params after its all-reduce, then adopts
+    them (``protocol/swarm/participation.py``, ``MissedRoundWait``); the lineage rule then sends it
+    to re-sync.
     """
 
     round: int
     reason: Reason
+    told_by: str | None = None
+    """The peer that said the round began without us (``ROUND_STARTED``, ``ALREADY_IN_GROUP``): most
+    often a member of that group, whose record stays on our lineage while its all-reduce runs. None
+    when we gave up at max_wait."""
 
 
 @dataclass(frozen=True)

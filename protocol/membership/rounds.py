@@ -38,9 +38,11 @@ Protocol
    re-evaluates (step 1). A leader that stays silent for a join window plus a begin timeout
    (plus its fan-out, as above) while enough peers are ready is suspected too.
 4. A peer that learns that a group of its round and lineage began without it (a ``Cancel`` or
-   ``Reject`` saying so) has missed the round: ``MissedRound``; it re-syncs from that group once
-   it published its new params, and joins the next round. A leader that learns it while
-   collecting cancels its proposal the same way, so no second group forms for the round.
+   ``Reject`` saying so) has missed the round: ``MissedRound``, naming the peer that said so
+   (``told_by``); it re-syncs from that group once it published its new params (however long its
+   all-reduce runs: ``protocol/swarm/participation.py``), and joins the next round. A leader
+   that learns it while collecting cancels its proposal the same way, so no second group forms
+   for the round.
 5. ``max_wait`` after becoming ready, a peer in no group gives up: ``MissedRound`` if enough
    peers were ready (a group may have formed out of its sight), else ``RoundFailed`` (or, if the
    policy says so, a solo group).
@@ -556,7 +558,8 @@ class RoundFormation:
         actions = self._drop_answer(sender, reject.proposal_id, reject.reason)
         if reject.reason is Reason.ALREADY_IN_GROUP and self.outcome is None:
             # The sender is locked into a group of our round and lineage (it checks both first).
-            return actions + self._finish(MissedRound(self.round, Reason.ROUND_STARTED), Reason.ROUND_STARTED)
+            missed = MissedRound(self.round, Reason.ROUND_STARTED, told_by=sender)
+            return actions + self._finish(missed, Reason.ROUND_STARTED)
         return actions
 
     def _on_withdraw(self, sender: str, withdraw: Withdraw) -> list[Action]:
@@ -645,7 +648,9 @@ class RoundFormation:
         elif sender in self._deferred and self._deferred[sender].proposal_id == cancel.proposal_id:
             del self._deferred[sender]
         if cancel.reason is Reason.ROUND_STARTED and self.outcome is None:
-            return self._finish(MissedRound(self.round, Reason.ROUND_STARTED), Reason.ROUND_STARTED)
+            return self._finish(
+                MissedRound(self.round, Reason.ROUND_STARTED, told_by=sender), Reason.ROUND_STARTED
+            )
         return []
 
     def _on_begin(self, sender: str, begin: Begin) -> list[Action]:

@@ -57,31 +57,76 @@ def await_start_peers(
 
 def missed_round_wait(config: SwarmConfig) -> timedelta:
     """How long a node that missed a round waits for the group that began without it to publish its
-    new params: the group's all-reduce drops a member that makes no progress for the stall timeout (a
-    frozen one), then each member publishes within a heartbeat and a DHT store."""
+    new params, once that group is no longer seen running: the group's all-reduce drops a member
+    that makes no progress for the stall timeout (a frozen one), then each member publishes within a
+    heartbeat and a DHT store."""
     return config.allreduce.stall_timeout + config.heartbeat + config.dht_call_timeout
 
 
+class MissedRoundWait:
+    """When a node that missed a round stops waiting for the group that began it without us.
+
+    The peer that told us the round began (``MissedRound.told_by``; a member of that group, or a
+    node that missed it too) is in the group's all-reduce while its record, renewed every heartbeat,
+    stays on our lineage and ready for the round: a member locked into a group keeps the readiness
+    it published until the all-reduce ends and it publishes the round's params (a node that gave up
+    on the round took its readiness back). So the wait is
+    :func:`missed_round_wait` counted from the last view that showed that peer still in the round,
+    and at most ``round_deadline`` (no all-reduce runs longer) plus that. A fixed
+    ``missed_round_wait`` from the miss was shorter than a large model's all-reduce over home
+    links (37 s against 160 s for 100 M numbers at 10 Mbit/s, issue 33's simulator): the node then
+    stepped on its own Δ, which no chain of means leads back from, fetched the whole state (the
+    group had not published yet, so the old one), arrived during the next round's all-reduce and
+    missed that round too, round after round. A group that froze or died is no longer seen within
+    a record TTL; one that published moves its record past our lineage: then the wait ends
+    :func:`missed_round_wait` later, as before (issue 31: a missed node must not wait out a group
+    that never publishes, or one smaller than the nodes it left behind)."""
+
+    def __init__(
+        self, config: SwarmConfig, *, lineage: tuple[int, str], told_by: str | None, now: float
+    ) -> None:
+        self._wait = missed_round_wait(config).total_seconds()
+        self._latest = now + config.round_deadline.total_seconds()
+        self._lineage = lineage
+        self._told_by = told_by
+        self._running_at = now  # when the group was last seen running (our clock)
+
+    def over(self, view: SwarmView, now: float) -> bool:
+        """Whether to stop waiting at ``now`` (our clock), given a fresh ``view``."""
+        record = view.get(self._told_by) if self._told_by is not None else None
+        if (
+            record is not None
+            and (record.round, record.param_hash) == self._lineage
+            and record.ready_for_round == self._lineage[0] + 1
+        ):
+            self._running_at = max(self._running_at, min(now, self._latest))
+        return now >= self._running_at + self._wait
+
+
 def await_lineage_past(
-    swarm: SwarmNode, *, round: int, param_hash: str, stop_requested: Callable[[], bool]
+    swarm: SwarmNode,
+    *,
+    round: int,
+    param_hash: str,
+    told_by: str | None,
+    stop_requested: Callable[[], bool],
 ) -> LineageDecision | None:
-    """After a missed round (a group of our lineage ``(round, param_hash)`` began it without us): the
-    lineage decision once a lineage past ``round`` is canonical (adopt it), or None after
-    :func:`missed_round_wait` (or at ``stop_requested()``): the group froze or died before it
-    published, or it is smaller than the nodes it left behind, whose lineage stays canonical. The
-    caller then steps on its own Δ, so it records the round, and the next round's lineage check syncs
-    it to whichever lineage is canonical by then. Waiting for the group as long as its
-    ``round_deadline`` stalled every node it left behind for minutes, each waiting for the others to
-    move (issue 31, "No stall under faults")."""
-    wait = missed_round_wait(swarm.config)
-    deadline = time.monotonic() + wait.total_seconds()
+    """After a missed round (a group of our lineage ``(round, param_hash)`` began it without us, as
+    ``told_by`` said): the lineage decision once a lineage past ``round`` is canonical (adopt it), or
+    None once :class:`MissedRoundWait` is over (or at ``stop_requested()``): the group froze or died
+    before it published, or it is smaller than the nodes it left behind, whose lineage stays
+    canonical. The caller then steps on its own Δ, so it records the round, and the next round's
+    lineage check syncs it to whichever lineage is canonical by then. Waiting for the group as long
+    as its ``round_deadline`` whatever it did stalled every node it left behind for minutes, each
+    waiting for the others to move (issue 31, "No stall under faults")."""
+    wait = MissedRoundWait(swarm.config, lineage=(round, param_hash), told_by=told_by, now=time.monotonic())
     while not stop_requested():
-        decision = swarm.lineage(round=round, param_hash=param_hash)
+        decision = swarm.lineage(round=round, param_hash=param_hash)  # reads a fresh view
         if not decision.in_canonical and decision.canonical.round > round:
             return decision
-        if time.monotonic() >= deadline:
-            log.info("no lineage past round %d became canonical within %s of our missed round",
-                     round, wait)  # fmt: skip
+        if wait.over(swarm.driver.view, time.monotonic()):
+            log.info("no lineage past round %d became canonical within %s of the last sign of the "
+                     "group that began our missed round", round, missed_round_wait(swarm.config))  # fmt: skip
             return None
         time.sleep(swarm.config.view_refresh.total_seconds())
     return None

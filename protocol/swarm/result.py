@@ -38,6 +38,8 @@ class RoundMissed:
     round: int
     reason: str
     seconds_forming: float = 0.0
+    told_by: str | None = None
+    """The peer that said the round began without us (``MissedRound.told_by``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +77,9 @@ def not_averaged(
         decision = decide_lineage(view.peers, local)
         return LineageResync(round=round, decision=decision, seconds_forming=seconds_forming)
     if isinstance(outcome, MissedRound):
-        return RoundMissed(round=round, reason=str(outcome.reason), seconds_forming=seconds_forming)
+        return RoundMissed(
+            round=round, reason=str(outcome.reason), seconds_forming=seconds_forming, told_by=outcome.told_by
+        )
     return RoundNotFormed(round=round, reason=str(outcome.reason), seconds_forming=seconds_forming)
 
 

@@ -16,7 +16,7 @@ driver.py): ``start``, ``on_view`` every     daemon's ``SwarmConfig.rounds``; vi
 ``SwarmRegistry`` heartbeat and TTL          ``SimulatedDht`` stores every ``heartbeat`` with
                                              ``expires_at = now + record_ttl``; a tombstone on leave
 ``SwarmNode._await_group_published``         the same wait, on the simulated view
-``await_lineage_past`` after a missed round  ``decide_lineage`` polled up to ``missed_round_wait``
+``await_lineage_past`` after a missed round  ``decide_lineage`` polled until ``MissedRoundWait``
 ``SwarmSession._fetch_canonical``            catch-up with the rounds' means when at most
                                              ``MAX_CATCH_UP_ROUNDS`` behind and not stepped alone,
                                              else the whole state; announced (``syncing`` record)
@@ -72,7 +72,7 @@ from protocol.membership.messages import GroupSpec, Message
 from protocol.membership.records import PeerRecord, SwarmView
 from protocol.membership.rounds import RoundFormation
 from protocol.swarm.config import PROTOCOL_VERSION, SwarmConfig
-from protocol.swarm.participation import ReadySeen, missed_round_wait, peer_due
+from protocol.swarm.participation import MissedRoundWait, ReadySeen, peer_due
 from scripts.sim.allreduce_cost import MemberTraffic, part_payload_bytes
 from scripts.sim.dht import SimulatedDht, restamped
 from scripts.sim.events import Event, EventQueue
@@ -295,7 +295,7 @@ class SimNode:
         self._await_until = 0.0
         self._waited = 0.0
         self._ended_short = False
-        self._missed_deadline = 0.0
+        self._missed_wait: MissedRoundWait | None = None
         self._published_deadline = 0.0
         self._num_tokens = 0
 
@@ -708,10 +708,16 @@ class SimNode:
                 self.state = NodeState.ALLREDUCE
                 self.last_group_members = frozenset(group.member_ids) - {self.peer_id}
                 self.world.allreduces.lock(self, group)
-            case MissedRound():
+            case MissedRound(told_by=told_by):
                 self._record_formed(formation, "missed")
                 self.state = NodeState.MISSED
-                self._missed_deadline = self.now + missed_round_wait(self.config).total_seconds()
+                assert self.lineage is not None
+                self._missed_wait = MissedRoundWait(
+                    self.config,
+                    lineage=(self.lineage.round, self.lineage.param_hash),
+                    told_by=told_by,
+                    now=self.now,
+                )
                 self._await_lineage_past(round)
             case Resync(canonical=canonical, sources=sources):
                 self._record_formed(formation, "resync")
@@ -747,10 +753,11 @@ class SimNode:
         assert self.lineage is not None
         if self.state is not NodeState.MISSED:
             return
-        decision = decide_lineage(self._view(), self._record())
+        view = self._view()
+        decision = decide_lineage(view, self._record())
         if not decision.in_canonical and decision.canonical.round > self.lineage.round:
             self._fetch(decision.canonical, decision.sync_sources, why="missed")
-        elif self.now >= self._missed_deadline:
+        elif self._missed_wait is None or self._missed_wait.over(view, self.now):
             self._own_delta(round, "missed")
         else:
             self._after(self.world.view_refresh, lambda: self._await_lineage_past(round))

@@ -23,7 +23,7 @@ from node.swarm.catch_up import rejoin_due
 from protocol.membership.messages import Begin, GroupMember, GroupSpec, Proposal
 from protocol.membership.records import PeerRecord, PeerStatus, SwarmView, newest_per_peer
 from protocol.swarm.config import PROTOCOL_VERSION
-from protocol.swarm.participation import missed_round_wait, peer_due
+from protocol.swarm.participation import MissedRoundWait, missed_round_wait, peer_due
 from scripts.sim import node as sim_node
 from scripts.sim import settings as sim_settings
 from scripts.sim.dht import SimulatedDht, restamped
@@ -64,10 +64,10 @@ def test_the_simulator_drives_the_daemons_classes(monkeypatch: pytest.MonkeyPatc
     assert sim_settings.swarm_config is daemon_setup.swarm_config
     assert sim_node.RoundFormation is product_rounds.RoundFormation
     assert sim_node.decide_lineage is product_lineage.decide_lineage
-    assert (sim_node.rejoin_due, sim_node.peer_due, sim_node.missed_round_wait) == (
+    assert (sim_node.rejoin_due, sim_node.peer_due, sim_node.MissedRoundWait) == (
         rejoin_due,
         peer_due,
-        missed_round_wait,
+        MissedRoundWait,
     )
     # No second implementation: the simulator defines none of the product's decisions.
     sim_source = "\n".join(path.read_text() for path in (SCRIPTS_DIR / "sim").glob("*.py"))
@@ -183,6 +183,39 @@ def test_a_crashed_node_is_left_out_of_later_rounds() -> None:
         assert figures["live_nodes"] == NUM_NODES - 1 and figures["participation"] == 1.0
         assert figures["formation_seconds_max"] < swarm.config.rounds.join_window.total_seconds()
     assert result["end"]["lineages"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_missed_a_round_waits_for_the_groups_long_all_reduce_and_steps_to_it() -> None:
+    """Eight nodes of one speed on 10 Mbit/s links, 100 M numbers: a round's all-reduce lasts ~140 s,
+    far past ``missed_round_wait`` (37 s). One node is frozen across round 1's formation, so the
+    others begin it without it; it thaws, asks to join and hears that the round started. It must wait
+    for the group's all-reduce while the member that told it stays on their lineage, then step to
+    round 1's params with the round's mean, and average rounds 2 and 3 with the others. Before, it
+    stepped on its own Δ 37 s after the miss, so no chain of means led from its params: it fetched
+    the whole state (800 MB, ~11 min at 10 Mbit/s), missed round 2 and was still off the canonical
+    lineage at the end."""
+    settings = fault_free(num_rounds=3, num_params=100_000_000, link_mbit_min=10.0, link_mbit_max=10.0)
+    swarm = Swarm(settings)
+    swarm.start()
+    victim = swarm.world.nodes[sorted(swarm.world.nodes)[3]]
+    # Frozen from 100 s to 140 s: its record expires before the others' phases end at ~120 s, so
+    # they form round 1 at once without it; it thaws after they locked into the group.
+    swarm.queue.at(100.0, lambda: victim.freeze(40.0))
+    result = swarm.run()
+    rounds = {r["round"]: r for r in result["rounds"]}
+    assert rounds[1]["group_sizes"] == [NUM_NODES - 1]
+    allreduce = rounds[1]["allreduce_seconds"]
+    assert allreduce > 3 * missed_round_wait(swarm.config).total_seconds()
+    missed = [f for f in swarm.recorder.formations[1] if f.peer_id == victim.peer_id]
+    assert [f.outcome for f in missed] == ["missed"]
+    assert victim.peer_id not in swarm.recorder.averaged_by[1]
+    for index in (2, 3):
+        assert rounds[index]["group_sizes"] == [NUM_NODES], index
+        assert victim.peer_id in swarm.recorder.averaged_by[index], index
+    end = result["end"]
+    assert end["lineages"] == 1 and end["own_delta_nodes"] == 0
+    assert end["canonical_nodes"] == NUM_NODES and end["canonical_round"] == 3
 
 
 @pytest.mark.timeout(120)

@@ -197,10 +197,11 @@ def test_late_peer_misses_the_round_resyncs_and_joins_the_next() -> None:
 
     # d is ready after the window closed, while a, b, c run their all-reduce. It asks a to include
     # it; a answers that the round started, so d misses it at once rather than forming a second group.
+    # It names a, whose record the daemon watches while it waits for the group's new params.
     swarm.make_ready("d")
     late_at = swarm.now
     swarm.run_until(late_at + 1)
-    assert swarm.outcomes["d"] == MissedRound(1, Reason.ROUND_STARTED)
+    assert swarm.outcomes["d"] == MissedRound(1, Reason.ROUND_STARTED, told_by="a")
     assert swarm.outcome_times["d"] == pytest.approx(late_at + 0.2)
     assert swarm.dht["d"].ready_for_round is None
 

@@ -78,13 +78,14 @@ def test_a_finished_node_serves_until_the_node_behind_it_caught_up() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_node_that_missed_a_round_steps_on_within_the_missed_round_wait() -> None:
-    """Two nodes begin round 1 without the third (its phase ran past their join window) and then
-    publish nothing: a frozen or killed group, or one smaller than the nodes it left behind. The
-    third node misses the round; its own lineage stays canonical, so no lineage past it ever appears.
-    It must give up waiting within ``missed_round_wait`` (the stall timeout of the group's all-reduce,
-    a heartbeat and a DHT store: 5.5 s here), not wait the group's ``round_deadline`` plus a record
-    TTL (28 s here, 5 min 20 s by default), recording no round meanwhile, as issue 31's stalled swarm
-    did."""
+    """Two nodes begin round 1 without the third (its phase ran past their join window), then die
+    without publishing: a killed group (a frozen one looks the same to the others). The third node
+    misses the round; its own lineage stays canonical, so no lineage past it ever appears. It waits
+    while the member that told it the round started is seen in the round (its record renewed), then
+    ``missed_round_wait`` (the stall timeout of the group's all-reduce, a heartbeat and a DHT store:
+    5.5 s here): at most a record TTL (8 s) and that wait, not the group's ``round_deadline`` plus a
+    record TTL (28 s here, 5 min 20 s by default), recording no round meanwhile, as issue 31's stalled
+    swarm did."""
     run_name = f"missed-{uuid.uuid4().hex[:12]}"
     rounds = dataclasses.replace(ROUNDS, min_peers=2, join_window=timedelta(seconds=1))
 
@@ -96,6 +97,7 @@ def test_a_node_that_missed_a_round_steps_on_within_the_missed_round_wait() -> N
         )
 
     nodes: list[SwarmNode] = []
+    closed: set[str] = set()
     try:
         for _ in range(3):
             nodes.append(SwarmNode(config(tuple(nodes[0].multiaddrs()) if nodes else ())))
@@ -121,14 +123,22 @@ def test_a_node_that_missed_a_round_steps_on_within_the_missed_round_wait() -> N
         # node asks to join round 1, hears that it began without it, and misses it.
         missed = run(late)
         assert isinstance(missed, RoundMissed), missed
+        assert missed.told_by in {node.peer_id for node in group}  # a member said the round started
+        for node in group:  # the group dies before it publishes (no tombstone: its records expire)
+            node.close()
+            closed.add(node.peer_id)
         wait = missed_round_wait(late.config)
         assert wait == timedelta(seconds=5.5)
         started = time.monotonic()
-        decision = await_lineage_past(late, round=0, param_hash=HASH_A, stop_requested=lambda: False)
+        decision = await_lineage_past(
+            late, round=0, param_hash=HASH_A, told_by=missed.told_by, stop_requested=lambda: False
+        )
         waited = time.monotonic() - started
         assert decision is None  # nothing past our lineage became canonical: step on our own Δ
-        assert wait.total_seconds() - 0.5 <= waited <= wait.total_seconds() + 3.0, waited
+        ttl = late.config.record_ttl.total_seconds()
+        assert wait.total_seconds() - 0.5 <= waited <= ttl + wait.total_seconds() + 3.0, waited
     finally:
         for node in reversed(nodes):
-            node.leave()
-            node.close()
+            if node.peer_id not in closed:
+                node.leave()
+                node.close()
