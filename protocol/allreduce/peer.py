@@ -23,6 +23,7 @@ A daemon that hosts several services on one server builds the peer without a ser
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -135,6 +136,7 @@ class AllReducePeer:
         deadline: timedelta,
         in_place: bool = False,
         send_rate: float | None = None,
+        keep_payloads: bool = False,
     ) -> AllReduceResult:
         """Average `vector` with the group: per part, sum(w_i x_i) / sum(w_i) over the members that delivered.
 
@@ -150,6 +152,9 @@ class AllReducePeer:
         in one burst. The cap is relaxed wherever the bytes still to go would not be sent well
         before the reduce-scatter deadline at it, so the round's deadlines hold as unpaced, and
         `lift_paces()` ends it. Pacing changes when bytes go, never which: the result is the same.
+
+        ``keep_payloads``: return the codec bytes of the mean (``AllReduceResult.payloads``) for this
+        round even if the peer's config does not keep them for every round.
         """
         if not self._attached or self._closed:
             raise RuntimeError(
@@ -178,7 +183,7 @@ class AllReducePeer:
             weight=weight32,
             vector=vector.contiguous(),
             error_feedback=error_feedback,
-            config=self.config,
+            config=dataclasses.replace(self.config, keep_payloads=True) if keep_payloads else self.config,
             deadline=deadline,
             executor=self.executor,
             client=self.client,

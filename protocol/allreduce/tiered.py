@@ -1,0 +1,196 @@
+"""One member's tiered all-reduce: its group's flat round, its column's, then the slices it pulls.
+
+The plan (who is in which group and column) is ``tiers.py``'s. Here one member runs it:
+
+    stage A  the flat round of its group over the whole vector (error feedback on our own Δ, as in a
+             flat round); the group's mean m_g and its weight W_g (the weights of the members whose
+             contributions are in every part of it) come out;
+    stage B  a member at position i < S of its group: the flat round of column i over slice i of
+             m_g, weighted W_g (no error feedback: m_g is no one's own vector). The bytes it decoded
+             slice i from are held for stage C (``AllReducePeer.hold_slice``);
+    stage C  every other slice is pulled as those bytes from its holders (``TierPlan.holders``: our
+             group's, then the next groups'), decoded like the column decoded them.
+
+Any stage we cannot finish makes us fall back to our own vector, as a flat round does: a fallen-back
+group mean is never averaged into a column (it would count our Δ twice), and a slice no holder can
+give leaves our result unusable. Our group-mates then pull our slice from another group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.client import PeerFailed
+from protocol.allreduce.peer import AllReducePeer
+from protocol.allreduce.slices import HeldSlice, SliceKey
+from protocol.allreduce.tiers import TierPlan
+from protocol.codecs import Codec, NoneCodec, fp32_view
+from protocol.error_feedback import ErrorFeedback
+
+GROUP_SHARE = 0.4
+"""Of the round's deadline, what the group stage may take; the column stage the same, stage C the rest."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TieredResult:
+    """What one member got out of a tiered round."""
+
+    averaged: torch.Tensor
+    """(E,) fp32: the whole swarm's mean (bit-identical on every member that did not fall back), or a
+    copy of our own vector if ``fell_back``."""
+    fell_back: bool
+    failures: list[str]
+    group: AllReduceResult
+    """Stage A's result (the group's mean, its contributors per part)."""
+    column: AllReduceResult | None
+    """Stage B's result (None if we are in no column, or fell back before it)."""
+    group_weight: float
+    """W_g: the weight our group's mean carried into its column."""
+    pulled_from: dict[int, str] = field(default_factory=dict)
+    """Per slice pulled in stage C, the peer id that served it."""
+    bytes_sent: int = 0
+    """Wire bytes we sent in the three stages."""
+    bytes_recv: int = 0
+    """Wire bytes we received in the three stages."""
+    seconds: float = 0.0
+
+
+def group_weight(result: AllReduceResult, weights: dict[str, float], nonempty: Sequence[bool]) -> float:
+    """W_g: the summed weights of the members whose contributions are in every nonempty part."""
+    parts = [set(c) for c, has in zip(result.contributors, nonempty, strict=True) if has]
+    everywhere = set.intersection(*parts) if parts else set()
+    return float(sum(weights[p] for p in sorted(everywhere)))
+
+
+def _held(
+    result: AllReduceResult, averaged: torch.Tensor, codec: Codec, chunk_num_elements: int
+) -> HeldSlice:
+    """What we serve of our column's slice: the bytes we decoded it from, or (a sparse codec's mean,
+    which is no codec's bytes) its fp32 numbers, in chunks of ``chunk_num_elements``."""
+    if result.payloads is not None:
+        return HeldSlice(
+            codec=codec,
+            chunk_sizes=tuple(chunk.num_elements for chunk in result.payloads),
+            payloads=tuple(chunk.payload for chunk in result.payloads),
+            weight_sum=0.0,
+        )
+    numbers = averaged.contiguous()
+    pieces = numbers.split(chunk_num_elements)
+    return HeldSlice(
+        codec=NoneCodec(),
+        chunk_sizes=tuple(piece.numel() for piece in pieces),
+        payloads=tuple(fp32_view(piece) for piece in pieces),
+        weight_sum=0.0,
+    )
+
+
+async def run_tiered(
+    peer: AllReducePeer,
+    vector: torch.Tensor,
+    *,
+    plan: TierPlan,
+    my_peer_id: str,
+    weights: Sequence[float],
+    codec: Codec,
+    error_feedback: ErrorFeedback | None,
+    deadline: timedelta,
+    linger: timedelta = timedelta(seconds=30),
+) -> TieredResult:
+    """Average ``vector`` with the plan's members (``weights``: one per member, in plan order)."""
+    started = time.monotonic()
+    end = started + deadline.total_seconds()
+    me = next(i for i, m in enumerate(plan.members) if m.peer_id == my_peer_id)
+    by_peer = {m.peer_id: float(w) for m, w in zip(plan.members, weights, strict=True)}
+    g, position = plan.group_of(me), plan.position_of(me)
+    group = plan.group_spec(g)
+    failures: list[str] = []
+
+    key = SliceKey(round_id=plan.round_id, plan_digest=plan.digest, slice_index=position)
+    holds = position < plan.num_slices
+
+    def fallen(stage: str, column: AllReduceResult | None = None) -> TieredResult:
+        if holds and not slice_held:
+            peer.slices.abandon(key)  # our group-mates ask the next group's holder at once
+        failures.append(f"fell back to our own vector ({stage})")
+        return TieredResult(
+            averaged=vector.clone(), fell_back=True, failures=failures, group=group_result,
+            column=column, group_weight=weight_g, bytes_sent=sent, bytes_recv=received,
+            seconds=time.monotonic() - started,
+        )  # fmt: skip
+
+    slice_held = False
+    group_result = await peer.allreduce(
+        vector, group=group, my_peer_id=my_peer_id, weight=by_peer[my_peer_id], codec=codec,
+        error_feedback=error_feedback, deadline=deadline * GROUP_SHARE,
+    )  # fmt: skip
+    failures += [f"group stage: {f}" for f in group_result.failures]
+    sent, received = group_result.bytes_sent, group_result.bytes_recv
+    nonempty = [group.part_num_elements(k) > 0 for k in range(group.num_members)]
+    weight_g = group_weight(group_result, by_peer, nonempty)
+    if group_result.fell_back or weight_g <= 0:
+        return fallen("the group stage")
+    mean_g = group_result.averaged
+
+    out = torch.empty_like(vector)
+    column_result: AllReduceResult | None = None
+    if holds:
+        part = plan.slice_of(position)
+        column_result = await peer.allreduce(
+            mean_g[part].contiguous(), group=plan.column_spec(position), my_peer_id=my_peer_id,
+            weight=weight_g, codec=codec, error_feedback=None, keep_payloads=True,
+            deadline=timedelta(seconds=max(min(deadline.total_seconds() * GROUP_SHARE, end - time.monotonic()), 1e-3)),
+        )  # fmt: skip
+        failures += [f"column stage: {f}" for f in column_result.failures]
+        sent, received = sent + column_result.bytes_sent, received + column_result.bytes_recv
+        if column_result.fell_back:
+            return fallen("the column stage", column_result)
+        out[part] = column_result.averaged
+        peer.hold_slice(
+            key,
+            _held(column_result, out[part], codec, peer.config.chunk_num_elements),
+            pullers=frozenset(m.peer_id for m in plan.members),
+            linger=linger + timedelta(seconds=max(0.0, end - time.monotonic())),
+        )
+        slice_held = True
+
+    pulled: dict[int, str] = {}
+
+    async def pull(slice_index: int) -> bool:
+        nonlocal sent, received
+        asked = SliceKey(round_id=plan.round_id, plan_digest=plan.digest, slice_index=slice_index)
+        for holder in plan.holders(me, slice_index):
+            if holder == me:
+                continue
+            member = plan.members[holder]
+            try:
+                traffic = await peer.pull_slice(
+                    member.address,
+                    asked,
+                    my_peer_id=my_peer_id,
+                    deadline=end,
+                    out=out[plan.slice_of(slice_index)],
+                )
+            except PeerFailed as error:
+                failures.append(f"slice {slice_index} from {member.peer_id}: {error}")
+                continue
+            sent, received = sent + traffic.bytes_sent, received + traffic.bytes_recv
+            pulled[slice_index] = member.peer_id
+            return True
+        failures.append(f"slice {slice_index}: no holder could serve it")
+        return False
+
+    got = await asyncio.gather(*(pull(i) for i in range(plan.num_slices) if i != position))
+    if not all(got):
+        return fallen("the gather stage", column_result)
+    return TieredResult(
+        averaged=out, fell_back=False, failures=failures, group=group_result, column=column_result,
+        group_weight=weight_g, pulled_from=pulled, bytes_sent=sent, bytes_recv=received,
+        seconds=time.monotonic() - started,
+    )  # fmt: skip

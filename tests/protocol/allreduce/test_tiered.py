@@ -1,0 +1,226 @@
+"""The tiered all-reduce (bounded groups): its plan, and real peers on loopback running it.
+
+References: torch's exact weighted mean (float64), the flat round of the same vectors over the same
+peers (its error is the codec's), and the plan's own bound on whom a member talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import uvloop
+
+from protocol.allreduce import AllReducePeer, Member
+from protocol.allreduce.tiered import TieredResult, run_tiered
+from protocol.allreduce.tiers import TierPlan, stage_round_ids
+from protocol.codecs import get_codec
+from tests.protocol.allreduce.support import FAST_CONFIG, allreduce_all, local_peers, members_of
+
+
+def _plan(num_members: int, group_size: int, *, clients: int = 0, num_elements: int = 1000) -> TierPlan:
+    members = [
+        Member(peer_id=f"p{i:04d}", address=f"127.0.0.1:{i + 1}", client=i >= num_members - clients)
+        for i in range(num_members)
+    ]
+    return TierPlan(round_id=3, members=tuple(members), group_size=group_size, num_elements=num_elements)
+
+
+def test_sixteen_members_in_groups_of_four_talk_to_at_most_six_peers() -> None:
+    plan = _plan(16, 4)
+    assert [len(group) for group in plan.groups] == [4, 4, 4, 4]
+    assert sorted(i for group in plan.groups for i in group) == list(range(16))
+    assert plan.num_slices == 4
+    for member in range(16):
+        peers = plan.peers_of(member)
+        assert len(peers) == 2 * (4 - 1)
+        # its group, and the same position of every other group
+        g, position = plan.group_of(member), plan.position_of(member)
+        assert peers == (set(plan.groups[g]) | {group[position] for group in plan.groups}) - {member}
+    assert plan.slice_bounds[0] == 0 and plan.slice_bounds[-1] == 1000
+    assert stage_round_ids(3) == (6, 7) and stage_round_ids(4)[0] > stage_round_ids(3)[1]
+
+
+def test_a_thousand_members_in_groups_of_32_talk_to_at_most_62_peers() -> None:
+    plan = _plan(1000, 32)
+    assert plan.num_groups == 32
+    assert {len(group) for group in plan.groups} <= {31, 32}
+    worst = max(len(plan.peers_of(member)) for member in range(1000))
+    assert worst <= 2 * (32 - 1)
+    # every column has one member of every group; every slice has a holder in every group
+    for i in range(plan.num_slices):
+        assert sorted(plan.group_of(m) for m in plan.column(i)) == list(range(32))
+        assert [plan.group_of(h) for h in plan.holders(5, i)][0] == plan.group_of(5)
+
+
+def test_clients_are_dealt_after_servers_and_hold_no_slice() -> None:
+    plan = _plan(10, 4, clients=3)  # 7 servers, 3 clients, 3 groups
+    assert plan.num_groups == 3
+    for group in plan.groups:
+        kinds = [plan.members[i].client for i in group]
+        assert kinds == sorted(kinds)  # servers first
+    assert plan.num_slices == 2  # the fewest servers in a group (7 over 3 groups: 3, 2, 2)
+    for i in range(plan.num_slices):
+        assert not any(plan.members[m].client for m in plan.column(i))
+
+
+def test_the_digest_names_the_plan() -> None:
+    assert _plan(16, 4).digest == _plan(16, 4).digest
+    assert _plan(16, 4).digest != _plan(16, 8).digest
+    assert _plan(16, 4).digest != _plan(17, 4).digest
+
+
+async def _tiered_all(
+    peers: list[AllReducePeer],
+    vectors: list[torch.Tensor],
+    weights: list[float],
+    plan: TierPlan,
+    codec_name: str,
+) -> list[TieredResult]:
+    codec = get_codec(codec_name)
+    return list(
+        await asyncio.gather(
+            *(
+                run_tiered(
+                    peer,
+                    vectors[i],
+                    plan=plan,
+                    my_peer_id=plan.members[i].peer_id,
+                    weights=weights,
+                    codec=codec,
+                    error_feedback=None,
+                    deadline=timedelta(seconds=30),
+                )  # fmt: skip
+                for i, peer in enumerate(peers)
+            )
+        )
+    )
+
+
+def _exact(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    total = sum(v.double() * w for v, w in zip(vectors, weights, strict=True))
+    assert isinstance(total, torch.Tensor)
+    return total / sum(weights)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec_name", ["int8", "topk"])
+def test_sixteen_peers_in_groups_of_four_agree_bit_for_bit_on_the_mean(codec_name: str) -> None:
+    uvloop.run(_sixteen_peers_in_groups_of_four(codec_name))
+
+
+async def _sixteen_peers_in_groups_of_four(codec_name: str) -> None:
+    torch.manual_seed(0)
+    num_elements = 20_000
+    vectors = [torch.randn(num_elements) * (1 + i % 3) for i in range(16)]
+    weights = [float(1 + i % 4) for i in range(16)]
+    async with local_peers(16, FAST_CONFIG) as peers:
+        members = members_of(peers)
+        plan = TierPlan(round_id=0, members=tuple(members), group_size=4, num_elements=num_elements)
+        results = await _tiered_all(peers, vectors, weights, plan, codec_name)
+        dialed = [peer.client.addresses for peer in peers]
+        # the flat round of the same vectors (round ids only increase: after the tiered round's two)
+        from protocol.allreduce import GroupSpec
+
+        flat = GroupSpec.build(round_id=2, members=members, num_elements=num_elements)
+        flat_results = await allreduce_all(peers, vectors, flat, get_codec(codec_name), weights=weights)
+    assert not any(r.fell_back for r in results), [r.failures for r in results if r.fell_back]
+    for result in results[1:]:
+        assert torch.equal(result.averaged, results[0].averaged)
+    exact = _exact(vectors, weights)
+    tiered_error = (results[0].averaged.double() - exact).abs().max().item()
+    flat_error = (flat_results[0].averaged.double() - exact).abs().max().item()
+    # two quantizations of a mean against one: within about twice the flat round's error
+    assert tiered_error <= 2.5 * flat_error, (tiered_error, flat_error)
+    if codec_name == "int8":
+        assert tiered_error < 0.05  # far below the numbers' own size (|x| ~ 1-3)
+    # whom each member dialled: only its group and its column, at most 2(G - 1)
+    address_of = {m.address: i for i, m in enumerate(members)}
+    for i, addresses in enumerate(dialed):
+        assert {address_of[a] for a in addresses} <= plan.peers_of(i), i
+        assert len(addresses) <= 6
+    if codec_name != "int8":
+        return  # (a sparse mean is no codec's bytes: its slices travel as fp32)
+    # bytes: the group's round over the whole vector (2V(s-1)/s), the column's over a slice, and the
+    # S - 1 slices pulled as the column's int8 bytes (fp32 would be 4x): 2.6V against the flat
+    # round's 1.9V at 16 members
+    flat_recv = flat_results[0].bytes_recv
+    assert all(r.bytes_recv <= 1.5 * flat_recv for r in results), ([r.bytes_recv for r in results], flat_recv)
+    pulled = results[0].bytes_recv - results[0].group.bytes_recv - results[0].column.bytes_recv  # type: ignore[union-attr]
+    assert pulled < 1.1 * get_codec("int8").encoded_num_bytes(num_elements * 3 // 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1], ids=["in-its-group-stage", "in-its-column-stage"])
+def test_survivors_agree_bit_for_bit_when_a_member_dies(stage: int) -> None:
+    uvloop.run(_a_member_dies(stage))
+
+
+async def _a_member_dies(stage: int) -> None:
+    torch.manual_seed(1)
+    num_elements = 20_000
+    vectors = [torch.randn(num_elements) for _ in range(16)]
+    weights = [1.0] * 16
+    codec = get_codec("int8")
+    async with local_peers(16, FAST_CONFIG) as peers:
+        plan = TierPlan(round_id=0, members=tuple(members_of(peers)), group_size=4, num_elements=num_elements)
+        victim = plan.groups[0][1]  # position 1 of group 0: a column member and a slice holder
+        tasks = [
+            asyncio.ensure_future(
+                run_tiered(
+                    peer,
+                    vectors[i],
+                    plan=plan,
+                    my_peer_id=plan.members[i].peer_id,
+                    weights=weights,
+                    codec=codec,
+                    error_feedback=None,
+                    deadline=timedelta(seconds=30),
+                )  # fmt: skip
+            )
+            for i, peer in enumerate(peers)
+        ]
+        give_up = time.monotonic() + 30
+        dies_in = stage_round_ids(0)[stage]
+        while peers[victim].registry.highest_opened < dies_in and time.monotonic() < give_up:
+            await asyncio.sleep(0.005)
+        assert peers[victim].registry.highest_opened == dies_in
+        tasks[victim].cancel()
+        await peers[victim].stop(timedelta(0))  # its server gone: as a killed process, to the others
+        started = time.monotonic()
+        survivors = [await task for i, task in enumerate(tasks) if i != victim]
+        took = time.monotonic() - started
+    assert took < 25  # reported and survived, never a hang
+    assert not any(r.fell_back for r in survivors), [r.failures for r in survivors if r.fell_back]
+    for result in survivors[1:]:
+        assert torch.equal(result.averaged, survivors[0].averaged)
+    # the victim's group-mates got its slice from another group
+    mates = [i for i in plan.groups[0] if i != victim]
+    by_index = {i: r for i, r in zip([i for i in range(16) if i != victim], survivors, strict=True)}
+    for mate in mates:
+        assert (
+            plan.group_of(
+                plan.members.index(
+                    next(m for m in plan.members if m.peer_id == by_index[mate].pulled_from[1])
+                )
+            )
+            != 0
+        )
+
+    # every slice is a mean of the vectors within the codec's error: of all 16, or of the 15 without
+    # the dead member (it died before its contribution reached its group), or, in its own slice,
+    # without its whole group (its group's mean never reached that column)
+    def mean_of(indices: list[int]) -> torch.Tensor:
+        return _exact([vectors[i] for i in indices], [weights[i] for i in indices]).float()
+
+    everyone = mean_of(list(range(16)))
+    without_victim = mean_of([i for i in range(16) if i != victim])
+    without_group = mean_of([i for i in range(16) if i not in plan.groups[0]])
+    for i in range(plan.num_slices):
+        part = plan.slice_of(i)
+        candidates = [everyone, without_victim] + ([without_group] if i == plan.position_of(victim) else [])
+        errors = [(survivors[0].averaged[part] - mean[part]).abs().max().item() for mean in candidates]
+        assert min(errors) < 0.05, (i, errors)
