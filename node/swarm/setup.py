@@ -77,6 +77,7 @@ def swarm_config(config: NodeConfig) -> SwarmConfig:
             max_wait=max_wait,
             proposal_timeout=min(timedelta(seconds=5), join_window),
             begin_timeout=min(timedelta(seconds=10), join_window) + min(timedelta(seconds=5), join_window),
+            tier_group_size=config.rounds.tier_group_size,
         )
         key = swarm_key(config)
         auth = None if key is None else SwarmAuth(key, tls=config.security.tls)

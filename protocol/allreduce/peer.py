@@ -124,6 +124,12 @@ class AllReducePeer:
         """host:port other members should dial (loopback if we bound a wildcard host)."""
         return local_dial_address(self.host, self.port)
 
+    def rewind(self) -> None:
+        """Forget every round and held slice and accept lower round ids again (the daemon moved to a
+        lineage whose rounds are numbered lower; ``RoundRegistry.rewind``). On the peer's loop."""
+        self.registry.rewind()
+        self.slices.rewind()
+
     async def allreduce(
         self,
         vector: torch.Tensor,

@@ -60,6 +60,31 @@ class TieredResult:
     bytes_recv: int = 0
     """Wire bytes we received in the three stages."""
     seconds: float = 0.0
+    contributors: tuple[str, ...] = ()
+    """Whose vectors the mean holds, as far as we can tell: the members of the groups whose column
+    member contributed to our column (a member in no column: every member of the plan); empty if
+    we fell back."""
+
+    def as_allreduce_result(self, num_slices: int) -> AllReduceResult:
+        """The round as a flat round's result (one "part" per slice), for callers of either kind."""
+        stages = (self.group, self.column)
+        sent = {"group": self.group.bytes_sent, "column": self.column.bytes_sent if self.column else 0}
+        recv = {"group": self.group.bytes_recv, "column": self.column.bytes_recv if self.column else 0}
+        sent["gather"] = self.bytes_sent - sum(sent.values())
+        recv["gather"] = self.bytes_recv - sum(recv.values())
+        return AllReduceResult(
+            averaged=self.averaged,
+            contributors=[list(self.contributors)] * num_slices,
+            producers=[self.pulled_from.get(i) for i in range(num_slices)],
+            fell_back=self.fell_back,
+            failures=list(self.failures),
+            bytes_sent=self.bytes_sent,
+            bytes_recv=self.bytes_recv,
+            bytes_sent_by_phase=sent,
+            bytes_recv_by_phase=recv,
+            seconds=self.seconds,
+            adjustments=[a for stage in stages if stage is not None for a in stage.adjustments],
+        )
 
 
 def group_weight(result: AllReduceResult, weights: dict[str, float], nonempty: Sequence[bool]) -> float:
@@ -101,15 +126,17 @@ async def run_tiered(
     codec: Codec,
     error_feedback: ErrorFeedback | None,
     deadline: timedelta,
+    bandwidths: Sequence[float] | None = None,
     linger: timedelta = timedelta(seconds=30),
 ) -> TieredResult:
-    """Average ``vector`` with the plan's members (``weights``: one per member, in plan order)."""
+    """Average ``vector`` with the plan's members (``weights``: one per member, in plan order;
+    ``bandwidths``: per member, for the parts of the group stage; None: equal parts)."""
     started = time.monotonic()
     end = started + deadline.total_seconds()
     me = next(i for i, m in enumerate(plan.members) if m.peer_id == my_peer_id)
     by_peer = {m.peer_id: float(w) for m, w in zip(plan.members, weights, strict=True)}
     g, position = plan.group_of(me), plan.position_of(me)
-    group = plan.group_spec(g)
+    group = plan.group_spec(g, None if bandwidths is None else [bandwidths[i] for i in plan.groups[g]])
     failures: list[str] = []
 
     key = SliceKey(round_id=plan.round_id, plan_digest=plan.digest, slice_index=position)
@@ -189,8 +216,15 @@ async def run_tiered(
     got = await asyncio.gather(*(pull(i) for i in range(plan.num_slices) if i != position))
     if not all(got):
         return fallen("the gather stage", column_result)
+    if column_result is None:
+        contributors = tuple(m.peer_id for m in plan.members)
+    else:
+        column = plan.column(position)
+        reps = {peer for part in column_result.contributors for peer in part}
+        groups = [plan.group_of(i) for i in column if plan.members[i].peer_id in reps]
+        contributors = tuple(plan.members[i].peer_id for gi in sorted(groups) for i in plan.groups[gi])
     return TieredResult(
         averaged=out, fell_back=False, failures=failures, group=group_result, column=column_result,
         group_weight=weight_g, pulled_from=pulled, bytes_sent=sent, bytes_recv=received,
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - started, contributors=contributors,
     )  # fmt: skip

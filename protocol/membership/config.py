@@ -29,9 +29,17 @@ class RoundConfig:
     on_too_few: TooFewPolicy = "fail"
     """At max_wait with fewer than min_peers ready: "fail" (RoundFailed) or "proceed_alone" (a
     solo group: local SGD for one round; the lineage rule re-syncs the swarm afterwards)."""
+    tier_group_size: int = 0
+    """As a leader: a group of more members than this runs its all-reduce tiered, in groups of at
+    most this many (``protocol/allreduce/tiers.py``: each member then talks to at most 2(G - 1)
+    others while the group has at most G² members); 0: always one flat round. Members follow
+    their leader's (``GroupSpec.tier_group_size``)."""
 
     def __post_init__(self) -> None:
         check_int("min_peers", self.min_peers, minimum=1)
+        check_int("tier_group_size", self.tier_group_size)
+        if self.tier_group_size == 1:
+            raise ValueError("tier_group_size must be 0 (flat rounds) or at least 2")
         for name in ("join_window", "max_wait", "proposal_timeout", "begin_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):

@@ -35,8 +35,9 @@ ENVELOPE_BYTES = 8 + 128 + 3
 the protocol version and the message's length."""
 _VARINT = 10  # the most bytes a uint64 takes
 _LENGTH = 3  # tag and length of a string or submessage up to 16 KiB long (a bound)
-_FIXED_FIELDS = 3 * (_VARINT + 1) + 4 * _LENGTH + 256 + 128 + 64
-"""A message's fields besides its member list: round, vector length and reason (varints), a
+_FIXED_FIELDS = 4 * (_VARINT + 1) + 4 * _LENGTH + 256 + 128 + 64
+"""A message's fields besides its member list: round, vector length, reason and a group's tier
+size (varints), a
 proposal or group id (at most 256 characters), a leader id (128) and the param_hash (64 hex
 characters), each string's tag and length, and the tag and length of the packed part boundaries."""
 

@@ -153,9 +153,15 @@ class GroupSpec:
     vector_length: int
     members: tuple[GroupMember, ...]
     part_boundaries: tuple[int, ...]
+    tier_group_size: int = 0
+    """Run the all-reduce in groups of at most this many members if there are more members than
+    that (``tiered``; ``protocol/allreduce/tiers.py``); 0: always one flat round. The leader's."""
 
     def __post_init__(self) -> None:
         _check_round(self.round)
+        check_int("tier_group_size", self.tier_group_size, maximum=MAX_GROUP_SIZE)
+        if self.tier_group_size == 1:
+            raise ValueError("tier_group_size must be 0 (flat rounds) or at least 2")
         _check_id("group_id", self.group_id)
         check_peer_id(self.leader_id, "leader_id")
         check_param_hash(self.param_hash)
@@ -193,6 +199,11 @@ class GroupSpec:
     def num_streams(self) -> int:
         """How many all-reduce streams the round runs (each member opens this many)."""
         return self.members[0].num_streams
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the round's all-reduce runs in groups of ``tier_group_size`` (more members than that)."""
+        return 0 < self.tier_group_size < len(self.members)
 
     @property
     def member_ids(self) -> tuple[str, ...]:

@@ -64,9 +64,10 @@ class OpenProposal:
         """Invitees that may still count on this proposal (accepted or silent), sorted."""
         return sorted(self.invited - self.declined)
 
-    def build_group(self, *, leader: GroupMember, vector_length: int) -> GroupSpec:
+    def build_group(self, *, leader: GroupMember, vector_length: int, tier_group_size: int = 0) -> GroupSpec:
         """The group of the leader and every accepter, members in the member order (by rank, then
-        peer id: ``records.member_order``), parts by bandwidth."""
+        peer id: ``records.member_order``), parts by bandwidth; its all-reduce tiered in groups of
+        ``tier_group_size`` if it has more members (0: flat)."""
         members = [leader] + [
             GroupMember(
                 peer_id=peer_id,
@@ -90,6 +91,7 @@ class OpenProposal:
             vector_length=vector_length,
             members=tuple(members),
             part_boundaries=part_boundaries(bandwidths, vector_length, clients),
+            tier_group_size=tier_group_size,
         )
 
 

@@ -483,7 +483,11 @@ class RoundFormation:
         open_proposal, self._open = self._open, None
         self._suspected |= open_proposal.silent()
         if 1 + len(open_proposal.accepts) >= self.config.min_peers:
-            group = open_proposal.build_group(leader=self._own_entry(), vector_length=self.vector_length)
+            group = open_proposal.build_group(
+                leader=self._own_entry(),
+                vector_length=self.vector_length,
+                tier_group_size=self.config.tier_group_size,
+            )
             begins: list[Action] = [
                 Send(peer_id, Begin(group=group)) for peer_id in group.member_ids if peer_id != self.peer_id
             ]

@@ -86,6 +86,7 @@ def _group_to_pb(group: GroupSpec) -> pb.GroupSpec:
         vector_length=group.vector_length,
         members=[_member_to_pb(member) for member in group.members],
         part_boundaries=group.part_boundaries,
+        tier_group_size=group.tier_group_size,
     )
 
 
@@ -197,6 +198,7 @@ def _group_from_pb(group: pb.GroupSpec) -> GroupSpec:
         vector_length=group.vector_length,
         members=tuple(_member_from_pb(member) for member in group.members),
         part_boundaries=tuple(group.part_boundaries),
+        tier_group_size=group.tier_group_size,
     )
 
 

@@ -41,6 +41,8 @@ from hivemind.utils import get_dht_time
 
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.pace import member_send_bytes
+from protocol.allreduce.tiered import run_tiered
+from protocol.allreduce.tiers import TierPlan, stage_round_ids
 from protocol.auth import OPEN_SWARM_WARNING
 from protocol.discovery.addresses import WILDCARD_HOSTS, join_host_port, parse_host_port
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
@@ -398,13 +400,13 @@ class SwarmNode:
         """
         with self._round_phase(round + 1, vector_name):
             registry = self.server.allreduce.registry
-            if round + 1 <= registry.highest_opened:
+            if stage_round_ids(round + 1)[0] <= registry.highest_opened:
                 # We moved to a lineage whose rounds are numbered lower (we adopted an older state):
                 # forget our old rounds before a group can lock us in. Rewound only once locked, a
                 # member's first push of the new round (sent as soon as its leader began) found the
                 # round "expired" here, was left out, and we waited for it until the reduce-scatter
                 # deadline (half the round deadline: 150 s by default; issue 31, item 6).
-                self._run(_call(registry.rewind), timedelta(seconds=5))
+                self._run(_call(self.server.allreduce.rewind), timedelta(seconds=5))
             self._await_group_published(round)
             local = self._local_record(round=round, param_hash=param_hash, tokens_per_s=tokens_per_s)
             started = time.monotonic()
@@ -436,7 +438,9 @@ class SwarmNode:
                 seconds_forming,
             )  # fmt: skip
             weight = float(group.members[group.index_of(self.peer_id)].num_tokens)
-            if group.num_streams == 1:
+            if group.tiered and group.num_streams == 1:
+                result = self._run(self._tiered(vector, group, error_feedback), self.config.round_deadline)
+            elif group.num_streams == 1:
                 result = self._run(
                     self._allreduce(vector, group, weight, error_feedback, send_window),
                     self.config.round_deadline,
@@ -472,6 +476,28 @@ class SwarmNode:
             deadline=self.config.round_deadline,
             send_rate=None if lifted else self._send_rate(group, send_window),
         )
+
+    async def _tiered(
+        self, vector: torch.Tensor, group: GroupSpec, error_feedback: ErrorFeedback | None
+    ) -> AllReduceResult:
+        """The all-reduce of ``group`` tiered in groups of ``group.tier_group_size`` (not paced)."""
+        plan = TierPlan(
+            round_id=group.round,
+            members=to_allreduce_group(group).members,
+            group_size=group.tier_group_size,
+            num_elements=vector.numel(),
+        )
+        logger.info(
+            "round %d: tiered all-reduce, %d groups of <= %d, %d slices", group.round, plan.num_groups,
+            group.tier_group_size, plan.num_slices,
+        )  # fmt: skip
+        result = await run_tiered(
+            self.server.allreduce, vector, plan=plan, my_peer_id=self.peer_id,
+            weights=[float(m.num_tokens) for m in group.members], codec=self.codec,
+            error_feedback=error_feedback, deadline=self.config.round_deadline,
+            bandwidths=[m.bandwidth_bytes_per_s for m in group.members],
+        )  # fmt: skip
+        return result.as_allreduce_result(plan.num_slices)
 
     def _send_rate(self, group: GroupSpec, window: timedelta | None) -> float | None:
         """The send rate that spreads our bytes in ``group``'s all-reduce over ``window`` (None: none)."""

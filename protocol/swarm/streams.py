@@ -30,6 +30,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member, split_by_weight
 from protocol.allreduce.peer import AllReducePeer
+from protocol.allreduce.tiers import stage_round_ids
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
 from protocol.discovery.addresses import join_host_port
@@ -61,7 +62,7 @@ def stream_group(group: GroupSpec, stream: int) -> AllReduceGroup:
     bandwidths = [member.bandwidth_bytes_per_s for member in group.members]
     clients = [member.client for member in group.members]
     return AllReduceGroup(
-        round_id=group.round,
+        round_id=stage_round_ids(group.round)[0],
         members=tuple(
             Member(peer_id=m.peer_id, address=m.stream_address(stream), client=m.client)
             for m in group.members
@@ -73,7 +74,7 @@ def stream_group(group: GroupSpec, stream: int) -> AllReduceGroup:
 def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
     """The all-reduce's view of an agreed one-stream group: members in order, the group's parts."""
     return AllReduceGroup(
-        round_id=group.round,
+        round_id=stage_round_ids(group.round)[0],
         members=tuple(
             Member(peer_id=m.peer_id, address=m.grpc_address, client=m.client) for m in group.members
         ),
@@ -204,7 +205,7 @@ def fell_back(shard: torch.Tensor, why: str) -> AllReduceResult:
 
 
 async def _rewind(peer: AllReducePeer) -> None:
-    peer.registry.rewind()
+    peer.rewind()
 
 
 def combine(

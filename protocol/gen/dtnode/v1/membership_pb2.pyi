@@ -135,7 +135,7 @@ class GroupMember(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., stream_addresses: _Optional[_Iterable[str]] = ..., client: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
-    __slots__ = ("round", "group_id", "leader_id", "param_hash", "vector_length", "members", "part_boundaries")
+    __slots__ = ("round", "group_id", "leader_id", "param_hash", "vector_length", "members", "part_boundaries", "tier_group_size")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class GroupSpec(_message.Message):
     VECTOR_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PART_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    TIER_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     round: int
     group_id: str
     leader_id: str
@@ -150,7 +151,8 @@ class GroupSpec(_message.Message):
     vector_length: int
     members: _containers.RepeatedCompositeFieldContainer[GroupMember]
     part_boundaries: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., group_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., param_hash: _Optional[str] = ..., vector_length: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., part_boundaries: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier_group_size: int
+    def __init__(self, round: _Optional[int] = ..., group_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., param_hash: _Optional[str] = ..., vector_length: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., part_boundaries: _Optional[_Iterable[int]] = ..., tier_group_size: _Optional[int] = ...) -> None: ...
 
 class Begin(_message.Message):
     __slots__ = ("group",)
