@@ -435,12 +435,12 @@ class AllReduceServicer(pb_grpc.AllReduceServicer):
                 weight_sum=held.weight_sum,
             )
             num_bytes = await self._write(context, pb.AverageMessage(header=header))
-            slices.bytes_sent += num_bytes  # (not `+= await`: other pulls add meanwhile)
+            slices.count_served(key, num_bytes)
             offset = 0
             for size, payload in zip(held.chunk_sizes, held.payloads, strict=True):
                 chunk = pb.TensorChunk(offset=offset, num_elements=size, payload=wire_bytes(payload))
                 await self._write(context, pb.AverageMessage(chunk=chunk))
-                slices.bytes_sent += chunk_message_num_bytes(offset, size, len(payload))
+                slices.count_served(key, chunk_message_num_bytes(offset, size, len(payload)))
                 offset += size
         except ProtocolError as error:
             return _detached(error)

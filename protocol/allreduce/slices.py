@@ -100,11 +100,12 @@ class PulledSlice:
     """Wire bytes it received: heartbeats, the header and the chunks."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     held: HeldSlice
     pullers: frozenset[str]
     until: float
+    bytes_served: int = 0  # wire bytes sent serving this slice so far
 
 
 class SliceStore:
@@ -136,6 +137,18 @@ class SliceStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def count_served(self, key: SliceKey, num_bytes: int) -> None:
+        """``num_bytes`` more sent serving ``key`` (the store's total and the slice's own)."""
+        self.bytes_sent += num_bytes
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.bytes_served += num_bytes
+
+    def bytes_served(self, key: SliceKey) -> int:
+        """Wire bytes sent so far serving ``key`` (0 once it is dropped or if never held)."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else entry.bytes_served
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries

@@ -56,7 +56,7 @@ class TieredResult:
     pulled_from: dict[int, str] = field(default_factory=dict)
     """Per slice pulled in stage C, the peer id that served it."""
     bytes_sent: int = 0
-    """Wire bytes we sent in the three stages."""
+    """Wire bytes we sent in the three stages, as of returning (our slice's serving included so far)."""
     bytes_recv: int = 0
     """Wire bytes we received in the three stages."""
     seconds: float = 0.0
@@ -214,6 +214,8 @@ async def run_tiered(
         return False
 
     got = await asyncio.gather(*(pull(i) for i in range(plan.num_slices) if i != position))
+    if slice_held:  # what we served of our slice so far (group-mates may still be pulling it)
+        sent += peer.slices.bytes_served(key)
     if not all(got):
         return fallen("the gather stage", column_result)
     if column_result is None:

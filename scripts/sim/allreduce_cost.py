@@ -18,16 +18,28 @@ Protobuf headers and message framing are left out (a few dozen bytes a chunk). S
 lasts as long as its slowest member's transfer, ``max_i max(sent_i / up_i, received_i / down_i)``,
 plus one round trip between the group's two farthest members; the phases run one after the other. The core never
 congests; the access links are the bottleneck (the case of a swarm over the internet).
+
+A tiered round (``GroupSpec.tiered``: more members than the leader's ``tier_group_size``) is the
+product's ``TierPlan`` (``protocol/allreduce/tiers.py``) over the group: stage A is the formula above
+for each of its groups (parts by bandwidth), stage B for each column (the slice, equal parts), and
+stage C every member receives the ``S - 1`` slices it did not average, each as its column's encoded
+bytes, from its group's member of that column, who sends its slice to each of its group-mates. The
+stages run one after the other, each as long as its slowest group, column or member. A member's
+peers in the round (``peers``): the others of its group and its column (``TierPlan.peers_of``); K - 1
+in a flat round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from protocol.allreduce.group import Member
 from protocol.allreduce.reducer import chunk_sizes
 from protocol.allreduce.sparse import is_sparse
-from protocol.codecs import Codec
+from protocol.allreduce.tiers import TierPlan
+from protocol.codecs import Codec, NoneCodec
 from protocol.membership.messages import GroupSpec
+from protocol.membership.parts import part_boundaries
 from scripts.sim.links import Network
 
 
@@ -92,3 +104,88 @@ def allreduce_seconds(group: GroupSpec, traffic: list[MemberTraffic], network: N
         for t, p in zip(traffic, profiles, strict=True)
     )
     return phase_1 + phase_2 + 2 * round_trip
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """A group's all-reduce: every member's bytes (member order), how long it lasts, whom each talks to."""
+
+    traffic: list[MemberTraffic]
+    seconds: float
+    peers: list[int]
+    """Per member, how many others it exchanges with in the round."""
+
+
+def _subgroup(group: GroupSpec, indices: list[int], num_elements: int, *, by_bandwidth: bool) -> GroupSpec:
+    """``group``'s members ``indices`` as a flat group over ``num_elements`` numbers (a stage's round)."""
+    members = tuple(group.members[i] for i in indices)
+    bandwidths = [m.bandwidth_bytes_per_s if by_bandwidth else 1.0 for m in members]
+    return replace(
+        group,
+        leader_id=members[0].peer_id,
+        vector_length=num_elements,
+        members=members,
+        part_boundaries=part_boundaries(bandwidths, num_elements, [m.client for m in members]),
+        tier_group_size=0,
+    )
+
+
+def round_cost(group: GroupSpec, codec: Codec, chunk_num_elements: int, network: Network) -> RoundCost:
+    """The all-reduce of ``group``, flat or tiered (see the module docstring)."""
+    if not group.tiered:
+        traffic = member_traffic(group, codec, chunk_num_elements)
+        peers = [len(group.members) - 1] * len(group.members)
+        return RoundCost(traffic, allreduce_seconds(group, traffic, network), peers)
+    plan = TierPlan(
+        round_id=group.round,
+        members=tuple(
+            Member(peer_id=m.peer_id, address=m.grpc_address, client=m.client) for m in group.members
+        ),
+        group_size=group.tier_group_size,
+        num_elements=group.vector_length,
+    )
+    sent = [[0, 0] for _ in group.members]  # per member: (first phase, second phase) of stages A and B
+    received = [[0, 0] for _ in group.members]
+    stage_seconds = [0.0, 0.0, 0.0]
+
+    def add(indices: list[int], stage_group: GroupSpec, stage: int) -> None:
+        traffic = member_traffic(stage_group, codec, chunk_num_elements)
+        stage_seconds[stage] = max(stage_seconds[stage], allreduce_seconds(stage_group, traffic, network))
+        for i, t in zip(indices, traffic, strict=True):
+            sent[i][0] += t.sent_reduce_scatter
+            sent[i][1] += t.sent_all_gather
+            received[i][0] += t.recv_reduce_scatter
+            received[i][1] += t.recv_all_gather
+
+    for members in plan.groups:
+        add(list(members), _subgroup(group, list(members), group.vector_length, by_bandwidth=True), 0)
+    slice_bytes = []
+    for i in range(plan.num_slices):
+        column = list(plan.column(i))
+        length = plan.slice_bounds[i + 1] - plan.slice_bounds[i]
+        add(column, _subgroup(group, column, length, by_bandwidth=False), 1)
+        served_as = NoneCodec() if is_sparse(codec) else codec  # (a sparse mean travels as fp32)
+        slice_bytes.append(part_payload_bytes(served_as, length, chunk_num_elements))
+    pulled = [0] * len(group.members)  # stage C
+    served = [0] * len(group.members)
+    for members in plan.groups:
+        for position, holder in enumerate(members[: plan.num_slices]):
+            for mate in members:
+                if mate != holder:
+                    pulled[mate] += slice_bytes[position]
+                    served[holder] += slice_bytes[position]
+    profiles = [network.profiles[m.peer_id] for m in group.members]
+    stage_seconds[2] = max(
+        max(served[i] / p.up_bytes_per_s, pulled[i] / p.down_bytes_per_s) for i, p in enumerate(profiles)
+    ) + 2 * 2 * max(p.latency_s for p in profiles)
+    traffic = [
+        MemberTraffic(
+            sent_reduce_scatter=sent[i][0],
+            recv_reduce_scatter=received[i][0],
+            sent_all_gather=sent[i][1] + served[i],
+            recv_all_gather=received[i][1] + pulled[i],
+        )
+        for i in range(len(group.members))
+    ]
+    peers = [len(plan.peers_of(i)) for i in range(len(group.members))]
+    return RoundCost(traffic, sum(stage_seconds), peers)

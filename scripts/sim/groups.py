@@ -25,7 +25,7 @@ from typing import Protocol
 from protocol.codecs import Codec
 from protocol.membership.lineage import Lineage
 from protocol.membership.messages import GroupSpec
-from scripts.sim.allreduce_cost import MemberTraffic, allreduce_seconds, member_traffic
+from scripts.sim.allreduce_cost import MemberTraffic, round_cost
 from scripts.sim.events import Event, EventQueue
 from scripts.sim.links import Network
 
@@ -110,6 +110,7 @@ class GroupRun:
     ending: Event | None = None
     penalised: bool = False
     done: bool = False
+    max_peers: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ class GroupReport:
     allreduce_seconds: float
     bytes_sent: tuple[int, ...]
     """Per contributor (the byte formula's, for the group as listed)."""
+    max_peers: int = 0
+    """The most others one member exchanges with in the round (flat: members - 1; tiered: its group
+    and its column)."""
 
 
 class AllReduces:
@@ -160,9 +164,14 @@ class AllReduces:
         now = self.queue.now
         run = self.runs.get(group.group_id)
         if run is None:
-            traffic = member_traffic(group, self.codec, self.chunk_num_elements)
-            seconds = allreduce_seconds(group, traffic, self.network)
-            run = GroupRun(group=group, traffic=traffic, seconds=seconds, first_lock=now)
+            cost = round_cost(group, self.codec, self.chunk_num_elements, self.network)
+            run = GroupRun(
+                group=group,
+                traffic=cost.traffic,
+                seconds=cost.seconds,
+                first_lock=now,
+                max_peers=max(cost.peers),
+            )
             self.runs[group.group_id] = run
         assert not run.done, "a member locked into a group whose round is over"
         run.locked[member.peer_id] = member
@@ -212,6 +221,7 @@ class AllReduces:
                 end=now,
                 allreduce_seconds=run.seconds,
                 bytes_sent=tuple(run.traffic[index[peer_id]].sent for peer_id in contributors),
+                max_peers=run.max_peers,
             )
         )
         for peer_id, member in run.locked.items():  # a dead one ignores it; a frozen one, once it thaws

@@ -12,6 +12,8 @@ Per round r (the r-th outer round of a lineage):
   formation start of the round to its last group's end and holding the swarm's state before it
   began, the share that averaged in a group of the round (a node partitioned away counts as live);
 - ``bytes_sent``: the byte formula's bytes per contributing node (``allreduce_cost.py``);
+- ``max_peers_per_node``: the most other nodes one node exchanged with in the round's all-reduce
+  (a flat group's size - 1; a tiered one's group and column, ``allreduce_cost.round_cost``);
 - ``compute_utilization``: training seconds over wall seconds, summed over the nodes whose round r
   ended (averaged, fell back, adopted), each from its previous round's end;
 - ``fell_back``: groups whose all-reduce had no live strict majority (members listed, members locked);
@@ -179,6 +181,7 @@ class RunRecorder:
             "bytes_sent_mean": round(statistics.fmean(bytes_sent)) if bytes_sent else None,
             "bytes_sent_max": max(bytes_sent) if bytes_sent else None,
             "allreduce_seconds": round_(max((g.allreduce_seconds for g in ran), default=0.0)),
+            "max_peers_per_node": max((g.max_peers for g in ran), default=0),
             "compute_utilization": round_(compute / wall) if wall > 0 else None,
             "leader": leader,
             "started_at": round_(start),
@@ -238,6 +241,7 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "live_node_rounds_averaged": averaged,
         "participation": round_(averaged / live) if live else None,
         "compute_utilization_mean": round_(statistics.fmean(utilizations)) if utilizations else None,
+        "max_peers_per_node": max((r["max_peers_per_node"] for r in rounds), default=0),
     }
 
 
@@ -250,7 +254,8 @@ def summary_line(result: dict[str, Any]) -> str:
         f"swarm_sim: {result['settings']['num_nodes']} nodes, {t['rounds']} rounds, seed {result['settings']['seed']}: "
         f"participation {t['participation']}, split groups {t['split_groups']}, "
         f"groups on other lineages {t['other_lineage_groups']}, "
-        f"largest group {max(sizes, default=0)}, formation max {max(formation, default=0.0):.1f}s, "
+        f"largest group {max(sizes, default=0)}, peers per node max {t['max_peers_per_node']}, "
+        f"formation max {max(formation, default=0.0):.1f}s, "
         f"utilization {t['compute_utilization_mean']}, lineages at end {result['end']['lineages']} "
         f"(forked {result['end']['forked_lineages']}, nodes on their own Δ {result['end']['own_delta_nodes']}, "
         f"behind {result['end']['behind_nodes']}), "

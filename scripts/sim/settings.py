@@ -96,6 +96,8 @@ class SimSettings:
     """``--max-wait`` (the daemon's default)."""
     max_seconds: float = 0.0
     """Simulated seconds after which the run stops whatever happened; 0: from the rounds asked."""
+    tier_group_size: int = 0
+    """``--tier-group-size`` of the daemon: a group of more nodes runs its all-reduce tiered; 0: flat."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_rounds < 1 or self.num_params < 1:
@@ -128,10 +130,11 @@ class SimSettings:
 
 def daemon_node_config(settings: SimSettings) -> NodeConfig:
     """The ``NodeConfig`` of ``dtnode join --codec ... --join-window ... --max-wait ...
-    [--round-seconds ...]``."""
+    [--round-seconds ...] [--tier-group-size ...]``."""
     by_time = {"round_seconds": settings.round_seconds} if settings.round_seconds > 0 else {}
+    tiers = {"tier_group_size": settings.tier_group_size} if settings.tier_group_size > 0 else {}
     return NodeConfig.from_flat(
-        codec=settings.codec, join_window=settings.join_window, max_wait=settings.max_wait, **by_time
+        codec=settings.codec, join_window=settings.join_window, max_wait=settings.max_wait, **by_time, **tiers
     )
 
 

@@ -53,6 +53,8 @@ def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namesp
         help="seconds before a stored record is visible, uniform")  # fmt: skip
     add("--dht-loss", type=float, default=sim.dht_loss, help="probability that a DHT store is lost")
     add("--join-window", type=float, default=sim.join_window, help="--join-window of the daemon")
+    add("--tier-group-size", type=int, default=sim.tier_group_size,
+        help="--tier-group-size of the daemon: groups of more nodes average tiered (0: flat rounds)")  # fmt: skip
     add("--max-wait", type=float, default=sim.max_wait, help="--max-wait of the daemon")
     add(
         "--crash-rate",
@@ -131,6 +133,7 @@ def parse_settings(argv: list[str] | None) -> tuple[SimSettings, argparse.Namesp
         join_window=args.join_window,
         max_wait=args.max_wait,
         max_seconds=args.max_seconds,
+        tier_group_size=args.tier_group_size,
         faults=FaultRates(
             crash=args.crash_rate,
             restart_after=args.restart_after,
