@@ -12,7 +12,8 @@ swarm's answer            decision                     what follows
 averaged                  Averaged(mean)               outer step; the group's agreed data position,
                                                        resharded among the group
 averaged, fell back       FellBack(own Δ)              outer step on our own Δ; the next round's
-failed (too few peers)                                 lineage check sends us to re-sync
+failed (too few peers)                                 lineage check sends us to re-sync (with the
+                                                       rounds' means from the state before the step)
 missed (group without us) Adopt(state)                 the group's new state, stepped to with the
 resync (wrong lineage)                                 rounds' means (``node/swarm/catch_up.py``) or
                                                        fetched whole, verified (``swarm_state``)
@@ -21,9 +22,10 @@ resync (wrong lineage)                                 rounds' means (``node/swa
 Adopting a state replaces the node's global params, outer momentum, round and step counters and
 data position with the source's (``shards.py`` explains the data contract); the local inner steps
 since the last round are discarded, since their Δ was computed against other params. A node whose
-last round fell back stepped on its own Δ: no chain of means leads to its state, so it fetches the
-whole state at once. Every fetch is announced, and the lineage's members train on while it runs
-(ARCHITECTURE.md, "Participation").
+last round fell back stepped on its own Δ: no chain of means leads to its state, so it steps with the
+rounds' means from the state it held before that step (its state provider keeps it beside the new
+one), or, after a second round alone, fetches the whole state at once. Every fetch is announced,
+and the lineage's members train on while it runs (ARCHITECTURE.md, "Participation").
 """
 
 from __future__ import annotations
@@ -145,8 +147,14 @@ class SwarmSession:
         self._prepared: tuple[Snapshot, RoundMean, Snapshot] | None = None
         self.num_caught_up = 0  # missed rounds stepped through with the swarm's mean
         # Our last round stepped on our own Δ (it fell back): no member's chain of means leads to our
-        # state, so a catch-up cannot start from it; the whole state is fetched at once.
+        # state, so a catch-up cannot start from it. It starts from the state we held before that
+        # step (``_chain_held``) while we keep it, else the whole state is fetched at once.
         self._stepped_alone = False
+        # The state we held on the swarm's chain of means before one round on our own Δ: the state
+        # provider keeps it beside our own-Δ state, so holding it costs no copy. A second round on
+        # our own Δ drops it (the provider does too).
+        self._chain_held: tuple[Lineage, Callable[[], Stepped]] | None = None
+        self._held_alone = False  # ``_held`` came from a round on our own Δ
         self._stepping_alone = False  # the same, for the round being averaged
         # Rounds our state went through alone (solo, fell back, stepped on our own Δ) since the last
         # one we shared with a group: what adopting another state would discard (a WARNING says so).
@@ -295,7 +303,14 @@ class SwarmSession:
             snapshot=snapshot,
             companions=companions,
         )
-        self._held = ((round, snapshot.state_id), self._held_state(snapshot))
+        before, self._held = self._held, ((round, snapshot.state_id), self._held_state(snapshot))
+        if before is not None and before[0] == self._held[0]:
+            return  # the same state served again
+        if self._stepped_alone and not self._held_alone and before is not None and before[0][0] < round:
+            self._chain_held = before  # our first round on our own Δ: the state we held before it
+        else:
+            self._chain_held = None  # on the chain again, or a second round alone (no longer kept)
+        self._held_alone = self._stepped_alone
 
     def advertise_rate(self, tokens_per_s: float, *, step_seconds: float | None = None) -> None:
         """This node's throughput in the phase under way and its step time (``PeerRecord.step_seconds``:
@@ -564,14 +579,12 @@ class SwarmSession:
         healed yet), and the next round's lineage check tries again.
         """
         canonical = decision.canonical
-        held = self._held
-        if (
-            held is not None
-            and not self._stepped_alone
-            and 0 < canonical.round - held[0][0] <= self._max_catch_up_rounds
-        ):
+        held = self._chain_held if self._stepped_alone else self._held
+        if held is not None and 0 < canonical.round - held[0][0] <= self._max_catch_up_rounds:
             caught_up = self._catch_up(decision, held, why=why)
             if caught_up is not None:
+                if self._stepped_alone:
+                    self._warn_discarded(canonical.round, canonical.param_hash)
                 return caught_up
         log.info("%s: adopting the swarm's state (round %d, param_hash %s) from %d source(s)",
                  why, canonical.round, canonical.param_hash[:12], len(decision.sync_sources))  # fmt: skip
@@ -753,6 +766,7 @@ class SwarmSession:
         self._rounds_alone = []
         self._adopted_lineage = state.lineage
         self._held = (state.lineage, _held_stepped(state))
+        self._chain_held, self._held_alone = None, False
         if self.error_feedback is not None or self.fragment_feedback:  # residuals of other params
             self._new_feedback()
             if self.streams is not None:
@@ -763,7 +777,8 @@ class SwarmSession:
         self, vector: torch.Tensor, reason: str, failure_kind: str
     ) -> tuple[RoundDecision, RoundStats]:
         """A round this node steps through on its own Δ (``failure_kind``: metrics.py): no member's
-        chain of means leads to the state that gives, so a later catch-up fetches the whole state."""
+        chain of means leads to the state that gives, so a later catch-up starts from the state
+        before it (``_chain_held``), or fetches the whole state."""
         self._stepping_alone = True
         return FellBack(vector, reason), RoundStats(failures=(reason,), failures_by_kind={failure_kind: 1})
 

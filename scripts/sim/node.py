@@ -18,8 +18,9 @@ driver.py): ``start``, ``on_view`` every     daemon's ``SwarmConfig.rounds``; vi
 ``SwarmNode._await_group_published``         the same wait, on the simulated view
 ``await_lineage_past`` after a missed round  ``decide_lineage`` polled until ``MissedRoundWait``
 ``SwarmSession._fetch_canonical``            catch-up with the rounds' means when at most
-                                             ``MAX_CATCH_UP_ROUNDS`` behind and not stepped alone,
-                                             else the whole state; announced (``syncing`` record)
+                                             ``MAX_CATCH_UP_ROUNDS`` behind (after one round on our
+                                             own Δ: from the params before it), else the whole
+                                             state; announced (``syncing`` record)
 ``OuterRound._phase_due`` / ``peer_due``     ``peer_due`` itself, on a stand-in of ``SwarmNode``
 ``OuterRound._short_phase_due`` (uneven      ``ShortPhases`` itself (``node/outer/uneven.py``), on
 speeds: a lagging node ends its phase short) the view's announced step times, every few steps
@@ -266,6 +267,9 @@ class SimNode:
         self.state = NodeState.OFF
         self.lineage: Lineage | None = None  # the global params we hold
         self.stepped_alone = False  # our state came from our own Δ: no chain of means leads to it
+        # The params we held before one round on our own Δ (the session's ``_chain_held``): a
+        # catch-up steps from them with the rounds' means; None after a second round alone.
+        self.chain_lineage: Lineage | None = None
         self.catching_up = False
         self.adopted = Lineage(0, INIT_HASH)
         self.published: PeerRecord | None = None
@@ -769,6 +773,7 @@ class SimNode:
             self.lineage.round + 1, derived_hash(self.lineage.param_hash, "alone", self.peer_id, round)
         )
         self.world.lineages.add(new, Origin(parent=self.lineage, averaged=False))
+        self.chain_lineage = None if self.stepped_alone else self.lineage
         self.stepped_alone = True
         self._round_done(new, round, how)
 
@@ -802,11 +807,10 @@ class SimNode:
                 next_round = self.lineage.round + 1
                 self._after(retry, lambda: self._own_delta(next_round, f"{why}_failed"))
             return
-        held = self.lineage
+        held = self.chain_lineage if self.stepped_alone else self.lineage
         behind = canonical.round - held.round if held is not None else 0
         means = (
             held is not None
-            and not self.stepped_alone
             and 0 < behind <= MAX_CATCH_UP_ROUNDS
             and self.world.lineages.means_lead_back(canonical, held)
         )

@@ -152,8 +152,9 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     assert session.num_caught_up == 1 and early.stats.bytes_recv_state_sync == newer.num_bytes
 
     # Our round 5 fails (the swarm's loop misses its deadline) and we step on our own Δ, while the
-    # swarm steps to rounds 5 and 6 and serves both means: no chain of means leads to our state, so
-    # the whole state is fetched at once, without first trying (and paying for) a mean.
+    # swarm steps to rounds 5 and 6 and serves both means: no chain of means leads to our state, but
+    # one leads from the state we held before that step (round 4's, which our provider keeps beside
+    # our own): we step from it with the two means, not the whole state (before, the whole state).
     def late_round(*args: object, **kwargs: object) -> None:
         raise TimeoutError("injected: the round's loop missed its deadline")
 
@@ -161,18 +162,42 @@ def test_a_member_two_rounds_behind_fetches_their_means_not_the_state(
     applied = end_phase(behind)
     assert applied.round_index == behind.progress.round == 5 and applied.kind == "fell_back"
     assert session._stepped_alone
+    means = []
     for round in (5, 6):
         round_mean = one_round(source, RecordingAverager("int8"))
         newest = source.round.snapshot()
+        means.append(round_mean_snapshot(newest, round_mean))
         server.publish(round=round, param_hash=newest.state_id, tokens_per_s=1.0, snapshot=newest,
-                       companions=[round_mean_snapshot(newest, round_mean)])  # fmt: skip
+                       companions=means[-1:])  # fmt: skip
     wait_for_lineages(two_nodes, {server.peer_id: Lineage(6, newest.state_id)})
     decision = client.lineage(round=5, param_hash=behind.diloco.param_hash())
     assert not decision.in_canonical and decision.canonical == Lineage(6, newest.state_id)
     monkeypatch.setattr(client, "run_round", resync_to(decision))
     applied = end_phase(behind)
+    assert applied.kind == "adopted" and applied.param_hash == newest.state_id and applied.caught_up
+    assert session.num_caught_up == 2
+    assert applied.stats.bytes_recv_state_sync == sum(m.num_bytes for m in means) < newest.num_bytes / 3.5
+    assert behind.diloco.param_hash() == newest.state_id
+    assert torch.equal(behind.diloco.momentum_buffer(), source.diloco.momentum_buffer())
+
+    # Two rounds on our own Δ in a row: the state before the first is no longer kept, so the whole
+    # state is fetched at once, without first trying (and paying for) a mean.
+    monkeypatch.setattr(client, "run_round", late_round)
+    for round in (7, 8):
+        applied = end_phase(behind)
+        assert applied.round_index == round and applied.kind == "fell_back"
+    for round in (7, 8, 9):  # the swarm's rounds, each served with its mean
+        round_mean = one_round(source, RecordingAverager("int8"))
+        newest = source.round.snapshot()
+        server.publish(round=round, param_hash=newest.state_id, tokens_per_s=1.0, snapshot=newest,
+                       companions=[round_mean_snapshot(newest, round_mean)])  # fmt: skip
+    wait_for_lineages(two_nodes, {server.peer_id: Lineage(9, newest.state_id)})
+    decision = client.lineage(round=8, param_hash=behind.diloco.param_hash())
+    assert not decision.in_canonical and decision.canonical == Lineage(9, newest.state_id)
+    monkeypatch.setattr(client, "run_round", resync_to(decision))
+    applied = end_phase(behind)
     assert applied.kind == "adopted" and applied.param_hash == newest.state_id and not applied.caught_up
-    assert session.num_caught_up == 1 and applied.stats.bytes_recv_state_sync == newest.num_bytes
+    assert session.num_caught_up == 2 and applied.stats.bytes_recv_state_sync == newest.num_bytes
 
 
 class SwarmOfOne:
