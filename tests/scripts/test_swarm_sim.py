@@ -322,13 +322,13 @@ def test_two_hundred_nodes_of_uneven_speeds_through_churn_and_a_partition() -> N
 
     - a round splits only across the partition: one group per side, never two on one side, and no
       split in a round the partition does not overlap (the protocol forms one group per lineage);
-    - at least 95% of the live (node, round) pairs averaged (0.983 measured; 0.918 before a node
-      sending its state to a joiner stopped training on once the round formed without it: a node
-      joining, re-syncing or cut off misses a round);
-    - at the end no lineage that a group made is off the canonical chain (the partition's smaller
-      side re-synced), and the only live nodes on params of their own Δ are nodes that did not
-      average the last round (a node that missed it steps alone and re-syncs at its next lineage
-      check), at most 10% of them (5.8% measured: nodes whose fetch ended during the last round).
+    - at least 99% of the live (node, round) pairs averaged (0.995 measured; 0.983 before a node
+      that missed a round waited for the group's all-reduce, which lasts ~145 s here, instead of 37 s,
+      and 0.918 before a node sending its state to a joiner stopped training on once the round formed
+      without it: a node joining, re-syncing or cut off misses a round);
+    - every live node on one lineage at the end (the partition's smaller side re-synced; before the
+      missed-round wait followed the group, 8 nodes whose fetch ended during the last round's
+      all-reduce were on params of their own Δ).
 
     The default schedule (a fixed H, so a 4x node waits for a 1x one) is not in this test: it
     averages ~0.64 of the pairs at this size (BENCHMARKS.md, "Swarm simulator"; issue 33, item 3)."""
@@ -374,14 +374,10 @@ def test_two_hundred_nodes_of_uneven_speeds_through_churn_and_a_partition() -> N
             assert len({next(iter(group_sides)) for group_sides in side_of_group}) == len(
                 of_parent
             )  # one a side
-    assert result["totals"]["participation"] >= 0.95
+    assert result["totals"]["participation"] >= 0.99
     end = result["end"]
-    assert end["forked_lineages"] == 0 and end["forked_nodes"] == 0
-    last = swarm.recorder.round_ends[settings.num_rounds]
-    alone_in_last = {peer for peer, how, *_ in last if how not in ("averaged", "resync")}
-    assert end["own_delta_nodes"] <= min(len(alone_in_last), 0.1 * end["live_nodes"])
+    assert end["lineages"] == 1 and end["canonical_nodes"] == end["live_nodes"]
     assert end["canonical_round"] >= settings.num_rounds
-    assert end["canonical_nodes"] + end["own_delta_nodes"] + end["behind_nodes"] == end["live_nodes"]
 
 
 @pytest.mark.timeout(60)
