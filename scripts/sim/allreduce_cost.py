@@ -23,8 +23,8 @@ A tiered round (``GroupSpec.tiered``: more members than the leader's ``tier_grou
 product's ``TierPlan`` (``protocol/allreduce/tiers.py``) over the group: stage A is the formula above
 for each of its groups (parts by bandwidth), stage B for each column (the slice, equal parts), and
 stage C every member receives the ``S - 1`` slices it did not average, each as its column's encoded
-bytes, from its group's member of that column, who sends its slice to each of its group-mates. The
-stages run one after the other, each as long as its slowest group, column or member. A member's
+bytes (a sparse codec's: int8, ``tiered.SPARSE_CARRIER``), from its group's member of that column,
+who sends its slice to each of its group-mates. The stages run one after the other, each as long as its slowest group, column or member. A member's
 peers in the round (``peers``): the others of its group and its column (``TierPlan.peers_of``); K - 1
 in a flat round.
 """
@@ -36,8 +36,9 @@ from dataclasses import dataclass, replace
 from protocol.allreduce.group import Member
 from protocol.allreduce.reducer import chunk_sizes
 from protocol.allreduce.sparse import is_sparse
+from protocol.allreduce.tiered import SPARSE_CARRIER
 from protocol.allreduce.tiers import TierPlan
-from protocol.codecs import Codec, NoneCodec
+from protocol.codecs import Codec, get_codec
 from protocol.membership.messages import GroupSpec
 from protocol.membership.parts import part_boundaries
 from scripts.sim.links import Network
@@ -164,7 +165,7 @@ def round_cost(group: GroupSpec, codec: Codec, chunk_num_elements: int, network:
         column = list(plan.column(i))
         length = plan.slice_bounds[i + 1] - plan.slice_bounds[i]
         add(column, _subgroup(group, column, length, by_bandwidth=False), 1)
-        served_as = NoneCodec() if is_sparse(codec) else codec  # (a sparse mean travels as fp32)
+        served_as = get_codec(SPARSE_CARRIER) if is_sparse(codec) else codec  # (tiered._held)
         slice_bytes.append(part_payload_bytes(served_as, length, chunk_num_elements))
     pulled = [0] * len(group.members)  # stage C
     served = [0] * len(group.members)

@@ -45,7 +45,7 @@ def test_a_tiered_group_of_16_in_fours_costs_its_stages(codec_name: str) -> None
     v = part_payload_bytes(codec, vector_length, CHUNK)  # every part here is whole blocks: exact sums
     quarter = part_payload_bytes(codec, vector_length // 4, CHUNK)
     served = (
-        quarter if not is_sparse(codec) else part_payload_bytes(get_codec("none"), vector_length // 4, CHUNK)
+        quarter if not is_sparse(codec) else part_payload_bytes(get_codec("int8"), vector_length // 4, CHUNK)
     )
     sparse = is_sparse(codec)
     for t in tiered.traffic:
