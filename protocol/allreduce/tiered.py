@@ -11,9 +11,12 @@ The plan (who is in which group and column) is ``tiers.py``'s. Here one member r
     stage C  every other slice is pulled as those bytes from its holders (``TierPlan.holders``: our
              group's, then the next groups'), decoded like the column decoded them.
 
-Any stage we cannot finish makes us fall back to our own vector, as a flat round does: a fallen-back
-group mean is never averaged into a column (it would count our Δ twice), and a slice no holder can
-give leaves our result unusable. Our group-mates then pull our slice from another group.
+If our group stage falls back (its majority was lost: in a group of two, the other died), we go on
+with our own vector as our group's share: our column gets our Δ for our slice, weighted by our own
+weight (our group-mates' Δ is then missing from that slice only; it was never in it twice: each group
+has one member in a column), and the slices we pull still put us on the round's mean, so we stay on
+the lineage. If our column stage falls back, or a slice no holder can give, we fall back to our own
+vector, as a flat round does; our group-mates then pull our slice from another group.
 """
 
 from __future__ import annotations
@@ -174,8 +177,9 @@ async def run_tiered(
     sent, received = group_result.bytes_sent, group_result.bytes_recv
     nonempty = [group.part_num_elements(k) > 0 for k in range(group.num_members)]
     weight_g = group_weight(group_result, by_peer, nonempty)
-    if group_result.fell_back or weight_g <= 0:
-        return fallen("the group stage")
+    if group_result.fell_back:  # (its result is a copy of our vector, its contributors only us)
+        weight_g = by_peer[my_peer_id]
+        failures.append("the group stage fell back: our own Δ is our group's share of our slice")
     mean_g = group_result.averaged
 
     out = torch.empty_like(vector)

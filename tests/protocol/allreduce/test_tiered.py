@@ -222,3 +222,59 @@ async def _a_member_dies(stage: int) -> None:
         candidates = [everyone, without_victim] + ([without_group] if i == plan.position_of(victim) else [])
         errors = [(survivors[0].averaged[part] - mean[part]).abs().max().item() for mean in candidates]
         assert min(errors) < 0.05, (i, errors)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_group_of_two_lost_its_majority_stays_on_the_round_s_mean() -> None:
+    uvloop.run(_group_of_two_loses_one())
+
+
+async def _group_of_two_loses_one() -> None:
+    # Groups of two: when one dies at the start, its group-mate's group round has no majority left
+    # and falls back. The mate goes on: its own Δ is its group's share of its slice in its column,
+    # and it pulls the other slice from another group, so it ends on the same bits as everyone.
+    torch.manual_seed(2)
+    num_elements = 8_000
+    vectors = [torch.randn(num_elements) for _ in range(8)]
+    weights = [1.0] * 8
+    codec = get_codec("int8")
+    async with local_peers(8, FAST_CONFIG) as peers:
+        plan = TierPlan(round_id=0, members=tuple(members_of(peers)), group_size=2, num_elements=num_elements)
+        assert [len(g) for g in plan.groups] == [2, 2, 2, 2] and plan.num_slices == 2
+        mate, victim = plan.groups[0]
+        tasks = [
+            asyncio.ensure_future(
+                run_tiered(
+                    peer,
+                    vectors[i],
+                    plan=plan,
+                    my_peer_id=plan.members[i].peer_id,
+                    weights=weights,
+                    codec=codec,
+                    error_feedback=None,
+                    deadline=timedelta(seconds=30),
+                )  # fmt: skip
+            )
+            for i, peer in enumerate(peers)
+        ]
+        give_up = time.monotonic() + 30
+        while peers[victim].registry.highest_opened < 0 and time.monotonic() < give_up:
+            await asyncio.sleep(0.001)
+        tasks[victim].cancel()
+        await peers[victim].stop(timedelta(0))
+        results = {i: await task for i, task in enumerate(tasks) if i != victim}
+    assert any("the group stage fell back" in f for f in results[mate].failures), results[mate].failures
+    assert not any(r.fell_back for r in results.values()), {
+        i: r.failures for i, r in results.items() if r.fell_back
+    }
+    first = results[mate].averaged
+    assert all(torch.equal(r.averaged, first) for r in results.values())
+    # slice 0: the mate's own Δ for group 0, the other groups' means; slice 1: the other groups only
+    # (the victim held it for group 0)
+    survivors = [i for i in range(8) if i != victim]
+    others = [i for i in range(8) if i not in plan.groups[0]]
+    expected = {0: survivors, 1: others}
+    for slice_index, indices in expected.items():
+        part = plan.slice_of(slice_index)
+        reference = _exact([vectors[i] for i in indices], [1.0] * len(indices)).float()[part]
+        assert (first[part] - reference).abs().max().item() < 0.05, slice_index
