@@ -497,6 +497,7 @@ async def pull_slice(
     call = stub.PullSlice(request, timeout=_remaining(deadline) + 1.0)
     bytes_recv = 0
     decoder: Codec | None = None  # the header's codec, once it came
+    chunks: list[tuple[int, int, bytes]] = []
 
     def check_header(header: pb.AverageHeader) -> None:
         if header.part_index != key.slice_index:
@@ -516,6 +517,7 @@ async def pull_slice(
 
     async def decode_chunk(header: pb.AverageHeader, offset: int, size: int, payload: bytes) -> None:
         assert decoder is not None  # (_read_average checks the header before any chunk)
+        chunks.append((offset, size, payload))
         into = out[offset : offset + size]
         if executor is None:
             decoder.decode_into(payload, into)
@@ -535,4 +537,6 @@ async def pull_slice(
         weight_sum=header.weight_sum,
         bytes_sent=request.ByteSize(),
         bytes_recv=bytes_recv,
+        codec=decoder,
+        chunks=tuple(chunks),
     )

@@ -98,6 +98,10 @@ class PulledSlice:
     """Wire bytes (serialized messages) the pull sent: its request."""
     bytes_recv: int
     """Wire bytes it received: heartbeats, the header and the chunks."""
+    codec: Codec | None = None
+    """What the chunks were encoded with (the header's codec)."""
+    chunks: tuple[tuple[int, int, bytes], ...] = ()
+    """(offset, numbers, payload) of each chunk, in order, as received."""
 
 
 @dataclass

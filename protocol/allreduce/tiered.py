@@ -26,10 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import accumulate
 
 import torch
 
-from protocol.allreduce.allreduce import AllReduceResult
+from protocol.allreduce.allreduce import AllReduceResult, EncodedChunk
 from protocol.allreduce.client import PeerFailed
 from protocol.allreduce.peer import AllReducePeer
 from protocol.allreduce.slices import HeldSlice, SliceKey
@@ -67,6 +68,9 @@ class TieredResult:
     """Whose vectors the mean holds, as far as we can tell: the members of the groups whose column
     member contributed to our column (a member in no column: every member of the plan); empty if
     we fell back."""
+    payloads: tuple[EncodedChunk, ...] | None = None
+    """The codec bytes ``averaged`` was decoded from, tiling it (the same bytes on every member), when
+    every slice came in the round's codec (not with a sparse codec, whose slices travel as int8)."""
 
     def as_allreduce_result(self, num_slices: int) -> AllReduceResult:
         """The round as a flat round's result (one "part" per slice), for callers of either kind."""
@@ -87,6 +91,7 @@ class TieredResult:
             bytes_recv_by_phase=recv,
             seconds=self.seconds,
             adjustments=[a for stage in stages if stage is not None for a in stage.adjustments],
+            payloads=self.payloads,
         )
 
 
@@ -208,6 +213,11 @@ async def run_tiered(
         slice_held = True
 
     pulled: dict[int, str] = {}
+    # Per slice, the codec and (offset in the vector, numbers, payload) of the bytes we decoded it from.
+    encoded: dict[int, tuple[Codec, list[tuple[int, int, bytes | memoryview]]]] = {}
+    if slice_held:
+        offsets = accumulate(held.chunk_sizes, initial=plan.slice_bounds[position])
+        encoded[position] = (held.codec, list(zip(offsets, held.chunk_sizes, held.payloads, strict=False)))
 
     async def pull(slice_index: int) -> bool:
         nonlocal sent, received
@@ -229,6 +239,9 @@ async def run_tiered(
                 continue
             sent, received = sent + traffic.bytes_sent, received + traffic.bytes_recv
             pulled[slice_index] = member.peer_id
+            if traffic.codec is not None:
+                start = plan.slice_bounds[slice_index]
+                encoded[slice_index] = (traffic.codec, [(start + o, n, p) for o, n, p in traffic.chunks])
             return True
         failures.append(f"slice {slice_index}: no holder could serve it")
         return False
@@ -238,6 +251,14 @@ async def run_tiered(
         sent += peer.slices.bytes_served(key)
     if not all(got):
         return fallen("the gather stage", column_result)
+    return_payloads = len(encoded) == plan.num_slices and all(
+        used.spec() == codec.spec() for used, _ in encoded.values()
+    )
+    payloads = (
+        tuple(EncodedChunk(o, n, p) for i in sorted(encoded) for o, n, p in encoded[i][1])
+        if return_payloads
+        else None
+    )
     if column_result is None:
         contributors = tuple(m.peer_id for m in plan.members)
     else:
@@ -248,5 +269,5 @@ async def run_tiered(
     return TieredResult(
         averaged=out, fell_back=False, failures=failures, group=group_result, column=column_result,
         group_weight=weight_g, pulled_from=pulled, bytes_sent=sent, bytes_recv=received,
-        seconds=time.monotonic() - started, contributors=contributors,
+        seconds=time.monotonic() - started, contributors=contributors, payloads=payloads,
     )  # fmt: skip
