@@ -297,3 +297,30 @@ async def _group_of_two_loses_one() -> None:
         part = plan.slice_of(slice_index)
         reference = _exact([vectors[i] for i in indices], [1.0] * len(indices)).float()[part]
         assert (first[part] - reference).abs().max().item() < 0.05, slice_index
+
+
+@pytest.mark.timeout(120)
+def test_client_members_take_part_in_a_tiered_round_without_being_dialled() -> None:
+    uvloop.run(_clients_in_tiers())
+
+
+async def _clients_in_tiers() -> None:
+    # 4 servers and 2 clients (--client-mode: their address refuses connections) in groups of 2: the
+    # clients are dealt last, hold no slice and are in no column; they contribute in their group and
+    # pull every slice, and everyone ends on the same bits, without a single failure.
+    torch.manual_seed(3)
+    num_elements = 6_000
+    vectors = [torch.randn(num_elements) for _ in range(6)]
+    weights = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    async with local_peers(6, FAST_CONFIG) as peers:
+        members = [
+            Member(peer_id=f"p{i}", address=peer.address if i < 4 else "127.0.0.1:9", client=i >= 4)
+            for i, peer in enumerate(peers)
+        ]
+        plan = TierPlan(round_id=0, members=tuple(members), group_size=2, num_elements=num_elements)
+        assert plan.num_groups == 3 and plan.num_slices == 1
+        assert all(not plan.members[m].client for m in plan.column(0))
+        results = await _tiered_all(peers, vectors, weights, plan, "none")
+    assert all(not r.fell_back and r.failures == [] for r in results), [r.failures for r in results]
+    assert all(torch.equal(r.averaged, results[0].averaged) for r in results)
+    torch.testing.assert_close(results[0].averaged, _exact(vectors, weights).float(), rtol=1e-5, atol=1e-6)
