@@ -22,6 +22,7 @@ vector, as a flat round does; our group-mates then pull our slice from another g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,7 +155,7 @@ async def run_tiered(
     ``bandwidths``: per member, for the parts of the group stage; None: equal parts)."""
     started = time.monotonic()
     end = started + deadline.total_seconds()
-    me = next(i for i, m in enumerate(plan.members) if m.peer_id == my_peer_id)
+    me = plan.index_of(my_peer_id)
     by_peer = {m.peer_id: float(w) for m, w in zip(plan.members, weights, strict=True)}
     g, position = plan.group_of(me), plan.position_of(me)
     group = plan.group_spec(g, None if bandwidths is None else [bandwidths[i] for i in plan.groups[g]])
@@ -164,7 +165,7 @@ async def run_tiered(
     holds = position < plan.num_slices
 
     def fallen(stage: str, column: AllReduceResult | None = None) -> TieredResult:
-        if holds and not slice_held:
+        if holds and held is None:
             peer.slices.abandon(key)  # our group-mates ask the next group's holder at once
         failures.append(f"fell back to our own vector ({stage})")
         return TieredResult(
@@ -173,7 +174,7 @@ async def run_tiered(
             seconds=time.monotonic() - started,
         )  # fmt: skip
 
-    slice_held = False
+    held: HeldSlice | None = None  # our column's slice, once we hold it for stage C
     group_result = await peer.allreduce(
         vector, group=group, my_peer_id=my_peer_id, weight=by_peer[my_peer_id], codec=codec,
         error_feedback=error_feedback, deadline=deadline * GROUP_SHARE,
@@ -181,9 +182,8 @@ async def run_tiered(
     failures += [f"group stage: {f}" for f in group_result.failures]
     sent, received = group_result.bytes_sent, group_result.bytes_recv
     nonempty = [group.part_num_elements(k) > 0 for k in range(group.num_members)]
-    weight_g = group_weight(group_result, by_peer, nonempty)
-    if group_result.fell_back:  # (its result is a copy of our vector, its contributors only us)
-        weight_g = by_peer[my_peer_id]
+    weight_g = group_weight(group_result, by_peer, nonempty)  # (fell back: its contributors are only us)
+    if group_result.fell_back:  # (its result is a copy of our vector)
         failures.append("the group stage fell back: our own Δ is our group's share of our slice")
     mean_g = group_result.averaged
 
@@ -210,18 +210,17 @@ async def run_tiered(
             pullers=frozenset(m.peer_id for m in plan.members),
             linger=linger + timedelta(seconds=max(0.0, end - time.monotonic())),
         )
-        slice_held = True
 
     pulled: dict[int, str] = {}
     # Per slice, the codec and (offset in the vector, numbers, payload) of the bytes we decoded it from.
     encoded: dict[int, tuple[Codec, list[tuple[int, int, bytes | memoryview]]]] = {}
-    if slice_held:
+    if held is not None:
         offsets = accumulate(held.chunk_sizes, initial=plan.slice_bounds[position])
         encoded[position] = (held.codec, list(zip(offsets, held.chunk_sizes, held.payloads, strict=False)))
 
     async def pull(slice_index: int) -> bool:
         nonlocal sent, received
-        asked = SliceKey(round_id=plan.round_id, plan_digest=plan.digest, slice_index=slice_index)
+        asked = dataclasses.replace(key, slice_index=slice_index)
         for holder in plan.holders(me, slice_index):
             if holder == me:
                 continue
@@ -247,7 +246,7 @@ async def run_tiered(
         return False
 
     got = await asyncio.gather(*(pull(i) for i in range(plan.num_slices) if i != position))
-    if slice_held:  # what we served of our slice so far (group-mates may still be pulling it)
+    if held is not None:  # what we served of our slice so far (group-mates may still be pulling it)
         sent += peer.slices.bytes_served(key)
     if not all(got):
         return fallen("the gather stage", column_result)

@@ -94,15 +94,24 @@ class TierPlan:
     def slice_of(self, index: int) -> slice:
         return slice(self.slice_bounds[index], self.slice_bounds[index + 1])
 
+    @cached_property
+    def _places(self) -> dict[int, tuple[int, int]]:
+        """Member index -> (its group, its position in the group)."""
+        return {i: (g, position) for g, group in enumerate(self.groups) for position, i in enumerate(group)}
+
+    def index_of(self, peer_id: str) -> int:
+        """Position of a peer in ``members``; ValueError if it is not a member."""
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return index
+        raise ValueError(f"peer {peer_id!r} is not a member of tiered round {self.round_id}")
+
     def group_of(self, member_index: int) -> int:
-        for g, group in enumerate(self.groups):
-            if member_index in group:
-                return g
-        raise ValueError(f"member {member_index} is in no group")
+        return self._places[member_index][0]
 
     def position_of(self, member_index: int) -> int:
         """The member's place in its group: the slice it averages in stage B if < ``num_slices``."""
-        return self.groups[self.group_of(member_index)].index(member_index)
+        return self._places[member_index][1]
 
     def column(self, slice_index: int) -> tuple[int, ...]:
         """Members (indices) of stage B for slice ``slice_index``: the i-th of every group."""

@@ -42,7 +42,7 @@ from hivemind.utils import get_dht_time
 from protocol.allreduce.allreduce import AllReduceResult
 from protocol.allreduce.pace import member_send_bytes
 from protocol.allreduce.tiered import run_tiered
-from protocol.allreduce.tiers import TierPlan, stage_round_ids
+from protocol.allreduce.tiers import stage_round_ids
 from protocol.auth import OPEN_SWARM_WARNING
 from protocol.discovery.addresses import WILDCARD_HOSTS, join_host_port, parse_host_port
 from protocol.discovery.dht_node import DhtCallTimeout, DhtNode, DhtNodeClosed
@@ -63,7 +63,7 @@ from protocol.swarm.driver import RoundDriver, watch_swarm
 from protocol.swarm.result import GroupAveraged, RoundResult, not_averaged
 from protocol.swarm.server import NodeServer
 from protocol.swarm.status import NodePhase, NodeStatus, PhaseState, build_status
-from protocol.swarm.streams import StreamRunner, run_streamed, stream_group, to_allreduce_group
+from protocol.swarm.streams import StreamRunner, run_streamed, stream_group, to_allreduce_group, to_tier_plan
 
 logger = logging.getLogger(__name__)
 
@@ -481,12 +481,7 @@ class SwarmNode:
         self, vector: torch.Tensor, group: GroupSpec, error_feedback: ErrorFeedback | None
     ) -> AllReduceResult:
         """The all-reduce of ``group`` tiered in groups of ``group.tier_group_size`` (not paced)."""
-        plan = TierPlan(
-            round_id=group.round,
-            members=to_allreduce_group(group).members,
-            group_size=group.tier_group_size,
-            num_elements=vector.numel(),
-        )
+        plan = to_tier_plan(group)
         logger.info(
             "round %d: tiered all-reduce, %d groups of <= %d, %d slices", group.round, plan.num_groups,
             group.tier_group_size, plan.num_slices,

@@ -30,7 +30,7 @@ from protocol.allreduce.config import AllReduceConfig
 from protocol.allreduce.group import GroupSpec as AllReduceGroup
 from protocol.allreduce.group import Member, split_by_weight
 from protocol.allreduce.peer import AllReducePeer
-from protocol.allreduce.tiers import stage_round_ids
+from protocol.allreduce.tiers import TierPlan, stage_round_ids
 from protocol.auth.channels import SwarmAuth
 from protocol.codecs import Codec
 from protocol.discovery.addresses import join_host_port
@@ -79,6 +79,17 @@ def to_allreduce_group(group: GroupSpec) -> AllReduceGroup:
             Member(peer_id=m.peer_id, address=m.grpc_address, client=m.client) for m in group.members
         ),
         part_bounds=group.part_boundaries,
+    )
+
+
+def to_tier_plan(group: GroupSpec) -> TierPlan:
+    """The tiered all-reduce's plan of an agreed group (``group.tiered``): its members in order, in
+    groups of the leader's ``tier_group_size``."""
+    return TierPlan(
+        round_id=group.round,
+        members=to_allreduce_group(group).members,
+        group_size=group.tier_group_size,
+        num_elements=group.vector_length,
     )
 
 

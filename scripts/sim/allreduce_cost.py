@@ -33,14 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from protocol.allreduce.group import Member
 from protocol.allreduce.reducer import chunk_sizes
 from protocol.allreduce.sparse import is_sparse
 from protocol.allreduce.tiered import SPARSE_CARRIER
-from protocol.allreduce.tiers import TierPlan
 from protocol.codecs import Codec, get_codec
 from protocol.membership.messages import GroupSpec
 from protocol.membership.parts import part_boundaries
+from protocol.swarm.streams import to_tier_plan
 from scripts.sim.links import Network
 
 
@@ -137,14 +136,7 @@ def round_cost(group: GroupSpec, codec: Codec, chunk_num_elements: int, network:
         traffic = member_traffic(group, codec, chunk_num_elements)
         peers = [len(group.members) - 1] * len(group.members)
         return RoundCost(traffic, allreduce_seconds(group, traffic, network), peers)
-    plan = TierPlan(
-        round_id=group.round,
-        members=tuple(
-            Member(peer_id=m.peer_id, address=m.grpc_address, client=m.client) for m in group.members
-        ),
-        group_size=group.tier_group_size,
-        num_elements=group.vector_length,
-    )
+    plan = to_tier_plan(group)
     sent = [[0, 0] for _ in group.members]  # per member: (first phase, second phase) of stages A and B
     received = [[0, 0] for _ in group.members]
     stage_seconds = [0.0, 0.0, 0.0]

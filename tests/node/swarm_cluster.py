@@ -292,3 +292,28 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, node: Nod
         time.sleep(0.2)
     detail = f":\n{tail(node)}" if node is not None else ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
+
+
+def kill_one_and_run_on(
+    nodes: list[Node], *, rounds_before: int, rounds_after: int, timeout: float = 300
+) -> int:
+    """Once every node recorded ``rounds_before`` rounds, SIGKILL the last one; once every survivor
+    recorded ``rounds_after`` more, stop them with SIGTERM and check they exit 0. Returns how many
+    rounds the survivors had recorded at the kill (at most)."""
+    first, victim, survivors = nodes[0], nodes[-1], nodes[:-1]
+    wait_for(
+        lambda: all(len(node.records()) >= rounds_before for node in nodes), timeout, "rounds before", first
+    )
+    victim.signal(signal.SIGKILL)
+    at_kill = max(len(node.records()) for node in survivors)
+    wait_for(
+        lambda: all(len(node.records()) >= at_kill + rounds_after for node in survivors),
+        timeout,
+        "rounds after the kill",
+        first,
+    )
+    for node in survivors:
+        node.signal(signal.SIGTERM)
+    for node in survivors:
+        assert node.wait(60) == 0, tail(node)
+    return at_kill

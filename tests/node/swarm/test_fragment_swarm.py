@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.swarm_cluster import Cluster, tail, wait_for
+from tests.node.swarm_cluster import Cluster, kill_one_and_run_on, tail, wait_for
 
 NUM_ROUNDS = 8  # two of each fragment: H = 8 steps, a round every 2
 
@@ -86,22 +86,8 @@ def test_survivors_of_a_member_killed_mid_run_go_on_through_the_fragment_rounds_
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         nodes = [first, cluster.start(flags, peers=peers), cluster.start(flags, peers=peers)]
-        wait_for(
-            lambda: all(len(node.records()) >= 3 for node in nodes), 300, "three rounds of all three", first
-        )
-        victim, survivors = nodes[2], nodes[:2]
-        victim.signal(signal.SIGKILL)
-        at_kill = max(len(node.records()) for node in survivors)
-        wait_for(
-            lambda: all(len(node.records()) >= at_kill + 6 for node in survivors),
-            300,
-            "six rounds after",
-            first,
-        )
-        for node in survivors:
-            node.signal(signal.SIGTERM)
-        for node in survivors:
-            assert node.wait(60) == 0, tail(node)
+        kill_one_and_run_on(nodes, rounds_before=3, rounds_after=6)
+        survivors = nodes[:2]
         rounds = [node.records() for node in survivors]
 
     # The last four rounds both survivors recorded before their own last one (a SIGTERM may end one

@@ -8,12 +8,11 @@ Every node must be in every round, and after every round all of them must hold t
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
-from tests.node.swarm_cluster import Cluster, tail, wait_for
+from tests.node.swarm_cluster import Cluster, kill_one_and_run_on
 
 
 @pytest.mark.timeout(400)
@@ -23,22 +22,8 @@ def test_four_nodes_in_tiers_of_two_agree_every_round_and_survive_a_killed_membe
         first = cluster.start(flags)
         peers = cluster.first_multiaddr(first)
         nodes = [first, *(cluster.start(flags, peers=peers) for _ in range(3))]
-        wait_for(
-            lambda: all(len(node.records()) >= 3 for node in nodes), 300, "three rounds of all four", first
-        )
-        victim, survivors = nodes[3], nodes[:3]
-        victim.signal(signal.SIGKILL)
-        at_kill = max(len(node.records()) for node in survivors)
-        wait_for(
-            lambda: all(len(node.records()) >= at_kill + 4 for node in survivors),
-            300,
-            "four rounds after",
-            first,
-        )
-        for node in survivors:
-            node.signal(signal.SIGTERM)
-        for node in survivors:
-            assert node.wait(60) == 0, tail(node)
+        kill_one_and_run_on(nodes, rounds_before=3, rounds_after=4)
+        survivors = nodes[:3]
         rounds = [node.records() for node in survivors]
         logs = [node.log() for node in survivors]
 

@@ -73,6 +73,32 @@ def test_the_digest_names_the_plan() -> None:
     assert _plan(16, 4).digest != _plan(17, 4).digest
 
 
+def _start_all(
+    peers: list[AllReducePeer],
+    vectors: list[torch.Tensor],
+    weights: list[float],
+    plan: TierPlan,
+    codec_name: str,
+) -> list[asyncio.Future[TieredResult]]:
+    """Every peer's tiered round, started (member i of the plan is peer i)."""
+    codec = get_codec(codec_name)
+    return [
+        asyncio.ensure_future(
+            run_tiered(
+                peer,
+                vectors[i],
+                plan=plan,
+                my_peer_id=plan.members[i].peer_id,
+                weights=weights,
+                codec=codec,
+                error_feedback=None,
+                deadline=timedelta(seconds=30),
+            )  # fmt: skip
+        )
+        for i, peer in enumerate(peers)
+    ]
+
+
 async def _tiered_all(
     peers: list[AllReducePeer],
     vectors: list[torch.Tensor],
@@ -80,24 +106,20 @@ async def _tiered_all(
     plan: TierPlan,
     codec_name: str,
 ) -> list[TieredResult]:
-    codec = get_codec(codec_name)
-    return list(
-        await asyncio.gather(
-            *(
-                run_tiered(
-                    peer,
-                    vectors[i],
-                    plan=plan,
-                    my_peer_id=plan.members[i].peer_id,
-                    weights=weights,
-                    codec=codec,
-                    error_feedback=None,
-                    deadline=timedelta(seconds=30),
-                )  # fmt: skip
-                for i, peer in enumerate(peers)
-            )
-        )
-    )
+    return list(await asyncio.gather(*_start_all(peers, vectors, weights, plan, codec_name)))
+
+
+async def _kill_once_opened(
+    peers: list[AllReducePeer], tasks: list[asyncio.Future[TieredResult]], victim: int, round_id: int
+) -> None:
+    """Once the victim opened flat round ``round_id``, cancel its round and stop its server: to the
+    others, as a killed process."""
+    give_up = time.monotonic() + 30
+    while peers[victim].registry.highest_opened < round_id and time.monotonic() < give_up:
+        await asyncio.sleep(0.001)
+    assert peers[victim].registry.highest_opened == round_id
+    tasks[victim].cancel()
+    await peers[victim].stop(timedelta(0))
 
 
 def _exact(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -181,32 +203,11 @@ async def _a_member_dies(stage: int) -> None:
     num_elements = 20_000
     vectors = [torch.randn(num_elements) for _ in range(16)]
     weights = [1.0] * 16
-    codec = get_codec("int8")
     async with local_peers(16, FAST_CONFIG) as peers:
         plan = TierPlan(round_id=0, members=tuple(members_of(peers)), group_size=4, num_elements=num_elements)
         victim = plan.groups[0][1]  # position 1 of group 0: a column member and a slice holder
-        tasks = [
-            asyncio.ensure_future(
-                run_tiered(
-                    peer,
-                    vectors[i],
-                    plan=plan,
-                    my_peer_id=plan.members[i].peer_id,
-                    weights=weights,
-                    codec=codec,
-                    error_feedback=None,
-                    deadline=timedelta(seconds=30),
-                )  # fmt: skip
-            )
-            for i, peer in enumerate(peers)
-        ]
-        give_up = time.monotonic() + 30
-        dies_in = stage_round_ids(0)[stage]
-        while peers[victim].registry.highest_opened < dies_in and time.monotonic() < give_up:
-            await asyncio.sleep(0.005)
-        assert peers[victim].registry.highest_opened == dies_in
-        tasks[victim].cancel()
-        await peers[victim].stop(timedelta(0))  # its server gone: as a killed process, to the others
+        tasks = _start_all(peers, vectors, weights, plan, "int8")
+        await _kill_once_opened(peers, tasks, victim, stage_round_ids(0)[stage])
         started = time.monotonic()
         survivors = [await task for i, task in enumerate(tasks) if i != victim]
         took = time.monotonic() - started
@@ -256,31 +257,12 @@ async def _group_of_two_loses_one() -> None:
     num_elements = 8_000
     vectors = [torch.randn(num_elements) for _ in range(8)]
     weights = [1.0] * 8
-    codec = get_codec("int8")
     async with local_peers(8, FAST_CONFIG) as peers:
         plan = TierPlan(round_id=0, members=tuple(members_of(peers)), group_size=2, num_elements=num_elements)
         assert [len(g) for g in plan.groups] == [2, 2, 2, 2] and plan.num_slices == 2
         mate, victim = plan.groups[0]
-        tasks = [
-            asyncio.ensure_future(
-                run_tiered(
-                    peer,
-                    vectors[i],
-                    plan=plan,
-                    my_peer_id=plan.members[i].peer_id,
-                    weights=weights,
-                    codec=codec,
-                    error_feedback=None,
-                    deadline=timedelta(seconds=30),
-                )  # fmt: skip
-            )
-            for i, peer in enumerate(peers)
-        ]
-        give_up = time.monotonic() + 30
-        while peers[victim].registry.highest_opened < 0 and time.monotonic() < give_up:
-            await asyncio.sleep(0.001)
-        tasks[victim].cancel()
-        await peers[victim].stop(timedelta(0))
+        tasks = _start_all(peers, vectors, weights, plan, "int8")
+        await _kill_once_opened(peers, tasks, victim, stage_round_ids(0)[0])
         results = {i: await task for i, task in enumerate(tasks) if i != victim}
     assert any("the group stage fell back" in f for f in results[mate].failures), results[mate].failures
     assert not any(r.fell_back for r in results.values()), {
