@@ -198,6 +198,36 @@ def test_survivors_agree_bit_for_bit_when_a_member_dies(stage: int) -> None:
     uvloop.run(_a_member_dies(stage))
 
 
+def _assert_column_means(
+    plan: TierPlan, results: dict[int, TieredResult], stand_ins: dict[int, int] | None = None
+) -> None:
+    """Every part of every column's slice is, within two int8 roundings, sum(W_g m_g) / sum(W_g) over
+    the groups whose column member's contribution that part holds (its column's contributors), m_g
+    and W_g as the group stage gave them. Under load a contribution can be left out of a part (the
+    flat round's deadlines, or its owner gone): the part is then that of the others, on every member
+    alike. ``stand_ins``: a dead member -> a group-mate whose group mean and weight it carried."""
+    index_of = {m.peer_id: i for i, m in enumerate(plan.members)}
+    stand_ins = stand_ins or {}
+    for slice_index in range(plan.num_slices):
+        holder = next(i for i in plan.column(slice_index) if i in results)
+        column = results[holder].column
+        assert column is not None
+        spec = plan.column_spec(slice_index)
+        start = plan.slice_bounds[slice_index]
+        for k, contributors in enumerate(column.contributors):
+            low, high = start + spec.part_bounds[k], start + spec.part_bounds[k + 1]
+            if low == high:
+                continue
+            total, weight = torch.zeros(high - low, dtype=torch.float64), 0.0
+            for peer_id in contributors:
+                index = index_of[peer_id]
+                member = results[stand_ins.get(index, index)]
+                total += member.group.averaged[low:high].double() * member.group_weight
+                weight += member.group_weight
+            error = (results[holder].averaged[low:high].double() - total / weight).abs().max().item()
+            assert error < 0.05, (slice_index, k, contributors, error)
+
+
 async def _a_member_dies(stage: int) -> None:
     torch.manual_seed(1)
     num_elements = 20_000
@@ -209,39 +239,25 @@ async def _a_member_dies(stage: int) -> None:
         tasks = _start_all(peers, vectors, weights, plan, "int8")
         await _kill_once_opened(peers, tasks, victim, stage_round_ids(0)[stage])
         started = time.monotonic()
-        survivors = [await task for i, task in enumerate(tasks) if i != victim]
+        survivors = {i: await task for i, task in enumerate(tasks) if i != victim}
         took = time.monotonic() - started
-    assert took < 25  # reported and survived, never a hang
-    assert not any(r.fell_back for r in survivors), [r.failures for r in survivors if r.fell_back]
-    for result in survivors[1:]:
-        assert torch.equal(result.averaged, survivors[0].averaged)
+    assert took < 35  # reported and survived within the round's deadline (30 s), never a hang
+    # As after a flat round: the survivors end alike. All of them on the same bits; or, if the dead
+    # member took its column's part with it (it died between its part's majority and its commit
+    # notices: no version of the part can commit), all of them on their own vectors.
+    outcomes = {i: (r.fell_back, r.failures) for i, r in survivors.items()}
+    assert len({r.fell_back for r in survivors.values()}) == 1, outcomes
+    if survivors[0].fell_back:
+        assert all(torch.equal(r.averaged, vectors[i]) for i, r in survivors.items())
+        return
+    first = survivors[0].averaged
+    assert all(torch.equal(r.averaged, first) for r in survivors.values())
     # the victim's group-mates got its slice from another group
-    mates = [i for i in plan.groups[0] if i != victim]
-    by_index = {i: r for i, r in zip([i for i in range(16) if i != victim], survivors, strict=True)}
-    for mate in mates:
-        assert (
-            plan.group_of(
-                plan.members.index(
-                    next(m for m in plan.members if m.peer_id == by_index[mate].pulled_from[1])
-                )
-            )
-            != 0
-        )
-
-    # every slice is a mean of the vectors within the codec's error: of all 16, or of the 15 without
-    # the dead member (it died before its contribution reached its group), or, in its own slice,
-    # without its whole group (its group's mean never reached that column)
-    def mean_of(indices: list[int]) -> torch.Tensor:
-        return _exact([vectors[i] for i in indices], [weights[i] for i in indices]).float()
-
-    everyone = mean_of(list(range(16)))
-    without_victim = mean_of([i for i in range(16) if i != victim])
-    without_group = mean_of([i for i in range(16) if i not in plan.groups[0]])
-    for i in range(plan.num_slices):
-        part = plan.slice_of(i)
-        candidates = [everyone, without_victim] + ([without_group] if i == plan.position_of(victim) else [])
-        errors = [(survivors[0].averaged[part] - mean[part]).abs().max().item() for mean in candidates]
-        assert min(errors) < 0.05, (i, errors)
+    for mate in plan.groups[0]:
+        if mate != victim:
+            assert plan.group_of(plan.index_of(survivors[mate].pulled_from[1])) != 0
+    # a group-mate's group mean stands in for the dead member's: they hold the same one
+    _assert_column_means(plan, survivors, {victim: plan.groups[0][0]})
 
 
 @pytest.mark.timeout(120)
@@ -270,15 +286,11 @@ async def _group_of_two_loses_one() -> None:
     }
     first = results[mate].averaged
     assert all(torch.equal(r.averaged, first) for r in results.values())
-    # slice 0: the mate's own Δ for group 0, the other groups' means; slice 1: the other groups only
-    # (the victim held it for group 0)
-    survivors = [i for i in range(8) if i != victim]
-    others = [i for i in range(8) if i not in plan.groups[0]]
-    expected = {0: survivors, 1: others}
-    for slice_index, indices in expected.items():
-        part = plan.slice_of(slice_index)
-        reference = _exact([vectors[i] for i in indices], [1.0] * len(indices)).float()[part]
-        assert (first[part] - reference).abs().max().item() < 0.05, slice_index
+    # slice 0: the mate's own Δ as group 0's share (its group stage gave it back), the other groups'
+    # means; slice 1: the other groups only (the victim held it for group 0)
+    assert torch.equal(results[mate].group.averaged, vectors[mate]) and results[mate].group_weight == 1.0
+    _assert_column_means(plan, results)
+    assert plan.index_of(results[mate].pulled_from[1]) not in plan.groups[0]
 
 
 @pytest.mark.timeout(120)
